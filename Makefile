@@ -1,0 +1,24 @@
+# The two quickstart commands: `make demo` (the main job) and `make test` (the suite).
+# Each installs what it needs first. torch is pinned to the CPU build before anything
+# else so that no dependency can pull a CUDA torch on a CPU machine.
+PYTHON ?= python
+TORCH ?= torch==2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install demo test test-unit test-dist
+
+install:
+	$(PYTHON) -m pip install -q "$(TORCH)"
+	$(PYTHON) -m pip install -q -e ".[test]"
+
+demo: install
+	$(PYTHON) -m megappo.cli demo
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+test-unit:
+	$(PYTHON) -m pytest -q tests/unit
+
+test-dist:
+	$(PYTHON) -m pytest -q tests/distributed

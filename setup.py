@@ -1,0 +1,36 @@
+"""megappo: a PPO trainer for language models on Megatron-Core.
+
+Install (CPU):  pip install torch==2.13.0 && pip install -e ".[test]"
+Install (GPU):  pip install -e ".[gpu]"   (torch with CUDA already installed; apex from source)
+
+torch is deliberately left unpinned here: installing it first (the CPU build on a CPU
+machine, a CUDA build on a GPU machine) decides the flavour, and the range below is then
+already satisfied, so pip never pulls a second torch.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megappo",
+    version="0.1.0",
+    description="PPO / GRPO / RLOO / REINFORCE++ for language models on Megatron-Core",
+    packages=find_packages(include=["megappo", "megappo.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "transformers>=4.45",
+        "safetensors",
+        "pyyaml",
+        "numpy",
+        "psutil",  # megatron-core's dist_checkpointing needs it but does not declare it
+        "packaging",
+    ],
+    extras_require={
+        # NVIDIA apex is built from source on GPU machines; never the PyPI package `apex`.
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
+        "ray": ["ray"],
+        "test": ["pytest>=8", "tokenizers"],
+    },
+    entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
+)
