@@ -1,0 +1,159 @@
+"""Build Megatron-Core GPT models for the four PPO roles. The only module naming GPTModel.
+
+actor / reference: GPT with its LM head ([B, T, V_pad/tp] logits, vocab-parallel).
+critic / reward:   the same trunk with a scalar value head on the last pipeline stage
+                   ([B, T] values); initialisable from an HF checkpoint with or without
+                   a `score` head.
+
+`build_model(dims, ps, role=...)` returns a `MegatronModel`: the model chunks (one per
+virtual pipeline stage on this rank), the TransformerConfig, the name map, and the
+layer offsets that turn local parameter names into global ones. Layer spec: Transformer
+Engine on GPU when it is installed, Megatron-Core's local spec on CPU.
+
+This module does not know about PPO, data, or the rollout engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from megappo.models.hf_config import ModelConfigError, ModelDims, transformer_config
+from megappo.models.name_map import NameMap, TensorRule, global_layer_name, name_map_for
+from megappo.parallel.state import ParallelState
+
+ROLES = ("actor", "ref", "critic", "reward")
+VALUE_ROLES = ("critic", "reward")
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head that stands in for GPTModel's output layer: [S, B, H] -> [S, B, 1].
+
+    Replicated across TP (every TP rank holds the full hidden state after the final norm),
+    so its weight and gradient are identical on all TP ranks without communication.
+    Called with the output layer's signature so GPTModel's post-processing is unchanged.
+    """
+
+    def __init__(self, hidden_size: int, *, bias: bool, init_std: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        torch.nn.init.normal_(self.weight, mean=0.0, std=init_std)
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.sequence_parallel = False  # read by GPTModel._postprocess
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+@dataclasses.dataclass
+class MegatronModel:
+    """One role's model on this rank: chunks + how to name their parameters globally."""
+
+    role: str
+    dims: ModelDims
+    config: object  # megatron.core.transformer.TransformerConfig
+    chunks: list[torch.nn.Module]  # GPTModel per virtual stage (DDP-wrapped after setup)
+    name_map: NameMap
+    ps: ParallelState
+    padded_vocab: int
+
+    @property
+    def has_value_head(self) -> bool:
+        return self.role in VALUE_ROLES
+
+    def named_parameters(self) -> Iterator[tuple[str, TensorRule, torch.nn.Parameter]]:
+        """(global Megatron name, rule, local shard) for every parameter on this rank."""
+        for chunk in self.chunks:
+            module = _unwrap(chunk)
+            # layers of a chunk are contiguous; layer_number is global and 1-based
+            offset = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
+            for local_name, param in module.named_parameters():
+                name = global_layer_name(local_name, offset)
+                yield name, self.name_map.rule(name), param
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _layer_spec(kind: str):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if kind == "auto":
+        kind = "te" if torch.cuda.is_available() and _have_te() else "local"
+    if kind == "te":
+        if not _have_te():
+            raise ModelConfigError(
+                "model.layer_spec=te needs transformer-engine; install the gpu extra or set model.layer_spec=local."
+            )
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build_model(
+    dims: ModelDims,
+    ps: ParallelState,
+    *,
+    role: str = "actor",
+    dtype: str = "float32",
+    layer_spec: str = "auto",
+    make_vocab_size_divisible_by: int = 128,
+    value_head_bias: bool = True,
+    **config_overrides,
+) -> MegatronModel:
+    """Build this rank's chunks of a role's model. Weights are randomly initialised;
+    load real ones with `megappo.models.weights.load_hf_weights`."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.models.gpt import GPTModel
+
+    if role not in ROLES:
+        raise ValueError(f"unknown role '{role}'; roles: {ROLES}")
+    dims.check_layout(ps.tp, ps.pp, ps.vpp)
+    cpu = ps.device.type == "cpu"
+    config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=dtype, cpu=cpu,
+                                **config_overrides)
+    padded_vocab = dims.padded_vocab_size(ps.tp, make_vocab_size_divisible_by)
+    value_head = role in VALUE_ROLES
+    spec = _layer_spec(layer_spec)
+    chunks = []
+    for vp_stage in range(ps.vpp or 1):
+        vp = vp_stage if ps.vpp else None
+        pre = mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        post = mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab,
+            max_sequence_length=dims.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=dims.tie_word_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_base=int(dims.rope_theta) if float(dims.rope_theta).is_integer() else dims.rope_theta,
+            rope_scaling=dims.rope_scaling_factor is not None,
+            rope_scaling_factor=dims.rope_scaling_factor or 8.0,
+            vp_stage=vp,
+        )
+        if value_head and post:
+            model.output_layer = ValueHead(dims.hidden_size, bias=value_head_bias,
+                                           init_std=dims.initializer_range, dtype=config.params_dtype)
+        if not cpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    name_map = name_map_for(dims, padded_vocab=padded_vocab, value_head=value_head,
+                            value_head_bias=value_head_bias)
+    return MegatronModel(role=role, dims=dims, config=config, chunks=chunks, name_map=name_map,
+                         ps=ps, padded_vocab=padded_vocab)

@@ -1,0 +1,100 @@
+"""Micro-batched forward (and backward) through Megatron-Core's pipeline schedules.
+
+`run_micro_batches(model, micro_batches, on_output, forward_only=...)` feeds a list of
+micro-batches through `get_forward_backward_func()` (no pipelining, 1F1B, or interleaved
+VPP, as the layout decides), so every pass in megappo works at any PP size. On the last
+pipeline stage `on_output(output, micro_batch)` receives the model output, [b, T, V_pad/tp]
+logits for LM roles or [b, T] values for value-head roles, and returns (loss, result):
+the loss is back-propagated as is (megappo's losses are already normalised by global
+counts, so Megatron's own division by the number of micro-batches is switched off with
+`calculate_per_token_loss`), the results are returned in micro-batch order on the last
+stage and are an empty list elsewhere.
+
+Shape legend: b micro-batch size, T sequence length (the same for every micro-batch of a
+call; the p2p buffers are sized from it), V_pad padded vocab, tp tensor-parallel size.
+
+This module does not know about PPO losses or data sources.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from megappo.models.builders import MegatronModel
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, T] 1 = token, 0 = padding -> Megatron's [b, 1, T, T] bool mask, True = masked.
+
+    Keys that are padding and keys in the future are masked; a padding query row keeps
+    its own diagonal so softmax stays finite (its output is ignored downstream).
+    """
+    b, t = attention_mask.shape
+    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).triu(1)
+    pad_keys = ~attention_mask.bool()[:, None, None, :]
+    mask = causal[None, None] | pad_keys
+    eye = torch.eye(t, dtype=torch.bool, device=attention_mask.device)[None, None]
+    return mask & ~eye
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, T] -> [b, T] positions counting real tokens only (HF's convention for left pad)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def run_micro_batches(
+    model: MegatronModel,
+    micro_batches: list[dict[str, torch.Tensor]],
+    on_output: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]],
+    *,
+    forward_only: bool,
+) -> list[Any]:
+    """Run `micro_batches` (each with 'input_ids' [b, T] and optional 'attention_mask'
+    [b, T]) through the pipeline schedule; see the module docstring."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    b, t = micro_batches[0]["input_ids"].shape
+    for mb in micro_batches:
+        if tuple(mb["input_ids"].shape) != (b, t):
+            raise ValueError("all micro-batches of one call must have the same [b, T] shape; pad them first")
+    device = model.ps.device
+    value_head = model.has_value_head
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        input_ids = mb["input_ids"].to(device)
+        attn = mb.get("attention_mask")
+        if attn is not None:
+            attn = attn.to(device)
+            mask = causal_padding_mask(attn)
+            position_ids = position_ids_from_mask(attn)
+        else:
+            mask = None
+            position_ids = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
+        output = chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+
+        def loss_func(output_tensor):
+            out = output_tensor.squeeze(-1) if value_head else output_tensor
+            loss, result = on_output(out, mb)
+            return loss, torch.ones((), dtype=torch.int, device=device), result
+
+        return output, loss_func
+
+    chunks = model.chunks
+    n_chunks = len(chunks)
+    # Every virtual stage walks the same micro-batches, each with its own iterator.
+    iterators = [iter(micro_batches) for _ in range(n_chunks)]
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if n_chunks > 1 else iterators[0],
+        model=chunks if n_chunks > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=t,
+        micro_batch_size=b,
+        forward_only=forward_only,
+    )
+    return list(results) if model.ps.is_last_stage else []

@@ -1,0 +1,244 @@
+"""From a HuggingFace config to the numbers megappo's models need (no torch.distributed).
+
+`ModelDims` is the architecture-neutral description of a decoder (layers, heads, query
+groups, head dim, vocab and its TP padding, RoPE, norms, biases, tying). It is read from
+an HF `config.json` (a dict or a transformers config object) for the families in
+`SUPPORTED_ARCHS`, and validated against a TP x PP layout before any model is built.
+`transformer_config(dims, ...)` turns it into a Megatron-Core `TransformerConfig`.
+
+This module does not know about process groups, weights or the name map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+
+class ModelConfigError(ValueError):
+    """An HF config megappo cannot build, or a layout it cannot be split into."""
+
+
+#: HF architecture name -> family. The family decides biases and name-map details.
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """Architecture numbers of a Llama/Qwen2-style decoder, independent of parallelism."""
+
+    arch: str  # HF architecture name, a key of SUPPORTED_ARCHS
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_query_groups: int  # = num_key_value_heads (GQA); == num_heads for MHA
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int  # the tokenizer/HF vocab (rows of embed_tokens)
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    initializer_range: float = 0.02
+    rope_scaling_factor: float | None = None  # Llama-3.1 style scaling, None = off
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHS[self.arch]
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
+        """Vocab rows Megatron allocates: a multiple of divisible_by * tp (zero-padded)."""
+        multiple = divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def check_layout(self, tp: int, pp: int, vpp: int | None = None) -> None:
+        """Raise ModelConfigError when TP/PP (and VPP) do not divide this model."""
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}")
+        if self.num_query_groups % tp:
+            problems.append(
+                f"num_key_value_heads={self.num_query_groups} is not divisible by tp={tp}"
+            )
+        if self.ffn_hidden_size % tp:
+            problems.append(f"intermediate_size={self.ffn_hidden_size} is not divisible by tp={tp}")
+        chunks = pp * (vpp or 1)
+        if self.num_layers % chunks:
+            what = f"pp*vpp={pp}*{vpp}" if vpp else f"pp={pp}"
+            problems.append(f"num_hidden_layers={self.num_layers} is not divisible by {what}")
+        if problems:
+            valid_tp = [t for t in range(1, self.num_query_groups + 1)
+                        if self.num_query_groups % t == 0 and self.num_heads % t == 0
+                        and self.ffn_hidden_size % t == 0]
+            valid_pp = [p for p in range(1, self.num_layers + 1) if self.num_layers % p == 0]
+            raise ModelConfigError(
+                "the parallel layout does not fit the model: " + "; ".join(problems)
+                + f". Fix: choose parallel.tp from {valid_tp} and parallel.pp from {valid_pp}."
+            )
+
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any = None, required: bool = True) -> Any:
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if required and default is None:
+        raise ModelConfigError(f"HF config is missing '{key}'; it is required for {cfg.get('architectures')}.")
+    return default
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float, float | None]:
+    # transformers >= 5 keeps RoPE settings in rope_parameters; older configs at top level.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type == "llama3":
+        # Megatron-Core's rope scaling implements Llama-3.1's with these constants.
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+        for key, value in expected.items():
+            if key in merged and float(merged[key]) != value:
+                raise ModelConfigError(
+                    f"rope scaling {key}={merged[key]} is not supported (Megatron-Core assumes {value})."
+                )
+        return float(theta), float(merged.get("factor", 8.0))
+    raise ModelConfigError(
+        f"rope_type '{rope_type}' is not supported; supported: default, llama3."
+    )
+
+
+def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> ModelDims:
+    """Read ModelDims from an HF config (dict, transformers config, or a directory path)."""
+    if isinstance(cfg, (str, os.PathLike)):
+        cfg = load_hf_config(cfg)
+    if not isinstance(cfg, Mapping):
+        cfg = cfg.to_dict()
+    archs = cfg.get("architectures") or []
+    if arch is None:
+        if not archs:
+            model_type = cfg.get("model_type")
+            guess = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(model_type)
+            if guess is None:
+                raise ModelConfigError(
+                    "HF config names no 'architectures'; set model.arch to one of "
+                    f"{sorted(SUPPORTED_ARCHS)}."
+                )
+            archs = [guess]
+        arch = archs[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelConfigError(
+            f"architecture '{arch}' is not in megappo's registry; supported: {sorted(SUPPORTED_ARCHS)}."
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"hidden_act={cfg['hidden_act']!r} is not supported (SwiGLU/silu only).")
+    if cfg.get("mlp_bias"):
+        raise ModelConfigError("mlp_bias=True is not supported.")
+    hidden = int(_get(cfg, "hidden_size"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    groups = int(_get(cfg, "num_key_value_heads", heads, required=False))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % groups:
+        raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}.")
+    theta, factor = _rope(cfg)
+    family = SUPPORTED_ARCHS[arch]
+    qkv_bias = True if family == "qwen2" else bool(cfg.get("attention_bias", False))
+    if family == "llama" and cfg.get("attention_bias"):
+        # Llama's attention_bias also adds an o_proj bias that Megatron's spec has no slot for.
+        raise ModelConfigError("Llama with attention_bias=True is not supported.")
+    return ModelDims(
+        arch=arch,
+        num_layers=int(_get(cfg, "num_hidden_layers")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        ffn_hidden_size=int(_get(cfg, "intermediate_size")),
+        vocab_size=int(_get(cfg, "vocab_size")),
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096, required=False)),
+        rope_theta=theta,
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6, required=False)),
+        qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+        rope_scaling_factor=factor,
+    )
+
+
+def load_hf_config(path: str | os.PathLike) -> dict:
+    """Read `config.json` from an HF model directory, with a clear error when absent."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ModelConfigError(f"no config.json in '{path}'; model.path must be an HF model directory.")
+    with open(file) as f:
+        return json.load(f)
+
+
+def transformer_config(
+    dims: ModelDims,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    dtype: str = "float32",
+    sequence_parallel: bool = False,
+    cpu: bool = True,
+    **overrides: Any,
+):
+    """A Megatron-Core TransformerConfig for `dims` at the given layout and dtype."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    dims.check_layout(tp, pp, vpp)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    kwargs = dict(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_query_groups,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=dims.initializer_range,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        use_cpu_initialization=cpu,
+        # megappo's losses are normalised by global token/sequence counts already
+        # (megappo.ppo.losses); Megatron must not divide again by the micro-batch count.
+        calculate_per_token_loss=True,
+        # gloo: the batched p2p path is wrong for PP=2 with VPP and needs CUDA syncs.
+        batch_p2p_comm=not cpu,
+        batch_p2p_sync=not cpu,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,168 @@
+"""HF weights into sharded Megatron models, and full tensors back out of them.
+
+`load_hf_weights(model, source)`: each rank opens the safetensors files and reads only the
+HF tensors that its own pipeline stage needs, converts them through the name map, keeps
+its TP shard and copies it into the parameter. Shapes are checked against the config
+first, so a checkpoint from another model stops with a clear message.
+
+`iter_full_params(model)`: a collective over the model's ranks that yields (global
+Megatron name, full tensor) on global rank 0, stage after stage, TP shards gathered on
+each stage. `iter_hf_tensors` adds the name-map transform (HF names, vocab unpadded,
+QKV/fc1 unfused). Nothing here holds more than one full tensor at a time.
+
+This module does not know about PPO, engines or checkpoints of the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megappo.models.builders import MegatronModel
+from megappo.models.hf_config import ModelConfigError
+from megappo.models.name_map import merge_tp_shards, shard_for_tp
+
+
+class HFWeights:
+    """Lazy, name-indexed access to an HF directory's safetensors (or an in-memory dict)."""
+
+    def __init__(self, source: str | Mapping[str, torch.Tensor]):
+        self._dict = source if isinstance(source, Mapping) else None
+        self._files: dict[str, str] = {}
+        if self._dict is None:
+            self._files = _index_safetensors(source)
+
+    def names(self) -> set[str]:
+        return set(self._dict) if self._dict is not None else set(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._dict is not None:
+            return self._dict[name]
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _index_safetensors(path: str) -> dict[str, str]:
+    if not os.path.isdir(path):
+        raise ModelConfigError(f"HF weights directory '{path}' does not exist.")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        missing = sorted({f for f in files.values() if not os.path.isfile(f)})
+        if missing:
+            raise ModelConfigError(f"{index} names weight files that are missing: {missing[:3]}.")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    if any(n.endswith((".bin", ".pt")) for n in os.listdir(path)):
+        raise ModelConfigError(
+            f"'{path}' has only pickle weights (.bin/.pt); megappo loads safetensors only. "
+            "Fix: re-save the model with save_pretrained(safe_serialization=True)."
+        )
+    raise ModelConfigError(f"no model.safetensors(.index.json) in '{path}'.")
+
+
+@torch.no_grad()
+def load_hf_weights(model: MegatronModel, source: str | Mapping[str, torch.Tensor]) -> list[str]:
+    """Copy HF weights into this rank's shards. Returns the names left at their init
+    (only the value head, when the checkpoint has no `score` tensors)."""
+    weights = HFWeights(source)
+    available = weights.names()
+    ps = model.ps
+    plan, skipped = [], []
+    for name, rule, param in model.named_parameters():
+        missing = [n for n in rule.hf if n not in available]
+        if missing:
+            if model.has_value_head and name.startswith("output_layer."):
+                skipped.append(name)
+                continue
+            raise ModelConfigError(
+                f"HF weights lack {missing[0]} (needed for Megatron '{name}'); "
+                f"the checkpoint does not match the {model.dims.arch} config."
+            )
+        plan.append((name, rule, param))
+    # check every shape before touching any parameter: nothing half-loaded
+    loaded = []
+    for name, rule, param in plan:
+        full = rule.from_hf(*(weights.get(n) for n in rule.hf))
+        shard = shard_for_tp(full, rule, ps.tp_rank, ps.tp)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ModelConfigError(
+                f"shape mismatch for '{name}': checkpoint gives {tuple(shard.shape)} at tp={ps.tp}, "
+                f"the model has {tuple(param.shape)}; the checkpoint is from another model or config."
+            )
+        loaded.append((param, shard))
+    for param, shard in loaded:
+        param.copy_(shard.to(param.dtype))
+    return skipped
+
+
+def _full_shape(shape: torch.Size, tp_dim: int | None, tp: int) -> tuple[int, ...]:
+    out = list(shape)
+    if tp_dim is not None:
+        out[tp_dim] *= tp
+    return tuple(out)
+
+
+@torch.no_grad()
+def iter_full_params(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: every rank of the model must run it to the end. Yields (global Megatron
+    name, full tensor) on global rank `dst` (which must be the tp0/dp0 rank of stage 0);
+    other ranks yield nothing."""
+    ps = model.ps
+    if ps.dp_rank != 0:
+        return
+    local = [(n, r, p) for n, r, p in model.named_parameters() if r.export]
+    pp_ranks = dist.get_process_group_ranks(ps.pp_group)
+    for stage in range(ps.pp):
+        meta = None
+        if ps.pp_rank == stage:
+            meta = [(n, _full_shape(p.shape, r.tp_dim, ps.tp), p.dtype) for n, r, p in local]
+        if ps.tp_rank == 0 and ps.pp > 1:
+            box = [meta]
+            dist.broadcast_object_list(box, src=pp_ranks[stage], group=ps.pp_group)
+            meta = box[0]
+        if ps.pp_rank != stage and ps.rank != dst:
+            continue
+        params = {n: (r, p) for n, r, p in local} if ps.pp_rank == stage else {}
+        for name, shape, dtype in meta:
+            if ps.pp_rank == stage:
+                rule, param = params[name]
+                full = _gather_tp(param.detach(), rule, ps)
+                if ps.tp_rank != 0:
+                    continue
+                if ps.rank == dst:
+                    yield name, full
+                else:
+                    dist.send(full.contiguous(), dst=dst)
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=ps.device)
+                dist.recv(buf, src=pp_ranks[stage])
+                yield name, buf
+
+
+def _gather_tp(shard: torch.Tensor, rule, ps) -> torch.Tensor:
+    if rule.tp_dim is None or ps.tp == 1:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(ps.tp)]
+    dist.all_gather(parts, shard.contiguous(), group=ps.tp_group)
+    return merge_tp_shards(parts, rule)
+
+
+def iter_hf_tensors(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_full_params` through the name map: (HF name, tensor) on rank `dst`."""
+    for name, full in iter_full_params(model, dst):
+        rule = model.name_map.rule(name)
+        yield from zip(rule.hf, rule.to_hf(full))

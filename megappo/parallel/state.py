@@ -1,0 +1,196 @@
+"""Process groups, set up once: torch.distributed + Megatron-Core model parallelism.
+
+`init_parallel(tp, pp, ...)` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT; a single process without them), starts the process group
+(NCCL on GPU, gloo on CPU), activates the CPU compatibility layer when there is no CUDA,
+calls Megatron-Core's `initialize_model_parallel`, seeds the model-parallel RNG trackers,
+and returns a frozen `ParallelState`. Builders, the bridge and the workers take that object
+as an argument; nothing below this module calls Megatron's global getters for layout.
+
+This module does not know about models, configs or PPO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megappo.parallel import cpu_compat
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelState:
+    """The layout of this process within the world. Built once by `init_parallel`."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    backend: str
+    device: torch.device
+    tp_group: dist.ProcessGroup = dataclasses.field(repr=False)
+    pp_group: dist.ProcessGroup = dataclasses.field(repr=False)
+    dp_group: dist.ProcessGroup = dataclasses.field(repr=False)
+    mp_group: dist.ProcessGroup = dataclasses.field(repr=False)
+    #: rank (global) of the first stage in this rank's pipeline, with the same tp/dp rank
+    pp_first_rank: int = 0
+    #: rank (global) of the last stage in this rank's pipeline, with the same tp/dp rank
+    pp_last_rank: int = 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_mp_leader(self) -> bool:
+        """tp_rank 0 on the last stage: the rank that holds full per-token results."""
+        return self.tp_rank == 0 and self.is_last_stage
+
+
+def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None) -> int:
+    """Validate a TP x PP layout against the world size; returns the DP size."""
+    if tp < 1 or pp < 1:
+        raise ParallelConfigError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1.")
+    if world_size % (tp * pp) != 0:
+        raise ParallelConfigError(
+            f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}. "
+            f"Fix: launch a multiple of {tp * pp} processes (torchrun --nproc_per_node), "
+            f"or choose parallel.tp/parallel.pp whose product divides {world_size}."
+        )
+    if vpp is not None and (vpp < 1 or pp < 2):
+        raise ParallelConfigError(
+            f"parallel.vpp={vpp} needs parallel.pp >= 2 and vpp >= 1; set parallel.vpp=null "
+            "to disable virtual pipeline stages."
+        )
+    return world_size // (tp * pp)
+
+
+def _torchrun_env() -> tuple[int, int, int]:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return rank, world, local
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _quiet_cpu_warnings() -> None:
+    # On a CPU machine megatron-core warns at import that TE/apex are missing; that is the
+    # expected configuration there, so say it once in the README instead of per rank.
+    for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    *,
+    backend: str = "auto",
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> ParallelState:
+    """Initialise torch.distributed and Megatron-Core model parallelism; return the layout.
+
+    backend: "auto" (nccl when CUDA is available, else gloo), "nccl" or "gloo".
+    Safe to call once per process; call `destroy_parallel()` before calling it again.
+    """
+    rank, world, local = _torchrun_env()
+    dp = check_layout(world, tp, pp, vpp)
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ParallelConfigError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo on CPU.")
+    if not cuda:
+        _quiet_cpu_warnings()
+        cpu_compat.enable()
+    if cuda:
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+
+    from megatron.core import parallel_state as mps
+    from megatron.core import tensor_parallel
+
+    mps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    tp_rank = mps.get_tensor_model_parallel_rank()
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        cpu_compat.model_parallel_manual_seed(seed, tp_rank)
+    pp_ranks = dist.get_process_group_ranks(mps.get_pipeline_model_parallel_group())
+    return ParallelState(
+        world_size=world,
+        rank=rank,
+        local_rank=local,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        vpp=vpp,
+        tp_rank=tp_rank,
+        pp_rank=mps.get_pipeline_model_parallel_rank(),
+        dp_rank=mps.get_data_parallel_rank(),
+        backend=backend,
+        device=device,
+        tp_group=mps.get_tensor_model_parallel_group(),
+        pp_group=mps.get_pipeline_model_parallel_group(),
+        dp_group=mps.get_data_parallel_group(),
+        mp_group=mps.get_model_parallel_group(),
+        pp_first_rank=pp_ranks[0],
+        pp_last_rank=pp_ranks[-1],
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state as mps
+
+    mps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
