@@ -61,6 +61,11 @@ def run_micro_batches(
     for mb in micro_batches:
         if tuple(mb["input_ids"].shape) != (b, t):
             raise ValueError("all micro-batches of one call must have the same [b, T] shape; pad them first")
+    if model.ps.vpp and len(micro_batches) < model.ps.pp:
+        raise ValueError(
+            f"the interleaved (VPP) schedule needs at least pp={model.ps.pp} micro-batches per pass, "
+            f"got {len(micro_batches)}; lower the micro-batch size or disable parallel.vpp"
+        )
     device = model.ps.device
     value_head = model.has_value_head
 
