@@ -69,30 +69,58 @@ def build_hf_model(config: dict[str, Any], *, seed: int = 0, head: str = "lm",
     return model.to(dtype).eval()
 
 
+class ShardedSafetensorsWriter:
+    """Write HF tensors one at a time into size-bounded safetensors shards.
+
+    Holds at most one shard in memory. `close()` renames shards to HF's
+    model-0000i-of-0000n names (or model.safetensors when there is one) and writes the
+    index. Files go straight into `path`, so callers write into a temporary directory.
+    """
+
+    def __init__(self, path: str, max_shard_bytes: int = 2 << 30):
+        os.makedirs(path, exist_ok=True)
+        self.path, self.max_shard_bytes = path, max_shard_bytes
+        self._current: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._written: list[list[str]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current and self._size + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._current[name] = tensor.detach().contiguous().cpu()
+        self._size += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self._current, os.path.join(self.path, f"part-{len(self._written)}.safetensors"),
+                  metadata={"format": "pt"})
+        self._written.append(list(self._current))
+        self._current, self._size = {}, 0
+
+    def close(self) -> None:
+        if self._current or not self._written:
+            self._flush()
+        n = len(self._written)
+        if n == 1:
+            os.replace(os.path.join(self.path, "part-0.safetensors"), os.path.join(self.path, "model.safetensors"))
+            return
+        weight_map = {}
+        for i, names in enumerate(self._written):
+            file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.path, f"part-{i}.safetensors"), os.path.join(self.path, file))
+            weight_map.update({name: file for name in names})
+        with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
 def save_hf_dir(path: str, state: dict[str, torch.Tensor], config: dict[str, Any],
                 max_shard_bytes: int = 2 << 30) -> None:
     """Write config.json and safetensors shards (+ index when more than one) to `path`."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    writer = ShardedSafetensorsWriter(path, max_shard_bytes)
     for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.detach().contiguous().cpu()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
-            weight_map.update({name: file for name in shard})
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+        writer.add(name, tensor)
+    writer.close()
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

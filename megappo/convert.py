@@ -1,0 +1,179 @@
+"""HF <-> Megatron checkpoint conversion, with verification (used by tools/ and the CLI).
+
+`hf_to_megatron`: HF directory -> megappo model checkpoint (Megatron dist-checkpoint +
+metadata + HF config/tokenizer files) written at the current TP/PP layout.
+`megatron_to_hf`: back to an HF directory (config, tokenizer files, safetensors shards).
+Both are collectives over all ranks of the layout; both write into a temporary directory
+next to the output and rename it into place only when everything (including --verify)
+succeeded, so a failure never leaves a half-written output.
+
+Verification: (1) round trip bit-exact: the loaded Megatron shards, gathered and mapped
+back, equal the HF tensors bit for bit; (2) logits: Megatron's logits (or values, for a
+value-head model) on sample inputs equal transformers' within `tol` (fp32).
+
+This module does not know about PPO or the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megappo.models.builders import MegatronModel, build_model
+from megappo.models.checkpoint import load_model, read_metadata, save_model
+from megappo.models.forward import run_micro_batches
+from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
+from megappo.models.hf_reference import ShardedSafetensorsWriter
+from megappo.models.weights import HFWeights, iter_hf_tensors, load_hf_weights
+from megappo.parallel.state import ParallelState
+
+#: Files besides weights that an HF model directory carries along (tokenizer, templates).
+HF_AUX_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def read_aux_files(hf_dir: str) -> dict[str, bytes]:
+    out = {}
+    for name in HF_AUX_FILES:
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+def check_output_dir(out_dir: str, overwrite: bool) -> None:
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"output '{out_dir}' exists and is not empty; pass --overwrite or choose another path.")
+
+
+class _StagedOutput:
+    """A temp directory beside `out_dir`, renamed into place on success, removed on failure."""
+
+    def __init__(self, out_dir: str, ps: ParallelState, overwrite: bool):
+        self.out_dir, self.ps, self.overwrite = os.path.abspath(out_dir), ps, overwrite
+        box = [f"{self.out_dir}.tmp-{os.getpid()}" if ps.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.tmp = box[0]
+
+    def __enter__(self) -> str:
+        if self.ps.rank == 0:
+            os.makedirs(os.path.dirname(self.tmp) or ".", exist_ok=True)
+        dist.barrier()
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.ps.rank == 0:
+            if exc_type is None:
+                if os.path.exists(self.out_dir):
+                    shutil.rmtree(self.out_dir)  # only reachable with --overwrite
+                os.replace(self.tmp, self.out_dir)
+            elif os.path.exists(self.tmp):
+                shutil.rmtree(self.tmp)
+        return False
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, ps: ParallelState, *, role: str = "actor",
+                   verify: bool = False, overwrite: bool = False, arch: str | None = None) -> dict:
+    """Collective. Returns verification results (empty when verify=False)."""
+    check_output_dir(out_dir, overwrite)
+    hf_config = load_hf_config(hf_dir)
+    dims = dims_from_hf(hf_config, arch)
+    model = build_model(dims, ps, role=role)
+    load_hf_weights(model, hf_dir)
+    results = {}
+    with _StagedOutput(out_dir, ps, overwrite) as tmp:
+        save_model(model, tmp, hf_config, read_aux_files(hf_dir))
+        if verify:
+            fresh = build_model(dims, ps, role=role)
+            load_model(fresh, tmp)
+            results = verify_model(fresh, hf_dir)
+    return results
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bool = False,
+                   overwrite: bool = False, max_shard_bytes: int = 2 << 30) -> dict:
+    """Collective. Writes the HF directory from global rank 0."""
+    check_output_dir(out_dir, overwrite)
+    meta = read_metadata(ckpt_dir)
+    dims = ModelDims(**meta["dims"])
+    model = build_model(dims, ps, role=meta["role"])
+    load_model(model, ckpt_dir)
+    results = {}
+    with _StagedOutput(out_dir, ps, overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if ps.rank == 0 else None
+        for name, tensor in iter_hf_tensors(model):
+            writer.add(name, tensor)
+        if ps.rank == 0:
+            writer.close()
+            import json
+
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(meta["hf_config"], f, indent=2)
+            aux = os.path.join(ckpt_dir, "hf")
+            for name in os.listdir(aux) if os.path.isdir(aux) else []:
+                if name != "config.json":
+                    shutil.copy(os.path.join(aux, name), os.path.join(tmp, name))
+        dist.barrier()
+        if verify:
+            results = verify_model(model, tmp)
+    return results
+
+
+def verify_model(model: MegatronModel, hf_dir: str, *, tol: float = 1e-4, seed: int = 0) -> dict:
+    """Collective: round trip bit-exact and logits vs transformers; raises on failure."""
+    ps = model.ps
+    # (1) bit-exact: gathered Megatron tensors == the HF directory's tensors
+    mismatched, count, head_missing = [], 0, False
+    weights = HFWeights(hf_dir) if ps.rank == 0 else None
+    names = weights.names() if weights else set()
+    for name, tensor in iter_hf_tensors(model):
+        if model.has_value_head and name.startswith("score.") and name not in names:
+            head_missing = True  # an LM checkpoint for a critic: the head was initialised
+            continue
+        count += 1
+        if not torch.equal(tensor, weights.get(name).to(tensor.dtype)):
+            mismatched.append(name)
+    flags = torch.tensor([len(mismatched), int(head_missing)], dtype=torch.int64, device=ps.device)
+    dist.broadcast(flags, src=0)
+    if flags[0].item():
+        raise ModelConfigError(f"round trip is not bit-exact for {flags[0].item()} tensors, e.g. {mismatched[:3]}")
+    if flags[1].item():
+        return {"tensors_bit_exact": count if ps.rank == 0 else None, "max_abs_logit_diff": None,
+                "note": "value head not in the HF checkpoint: initialised, outputs not compared"}
+    # (2) logits: Megatron vs transformers on the same sample inputs
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, model.dims.vocab_size, (2, 16), generator=gen)
+    mbs = [{"input_ids": input_ids[i:i + 1]} for i in range(2)]
+    outs = run_micro_batches(model, mbs, lambda out, mb: (out.sum() * 0, out.detach()), forward_only=True)
+    diff = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    if ps.is_last_stage:
+        got = torch.cat(outs)
+        if not model.has_value_head:
+            parts = [torch.empty_like(got) for _ in range(ps.tp)]
+            dist.all_gather(parts, got.contiguous(), group=ps.tp_group)
+            got = torch.cat(parts, dim=-1)[..., : model.dims.vocab_size]
+        if ps.tp_rank == 0:
+            ref = _hf_outputs(hf_dir, input_ids, model.has_value_head)
+            diff[0] = (got.float().cpu() - ref.float()).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    if diff.item() > tol:
+        raise ModelConfigError(f"Megatron and transformers outputs differ by {diff.item():.3e} (> {tol})")
+    return {"tensors_bit_exact": count if ps.rank == 0 else None, "max_abs_logit_diff": diff.item()}
+
+
+def _hf_outputs(hf_dir: str, input_ids: torch.Tensor, value_head: bool) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    with torch.no_grad():
+        if value_head:
+            m = AutoModelForTokenClassification.from_pretrained(hf_dir, num_labels=1, dtype=torch.float32)
+            return m(input_ids=input_ids).logits.squeeze(-1)
+        m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        return m(input_ids=input_ids).logits

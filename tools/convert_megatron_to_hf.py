@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""megappo Megatron checkpoint -> HF model directory (config, tokenizer files, safetensors).
+
+    python tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 2 --pp 2 [--verify]
+
+Loads the checkpoint at the given TP/PP (any layout: Megatron's distributed checkpoints
+reshard on load), gathers TP shards and pipeline stages on rank 0 one tensor at a time, and
+writes size-bounded safetensors shards. --verify checks the written files against the
+loaded shards bit for bit and the logits against transformers loading the written directory.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--max-shard-gb", type=float, default=2.0)
+    p.add_argument("--verify", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    args = p.parse_args()
+
+    from megappo.convert import check_output_dir
+    from megappo.models.checkpoint import read_metadata
+    from megappo.models.hf_config import ModelDims
+    from megappo.parallel.launch import ensure_ranks
+
+    ModelDims(**read_metadata(args.ckpt)["dims"]).check_layout(args.tp, args.pp)
+    check_output_dir(args.out, args.overwrite)
+    ensure_ranks(args.tp * args.pp)
+
+    from megappo.convert import megatron_to_hf
+    from megappo.parallel.state import destroy_parallel, init_parallel
+
+    ps = init_parallel(args.tp, args.pp)
+    results = megatron_to_hf(args.ckpt, args.out, ps, verify=args.verify, overwrite=args.overwrite,
+                             max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+    if ps.rank == 0:
+        print(f"wrote {args.out}")
+        if args.verify:
+            print("verify: " + json.dumps(results))
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
