@@ -1,0 +1,112 @@
+"""tools/convert_*.py end to end: TP2xPP2 round trips with --verify, and bad input.
+
+Each tool launches its own ranks (tp*pp), as a user would run it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model, save_hf_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_tool(name, *args, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", name), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(out[-6000:])
+    return proc.returncode, out
+
+
+def make_hf_dir(path, family, seed=1):
+    model = build_hf_model(TINY_CONFIGS[family], seed=seed)
+    state = {k: v for k, v in model.state_dict().items()
+             if not (TINY_CONFIGS[family]["tie_word_embeddings"] and k == "lm_head.weight")}
+    save_hf_dir(str(path), state, TINY_CONFIGS[family], max_shard_bytes=200_000)  # several shards
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    return state
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_round_trip_tp2xpp2_with_verify(tmp_path, family):
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
+    state = make_hf_dir(hf_dir, family)
+    _, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--out", str(ckpt),
+                      "--tp", "2", "--pp", "2", "--verify")
+    verify = json.loads(out.split("verify: ")[1].splitlines()[0])
+    assert verify["tensors_bit_exact"] == len(state) and verify["max_abs_logit_diff"] <= 1e-4
+    assert (ckpt / "megappo_model.json").is_file() and (ckpt / "hf" / "tokenizer_config.json").is_file()
+    _, out = run_tool("convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(back),
+                      "--tp", "2", "--pp", "2", "--verify")
+    assert '"max_abs_logit_diff"' in out
+    written = {}
+    for f in back.glob("*.safetensors"):
+        written.update(load_file(str(f)))
+    assert set(written) == set(state)
+    assert all(torch.equal(written[k], state[k]) for k in state)
+    assert json.loads((back / "config.json").read_text()) == TINY_CONFIGS[family]
+    assert (back / "tokenizer_config.json").is_file()
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_bad_layout_stops_before_any_rank_starts(tmp_path):
+    make_hf_dir(tmp_path / "hf", "llama")
+    code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(tmp_path / "hf"), "--out",
+                         str(tmp_path / "o"), "--tp", "4", check=False)
+    assert code != 0 and "num_key_value_heads=2 is not divisible by tp=4" in out and "Fix:" in out
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_weight_file_and_unknown_arch(tmp_path):
+    hf = tmp_path / "hf"
+    make_hf_dir(hf, "llama")
+    next(hf.glob("model-00002-*.safetensors")).unlink()
+    code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(tmp_path / "o"), check=False)
+    assert code != 0 and "names weight files that are missing" in out
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
+    code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(tmp_path / "o"), check=False)
+    assert code != 0 and "'GPT2LMHeadModel' is not in megappo's registry" in out
+
+
+def test_checkpoint_shapes_from_another_model(tmp_path):
+    hf = tmp_path / "hf"
+    make_hf_dir(hf, "llama")
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=256)))
+    code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(tmp_path / "o"), check=False)
+    assert code != 0 and "shape mismatch" in out and "another model" in out
+    assert not (tmp_path / "o").exists()
+
+
+def test_failed_verification_leaves_no_output(tmp_path):
+    hf = tmp_path / "hf"
+    make_hf_dir(hf, "llama")
+    shard = next(hf.glob("model-00001-*.safetensors"))
+    tensors = load_file(str(shard))
+    name = next(iter(tensors))
+    tensors[name][0] = float("nan")  # NaN != NaN: the bit-exact check must fail
+    save_file(tensors, str(shard))
+    code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(tmp_path / "o"),
+                         "--verify", check=False)
+    assert code != 0 and "not bit-exact" in out
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.tmp-*"))
+
+
+def test_existing_output_is_not_overwritten(tmp_path):
+    make_hf_dir(tmp_path / "hf", "llama")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "keep.txt").write_text("x")
+    code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(tmp_path / "hf"), "--out",
+                         str(tmp_path / "o"), check=False)
+    assert code != 0 and "--overwrite" in out and (tmp_path / "o" / "keep.txt").exists()

@@ -1,0 +1,62 @@
+"""HF config -> ModelDims and layout validation."""
+
+import pytest
+
+from megappo.models.hf_config import ModelConfigError, dims_from_hf
+from megappo.models.hf_reference import TINY_CONFIGS, hf_config_object
+
+
+def test_llama_and_qwen2_dims():
+    llama = dims_from_hf(TINY_CONFIGS["llama"])
+    assert (llama.num_heads, llama.num_query_groups, llama.head_dim) == (4, 2, 16)
+    assert not llama.qkv_bias and not llama.tie_word_embeddings
+    qwen = dims_from_hf(TINY_CONFIGS["qwen2"])
+    assert qwen.qkv_bias and qwen.tie_word_embeddings and qwen.rope_theta == 1e6
+    assert qwen.padded_vocab_size(tp=2) == 512 and qwen.padded_vocab_size(tp=1, divisible_by=64) == 320
+
+
+def test_transformers_config_object_and_rope_parameters():
+    # transformers >= 5 stores rope_theta under rope_parameters
+    cfg = hf_config_object(dict(TINY_CONFIGS["llama"], rope_theta=500000.0))
+    assert dims_from_hf(cfg, arch="LlamaForCausalLM").rope_theta == 500000.0
+
+
+def test_llama31_rope_scaling():
+    cfg = dict(TINY_CONFIGS["llama"], rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    assert dims_from_hf(cfg).rope_scaling_factor == 8.0
+    cfg["rope_scaling"]["rope_type"] = "yarn"
+    with pytest.raises(ModelConfigError, match="rope_type 'yarn' is not supported"):
+        dims_from_hf(cfg)
+
+
+def test_unknown_architecture_names_the_registry():
+    with pytest.raises(ModelConfigError, match="not in megappo's registry.*LlamaForCausalLM"):
+        dims_from_hf(dict(TINY_CONFIGS["llama"], architectures=["MistralForCausalLM"]))
+
+
+def test_missing_field():
+    cfg = dict(TINY_CONFIGS["llama"])
+    del cfg["hidden_size"]
+    with pytest.raises(ModelConfigError, match="missing 'hidden_size'"):
+        dims_from_hf(cfg)
+
+
+@pytest.mark.parametrize("tp,pp,needle", [
+    (4, 1, "num_key_value_heads=2 is not divisible by tp=4"),
+    (3, 1, "num_attention_heads=4 is not divisible by tp=3"),
+    (1, 3, "num_hidden_layers=4 is not divisible by pp=3"),
+])
+def test_layout_that_does_not_divide(tp, pp, needle):
+    dims = dims_from_hf(TINY_CONFIGS["llama"])
+    with pytest.raises(ModelConfigError) as e:
+        dims.check_layout(tp, pp)
+    assert needle in str(e.value) and "Fix: choose parallel.tp from [1, 2]" in str(e.value)
+
+
+def test_world_size_not_multiple_of_tp_pp():
+    from megappo.parallel.state import ParallelConfigError, check_layout
+
+    assert check_layout(8, 2, 2) == 2
+    with pytest.raises(ParallelConfigError, match="world size 6 is not a multiple of tp\\*pp = 2\\*2"):
+        check_layout(6, 2, 2)
