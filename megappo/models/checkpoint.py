@@ -47,7 +47,7 @@ def check_compatible(model: MegatronModel, meta: dict, ckpt_dir: str) -> None:
     value_saved = meta["role"] in ("critic", "reward")
     if value_saved != model.has_value_head:
         raise ModelConfigError(
-            f"checkpoint '{ckpt_dir}' holds a {meta['role']} model, which cannot load into a {model.role}."
+            f"checkpoint '{ckpt_dir}' holds a {meta['role']} model, which cannot load into the {model.role} model."
         )
 
 

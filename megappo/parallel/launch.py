@@ -28,5 +28,9 @@ def ensure_ranks(n: int) -> None:
         return
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *sys.argv]
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    # `python -m pkg.mod` must stay a module run so the package is importable in the ranks
+    target = ["-m", main_spec.name] if main_spec is not None else [sys.argv[0]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+           *target, *sys.argv[1:]]
     raise SystemExit(subprocess.call(cmd, env=env))

@@ -28,7 +28,7 @@ def test_other_architecture_and_role(tmp_path):
     model = types.SimpleNamespace(dims=dims_from_hf(TINY_CONFIGS["llama"]), has_value_head=False, role="actor")
     with pytest.raises(ModelConfigError, match="arch: checkpoint 'Qwen2ForCausalLM'"):
         check_compatible(model, _ckpt(tmp_path, dims_from_hf(TINY_CONFIGS["qwen2"])), str(tmp_path))
-    with pytest.raises(ModelConfigError, match="holds a critic model, which cannot load into a actor"):
+    with pytest.raises(ModelConfigError, match="holds a critic model, which cannot load into the actor model"):
         check_compatible(model, _ckpt(tmp_path, model.dims, role="critic"), str(tmp_path))
 
 
