@@ -170,7 +170,9 @@ def verify_model(model: MegatronModel, hf_dir: str, *, tol: float = 1e-4, seed: 
 
 def _hf_outputs(hf_dir: str, input_ids: torch.Tensor, value_head: bool) -> torch.Tensor:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     with torch.no_grad():
         if value_head:
             m = AutoModelForTokenClassification.from_pretrained(hf_dir, num_labels=1, dtype=torch.float32)

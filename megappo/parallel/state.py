@@ -102,11 +102,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _quiet_cpu_warnings() -> None:
-    # On a CPU machine megatron-core warns at import that TE/apex are missing; that is the
-    # expected configuration there, so say it once in the README instead of per rank.
-    for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
-        warnings.filterwarnings("ignore", message=pattern)
+#: Upstream warnings that say nothing actionable to a megappo user, on every device:
+#: megatron-core 0.16.1's own config default, and torch's deprecations inside
+#: megatron-core's dist-checkpointing code.
+_UPSTREAM_WARNINGS = (
+    "full scope is deprecated",
+    "`load_state_dict` is deprecated",
+    "Please use DTensor instead",
+)
+#: On CPU, TE/apex are absent by design and CUDA stream settings do not apply.
+_CPU_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+)
+
+
+def _quiet_warnings(cpu: bool) -> None:
+    for pattern in _UPSTREAM_WARNINGS + (_CPU_WARNINGS if cpu else ()):
+        warnings.filterwarnings("ignore", message=f".*{pattern}")
 
 
 def init_parallel(
@@ -130,8 +144,8 @@ def init_parallel(
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:
         raise ParallelConfigError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo on CPU.")
+    _quiet_warnings(cpu=not cuda)
     if not cuda:
-        _quiet_cpu_warnings()
         cpu_compat.enable()
     if cuda:
         torch.cuda.set_device(local)
