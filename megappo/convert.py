@@ -76,6 +76,8 @@ class _StagedOutput:
                 os.replace(self.tmp, self.out_dir)
             elif os.path.exists(self.tmp):
                 shutil.rmtree(self.tmp)
+        if exc_type is None:
+            dist.barrier()  # nobody reads out_dir before rank 0 has renamed it into place
         return False
 
 

@@ -1,0 +1,95 @@
+"""The rollout-engine interface, and fingerprints for verifying weight syncs.
+
+An engine lives in the orchestrator process (global rank 0). It generates from prompt
+token ids and receives the actor's weights as HF-named tensors, bucket by bucket, from
+the bridge (`megappo.rollout.bridge`). Implementations: `hf` (transformers, CPU default)
+and `sglang` (GPU). They are chosen from `ENGINES` by name.
+
+Fingerprints: `tensor_fingerprint(t)` is a float64 triple (sum, sum of squares, sum
+weighted by a fixed position-dependent sequence) computed on the tensor's own device; the
+trainer side and the engine side compute it on the same dtype, so equal weights give
+equal fingerprints and any changed element changes them (up to float64 rounding).
+
+This module does not know about Megatron, PPO or configs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Protocol, Sequence
+
+import torch
+
+from megappo.types import RolloutBatch, SamplingParams
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights do not match what the trainer sent."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
+        """Sample `params.n` responses per prompt (token ids, no padding)."""
+
+    def update_weights(self, buckets: Iterable[Bucket]) -> None:
+        """Load full HF-named tensors, bucket by bucket, into the engine's model."""
+
+    def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """`tensor_fingerprint` of the engine's current weights, by HF name."""
+
+    def release_memory(self) -> None:
+        """Free accelerator memory (KV cache, weights) while the trainer runs."""
+
+    def resume_memory(self) -> None:
+        """Take it back before the next generation."""
+
+    def shutdown(self) -> None: ...
+
+
+def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """[3] float64 on the tensor's device: sum, sum of squares, position-weighted sum."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    # weights in [1, 2), a fixed function of position: a swap of two elements changes the sum
+    pos = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
+    weights = 1.0 + torch.frac(pos * 0.6180339887498949)
+    return torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
+
+
+def compare_fingerprints(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose fingerprints differ (or are missing on the engine side)."""
+    bad = []
+    for name, fp in expected.items():
+        other = got.get(name)
+        if other is None or not torch.equal(fp.cpu(), other.cpu()):
+            bad.append(name)
+    return bad
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> ([B, P] ids, [B, P] mask), left-padded."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def iter_buckets(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group (name, tensor) pairs into buckets of at most `bucket_bytes` (a tensor larger
+    than the bound travels alone)."""
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
