@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megappo.models.builders import MegatronModel
 from megappo.models.weights import iter_hf_tensors
 from megappo.rollout.engine import (
-    Bucket, RolloutEngine, WeightSyncError, compare_fingerprints, iter_buckets, tensor_fingerprint,
+    Bucket, RolloutEngine, WeightSyncError, compare_fingerprints, iter_buckets,
 )
 
 
@@ -64,7 +64,7 @@ class WeightBridge:
                 if self.engine_dtype is not None:
                     tensor = tensor.to(self.engine_dtype)
                 if fingerprints is not None:
-                    fingerprints[name] = tensor_fingerprint(tensor)
+                    fingerprints[name] = self.engine.fingerprint_of(tensor)
                 stats.tensors += 1
                 stats.bytes += tensor.numel() * tensor.element_size()
                 yield name, tensor

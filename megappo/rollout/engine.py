@@ -35,8 +35,11 @@ class RolloutEngine(Protocol):
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
         """Load full HF-named tensors, bucket by bucket, into the engine's model."""
 
+    def fingerprint_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The fingerprint the engine would report for `tensor` (trainer side)."""
+
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """`tensor_fingerprint` of the engine's current weights, by HF name."""
+        """Fingerprints of the engine's current weights, by HF name."""
 
     def release_memory(self) -> None:
         """Free accelerator memory (KV cache, weights) while the trainer runs."""
@@ -93,3 +96,25 @@ def iter_buckets(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int)
         size += nbytes
     if bucket:
         yield bucket
+
+
+def _hf_engine(**kwargs):
+    from megappo.rollout.hf_engine import HFEngine
+
+    return HFEngine(**kwargs)
+
+
+def _sglang_engine(**kwargs):
+    from megappo.rollout.sglang_engine import SGLangEngine
+
+    return SGLangEngine(**kwargs)
+
+
+#: rollout.engine -> constructor (lazy: sglang is imported only when chosen)
+ENGINES = {"hf": _hf_engine, "sglang": _sglang_engine}
+
+
+def build_engine(name: str, **kwargs) -> RolloutEngine:
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout engine '{name}'; choose one of {sorted(ENGINES)} (rollout.engine)")
+    return ENGINES[name](**kwargs)

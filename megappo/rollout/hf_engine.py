@@ -57,6 +57,7 @@ class HFEngine:
         self.model = model.to(device).eval()
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
+        self.dtype = next(self.model.parameters()).dtype
         self._params = dict(self.model.named_parameters())
         self._params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
 
@@ -113,6 +114,9 @@ class HFEngine:
                 if target.shape != tensor.shape:
                     raise ValueError(f"'{name}': engine shape {tuple(target.shape)} != sent {tuple(tensor.shape)}")
                 target.copy_(tensor)
+
+    def fingerprint_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor_fingerprint(tensor.to(self.dtype))
 
     @torch.no_grad()
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:

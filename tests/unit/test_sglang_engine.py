@@ -1,0 +1,38 @@
+"""SGLang engine: GPU-only checks (skipped on CPU), and the CPU-side error for a missing SGLang."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.rollout.engine import build_engine
+from megappo.types import SamplingParams
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_missing_sglang_names_the_fix():
+    with pytest.raises(ImportError, match="rollout.engine=hf"):
+        build_engine("sglang", model_path="x", pad_token_id=0)
+
+
+def test_unknown_engine():
+    with pytest.raises(ValueError, match="choose one of \\['hf', 'sglang'\\]"):
+        build_engine("vllm")
+
+
+@pytest.mark.gpu
+def test_sglang_generates_and_syncs_weights(tmp_path):
+    model = build_hf_model(TINY_CONFIGS["llama"], seed=0)
+    model.save_pretrained(tmp_path)
+    engine = build_engine("sglang", model_path=str(tmp_path), pad_token_id=0, dtype="float32",
+                          engine_args={"max_total_tokens": 4096})
+    try:
+        batch = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
+        assert batch.response_ids.shape[0] == 4
+        new = {k: v + 0.01 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        engine.update_weights([list(new.items())])
+        fps = engine.fingerprints(["model.embed_tokens.weight"])
+        assert torch.equal(fps["model.embed_tokens.weight"], engine.fingerprint_of(new["model.embed_tokens.weight"]))
+    finally:
+        engine.shutdown()
