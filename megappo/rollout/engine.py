@@ -5,10 +5,9 @@ token ids and receives the actor's weights as HF-named tensors, bucket by bucket
 the bridge (`megappo.rollout.bridge`). Implementations: `hf` (transformers, CPU default)
 and `sglang` (GPU). They are chosen from `ENGINES` by name.
 
-Fingerprints: `tensor_fingerprint(t)` is a float64 triple (sum, sum of squares, sum
-weighted by a fixed position-dependent sequence) computed on the tensor's own device; the
-trainer side and the engine side compute it on the same dtype, so equal weights give
-equal fingerprints and any changed element changes them (up to float64 rounding).
+Fingerprints: `tensor_fingerprint(t)` is an exact integer function of a tensor's bits,
+computed on the tensor's own device; the trainer side and the engine side compute it on
+the same dtype, so equal weights give equal fingerprints and a changed bit changes them.
 
 This module does not know about Megatron, PPO or configs.
 """
@@ -50,13 +49,20 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def tensor_fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """[3] float64 on the tensor's device: sum, sum of squares, position-weighted sum."""
-    flat = t.detach().reshape(-1).to(torch.float64)
-    # weights in [1, 2), a fixed function of position: a swap of two elements changes the sum
-    pos = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
-    weights = 1.0 + torch.frac(pos * 0.6180339887498949)
-    return torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()])
+    """[2] int64 on the tensor's device, a function of the tensor's bits only.
+
+    The elements' bit patterns as integers, summed plain and weighted by a position-
+    dependent factor, in wrap-around int64 arithmetic: exact and independent of summation
+    order (so CPU and GPU agree), and any changed bit or swapped pair changes it.
+    """
+    flat = t.detach().contiguous().reshape(-1)
+    ints = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device) % 65521 + 1
+    return torch.stack([ints.sum(), (ints * weights).sum()])
 
 
 def compare_fingerprints(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
