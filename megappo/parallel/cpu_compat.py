@@ -11,8 +11,7 @@ on a GPU machine. Every patch below names the Megatron-Core functions that need 
 | 2 | `torch.cuda.synchronize()` is a no-op | `pipeline_parallel.p2p_communication._communicate`, `parallel_state.initialize_model_parallel` |
 | 3 | a process-wide TorchFunctionMode maps `device="cuda"`/`cuda:N`/`N` to cpu and makes `Tensor.cuda()` return the tensor | `pipeline_parallel.schedules.forward_backward_*` (token counters), `optimizer.clip_grads`, `optimizer.grad_scaler`, `dist_checkpointing.exchange_utils`, `models.common.language_module.LanguageModule.setup_embeddings_and_output_layer` (`.cuda()`), `tensor_parallel.data.broadcast_data` |
 | 4 | a CPU-generator RNG tracker under Megatron's tracker names | `tensor_parallel.random.get_cuda_rng_tracker`, `model_parallel_cuda_manual_seed`, `CudaRNGStatesTracker.fork` (used by attention dropout and weight init) |
-| 5 | `torch.cuda.FloatTensor`-style type strings for CPU tensors | `optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups` (checks `param.type()`) |
-| 6 | dist-optimizer checkpoint load with torch's Adam: a per-param `step`, one tensor per param | `optimizer.distrib_optimizer.DistributedOptimizer.load_parameter_state_from_dp_reshardable` / `_set_main_param_and_optimizer_states` |
+| 5 | `Tensor.type()` reads `torch.cuda.FloatTensor` etc. for CPU tensors, inside the functions that compare it | `optimizer.distrib_optimizer.DistributedOptimizer.__init__` (its `_build_model_and_main_param_groups`), `optimizer.Float16OptimizerWithFloat16Params.__init__`, `optimizer.clip_grads.clip_grad_by_total_norm_fp32` |
 
 This module does not know about megappo's models, configs or process groups.
 """
@@ -133,29 +132,41 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_ra
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
 
 
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Inside the block, `Tensor.type()` of a CPU tensor reads 'torch.cuda.FloatTensor' etc."""
+    real_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        if args or kwargs:
+            return real_type(self, *args, **kwargs)
+        name = real_type(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real_type
+
+
 def _patch_tensor_type_strings() -> None:
-    """Patch 5: the distributed optimizer accepts 'torch.FloatTensor' etc. as CUDA types."""
-    from megatron.core.optimizer import distrib_optimizer
+    """Patch 5: the functions below compare `Tensor.type()` with CUDA type names."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
-    original = distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with _cuda_type_names():
+                return fn(*args, **kwargs)
 
-    @functools.wraps(original)
-    def build(*args, **kwargs):
-        real_type = torch.Tensor.type
+        return wrapped
 
-        def cuda_type(self, *targs, **tkwargs):
-            if targs or tkwargs:
-                return real_type(self, *targs, **tkwargs)
-            name = real_type(self)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
-
-        torch.Tensor.type = cuda_type
-        try:
-            return original(*args, **kwargs)
-        finally:
-            torch.Tensor.type = real_type
-
-    distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups = build
+    opt = distrib_optimizer.DistributedOptimizer
+    opt.__init__ = wrap(opt.__init__)  # builds its param groups (checks param.type()) here
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = wrap(optimizer.Float16OptimizerWithFloat16Params.__init__)
+    clip_grads.clip_grad_by_total_norm_fp32 = wrap(clip_grads.clip_grad_by_total_norm_fp32)
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32  # imported by name
 
 
 def enable() -> bool:
