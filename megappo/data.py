@@ -1,0 +1,196 @@
+"""Prompt datasets (JSONL / Parquet in verl's layout, built-in sources) and the sampler.
+
+A row in verl's layout:
+  {"data_source": "openai/gsm8k",
+   "prompt": [{"role": "user", "content": "..."}],       # chat messages (or a plain string)
+   "reward_model": {"style": "rule", "ground_truth": "72"},
+   "extra_info": {...}}
+`load_rows(paths)` reads .jsonl/.json and .parquet files (pyarrow, imported lazily);
+`build_prompts(rows, tokenizer, ...)` renders the chat template, tokenizes, and applies the
+long-prompt policy (skip / truncate from the left / error), counting what it did.
+Built-in sources need no files: `reasoning_gym:<task>` (procedural tasks from the
+reasoning-gym package with their own scorers) and `digit_successor` (the CPU demo task).
+
+`PromptSampler` yields global batches of example indices, reshuffled every epoch from
+(seed, epoch), with a cursor that checkpoints and resumes exactly.
+
+This module does not know about models, engines or process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from typing import Any, Iterable, Sequence
+
+
+class DataError(ValueError):
+    """A dataset megappo cannot use; the message names the file/row and the fix."""
+
+
+@dataclasses.dataclass
+class PromptExample:
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra: dict
+    index: int  # row index in the source
+
+
+def load_rows(paths: Sequence[str]) -> list[dict]:
+    rows: list[dict] = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise DataError(f"dataset file '{path}' does not exist (data.train_files / data.val_files).")
+        if path.endswith((".jsonl", ".json")):
+            with open(path) as f:
+                for line_no, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise DataError(f"{path}:{line_no} is not valid JSON ({e.msg}).") from None
+        elif path.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DataError("reading .parquet needs pyarrow: pip install pyarrow") from None
+            rows.extend(pq.read_table(path).to_pylist())
+        else:
+            raise DataError(f"'{path}': unsupported dataset format; use .jsonl or .parquet.")
+    if not rows:
+        raise DataError(f"the dataset {list(paths)} is empty; a PPO run needs at least one prompt.")
+    return rows
+
+
+def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool) -> list[int]:
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = list(prompt)
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 512,
+                  long_prompt_policy: str = "skip", apply_chat_template: bool = True, source: str = "dataset"
+                  ) -> tuple[list[PromptExample], dict[str, int]]:
+    """Tokenize rows; returns (examples, {"skipped_long": k, "truncated_long": k})."""
+    examples, stats = [], {"skipped_long": 0, "truncated_long": 0}
+    for i, row in enumerate(rows):
+        if prompt_key not in row or row[prompt_key] in (None, "", []):
+            raise DataError(
+                f"row {i} of {source} has no '{prompt_key}' (keys: {sorted(row)}); fix the row or set data.prompt_key."
+            )
+        ids = render_prompt(row[prompt_key], tokenizer, apply_chat_template)
+        if len(ids) > max_prompt_length:
+            if long_prompt_policy == "error":
+                raise DataError(
+                    f"row {i} of {source}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}; "
+                    "raise the limit or set data.long_prompt_policy=skip|truncate."
+                )
+            if long_prompt_policy == "skip":
+                stats["skipped_long"] += 1
+                continue
+            ids = ids[-max_prompt_length:]  # keep the end, where the question and template are
+            stats["truncated_long"] += 1
+        reward_info = row.get("reward_model") or {}
+        examples.append(PromptExample(prompt_ids=ids, data_source=row.get("data_source", "unknown"),
+                                      ground_truth=reward_info.get("ground_truth"),
+                                      extra=dict(row.get("extra_info") or {}), index=i))
+    if not examples:
+        raise DataError(f"no prompt of {source} is usable ({stats}); check data.max_prompt_length.")
+    return examples, stats
+
+
+# -- built-in sources -----------------------------------------------------------------------
+
+def digit_successor_rows(size: int, seed: int) -> list[dict]:
+    """The CPU demo task: 'Next digit after 3?' -> '4' (9 -> 0). Random policy: ~1/11 reward."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        d = rng.randrange(10)
+        rows.append({"data_source": "digit_successor", "prompt": f"{d}>",
+                     "reward_model": {"style": "rule", "ground_truth": str((d + 1) % 10)}})
+    return rows
+
+
+def reasoning_gym_rows(task: str, size: int, seed: int) -> list[dict]:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DataError("data.builtin=reasoning_gym:... needs the reasoning-gym package: pip install reasoning-gym") from None
+    dataset = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    rows = []
+    for entry in dataset:
+        rows.append({
+            "data_source": f"reasoning_gym/{task}",
+            "prompt": [{"role": "user", "content": entry["question"] + " Give only the final answer."}],
+            "reward_model": {"style": "rule", "ground_truth": entry["answer"]},
+            "extra_info": {"task": task, "entry": entry},
+        })
+    return rows
+
+
+def reasoning_gym_scorer(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def builtin_rows(spec: str, size: int, seed: int) -> list[dict]:
+    """data.builtin: 'digit_successor' or 'reasoning_gym:<task>'."""
+    if spec == "digit_successor":
+        return digit_successor_rows(size, seed)
+    if spec.startswith("reasoning_gym:"):
+        return reasoning_gym_rows(spec.split(":", 1)[1], size, seed)
+    raise DataError(f"unknown data.builtin '{spec}'; choose 'digit_successor' or 'reasoning_gym:<task>'.")
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+class PromptSampler:
+    """Global batches of example indices; shuffled per epoch from (seed, epoch); resumable.
+
+    Incomplete final batches are dropped (every step has the configured batch size).
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, *, seed: int = 1, shuffle: bool = True):
+        if batch_size > num_examples:
+            raise DataError(
+                f"data.train_batch_size={batch_size} is larger than the dataset ({num_examples} prompts); "
+                "lower the batch size or add prompts."
+            )
+        self.n, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // self.batch_size
+
+    def _order(self) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[int]:
+        if self.cursor >= self.batches_per_epoch:
+            self.epoch, self.cursor = self.epoch + 1, 0
+        start = self.cursor * self.batch_size
+        self.cursor += 1
+        return self._order()[start:start + self.batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n or state["seed"] != self.seed:
+            raise DataError("the checkpoint's sampler was built for another dataset or seed; resume with the same data.")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
