@@ -30,7 +30,8 @@ setup(
         # NVIDIA apex is built from source on GPU machines; never the PyPI package `apex`.
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
         "ray": ["ray"],
-        "test": ["pytest>=8", "tokenizers"],
+        "data": ["pyarrow", "reasoning-gym==0.1.25"],  # Parquet datasets, procedural tasks
+        "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25"],
     },
     entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
 )
