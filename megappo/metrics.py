@@ -1,0 +1,156 @@
+"""Metric sinks (console, JSONL, TensorBoard, W&B), the progress line, and `megappo plot`.
+
+Metric names follow verl's namespaces (`actor/pg_loss`, `critic/vf_loss`,
+`critic/score/mean`, `timing_s/gen`, `perf/throughput`, ...). Only global rank 0 logs.
+`MetricLogger(run_dir, sinks)` writes one JSON object per step to `run_dir/metrics.jsonl`
+(appending, so a resumed run continues the same file) and to the other sinks; `Progress`
+prints a one-line bar with the ETA; `plot_run(run_dir)` draws reward, KL, entropy,
+response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
+
+This module does not know about models, PPO math or process groups.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Iterable, Mapping
+
+SINKS = ("console", "jsonl", "tensorboard", "wandb")
+
+#: what the console shows each step (the JSONL file has everything)
+CONSOLE_KEYS = (
+    "critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
+    "critic/vf_loss", "response_length/mean", "timing_s/step", "perf/throughput",
+)
+
+
+class MetricLogger:
+    def __init__(self, run_dir: str, sinks: Iterable[str] = ("console", "jsonl"), *, project: str = "megappo",
+                 run_name: str | None = None, config: Mapping | None = None, resume_step: int = 0):
+        sinks = list(sinks)
+        unknown = [s for s in sinks if s not in SINKS]
+        if unknown:
+            raise ValueError(f"unknown logging sink(s) {unknown}; choose from {list(SINKS)} (logging.sinks)")
+        self.run_dir, self.sinks = run_dir, sinks
+        os.makedirs(run_dir, exist_ok=True)
+        self._jsonl = None
+        if "jsonl" in sinks:
+            path = os.path.join(run_dir, "metrics.jsonl")
+            if resume_step and os.path.exists(path):
+                _truncate_after(path, resume_step)  # a resumed run rewrites steps after its checkpoint
+            self._jsonl = open(path, "a")
+        self._tb = None
+        if "tensorboard" in sinks:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("logging.sinks tensorboard needs the tensorboard package: pip install tensorboard") from e
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self._wandb = None
+        if "wandb" in sinks:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("logging.sinks wandb needs the wandb package: pip install wandb") from e
+            self._wandb = wandb.init(project=project, name=run_name, config=dict(config or {}), dir=run_dir)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items()}
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb:
+            self._wandb.log(clean, step=step)
+        if "console" in self.sinks:
+            shown = " ".join(f"{k}={clean[k]:.4g}" for k in CONSOLE_KEYS if k in clean)
+            print(f"step {step}: {shown}", flush=True)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+class Progress:
+    """`[#####-----] 12/40 steps  1.9 s/step  ETA 53s` on one line (rank 0)."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, width: int = 24):
+        self.total, self.done, self.enabled, self.width = total, start, enabled, width
+        self._t0, self._start = time.time(), start
+
+    def update(self, step: int) -> str:
+        self.done = step
+        rate = (time.time() - self._t0) / max(step - self._start, 1)
+        left = rate * (self.total - step)
+        filled = int(self.width * step / max(self.total, 1))
+        line = (f"[{'#' * filled}{'-' * (self.width - filled)}] {step}/{self.total} steps  "
+                f"{rate:.1f} s/step  ETA {_fmt_seconds(left)}")
+        if self.enabled:
+            print(line, file=sys.stderr, flush=True)
+        return line
+
+
+def _fmt_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else (f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")
+
+
+PLOT_PANELS = (
+    ("reward", ("critic/score/mean", "val/score/mean")),
+    ("KL", ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")),
+    ("entropy", ("actor/entropy",)),
+    ("response length", ("response_length/mean",)),
+    ("timing (s)", ("timing_s/gen", "timing_s/update_actor", "timing_s/update_critic", "timing_s/step")),
+)
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}'; is it a megappo run directory (run.output_dir)?")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    """Write the curves PNG for a run directory; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), 3.2))
+    for ax, (title, keys) in zip(axes, PLOT_PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=key, marker="." if len(pts) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
