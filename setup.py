@@ -25,13 +25,14 @@ setup(
         "numpy",
         "psutil",  # megatron-core's dist_checkpointing needs it but does not declare it
         "packaging",
+        "matplotlib",  # megappo plot
     ],
     extras_require={
         # NVIDIA apex is built from source on GPU machines; never the PyPI package `apex`.
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
         "ray": ["ray"],
         "data": ["pyarrow", "reasoning-gym==0.1.25"],  # Parquet datasets, procedural tasks
-        "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "matplotlib"],
+        "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25"],
     },
     entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
 )
