@@ -78,12 +78,50 @@ def cmd_demo(args) -> int:
     return 0 if same else 1
 
 
+def cmd_train(args) -> int:
+    from megappo.config import load_config
+    from megappo.parallel.launch import ensure_ranks
+
+    cfg = load_config(args.recipe, args.overrides)  # every config error before any rank starts
+    ensure_ranks(args.nproc or cfg.parallel.tp * cfg.parallel.pp)
+    from megappo.metrics import plot_run
+    from megappo.orchestrator import train
+    from megappo.parallel.state import destroy_parallel
+    from megappo.run import create_run
+
+    run = create_run(cfg)
+    history = train(run)
+    if run.ps.is_rank0:
+        png = plot_run(cfg.run.output_dir)
+        last = history[-1] if history else {}
+        print(f"done: {len(history)} steps, final critic/score/mean={last.get('critic/score/mean', float('nan')):.3f}; "
+              f"metrics in {cfg.run.output_dir}/metrics.jsonl, curves in {png}", flush=True)
+    destroy_parallel()
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from megappo.metrics import plot_run
+
+    print(plot_run(args.run_dir))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megappo", description="PPO for language models on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="CPU smoke job: tiny model, TP=2 conversion round trip, greedy decode")
     demo.add_argument("--output-dir", default="runs/demo")
     demo.set_defaults(func=cmd_demo)
+    train = sub.add_parser("train", help="run PPO from a recipe: megappo train RECIPE.yaml [key.sub=value ...]")
+    train.add_argument("recipe")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="ranks to launch when not under torchrun (default: parallel.tp * parallel.pp)")
+    train.set_defaults(func=cmd_train)
+    plot = sub.add_parser("plot", help="write RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=cmd_plot)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -56,6 +56,7 @@ class RolloutBatch:
     finish_reasons: list[str]  # N entries: "stop" (EOS/stop token) or "length"
     prompt_index: torch.Tensor  # [N] long: which input prompt each sample came from
     logprob_mode: LogprobMode = "tempered"
+    examples: list | None = None  # the orchestrator's per-sample prompt records (ground truth, ...)
 
     @property
     def num_samples(self) -> int:

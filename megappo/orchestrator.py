@@ -1,0 +1,202 @@
+"""One PPO step, readable top to bottom, and the loop around it (`megappo train`).
+
+Every rank runs this program (SPMD under torchrun). Global rank 0 also owns the rollout
+engine, the prompts, the reward functions, the KL controller, the advantages, logging and
+progress; tensors it produces are broadcast, per-sample results of the models come back
+to it (`megappo.workers`). Setup (models, engine, data, checkpoints) lives in `megappo.run`.
+
+This module does not know how models are built or sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from megappo.parallel.comm import broadcast_from_rank0
+from megappo.ppo.advantages import get_estimator
+from megappo.ppo.kl import apply_kl_penalty
+from megappo.rewards import score_batch
+from megappo.rollout.bridge import logprob_mismatch
+from megappo.run import Run
+from megappo.types import RolloutBatch, SamplingParams
+from megappo.workers import Experience, SeqBatch
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps had non-finite losses or gradients (run.max_nan_skips)."""
+
+
+@contextlib.contextmanager
+def timed(metrics: dict, name: str):
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def ppo_step(run: Run, step: int) -> dict[str, float]:
+    cfg, m = run.cfg, {}
+    with timed(m, "gen"):
+        batch = broadcast_from_rank0(generate(run, step) if run.ps.is_rank0 else None)
+    seqs = to_seqs(batch)
+    with timed(m, "old_log_prob"):
+        old_lp, entropy = run.actor.log_probs(seqs, with_entropy=True)
+    ref_lp = run.ref.log_probs(seqs) if run.ref else None
+    with timed(m, "values"):
+        values = run.critic.values(seqs) if run.critic else None
+    rm_scores = run.reward_model.scores(seqs) if run.reward_model else None
+    exp = None
+    if run.ps.is_rank0:
+        with timed(m, "reward"):
+            scores = rewards(run, batch, rm_scores)
+        exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
+        m.update(rollout_metrics(batch, scores, exp, entropy, old_lp))
+    exp = broadcast_from_rank0(exp)
+    if run.critic:
+        with timed(m, "update_critic"):
+            m.update(run.critic.update(exp, **run.critic_update_args(step)))
+    with timed(m, "update_actor"):
+        m.update(run.actor.update(exp, **run.actor_update_args(step)))
+    with timed(m, "weight_sync"):
+        m.update(run.bridge.sync().metrics())
+    return m
+
+
+def generate(run: Run, step: int) -> RolloutBatch:
+    cfg = run.cfg.rollout
+    prompts = [run.train_examples[i] for i in run.sampler.next_batch()]
+    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids, seed=cfg.seed + step,
+                            logprob_mode=cfg.logprob_mode)
+    batch = run.engine.generate([p.prompt_ids for p in prompts], params)
+    batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
+    return batch
+
+
+def to_seqs(batch: RolloutBatch) -> SeqBatch:
+    ids, mask = batch.sequences()
+    return SeqBatch(input_ids=ids, attention_mask=mask, response_mask=batch.response_mask,
+                    prompt_len=batch.prompt_ids.shape[1])
+
+
+def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None) -> torch.Tensor:
+    """[N] sequence scores: rule-based functions (on decoded text) plus the reward model."""
+    cfg = run.cfg.reward
+    scores = torch.zeros(batch.num_samples)
+    if cfg.functions:
+        texts = run.tokenizer.batch_decode(batch.response_ids * batch.response_mask, skip_special_tokens=True)
+        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, texts,
+                                           [e.ground_truth for e in batch.examples],
+                                           [e.extra for e in batch.examples]))
+    if rm_scores is not None:
+        scores += cfg.model_weight * rm_scores.float()
+    return scores
+
+
+def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,
+                    m: dict) -> Experience:
+    cfg = run.cfg
+    mask = batch.response_mask
+    last = (mask.sum(-1) - 1).clamp(min=0)
+    token_scores = torch.zeros_like(mask, dtype=torch.float32)
+    token_scores[torch.arange(len(last)), last] = scores  # the sequence score sits on its last token
+    token_rewards = token_scores
+    if cfg.algorithm.use_kl_in_reward:
+        token_rewards, kl_metrics = apply_kl_penalty(token_scores, old_lp, ref_lp, mask, run.kl_ctrl,
+                                                     kl_penalty=cfg.algorithm.kl_penalty)
+        m.update(kl_metrics)
+    rollout_lp = batch.rollout_log_probs
+    m.update(logprob_mismatch(rollout_lp, old_lp, mask))
+    is_weights = None
+    if cfg.actor.old_logprob == "bypass":
+        old_lp = rollout_lp
+    elif cfg.actor.old_logprob == "is_correct":
+        is_weights = torch.exp((old_lp - rollout_lp) * mask).clamp(max=cfg.actor.is_truncate) * mask
+        m["rollout/is_weight_mean"] = (is_weights.sum() / mask.sum().clamp(min=1)).item()
+    adv, ret = advantages(cfg.algorithm, token_rewards, mask, values, batch)
+    m["critic/rewards/mean"] = (token_rewards.sum(-1)).mean().item()
+    return Experience(seqs=seqs, old_log_probs=old_lp, advantages=adv, ref_log_probs=ref_lp, values=values,
+                      returns=ret, rollout_is_weights=is_weights)
+
+
+def advantages(algo, token_rewards, mask, values, batch: RolloutBatch):
+    """Dispatch to the estimator named in the config, with its scalar arguments."""
+    fn = get_estimator(algo.adv_estimator)
+    name = algo.adv_estimator
+    if name == "gae":
+        return fn(token_rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
+    if name == "grpo":
+        return fn(token_rewards, mask, batch.prompt_index, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+    if name in ("rloo", "reinforce_plus_plus_baseline"):
+        return fn(token_rewards, mask, batch.prompt_index)
+    if name == "reinforce_plus_plus":
+        return fn(token_rewards, mask, gamma=algo.gamma)
+    raise NotImplementedError(f"algorithm.adv_estimator={name} needs a greedy baseline rollout, which the "
+                              "orchestrator does not generate yet; use gae, grpo, rloo or reinforce_plus_plus.")
+
+
+def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy, old_lp) -> dict[str, float]:
+    mask = batch.response_mask.bool()
+    lengths = batch.response_mask.sum(-1).float()
+    out = {
+        "critic/score/mean": scores.mean().item(),
+        "critic/score/max": scores.max().item(),
+        "critic/score/min": scores.min().item(),
+        "critic/advantages/mean": exp.advantages[mask].mean().item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/clip_ratio": sum(r == "length" for r in batch.finish_reasons) / batch.num_samples,
+        "actor/rollout_entropy": entropy[mask].mean().item(),
+    }
+    if exp.returns is not None:
+        out["critic/returns/mean"] = exp.returns[mask].mean().item()
+    if exp.values is not None:
+        out["critic/values/mean"] = exp.values[mask].mean().item()
+        ret, val = exp.returns[mask], exp.values[mask]
+        out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-8)).item()
+    return out
+
+
+def train(run: Run) -> list[dict[str, float]]:
+    """The loop: steps, logging, progress, checkpoints, validation. Returns rank 0's metrics."""
+    history, skips = [], 0
+    run.bridge.sync()
+    for step in range(run.start_step + 1, run.total_steps + 1):
+        start = time.perf_counter()
+        metrics = ppo_step(run, step)
+        if run.ps.is_rank0:
+            metrics["timing_s/step"] = time.perf_counter() - start
+            tokens = metrics.get("response_length/mean", 0) * run.cfg.data.train_batch_size * run.cfg.rollout.n
+            metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / run.ps.world_size
+            skipped = metrics.get("actor/skipped_steps", 0) + metrics.get("critic/skipped_steps", 0)
+            skips += int(skipped > 0)
+            run.logger.log(step, metrics)
+            run.progress.update(step)
+            history.append(metrics)
+        skips = broadcast_from_rank0(skips)
+        if skips > run.cfg.run.max_nan_skips:
+            raise NonFiniteLossError(f"{skips} steps had non-finite losses or gradients (> run.max_nan_skips="
+                                     f"{run.cfg.run.max_nan_skips}); lower the learning rate or check the data.")
+        run.maybe_checkpoint(step)
+        if run.cfg.run.val_every and step % run.cfg.run.val_every == 0:
+            val = validate(run)
+            if run.ps.is_rank0:
+                run.logger.log(step, val)
+    run.finish()
+    return history
+
+
+def validate(run: Run) -> dict[str, float]:
+    """Generation on the validation prompts with the reward functions: `val/...` metrics."""
+    if not run.ps.is_rank0 or not run.val_examples:
+        return {}
+    cfg = run.cfg.rollout
+    params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids, seed=cfg.seed)
+    batch = run.engine.generate([e.prompt_ids for e in run.val_examples], params)
+    batch.examples = [run.val_examples[i] for i in batch.prompt_index.tolist()]
+    scores = rewards(run, batch, None)
+    return {"val/score/mean": scores.mean().item(),
+            "val/response_length/mean": batch.response_mask.sum(-1).float().mean().item()}
+

@@ -1,0 +1,190 @@
+"""Everything a training run holds, built once from a Config: `Run.create(cfg)`.
+
+Process groups, the tokenizer, the actor / reference / critic / reward models (HF weights
+loaded into the shards, Megatron optimizers for the trained ones), the rollout engine and
+the bridge on rank 0, prompts and sampler, the KL controller, the metric logger, and the
+step bookkeeping the loop needs. Checkpoint save/resume of the trainer lives here too.
+
+This module does not know the order of a PPO step (see megappo.orchestrator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+
+from megappo.config import Config
+from megappo.data import PromptSampler, build_prompts, builtin_rows, load_rows
+from megappo.metrics import MetricLogger, Progress
+from megappo.models.builders import MegatronModel, build_model
+from megappo.models.hf_config import dims_from_hf, load_hf_config
+from megappo.models.training import OptimSettings, make_trainable
+from megappo.models.weights import load_hf_weights
+from megappo.parallel.state import ParallelState, init_parallel
+from megappo.ppo.kl import make_kl_controller
+from megappo.rollout.bridge import WeightBridge
+from megappo.tokenizer import check_vocab, load_tokenizer
+from megappo.workers import PolicyWorker, ValueWorker
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    ps: ParallelState
+    tokenizer: Any
+    actor: PolicyWorker
+    ref: PolicyWorker | None
+    critic: ValueWorker | None
+    reward_model: ValueWorker | None
+    engine: Any  # RolloutEngine on rank 0, None elsewhere
+    bridge: WeightBridge
+    train_examples: list
+    val_examples: list
+    sampler: PromptSampler | None
+    kl_ctrl: Any
+    logger: MetricLogger | None
+    progress: Progress | None
+    total_steps: int
+    start_step: int = 0
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+    def actor_update_args(self, step: int) -> dict:
+        a = self.cfg.actor
+        return dict(mini_batch_size=a.ppo_mini_batch_size * self.cfg.rollout.n, epochs=a.ppo_epochs,
+                    clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
+                    loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
+                    kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, seed=self.cfg.run.seed * 7919 + step)
+
+    def critic_update_args(self, step: int) -> dict:
+        c = self.cfg.critic
+        return dict(mini_batch_size=c.ppo_mini_batch_size * self.cfg.rollout.n, epochs=c.ppo_epochs,
+                    cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+                    seed=self.cfg.run.seed * 7919 + step)
+
+    def maybe_checkpoint(self, step: int) -> None:
+        pass  # trainer checkpoints: see the run-at-scale issue
+
+    def finish(self) -> None:
+        if self.logger:
+            self.logger.close()
+
+
+def _hf_source(cfg: Config):
+    """(HF config dict, weights: a directory or an in-memory state dict, the HF model or None)."""
+    if cfg.model.path:
+        return load_hf_config(cfg.model.path), cfg.model.path, None
+    from megappo.models.hf_reference import build_hf_model
+
+    hf = build_hf_model(cfg.model.hf_config, seed=cfg.model.seed_init)
+    return cfg.model.hf_config, hf.state_dict(), hf
+
+
+def _optim(section, total_steps: int, updates_per_step: int, use_dist_opt: bool) -> OptimSettings:
+    o = section.optim
+    return OptimSettings(lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay, betas=tuple(o.betas),
+                         eps=o.eps, clip_grad=section.grad_clip, warmup_steps=o.warmup_steps,
+                         total_steps=total_steps * updates_per_step, decay_style=o.lr_decay_style,
+                         use_distributed_optimizer=use_dist_opt)
+
+
+def create_run(cfg: Config) -> Run:
+    cfg.data.require_training_data()
+    p = cfg.parallel
+    ps = init_parallel(p.tp, p.pp, p.vpp, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
+    cfg.validate_world(ps.world_size)
+    torch.manual_seed(cfg.run.seed)
+    hf_config, weights, hf_model = _hf_source(cfg)
+    dims = dims_from_hf(hf_config, cfg.model.arch)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    check_vocab(tokenizer, dims.vocab_size)
+
+    # prompts (rank 0 owns them)
+    train_examples, val_examples, sampler, data_stats = [], [], None, {}
+    if ps.is_rank0:
+        d = cfg.data
+        rows = builtin_rows(d.builtin, d.builtin_size, d.seed) if d.builtin else load_rows(d.train_files)
+        kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                  long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template)
+        train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files), **kw)
+        if d.val_files or d.builtin:
+            val_rows = (builtin_rows(d.builtin, d.builtin_val_size, d.seed + 1) if d.builtin and not d.val_files
+                        else load_rows(d.val_files))
+            val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
+        sampler = PromptSampler(len(train_examples), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+    from megappo.parallel.comm import broadcast_from_rank0
+
+    steps_per_epoch = broadcast_from_rank0(sampler.batches_per_epoch if sampler else None)
+    total_steps = cfg.run.total_steps or steps_per_epoch * cfg.run.total_epochs
+
+    def model(role: str, source=weights) -> MegatronModel:
+        m = build_model(dims, ps, role=role, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec,
+                        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        load_hf_weights(m, source)
+        return m
+
+    updates = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
+    actor_model = model("actor")
+    actor = PolicyWorker(actor_model, micro_batch_size=cfg.actor.micro_batch_size,
+                         temperature=cfg.rollout.temperature or 1.0,
+                         trainable=make_trainable(actor_model, _optim(cfg.actor, total_steps, updates,
+                                                                      p.use_distributed_optimizer)))
+    ref = None
+    if cfg.needs_ref:
+        ref = PolicyWorker(model("ref"), micro_batch_size=cfg.ref.micro_batch_size or cfg.actor.micro_batch_size,
+                           temperature=cfg.rollout.temperature or 1.0)
+    critic = None
+    if cfg.use_critic:
+        c_updates = cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size * cfg.critic.ppo_epochs
+        critic_model = model("critic", cfg.critic.path or weights)
+        critic = ValueWorker(critic_model, micro_batch_size=cfg.critic.micro_batch_size,
+                             trainable=make_trainable(critic_model, _optim(cfg.critic, total_steps, c_updates,
+                                                                           p.use_distributed_optimizer)))
+    reward_model = None
+    if cfg.reward.model_path:
+        reward_model = ValueWorker(model("reward", cfg.reward.model_path), micro_batch_size=cfg.reward.micro_batch_size)
+
+    engine = None
+    if ps.is_rank0:
+        engine = _build_engine(cfg, hf_model, tokenizer)
+    bridge = WeightBridge(actor_model, engine, bucket_bytes=cfg.rollout.update_bucket_mb << 20,
+                          verify_every=cfg.rollout.verify_every)
+    kl = cfg.algorithm.kl_ctrl
+    kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+    logger = progress = None
+    if ps.is_rank0:
+        os.makedirs(cfg.run.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
+                              run_name=cfg.logging.run_name, config=cfg.to_dict())
+        progress = Progress(total_steps, enabled=cfg.logging.progress_bar)
+        print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)} "
+              f"(long prompts: {data_stats}) | steps={total_steps} | critic={'on' if critic else 'off'} "
+              f"ref={'on' if ref else 'off'} | estimator={cfg.algorithm.adv_estimator}", flush=True)
+    return Run(cfg=cfg, ps=ps, tokenizer=tokenizer, actor=actor, ref=ref, critic=critic, reward_model=reward_model,
+               engine=engine, bridge=bridge, train_examples=train_examples, val_examples=val_examples,
+               sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps)
+
+
+def _build_engine(cfg: Config, hf_model, tokenizer):
+    from megappo.rollout.engine import build_engine
+
+    if cfg.rollout.engine == "hf":
+        if hf_model is None:
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id)
+    if cfg.model.path is None:
+        raise ValueError("rollout.engine=sglang needs model.path (an HF directory SGLang can load).")
+    return build_engine("sglang", model_path=cfg.model.path, pad_token_id=tokenizer.pad_token_id,
+                        dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
+                        engine_args=cfg.rollout.sglang)

@@ -1,0 +1,53 @@
+"""Tokenizers: an HF tokenizer directory, or a built-in character tokenizer for the CPU demo.
+
+`load_tokenizer(spec)`: a path is loaded with `AutoTokenizer` (offline); `builtin:digits`
+builds a character-level tokenizer over digits and a few symbols in memory, with
+<pad>=0, <eos>=1, <bos>=2 (no download, no files). The model's vocab must cover the
+tokenizer's (`check_vocab`).
+
+This module does not know about models or training.
+"""
+
+from __future__ import annotations
+
+BUILTIN_ALPHABETS = {"digits": "0123456789>+-=? "}
+
+
+def char_tokenizer(alphabet: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.clean_up_tokenization_spaces = False
+    return fast
+
+
+def load_tokenizer(spec: str):
+    if spec.startswith("builtin:"):
+        name = spec.split(":", 1)[1]
+        if name not in BUILTIN_ALPHABETS:
+            raise ValueError(f"unknown built-in tokenizer '{spec}'; choose from "
+                             f"{['builtin:' + k for k in BUILTIN_ALPHABETS]} or give an HF tokenizer directory.")
+        return char_tokenizer(BUILTIN_ALPHABETS[name])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # the usual choice for decoder-only models without a pad token
+    return tok
+
+
+def check_vocab(tokenizer, model_vocab_size: int) -> None:
+    """A tokenizer with ids beyond the model's embedding rows would index out of range."""
+    size = len(tokenizer)
+    if size > model_vocab_size:
+        raise ValueError(
+            f"the tokenizer has {size} tokens but the model's vocab_size is {model_vocab_size}; "
+            "use the model's own tokenizer (model.tokenizer) or a model with a larger vocabulary."
+        )
