@@ -1,4 +1,5 @@
-# The two quickstart commands: `make demo` (the main job) and `make test` (the suite).
+# The two quickstart commands: `make demo` (the main job: PPO on the CPU demo recipe)
+# and `make test` (the suite).
 # Each installs what it needs first. torch is pinned to the CPU build before anything
 # else so that no dependency can pull a CUDA torch on a CPU machine.
 PYTHON ?= python
@@ -12,7 +13,7 @@ install:
 	$(PYTHON) -m pip install -q -e ".[test]"
 
 demo: install
-	$(PYTHON) -m megappo.cli demo
+	$(PYTHON) -m megappo.cli train recipes/demo-cpu.yaml
 
 test: install
 	$(PYTHON) -m pytest -q tests

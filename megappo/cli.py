@@ -1,9 +1,11 @@
-"""`megappo` command line: `megappo demo` (and, as they land, train / plan / plot / export).
+"""`megappo` command line: train, plot, smoke.
 
-`demo` is the foundation smoke job on this CPU machine, until the PPO loop exists: on 2
-gloo ranks it builds a tiny Llama from config, writes it as an HF directory, converts it
-to a Megatron checkpoint at TP=2 and back with verification, and greedy-decodes with the
-TP-sharded Megatron model, checking the tokens against transformers' `generate`.
+  megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches tp*pp ranks itself
+                                                  unless run under torchrun)
+  megappo plot RUN_DIR                            curves.png from metrics.jsonl
+  megappo smoke                                   2 gloo ranks: tiny Llama from config, HF ->
+                                                  Megatron TP=2 -> HF with verification, and
+                                                  greedy decoding checked against transformers
 
 This module parses arguments and dispatches; it holds no model or PPO logic.
 """
@@ -36,7 +38,7 @@ def _greedy_megatron(model, prompt_ids, steps):
     return ids
 
 
-def cmd_demo(args) -> int:
+def cmd_smoke(args) -> int:
     from megappo.parallel.launch import ensure_ranks
 
     ensure_ranks(2)
@@ -110,9 +112,9 @@ def cmd_plot(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megappo", description="PPO for language models on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="CPU smoke job: tiny model, TP=2 conversion round trip, greedy decode")
-    demo.add_argument("--output-dir", default="runs/demo")
-    demo.set_defaults(func=cmd_demo)
+    smoke = sub.add_parser("smoke", help="CPU smoke job: tiny model, TP=2 conversion round trip, greedy decode")
+    smoke.add_argument("--output-dir", default="runs/smoke")
+    smoke.set_defaults(func=cmd_smoke)
     train = sub.add_parser("train", help="run PPO from a recipe: megappo train RECIPE.yaml [key.sub=value ...]")
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
@@ -123,7 +125,15 @@ def main(argv=None) -> int:
     plot.add_argument("run_dir")
     plot.set_defaults(func=cmd_plot)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from megappo.config import ConfigError
+    from megappo.data import DataError
+    from megappo.models.hf_config import ModelConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, ModelConfigError) as e:  # bad input: the message says the fix
+        print(f"megappo: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
