@@ -85,7 +85,7 @@ def cmd_train(args) -> int:
     from megappo.parallel.launch import ensure_ranks
 
     cfg = load_config(args.recipe, args.overrides)  # every config error before any rank starts
-    ensure_ranks(args.nproc or cfg.parallel.tp * cfg.parallel.pp)
+    ensure_ranks(args.world_size or cfg.parallel.tp * cfg.parallel.pp)
     from megappo.metrics import plot_run
     from megappo.orchestrator import train
     from megappo.parallel.state import destroy_parallel
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     train = sub.add_parser("train", help="run PPO from a recipe: megappo train RECIPE.yaml [key.sub=value ...]")
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
-    train.add_argument("--nproc", type=int, default=None,
+    train.add_argument("--world-size", type=int, default=None,
                        help="ranks to launch when not under torchrun (default: parallel.tp * parallel.pp)")
     train.set_defaults(func=cmd_train)
     plot = sub.add_parser("plot", help="write RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")

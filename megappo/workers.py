@@ -27,6 +27,7 @@ from megappo.parallel.comm import dp_shard, gather_to_rank0
 from megappo.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 from megappo.ppo import losses as ppo_losses
 from megappo.ppo.kl import kl_penalty
+from megappo.ppo.stats import masked_mean
 
 
 @dataclasses.dataclass
@@ -133,6 +134,7 @@ class PolicyWorker:
         assert self.trainable is not None, "the reference model is not trained"
         ps = self.model.ps
         metrics: dict[str, list[float]] = {}
+        first_micro_batch = [True]
         for epoch in range(epochs):
             for rows in _mini_batches(exp.seqs.size, mini_batch_size, ps.dp, seed + epoch):
                 mine = rows[dp_shard(len(rows), ps)]
@@ -142,7 +144,7 @@ class PolicyWorker:
                 mbs = _micro_batches(exp.seqs, mine, self.micro_batch_size, extra)
 
                 def on_output(logits, mb):
-                    lp, ent = self._token_stats(logits, mb, exp.seqs.prompt_len, entropy_coeff != 0 or True)
+                    lp, ent = self._token_stats(logits, mb, exp.seqs.prompt_len, entropy=True)  # logged always
                     mask = mb["response_mask"]
                     pg_loss, m = ppo_losses.policy_loss(
                         old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
@@ -157,6 +159,10 @@ class PolicyWorker:
                         kl_loss = ppo_losses.agg_loss(kl, mask, loss_agg_mode, **counts)
                         loss = loss + kl_loss_coef * kl_loss
                         m["actor/kl_loss"] = kl_loss.detach()
+                    if first_micro_batch[0]:
+                        # before any update: 0 when old log-probs were recomputed by this model
+                        first_micro_batch[0] = False
+                        m["actor/ppo_kl_first_micro_batch"] = masked_mean(mb["old"] - lp.detach(), mask)
                     m["actor/pg_loss"] = pg_loss.detach()
                     m["actor/entropy"] = ent_loss.detach()
                     return loss, {k: float(v) for k, v in m.items()}
@@ -243,19 +249,23 @@ def _mini_batches(n: int, size: int, dp: int, seed: int) -> list[torch.Tensor]:
     return [order[i:i + size] for i in range(0, n, size)]
 
 
+_PER_STEP = ("grad_norm", "/lr", "skipped_steps")
+
+
 def _reduce_metrics(model: MegatronModel, metrics: dict[str, list[float]]) -> dict[str, float]:
-    """Metrics of global-count losses are summed over micro-batches and DP replicas within a
-    mini-batch, then averaged over mini-batches; the rest are averaged."""
+    """On rank 0: per-optimizer-step values averaged over the steps. Loss metrics come from
+    global-count losses, so the parts of one mini-batch (micro-batches x DP replicas) add
+    up to its value: their grand total is divided by the number of optimizer steps."""
     parts = gather_to_rank0(model.ps, metrics)
     if parts is None:
         return {}
-    merged: dict[str, float] = {}
-    for key in parts[0]:
-        series = [p[key] for p in parts]
-        if key.endswith(("grad_norm", "/lr", "skipped_steps")):
-            merged[key] = sum(series[0]) / len(series[0])
+    steps = max(len(v) for k, v in parts[0].items() if k.endswith("grad_norm"))
+    out = {}
+    for key, first in parts[0].items():
+        if key.endswith(_PER_STEP):
+            out[key] = sum(first) / len(first)
+        elif key.endswith("first_micro_batch"):
+            out[key] = first[0]  # DP replica 0's first micro-batch
         else:
-            total = sum(sum(s) for s in series)
-            steps = len(series[0]) / max(1, len(series[0]) // max(1, len(series[0])))
-            merged[key] = total / steps
-    return merged
+            out[key] = sum(sum(p.get(key, ())) for p in parts) / steps
+    return out

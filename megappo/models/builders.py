@@ -36,10 +36,11 @@ class ValueHead(torch.nn.Module):
     Called with the output layer's signature so GPTModel's post-processing is unchanged.
     """
 
-    def __init__(self, hidden_size: int, *, bias: bool, init_std: float, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, *, bias: bool, init_std: float, dtype: torch.dtype, seed: int = 0):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
-        torch.nn.init.normal_(self.weight, mean=0.0, std=init_std)
+        # its own generator: the same init on every rank and at every TP/PP layout
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(1, hidden_size, generator=gen).mul_(init_std).to(dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
         self.sequence_parallel = False  # read by GPTModel._postprocess
 
@@ -111,6 +112,7 @@ def build_model(
     layer_spec: str = "auto",
     make_vocab_size_divisible_by: int = 128,
     value_head_bias: bool = True,
+    value_head_seed: int = 0,
     **config_overrides,
 ) -> MegatronModel:
     """Build this rank's chunks of a role's model. Weights are randomly initialised;
@@ -148,8 +150,8 @@ def build_model(
             vp_stage=vp,
         )
         if value_head and post:
-            model.output_layer = ValueHead(dims.hidden_size, bias=value_head_bias,
-                                           init_std=dims.initializer_range, dtype=config.params_dtype)
+            model.output_layer = ValueHead(dims.hidden_size, bias=value_head_bias, init_std=dims.initializer_range,
+                                           dtype=config.params_dtype, seed=value_head_seed)
         if not cpu:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

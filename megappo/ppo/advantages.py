@@ -1,118 +1,222 @@
-"""Advantage estimators (verl 0.9.1 semantics), chosen by name from `ESTIMATORS`.
+"""Advantage estimators with verl 0.9.1 semantics, chosen by name from `ESTIMATORS`.
 
-Each returns (advantages [B, T], returns [B, T]) from token-level rewards [B, T] (the
-sequence score on the last response token, minus any in-reward KL) and the response mask.
+Owns: GAE (a vectorised fast path and the plain reverse loop it is tested against),
+GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax, and `compute_advantage`, which
+calls an estimator by name with the inputs it declares.
+Does not know about configs, process groups or where the rewards came from.
 
-| name | advantages |
-|---|---|
-| gae | GAE(gamma, lam) with values; returns = raw advantages + values; advantages whitened over the mask |
-| grpo | (score - group mean) / (group std + eps) (unbiased std; a singleton group has mean 0, std 1); `norm_adv_by_std_in_grpo=False` only subtracts the mean |
-| rloo | score * n/(n-1) - group mean * n/(n-1) (leave-one-out); a singleton keeps its score |
-| reinforce_plus_plus | discounted return-to-go (reset after the last response token), whitened |
-| reinforce_plus_plus_baseline | score - group mean, broadcast over the response, whitened over the batch |
-| remax | return-to-go - the greedy sample's reward (`reward_baselines`) |
+Shape legend: [B, T] = (sequences, response tokens); [B] = one value per sequence.
+Every estimator returns (advantages [B, T], returns [B, T]). Inputs:
+  token_level_rewards [B, T]  the sequence score on its last response token, minus any in-reward KL
+  response_mask       [B, T]  1 on tokens the policy generated; 0 on padding and on tool /
+                              observation tokens of multi-turn rollouts (may sit in the middle)
+  values              [B, T]  critic values (gae)
+  index               [B]     group id per sequence (a tensor, array or list of hashables):
+                              equal ids = samples of the same prompt (verl's `uid`)
+  reward_baselines    [B]     reward of the greedy sample (remax)
 
-Groups are the samples of one prompt (`index` [B], equal values = same prompt).
-This module does not know about configs or process groups.
+| name | advantages | returns |
+|---|---|---|
+| gae | GAE(gamma, lam); masked tokens carry nextvalue and lastgaelam unchanged; whitened over the mask | raw advantages + values |
+| grpo | (score - group mean) / (group std + epsilon), unbiased std; singleton: mean 0, std 1; `norm_adv_by_std_in_grpo=False` only subtracts the mean | = advantages |
+| rloo | (score - mean of the other samples) = n/(n-1) (score - group mean); a singleton keeps its score | = advantages |
+| reinforce_plus_plus | returns whitened over the mask, times the mask | discounted return-to-go; masked tokens carry it without discount and get 0 |
+| reinforce_plus_plus_baseline | (score - group mean, singleton mean 0) on every response token, whitened over the mask | = advantages |
+| remax | return-to-go - reward_baselines on response tokens | undiscounted return-to-go of rewards * mask |
+
+"score" is token_level_rewards summed over T. Outcome estimators mask their output with
+`response_mask`; GAE does not (verl): masked positions hold the carried, whitened value.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import inspect
+import math
+from typing import Callable, Hashable, Sequence
 
 import torch
 
 from megappo.ppo.stats import masked_whiten
 
+# -- GAE and the masked discounted scan ---------------------------------------------------------
 
-def gae_reference(token_level_rewards, values, response_mask, gamma: float, lam: float):
-    """The plain reverse loop, kept as the obviously-correct reference for the fast path."""
+# decay**k stays within 1e+-150 inside a chunk, so float64 neither overflows nor underflows
+_LOG_RANGE = 150 * math.log(10)
+
+
+def masked_discounted_scan(x: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
+    """[B, T] -> [B, T]: y_t = x_t + decay * y_{t+1} where mask_t = 1, y_t = y_{t+1} where
+    mask_t = 0 (carried without decay), y_T = 0. `mask` must be binary.
+
+    Vectorised: y_t = sum_{j >= t} decay^(c_j - c_t) * m_j * x_j with c_t the number of valid
+    tokens before t. It is evaluated in float64 in chunks short enough that decay^(+-k)
+    stays representable: y_t = decay^(-k_t) * revcumsum(decay^k_j * m_j * x_j) inside a
+    chunk (k = valid count since the chunk start), plus decay^(n_chunk - k_t) * y at the
+    next chunk's start. Terms before t never enter y_t, so nothing large cancels. For
+    gamma * lam close to 1 (the usual case) the whole row is one chunk; decay = 0 gives
+    chunks of 1, i.e. the loop. Returns float64.
+    """
+    x, m = x.double(), mask.double()
+    B, T = x.shape
+    if decay > 0 and decay != 1:
+        chunk = max(1, min(T, int(_LOG_RANGE / abs(math.log(decay)))))
+    else:
+        chunk = 1 if decay == 0 else T
+    out = torch.empty_like(x)
+    carry = x.new_zeros(B, 1)
+    for start in reversed(range(0, max(T, 1), chunk)):
+        end = min(start + chunk, T)
+        mc, xc = m[:, start:end], x[:, start:end]
+        k = torch.cumsum(mc, dim=1) - mc  # valid tokens in [start, t)
+        n = mc.sum(dim=1, keepdim=True)
+        weighted = torch.pow(decay, k) * mc * xc
+        tail = weighted.flip(1).cumsum(1).flip(1)
+        y = tail * torch.pow(decay, -k) + torch.pow(decay, n - k) * carry
+        out[:, start:end] = y
+        carry = y[:, :1]
+    return out
+
+
+def _next_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T]: values at the first valid position after t (0 if there is none)."""
+    B, T = values.shape
+    pos = torch.arange(T, device=values.device).expand(B, T)
+    first_at_or_after = torch.where(mask.bool(), pos, torch.full_like(pos, T)).flip(1).cummin(1).values.flip(1)
+    after = torch.cat([first_at_or_after[:, 1:], torch.full_like(pos[:, :1], T)], dim=1)
+    padded = torch.cat([values, values.new_zeros(B, 1)], dim=1)
+    return padded.gather(1, after)
+
+
+def _is_binary(mask: torch.Tensor) -> bool:
+    return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
+
+
+def gae_reference(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                  gamma: float, lam: float) -> torch.Tensor:
+    """[B, T] raw (unwhitened) GAE by the plain reverse loop over T, exactly verl's recursion:
+    masked positions carry nextvalue and lastgaelam unchanged. The obviously-correct reference."""
+    mask = response_mask.to(values.dtype)
     next_value = torch.zeros_like(values[:, 0])
     last_gae = torch.zeros_like(values[:, 0])
     reversed_adv = []
     for t in reversed(range(token_level_rewards.shape[1])):
-        m = response_mask[:, t].to(values.dtype)
+        m = mask[:, t]
         delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
         new_gae = delta + gamma * lam * last_gae
-        # across masked positions carry nextvalue and lastgaelam unchanged
         next_value = values[:, t] * m + (1 - m) * next_value
         last_gae = new_gae * m + (1 - m) * last_gae
         reversed_adv.append(last_gae)
     return torch.stack(reversed_adv[::-1], dim=1)
 
 
-def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma: float = 1.0, lam: float = 1.0):
+def gae_fast(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+             gamma: float, lam: float) -> torch.Tensor:
+    """[B, T] raw GAE without a Python loop over T (see `masked_discounted_scan`), in the
+    dtype of `values`. Equal to `gae_reference` up to rounding; non-binary masks use it."""
+    if not _is_binary(response_mask):
+        return gae_reference(token_level_rewards, values, response_mask, gamma, lam)
+    v = values.double()
+    delta = token_level_rewards.double() + gamma * _next_valid(v, response_mask) - v
+    return masked_discounted_scan(delta, response_mask, gamma * lam).to(values.dtype)
+
+
+def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
+                                 response_mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0):
+    """GAE: returns = raw advantages + values; advantages = raw whitened over the mask."""
     with torch.no_grad():
-        advantages = gae_reference(token_level_rewards, values, response_mask, gamma, lam)
-        returns = advantages + values
-        advantages = masked_whiten(advantages, response_mask)
+        raw = gae_fast(token_level_rewards, values, response_mask, gamma, lam)
+        returns = raw + values
+        advantages = masked_whiten(raw, response_mask)
     return advantages, returns
 
 
-def _group_stats(scores: torch.Tensor, index: torch.Tensor):
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, key in enumerate(index.tolist()):
-        groups[key].append(i)
-    mean = torch.zeros_like(scores)
-    std = torch.ones_like(scores)
-    size = torch.ones_like(scores)
-    for rows in groups.values():
+# -- group (outcome) estimators -----------------------------------------------------------------
+
+def _groups(index) -> list[list[int]]:
+    """Row lists per group id, in order of first appearance."""
+    keys = index.tolist() if hasattr(index, "tolist") else list(index)
+    groups: dict[Hashable, list[int]] = {}
+    for row, key in enumerate(keys):
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def _group_mean_std_size(scores: torch.Tensor, index):
+    """[B] group mean, unbiased std, size; singleton groups get mean 0, std 1 (verl)."""
+    mean, std, size = torch.zeros_like(scores), torch.ones_like(scores), torch.ones_like(scores)
+    for rows in _groups(index):
         if len(rows) > 1:
             group = scores[rows]
-            mean[rows] = group.mean()
-            std[rows] = group.std()
-            size[rows] = len(rows)
+            mean[rows], std[rows], size[rows] = group.mean(), group.std(), float(len(rows))
     return mean, std, size
 
 
-def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon: float = 1e-6,
-                                   norm_adv_by_std_in_grpo: bool = True):
+def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                                   epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True):
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
-        mean, std, _ = _group_stats(scores, index)
+        mean, std, _ = _group_mean_std_size(scores, index)
         scores = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
         advantages = scores.unsqueeze(-1) * response_mask
     return advantages, advantages
 
 
-def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
+def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index):
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
-        mean, _, n = _group_stats(scores, index)
-        loo = torch.where(n > 1, scores * n / (n - 1).clamp(min=1) - mean * n / (n - 1).clamp(min=1), scores)
-        advantages = loo.unsqueeze(-1) * response_mask
+        mean, _, n = _group_mean_std_size(scores, index)
+        scale = n / (n - 1).clamp(min=1)
+        scores = torch.where(n > 1, scores * scale - mean * scale, scores)
+        advantages = scores.unsqueeze(-1) * response_mask
     return advantages, advantages
 
 
-def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma: float = 1.0):
-    with torch.no_grad():
-        returns = torch.zeros_like(token_level_rewards)
-        running = torch.zeros_like(token_level_rewards[:, 0])
-        for t in reversed(range(token_level_rewards.shape[1])):
-            running = token_level_rewards[:, t] + gamma * running
-            returns[:, t] = running
-            running = running * response_mask[:, t]  # reset after the end of the response
-        advantages = masked_whiten(returns, response_mask) * response_mask
-    return advantages, returns
-
-
-def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index):
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,
+                                                           response_mask: torch.Tensor, index):
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
-        mean, _, _ = _group_stats(scores, index)
-        scores = (scores - mean).unsqueeze(-1) * response_mask
+        mean, _, _ = _group_mean_std_size(scores, index)
+        scores = (scores - mean).unsqueeze(-1).expand_as(token_level_rewards) * response_mask
         advantages = masked_whiten(scores, response_mask) * response_mask
     return advantages, advantages
 
 
-def compute_remax_outcome_advantage(token_level_rewards, reward_baselines, response_mask):
+def reinforce_plus_plus_returns_reference(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                          gamma: float) -> torch.Tensor:
+    """[B, T] REINFORCE++ returns by verl's reverse loop (the reference for the fast path)."""
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    for t in reversed(range(token_level_rewards.shape[1])):
+        new_running = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = new_running * mask[:, t]
+        running = new_running * mask[:, t] + running * (1 - mask[:, t])
+    return returns
+
+
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                                  gamma: float = 1.0):
+    with torch.no_grad():
+        if _is_binary(response_mask):
+            scan = masked_discounted_scan(token_level_rewards, response_mask, gamma)
+            returns = scan.to(token_level_rewards.dtype) * response_mask
+        else:
+            returns = reinforce_plus_plus_returns_reference(token_level_rewards, response_mask, gamma)
+        advantages = masked_whiten(returns, response_mask) * response_mask
+    return advantages, returns
+
+
+def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor,
+                                    response_mask: torch.Tensor):
     with torch.no_grad():
         returns = (token_level_rewards * response_mask).flip(-1).cumsum(-1).flip(-1)
         advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
     return advantages, returns
 
 
-ESTIMATORS = {
+# -- registry --------------------------------------------------------------------------------------
+
+ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gae": compute_gae_advantage_return,
     "grpo": compute_grpo_outcome_advantage,
     "rloo": compute_rloo_outcome_advantage,
@@ -122,7 +226,34 @@ ESTIMATORS = {
 }
 
 
-def get_estimator(name: str):
+def get_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator '{name}'; choose from {sorted(ESTIMATORS)}")
+        raise ValueError(f"unknown advantage estimator '{name}' (algorithm.adv_estimator); "
+                         f"choose from {sorted(ESTIMATORS)}")
     return ESTIMATORS[name]
+
+
+def estimator_inputs(name: str) -> tuple[str, ...]:
+    """The inputs an estimator requires, e.g. ('token_level_rewards', 'values', 'response_mask')."""
+    params = inspect.signature(get_estimator(name)).parameters.values()
+    return tuple(p.name for p in params if p.default is inspect.Parameter.empty)
+
+
+def compute_advantage(name: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call the estimator `name` with the subset of `inputs` it accepts (keyword names as in
+    the table above, plus gamma, lam, epsilon, norm_adv_by_std_in_grpo). Inputs it does not
+    use are ignored, so a caller can pass everything it has; a missing one raises."""
+    fn = get_estimator(name)
+    params = inspect.signature(fn).parameters
+    missing = [p for p in estimator_inputs(name) if inputs.get(p) is None]
+    if missing:
+        raise ValueError(f"advantage estimator '{name}' needs {missing}")
+    return fn(**{k: v for k, v in inputs.items() if k in params and v is not None})
+
+
+__all__: Sequence[str] = (
+    "ESTIMATORS", "compute_advantage", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage", "compute_rloo_outcome_advantage", "estimator_inputs", "gae_fast",
+    "gae_reference", "get_estimator", "masked_discounted_scan", "reinforce_plus_plus_returns_reference",
+)

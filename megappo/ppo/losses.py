@@ -106,7 +106,11 @@ def value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor
     loss = 0.5 * agg_loss(torch.maximum(losses1, losses2), response_mask, loss_agg_mode,
                           global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size)
     with torch.no_grad():
-        clipfrac = agg_loss(torch.gt(losses2, losses1).float(), response_mask, "token-mean",
+        # verl counts gt(losses2, losses1); where the prediction is inside the clip range the
+        # two losses differ only by float rounding, so megappo also requires it to be outside
+        # (the same fraction without rounding noise, and the same at every parallel layout)
+        clipped_here = torch.gt(losses2, losses1) & ((vpreds - values).abs() > cliprange_value)
+        clipfrac = agg_loss(clipped_here.float(), response_mask, "token-mean",
                             global_tokens=global_tokens, global_seqs=global_seqs)
     return loss, clipfrac
 
