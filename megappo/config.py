@@ -194,7 +194,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 512
-    stop: list = dataclasses.field(default_factory=list)  # extra stop strings (tokenized at start)
+    stop_token_ids: list = dataclasses.field(default_factory=list)  # stop ids besides the tokenizer's EOS
     seed: int = 0
     logprob_mode: Literal["tempered", "untempered"] = "tempered"
     update_bucket_mb: int = 512
@@ -222,7 +222,6 @@ class DataConfig:
     max_prompt_length: int = 512
     long_prompt_policy: Literal["skip", "truncate", "error"] = "skip"
     train_batch_size: int = 8  # prompts per step
-    val_batch_size: Optional[int] = None
     shuffle: bool = True
     seed: int = 1
     apply_chat_template: bool = True
@@ -234,17 +233,24 @@ class DataConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
+    """Trainer checkpoints are not implemented yet: the section is reserved, and asking for
+    a save or a resume is refused instead of silently ignored."""
+
     dir: Optional[str] = None  # default: run.output_dir/checkpoints
-    save_every: int = 0  # steps; 0 = only at the end
+    save_every: int = 0  # steps; 0 = never (for now)
     keep_last: int = 2
     resume: Literal["auto", "must", "off"] = "auto"
-    save_hf_at_end: bool = True
+    save_hf_at_end: bool = False
+
+    def __post_init__(self):
+        if self.save_every or self.resume == "must" or self.save_hf_at_end:
+            raise ConfigError("checkpoint: trainer checkpoints and resume are not implemented yet; leave "
+                              "checkpoint.save_every=0, checkpoint.resume=auto|off, checkpoint.save_hf_at_end=false.")
 
 
 @dataclasses.dataclass
 class LoggingConfig:
     sinks: list = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
-    log_every: int = 1
     project: str = "megappo"
     run_name: Optional[str] = None
     progress_bar: bool = True
@@ -263,7 +269,6 @@ class RunConfig:
     total_epochs: int = 1
     val_every: int = 0  # steps; 0 = no validation during training
     val_before_train: bool = False
-    device: Literal["auto", "cpu", "cuda"] = "auto"
     max_nan_skips: int = 3  # abort after this many steps skipped for non-finite losses/grads
 
 

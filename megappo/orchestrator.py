@@ -68,7 +68,8 @@ def generate(run: Run, step: int) -> RolloutBatch:
     cfg = run.cfg.rollout
     prompts = [run.train_examples[i] for i in run.sampler.next_batch()]
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids, seed=cfg.seed + step,
+                            max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
+                            stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
                             logprob_mode=cfg.logprob_mode)
     batch = run.engine.generate([p.prompt_ids for p in prompts], params)
     batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
@@ -162,6 +163,10 @@ def train(run: Run) -> list[dict[str, float]]:
     """The loop: steps, logging, progress, checkpoints, validation. Returns rank 0's metrics."""
     history, skips = [], 0
     run.bridge.sync()
+    if run.cfg.run.val_before_train:
+        val = validate(run)
+        if run.ps.is_rank0:
+            run.logger.log(run.start_step, val)
     for step in range(run.start_step + 1, run.total_steps + 1):
         start = time.perf_counter()
         metrics = ppo_step(run, step)
@@ -193,8 +198,9 @@ def validate(run: Run) -> dict[str, float]:
         return {}
     cfg = run.cfg.rollout
     params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids, seed=cfg.seed)
-    batch = run.engine.generate([e.prompt_ids for e in run.val_examples], params)
+                            max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
+                            stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed)
+    batch = run.engine.generate([e.prompt_ids for e in run.val_examples], params)  # one batch: small val sets
     batch.examples = [run.val_examples[i] for i in batch.prompt_index.tolist()]
     scores = rewards(run, batch, None)
     return {"val/score/mean": scores.mean().item(),
