@@ -24,7 +24,7 @@ SINKS = ("console", "jsonl", "tensorboard", "wandb")
 #: what the console shows each step (the JSONL file has everything)
 CONSOLE_KEYS = (
     "critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
-    "critic/vf_loss", "response_length/mean", "timing_s/step", "perf/throughput",
+    "critic/vf_loss", "response_length/mean", "timing_s/step", "perf/throughput", "val/score/mean",
 )
 
 

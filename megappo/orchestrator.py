@@ -170,6 +170,9 @@ def train(run: Run) -> list[dict[str, float]]:
     for step in range(run.start_step + 1, run.total_steps + 1):
         start = time.perf_counter()
         metrics = ppo_step(run, step)
+        if run.cfg.run.val_every and step % run.cfg.run.val_every == 0:
+            with timed(metrics, "validation"):
+                metrics.update(validate(run))
         if run.ps.is_rank0:
             metrics["timing_s/step"] = time.perf_counter() - start
             tokens = metrics.get("response_length/mean", 0) * run.cfg.data.train_batch_size * run.cfg.rollout.n
@@ -184,10 +187,6 @@ def train(run: Run) -> list[dict[str, float]]:
             raise NonFiniteLossError(f"{skips} steps had non-finite losses or gradients (> run.max_nan_skips="
                                      f"{run.cfg.run.max_nan_skips}); lower the learning rate or check the data.")
         run.maybe_checkpoint(step)
-        if run.cfg.run.val_every and step % run.cfg.run.val_every == 0:
-            val = validate(run)
-            if run.ps.is_rank0:
-                run.logger.log(step, val)
     run.finish()
     return history
 

@@ -31,7 +31,9 @@ def test_demo_recipe_learns(tmp_path):
                     "logging.progress_bar=false")
     assert code == 0, out[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 100
+    val_rows = [r for r in rows if "val/score/mean" in r]
+    rows = [r for r in rows if "critic/score/mean" in r]  # training steps (step 0 is validation only)
+    assert len(rows) == 100 and len(val_rows) == 6  # before training and every 20 steps
     first = sum(r["critic/score/mean"] for r in rows[:5]) / 5
     last = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
     assert first <= 0.2, first
@@ -42,6 +44,7 @@ def test_demo_recipe_learns(tmp_path):
                 "rollout/logprob_diff_max"):
         assert key in rows[-1], key
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # engine and Megatron agree after the first sync
+    assert val_rows[-1]["val/score/mean"] > val_rows[0]["val/score/mean"]  # greedy validation improves too
     assert (tmp_path / "curves.png").is_file()
 
 
