@@ -1,18 +1,27 @@
 """Log-probs and entropy from vocabulary-sharded logits, without gathering the vocabulary.
 
-Logits [B, T, V/tp] live on the TP ranks of `tp_group`, rank r holding vocabulary ids
-[r * V/tp, (r + 1) * V/tp). Only [B, T] statistics cross ranks (max, sum of exp, label
-logit, expected logit), so memory and traffic do not grow with V. Both functions are
-autograd functions: the backward needs no communication, because every TP rank computes
-the same downstream loss and owns the gradient of its own shard.
-  log p(label) = s_label - log sum_j exp(s_j),            s = logits - max
-  d/ds_j       = 1[j = label] - p_j
-  H            = log sum_j exp(s_j) - sum_j p_j s_j
-  dH/ds_j      = -p_j (s_j - sum_k p_k s_k)
-Logits of -inf (masked vocabulary padding) are allowed.
+Owns: `vocab_parallel_log_probs`, `vocab_parallel_entropy` and
+`vocab_parallel_log_probs_and_entropy` (one autograd function with a hand-written backward).
+Does not know about PPO, models or Megatron: the TP group comes in as an argument.
+
+Shape legend: [B, T] = (sequences, tokens); [B, T, V/tp] = this rank's slice of the logits.
+Rank r of `tp_group` (its rank within the group) holds vocabulary ids [r * V/tp, (r + 1) * V/tp);
+`labels` [B, T] are global vocabulary ids. `tp_group=None` (or a group of one) means the
+shard is the whole vocabulary. Every rank gets the full [B, T] results.
+
+Only [B, T] statistics cross ranks (max, sum of exp, label logit, expected logit: at most
+four all-reduces), so memory and traffic do not grow with V. With s = logits - global max,
+p = softmax(s):
+  log p(label) = s_label - log Z,   Z = sum_j exp(s_j)     d/ds_j = 1[j = label] - p_j
+  H            = log Z - sum_j p_j s_j                       dH/ds_j = -p_j (s_j - sum_k p_k s_k)
+The backward needs no communication: every TP rank computes the same downstream loss from
+the replicated [B, T] outputs and owns the gradient of its own shard. Logits of -inf
+(vocabulary padding) are allowed and get gradient 0. Computation is in float32 (float64
+stays float64); the gradient comes back in the logits' dtype.
 
 The full-vocabulary references are `megappo.ppo.losses.log_probs_from_logits` and
-`entropy_from_logits`; tests check both agree at TP=2. This module knows nothing of PPO.
+`entropy_from_logits`; tests/distributed/test_vocab_parallel.py checks values and gradients
+against them at TP=2.
 """
 
 from __future__ import annotations
@@ -21,70 +30,77 @@ import torch
 import torch.distributed as dist
 
 
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
+    if _world(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
 
 
-def _shifted_softmax(logits: torch.Tensor, group):
-    """(s = logits - global max, exp(s), global sum of exp(s)) for a [..., V/tp] shard."""
-    logits = logits.float()
-    m = _all_reduce(logits.max(dim=-1).values.detach().clone(), dist.ReduceOp.MAX, group)
-    s = logits - m.unsqueeze(-1)
-    e = s.exp()
-    z = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, group)
-    return s, e, z
-
-
-class _VocabParallelLogProb(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, group):
-        s, e, z = _shifted_softmax(logits, group)
-        v_local = logits.shape[-1]
-        rank = dist.get_rank(group) if group is not None and dist.get_world_size(group) > 1 else 0
-        local = labels - rank * v_local
-        owned = (local >= 0) & (local < v_local)
-        picked = s.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-        label_logit = _all_reduce(torch.where(owned, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(e, z, local, owned)
-        ctx.input_dtype = logits.dtype
-        return label_logit - z.log()
+class _VocabParallelStats(torch.autograd.Function):
+    """(logits [B, T, V/tp], labels [B, T] or None, group) -> (log-probs [B, T] or empty,
+    entropy [B, T] or empty)."""
 
     @staticmethod
-    def backward(ctx, grad_out):
-        e, z, local, owned = ctx.saved_tensors
-        grad = -(e / z.unsqueeze(-1))
-        onehot = torch.zeros_like(grad)
-        onehot.scatter_(-1, local.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), owned.unsqueeze(-1).to(grad.dtype))
-        grad = (grad + onehot) * grad_out.unsqueeze(-1)
-        return grad.to(ctx.input_dtype), None, None
+    def forward(ctx, logits, labels, group, with_entropy: bool):
+        x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        shard = x.shape[-1]
+        m = _all_reduce(x.detach().amax(dim=-1), dist.ReduceOp.MAX, group)
+        s = x.detach() - m.unsqueeze(-1)
+        p = s.exp()
+        z = _all_reduce(p.sum(-1), dist.ReduceOp.SUM, group)
+        p.div_(z.unsqueeze(-1))  # softmax over the full vocabulary, this rank's slice
+        log_z = z.log()
+        empty = x.new_empty(0)
 
+        log_probs, local, owned = empty, empty, empty
+        if labels is not None:
+            rank = dist.get_rank(group) if _world(group) > 1 else 0
+            local = labels - rank * shard
+            owned = (local >= 0) & (local < shard)
+            local = torch.where(owned, local, torch.zeros_like(local))
+            picked = s.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+            label_s = _all_reduce(torch.where(owned, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
+            log_probs = label_s - log_z
 
-class _VocabParallelEntropy(torch.autograd.Function):
+        entropy, s_centred = empty, empty
+        if with_entropy:
+            s_finite = torch.where(p > 0, s, torch.zeros_like(s))  # p * s is 0, not NaN, at -inf logits
+            mean_s = _all_reduce((p * s_finite).sum(-1), dist.ReduceOp.SUM, group)
+            entropy = log_z - mean_s
+            s_centred = s_finite.sub_(mean_s.unsqueeze(-1))
+
+        ctx.save_for_backward(p, local, owned, s_centred)
+        ctx.has_labels, ctx.with_entropy, ctx.dtype = labels is not None, with_entropy, logits.dtype
+        return log_probs, entropy
+
     @staticmethod
-    def forward(ctx, logits, group):
-        s, e, z = _shifted_softmax(logits, group)
-        p = e / z.unsqueeze(-1)
-        ps = torch.where(p > 0, p * s, torch.zeros_like(p))  # 0 * -inf is 0 here
-        mean_s = _all_reduce(ps.sum(-1), dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(p, s, mean_s)
-        ctx.input_dtype = logits.dtype
-        return z.log() - mean_s
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        p, s, mean_s = ctx.saved_tensors
-        centred = torch.where(p > 0, s - mean_s.unsqueeze(-1), torch.zeros_like(s))
-        grad = -p * centred * grad_out.unsqueeze(-1)
-        return grad.to(ctx.input_dtype), None
+    def backward(ctx, grad_log_probs, grad_entropy):
+        p, local, owned, s_centred = ctx.saved_tensors
+        grad = torch.zeros_like(p)
+        if ctx.has_labels and grad_log_probs is not None:
+            g = grad_log_probs.to(p.dtype)
+            grad -= p * g.unsqueeze(-1)
+            grad.scatter_add_(-1, local.unsqueeze(-1), (g * owned.to(p.dtype)).unsqueeze(-1))
+        if ctx.with_entropy and grad_entropy is not None:
+            grad -= p * s_centred * grad_entropy.to(p.dtype).unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """[B, T, V/tp] shard, [B, T] global label ids -> [B, T] log-probs (float32)."""
-    return _VocabParallelLogProb.apply(logits, labels, tp_group)
+    """[B, T, V/tp] shard, [B, T] global label ids -> [B, T] log-probs of the labels."""
+    return _VocabParallelStats.apply(logits, labels, tp_group, False)[0]
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """[B, T, V/tp] shard -> [B, T] entropy of the full softmax (float32)."""
-    return _VocabParallelEntropy.apply(logits, tp_group)
+    """[B, T, V/tp] shard -> [B, T] entropy of the softmax over the full vocabulary."""
+    return _VocabParallelStats.apply(logits, None, tp_group, True)[1]
+
+
+def vocab_parallel_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                                         tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both at once, sharing the max / sum-of-exp reductions: ([B, T] log-probs, [B, T] entropy)."""
+    return _VocabParallelStats.apply(logits, labels, tp_group, True)

@@ -1,0 +1,14 @@
+"""megappo's PPO math: pure tensor functions with verl 0.9.1 semantics (torch only).
+
+  stats       masked sum / mean / var / whiten
+  advantages  GAE (vectorised, with the reverse loop as reference), GRPO, RLOO,
+              REINFORCE++, REINFORCE++-baseline, ReMax; the `ESTIMATORS` registry
+  kl          KL estimators (k1/k2/k3/abs and straight-through "+"), KL controllers,
+              the KL penalty in the reward
+  losses      loss aggregation with global counts, clipped policy / value losses,
+              full-vocabulary log-probs and entropy, entropy and KL loss terms
+
+No torch.distributed, no megatron, no config objects: scalars and cross-rank counts come
+in as arguments. The vocabulary-parallel log-probs live in megappo.parallel.vocab_parallel.
+Shapes: [B, T] = (sequences, response tokens); [B, T, V] = full-vocabulary logits.
+"""

@@ -44,47 +44,61 @@ from megappo.ppo.stats import masked_whiten
 _LOG_RANGE = 150 * math.log(10)
 
 
-def masked_discounted_scan(x: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
-    """[B, T] -> [B, T]: y_t = x_t + decay * y_{t+1} where mask_t = 1, y_t = y_{t+1} where
-    mask_t = 0 (carried without decay), y_T = 0. `mask` must be binary.
+def _by_valid_rank(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, T + 1]: column r holds the value at the row's r-th valid position
+    (0-based), zero beyond the row's count of valid positions."""
+    B, T = values.shape
+    m = mask.to(torch.long)
+    rank = torch.where(m.bool(), torch.cumsum(m, dim=1) - m, torch.full_like(m, T))
+    compact = values.new_zeros(B, T + 1).scatter_(1, rank, values)
+    compact[:, T] = 0  # every masked position was scattered here
+    return compact
 
-    Vectorised: y_t = sum_{j >= t} decay^(c_j - c_t) * m_j * x_j with c_t the number of valid
-    tokens before t. It is evaluated in float64 in chunks short enough that decay^(+-k)
-    stays representable: y_t = decay^(-k_t) * revcumsum(decay^k_j * m_j * x_j) inside a
-    chunk (k = valid count since the chunk start), plus decay^(n_chunk - k_t) * y at the
-    next chunk's start. Terms before t never enter y_t, so nothing large cancels. For
-    gamma * lam close to 1 (the usual case) the whole row is one chunk; decay = 0 gives
-    chunks of 1, i.e. the loop. Returns float64.
+
+def _valid_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T] valid positions before t, [B, T] valid positions up to and including t)."""
+    m = mask.to(torch.long)
+    inclusive = torch.cumsum(m, dim=1)
+    return inclusive - m, inclusive
+
+
+def masked_discounted_scan(x: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
+    """[B, T] -> [B, T] float64: y_t = x_t + decay * y_{t+1} where mask_t = 1, y_t = y_{t+1}
+    where mask_t = 0 (carried without decay), y_T = 0. `mask` must be binary, decay >= 0.
+
+    Vectorised. In reversed time s (s = T - 1 - t) the recurrence runs forward and
+      y_s = decay^c_s * sum_{j <= s} decay^(-c_j) * m_j * x_j,   c = inclusive valid count,
+    i.e. one cumsum. It is evaluated in float64 over chunks short enough that decay^(+-c)
+    stays within 1e+-150, with y at the end of one chunk carried into the next (times
+    decay^c). Inside the cumsum the largest weight belongs to the latest term, so nothing
+    large cancels: the error is float64 rounding relative to |y|. With gamma * lam near 1
+    (the usual case) a row of 4096 tokens is one chunk. decay = 0 means y_t = x at the
+    first valid position at or after t, which is gathered directly.
     """
-    x, m = x.double(), mask.double()
+    if decay < 0:
+        raise ValueError(f"discount factors must be >= 0 (gamma, lam), got decay {decay}")
+    x, m = x.double() * mask, mask.double()
     B, T = x.shape
-    if decay > 0 and decay != 1:
-        chunk = max(1, min(T, int(_LOG_RANGE / abs(math.log(decay)))))
-    else:
-        chunk = 1 if decay == 0 else T
-    out = torch.empty_like(x)
-    carry = x.new_zeros(B, 1)
-    for start in reversed(range(0, max(T, 1), chunk)):
+    if decay == 0:
+        before, _ = _valid_counts(mask)
+        return _by_valid_rank(x, mask).gather(1, before)
+    chunk = T if decay == 1 else max(1, min(T, int(_LOG_RANGE / abs(math.log(decay)))))
+    xr, mr = x.flip(1), m.flip(1)
+    out = torch.empty_like(xr)
+    carry = xr.new_zeros(B, 1)
+    for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        mc, xc = m[:, start:end], x[:, start:end]
-        k = torch.cumsum(mc, dim=1) - mc  # valid tokens in [start, t)
-        n = mc.sum(dim=1, keepdim=True)
-        weighted = torch.pow(decay, k) * mc * xc
-        tail = weighted.flip(1).cumsum(1).flip(1)
-        y = tail * torch.pow(decay, -k) + torch.pow(decay, n - k) * carry
+        scale = torch.pow(decay, torch.cumsum(mr[:, start:end], dim=1))
+        y = (torch.cumsum(xr[:, start:end] / scale, dim=1) + carry) * scale
         out[:, start:end] = y
-        carry = y[:, :1]
-    return out
+        carry = y[:, -1:]
+    return out.flip(1)
 
 
 def _next_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, T]: values at the first valid position after t (0 if there is none)."""
-    B, T = values.shape
-    pos = torch.arange(T, device=values.device).expand(B, T)
-    first_at_or_after = torch.where(mask.bool(), pos, torch.full_like(pos, T)).flip(1).cummin(1).values.flip(1)
-    after = torch.cat([first_at_or_after[:, 1:], torch.full_like(pos[:, :1], T)], dim=1)
-    padded = torch.cat([values, values.new_zeros(B, 1)], dim=1)
-    return padded.gather(1, after)
+    _, up_to = _valid_counts(mask)
+    return _by_valid_rank(values, mask).gather(1, up_to)
 
 
 def _is_binary(mask: torch.Tensor) -> bool:
