@@ -1,19 +1,24 @@
 """Typed run configuration: dataclasses, YAML recipes, dotted command-line overrides.
 
-`load_config(path, ["parallel.tp=2", "actor.optim.lr=1e-6"])` reads a recipe, applies
-overrides (values parsed as YAML: `2` is an int, `[a,b]` a list, `null` None), builds the
-dataclasses field by field with type checks, and validates each section and the sections
-together. Unknown keys are rejected with the list of valid ones; every error names the
-dotted key and how to fix it. Numbers that depend on the world size are methods
-(`dp_size(world)`), never fields filled in later.
+`load_config("recipe.yaml", ["parallel.tp=2", "actor.optim.lr=1e-6"])` reads a recipe, applies the
+overrides (values parsed as YAML: `2` is an int, `[a,b]` a list, `null` None) and builds the
+sections. Every section type-checks its own fields and checks their consistency on construction
+(`__post_init__`); `Config` checks the sections against each other. Unknown keys are rejected with
+the valid ones and a "did you mean"; every error is a `ConfigError` that names the dotted key and
+says how to fix it. Numbers that depend on the world size are methods (`dp_size(world)`), and
+derived values are properties, never fields filled in later.
 
-This module imports nothing from megappo and no torch: recipes can be checked anywhere.
+Owns: the recipe schema, defaults, validation, (de)serialisation. Knows nothing about torch,
+models or processes: imports nothing from megappo, so recipes can be checked anywhere.
+The reference for every field is docs/config.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -21,100 +26,159 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 import yaml
 
+P = "{p}"  # placeholder for a section's dotted prefix in error templates, filled in as errors propagate
+
 
 class ConfigError(ValueError):
-    """A recipe or override megappo cannot run; the message names the key and the fix."""
+    """A recipe or override megappo cannot run; the message names the dotted key and the fix."""
+
+    def __init__(self, template: str):
+        self.template = template  # keys written as '{p}key', relative to the section that raised
+        super().__init__(template.replace(P, ""))
+
+    def at(self, prefix: str) -> ConfigError:
+        return ConfigError(self.template.replace(P, prefix))
+
+    def under(self, name: str) -> ConfigError:
+        """The same error seen from the enclosing section, where this one is field `name`."""
+        return self.at(f"{P}{name}.")
 
 
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-KL_ESTIMATOR_NAMES = KL_ESTIMATORS + tuple(k + "+" for k in KL_ESTIMATORS)
-LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                      "seq-mean-token-mean"]
+KLEstimator = Literal[KL_ESTIMATORS + tuple(k + "+" for k in KL_ESTIMATORS)]  # "+": straight-through k2 grad
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
 
 
-def _check_kl_name(path: str, name: str) -> None:
-    if name not in KL_ESTIMATOR_NAMES:
-        raise ConfigError(f"{path}: unknown KL estimator '{name}'; choose from {list(KL_ESTIMATOR_NAMES)}.")
+def _require(ok: bool, template: str) -> None:
+    """Section checks: write keys as f'{P}key' so the error shows the full dotted path."""
+    if not ok:
+        raise ConfigError(template)
 
 
-@dataclasses.dataclass
-class ModelConfig:
-    path: Optional[str] = None  # HF model directory (config.json + safetensors + tokenizer)
-    hf_config: Optional[dict] = None  # inline config.json content: a model built from config (random init)
-    tokenizer: Optional[str] = None  # tokenizer directory; defaults to path
-    arch: Optional[str] = None  # registry key override; default: config.json `architectures`
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    make_vocab_size_divisible_by: int = 128
-    layer_spec: Literal["auto", "te", "local"] = "auto"  # auto: TE on GPU when installed
-    seed_init: int = 1234  # seed of a from-config init
-
-    def __post_init__(self):
-        if self.path is None and self.hf_config is None:
-            raise ConfigError("model: set model.path (an HF directory) or model.hf_config (build from config).")
+def _at_least(section: Any, **minimums: int) -> None:
+    for name, low in minimums.items():
+        value = getattr(section, name)
+        _require(value is None or value >= low,
+                 f"{P}{name}={value} must be >= {low}. Fix: set {P}{name}={low} or more.")
 
 
-@dataclasses.dataclass
-class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule)
-    sequence_parallel: bool = False
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    timeout_minutes: int = 30  # collectives that take longer end the run with a message
-    use_distributed_optimizer: bool = False
-
-    def __post_init__(self):
-        if self.tp < 1 or self.pp < 1:
-            raise ConfigError(f"parallel.tp={self.tp}, parallel.pp={self.pp}: both must be >= 1.")
-        if self.vpp is not None and (self.vpp < 1 or self.pp < 2):
-            raise ConfigError("parallel.vpp needs parallel.pp >= 2; set parallel.vpp=null to disable it.")
-        if self.sequence_parallel and self.tp < 2:
-            raise ConfigError("parallel.sequence_parallel needs parallel.tp >= 2.")
+def _default(section: type) -> Any:
+    """A section field whose default is that section's defaults."""
+    return dataclasses.field(default_factory=section)
 
 
-@dataclasses.dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    betas: list = dataclasses.field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    warmup_steps: int = 0  # linear warmup (optimizer steps); lr * step / warmup_steps
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+class _Section:
+    """Base of every section: converts and type-checks each field, then runs `check()`."""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _convert(f.name, getattr(self, f.name), hints[f.name]))
+        self.check()
+
+    def check(self) -> None:
+        """Consistency of this section's own fields."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Section):
+    path: Optional[str] = None  # HF model directory (config.json + safetensors [+ tokenizer])
+    hf_config: Optional[dict[str, Any]] = None  # inline config.json content: build from config, random init
+    tokenizer: Optional[str] = None  # tokenizer directory or 'builtin:<name>'; None: model.path
+    arch: Optional[str] = None  # model registry key; None: config.json `architectures[0]`
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter/compute dtype
+    make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this (x tp)
+    layer_spec: Literal["auto", "te", "local"] = "auto"  # auto: Transformer Engine on GPU when installed
+    seed_init: int = 1234  # seed of the random init of a model built from hf_config
+
+    def check(self) -> None:
+        _require(self.path is not None or self.hf_config is not None,
+                 f"{P}path and {P}hf_config are both unset. Fix: set {P}path=/path/to/hf_model "
+                 f"(or give {P}hf_config to build a randomly initialised model from config).")
+        _require(self.path is None or self.hf_config is None,
+                 f"{P}path and {P}hf_config are both set. Fix: set {P}hf_config=null to load {P}path, "
+                 f"or {P}path=null to build from config.")
+        _at_least(self, make_vocab_size_divisible_by=1)
+
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        return self.tokenizer if self.tokenizer is not None else self.path
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig(_Section):
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule); needs pp > 1
+    sequence_parallel: bool = False  # Megatron sequence parallelism; needs tp > 1
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
+    timeout_minutes: int = 30  # a collective that takes longer ends the run with a message
+    use_distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks
+
+    def check(self) -> None:
+        _at_least(self, tp=1, pp=1, vpp=1, timeout_minutes=1)
+        _require(self.vpp is None or self.pp > 1,
+                 f"{P}vpp={self.vpp} needs {P}pp > 1 (now {self.pp}). Fix: set {P}vpp=null or raise {P}pp.")
+        _require(not self.sequence_parallel or self.tp > 1,
+                 f"{P}sequence_parallel needs {P}tp > 1 (now {self.tp}). Fix: set {P}sequence_parallel=false.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(_Section):
+    lr: float = 1e-6  # peak learning rate (Adam)
+    weight_decay: float = 0.01  # decoupled weight decay (AdamW)
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam beta1, beta2
+    eps: float = 1e-8  # Adam epsilon
+    warmup_steps: int = 0  # linear warmup over this many optimizer steps
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # after warmup
     min_lr_ratio: float = 0.0  # decay floor as a fraction of lr
 
-    def __post_init__(self):
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr={self.lr} must be > 0.")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optim.betas={self.betas} must be two numbers in [0, 1).")
+    def check(self) -> None:
+        _require(self.lr > 0, f"{P}lr={self.lr} must be > 0. Fix: set e.g. {P}lr=1e-6.")
+        _require(self.weight_decay >= 0, f"{P}weight_decay={self.weight_decay} must be >= 0. Fix: use 0.0 to disable.")
+        _require(all(0 <= b < 1 for b in self.betas),
+                 f"{P}betas={list(self.betas)} must be in [0, 1). Fix: e.g. {P}betas=[0.9,0.999].")
+        _require(self.eps > 0, f"{P}eps={self.eps} must be > 0. Fix: e.g. {P}eps=1e-8.")
+        _at_least(self, warmup_steps=0)
+        _require(0 <= self.min_lr_ratio <= 1, f"{P}min_lr_ratio={self.min_lr_ratio} must be in [0, 1]. Fix: e.g. 0.1.")
 
 
-@dataclasses.dataclass
-class ActorConfig:
-    ppo_mini_batch_size: int = 8  # prompts per optimizer step (x rollout.n sequences), as verl
-    micro_batch_size: int = 2  # sequences per micro-batch per DP replica
-    ppo_epochs: int = 1
-    clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None  # default: clip_ratio
-    clip_ratio_high: Optional[float] = None  # default: clip_ratio
+def _check_trained_role(role: Any) -> None:
+    _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1)
+    _require(role.grad_clip > 0, f"{P}grad_clip={role.grad_clip} must be > 0. Fix: e.g. {P}grad_clip=1.0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig(_Section):
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences), as in verl
+    micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel replica
+    ppo_epochs: int = 1  # passes over each step's experience
+    clip_ratio: float = 0.2  # PPO clip epsilon: ratio in [1 - eps_low, 1 + eps_high]
+    clip_ratio_low: Optional[float] = None  # eps_low; None: clip_ratio
+    clip_ratio_high: Optional[float] = None  # eps_high; None: clip_ratio (e.g. 0.28 for clip-higher)
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
-    loss_agg_mode: LossAggMode = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    grad_clip: float = 1.0
-    old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"
-    is_truncate: float = 2.0  # truncation of rollout importance weights (is_correct)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    loss_agg_mode: LossAggMode = "token-mean"  # how token losses are reduced to one number
+    entropy_coeff: float = 0.0  # entropy bonus weight (loss -= coeff * entropy)
+    use_kl_loss: bool = False  # add a KL(actor || ref) term to the loss (GRPO style); needs the ref model
+    kl_loss_coef: float = 0.001  # weight of that KL term
+    kl_loss_type: KLEstimator = "low_var_kl"  # KL estimator of that term
+    grad_clip: float = 1.0  # global gradient-norm clip
+    old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"  # source of old log-probs
+    is_truncate: float = 2.0  # is_correct: truncation of rollout importance weights
+    optim: OptimConfig = _default(OptimConfig)  # optimizer and LR schedule
 
-    def __post_init__(self):
-        _check_kl_name("actor.kl_loss_type", self.kl_loss_type)
-        if self.clip_ratio_c <= 1.0:
-            raise ConfigError(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound).")
-        for name in ("ppo_mini_batch_size", "micro_batch_size", "ppo_epochs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"actor.{name} must be >= 1.")
+    def check(self) -> None:
+        _check_trained_role(self)
+        for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            v = getattr(self, name)
+            _require(v is None or v > 0, f"{P}{name}={v} must be > 0. Fix: e.g. {P}{name}=0.2.")
+        _require(self.clip_low < 1, f"{P}clip_ratio_low={self.clip_low} must be < 1 (1 - eps_low is the lower "
+                                    f"ratio bound). Fix: e.g. {P}clip_ratio_low=0.2.")
+        _require(self.clip_ratio_c > 1, f"{P}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound). "
+                                        f"Fix: e.g. {P}clip_ratio_c=3.0.")
+        _require(self.kl_loss_coef >= 0, f"{P}kl_loss_coef={self.kl_loss_coef} must be >= 0. Fix: use 0.0 or "
+                                         f"{P}use_kl_loss=false to disable.")
+        _require(self.is_truncate >= 1, f"{P}is_truncate={self.is_truncate} must be >= 1. Fix: e.g. 2.0.")
 
     @property
     def clip_low(self) -> float:
@@ -125,57 +189,80 @@ class ActorConfig:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
-@dataclasses.dataclass
-class CriticConfig:
-    enable: Optional[bool] = None  # None: on exactly when algorithm.adv_estimator needs values (gae)
-    path: Optional[str] = None  # default: model.path (the SFT model; the value head is initialised)
-    ppo_mini_batch_size: int = 8
-    micro_batch_size: int = 2
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5
-    loss_agg_mode: LossAggMode = "token-mean"
-    grad_clip: float = 1.0
-    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
+@dataclasses.dataclass(frozen=True)
+class CriticConfig(_Section):
+    enable: Optional[bool] = None  # None: on exactly when the estimator needs values (gae)
+    path: Optional[str] = None  # HF directory to initialise from; None: model.path (value head is new)
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
+    micro_batch_size: int = 4  # sequences per forward/backward on one replica
+    ppo_epochs: int = 1  # passes over each step's experience
+    cliprange_value: float = 0.5  # value clip around the old values
+    grad_clip: float = 1.0  # global gradient-norm clip
+    loss_agg_mode: LossAggMode = "token-mean"  # reduction of the value loss
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))  # optimizer
+
+    def check(self) -> None:
+        _check_trained_role(self)
+        _require(self.cliprange_value > 0, f"{P}cliprange_value={self.cliprange_value} must be > 0. Fix: e.g. 0.5.")
 
 
-@dataclasses.dataclass
-class RefConfig:
-    micro_batch_size: Optional[int] = None  # default: actor.micro_batch_size
+@dataclasses.dataclass(frozen=True)
+class RefConfig(_Section):
+    micro_batch_size: Optional[int] = None  # sequences per forward on one replica; None: actor's
+
+    def check(self) -> None:
+        _at_least(self, micro_batch_size=1)
 
 
-@dataclasses.dataclass
-class RewardConfig:
-    functions: list = dataclasses.field(default_factory=list)  # names in megappo.rewards
-    function_weights: Optional[list] = None
-    model_path: Optional[str] = None  # a reward model (HF dir with a score head)
-    model_weight: float = 1.0
-    micro_batch_size: int = 2
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(_Section):
+    functions: list[str] = dataclasses.field(default_factory=list)  # rule-based rewards (megappo.rewards)
+    function_weights: Optional[list[float]] = None  # one weight per function; None: all 1.0
+    model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
+    model_weight: float = 1.0  # weight of the reward model's score in the sum
+    micro_batch_size: int = 4  # reward-model sequences per forward on one replica
+
+    def check(self) -> None:
+        _at_least(self, micro_batch_size=1)
+        n_w, n_f = len(self.function_weights or ()), len(self.functions)
+        _require(self.function_weights is None or n_w == n_f,
+                 f"{P}function_weights has {n_w} entries for {n_f} {P}functions. Fix: give one weight per function "
+                 f"or set {P}function_weights=null.")
 
 
-@dataclasses.dataclass
-class KLCtrlConfig:
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+@dataclasses.dataclass(frozen=True)
+class KLCtrlConfig(_Section):
+    type: Literal["fixed", "adaptive"] = "fixed"  # adaptive: coefficient steered towards target_kl
+    kl_coef: float = 0.001  # (initial) coefficient of the in-reward KL penalty
+    target_kl: float = 0.1  # adaptive: the KL the controller aims for
+    horizon: int = 10000  # adaptive: steps over which the coefficient adapts
+
+    def check(self) -> None:
+        _require(self.kl_coef >= 0 and self.target_kl > 0, f"{P}kl_coef={self.kl_coef} must be >= 0 and "
+                 f"{P}target_kl={self.target_kl} > 0. Fix: e.g. {P}kl_coef=0.001 {P}target_kl=0.1.")
+        _at_least(self, horizon=1)
 
 
-@dataclasses.dataclass
-class AlgorithmConfig:
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig(_Section):
     adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                           "remax"] = "gae"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
-    kl_ctrl: KLCtrlConfig = dataclasses.field(default_factory=KLCtrlConfig)
+                           "remax"] = "gae"  # advantage estimator; gae needs the critic
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
+    use_kl_in_reward: bool = False  # subtract kl_coef * KL(actor || ref) from token rewards; needs ref
+    kl_penalty: KLEstimator = "kl"  # KL estimator of the in-reward penalty
+    kl_ctrl: KLCtrlConfig = _default(KLCtrlConfig)  # its coefficient controller
 
-    def __post_init__(self):
-        _check_kl_name("algorithm.kl_penalty", self.kl_penalty)
+    def check(self) -> None:
         for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"algorithm.{name}={getattr(self, name)} must be in [0, 1].")
+            v = getattr(self, name)
+            _require(0 <= v <= 1, f"{P}{name}={v} must be in [0, 1]. Fix: e.g. {P}{name}=1.0.")
+        _require(self.adv_estimator != "remax", f"{P}adv_estimator=remax needs a greedy baseline rollout, which the "
+                 f"trainer does not generate yet. Fix: use gae, grpo, rloo or reinforce_plus_plus.")
+        _require(self.use_kl_in_reward or self.kl_ctrl.type == "fixed",
+                 f"{P}kl_ctrl.type=adaptive only steers the in-reward KL penalty, which is off. Fix: set "
+                 f"{P}use_kl_in_reward=true or {P}kl_ctrl.type=fixed.")
 
     @property
     def needs_critic(self) -> bool:
@@ -183,130 +270,142 @@ class AlgorithmConfig:
 
     @property
     def grouped(self) -> bool:
+        """Estimators whose baseline is the other samples of the same prompt."""
         return self.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
-@dataclasses.dataclass
-class RolloutConfig:
-    engine: Literal["hf", "sglang"] = "hf"
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(_Section):
+    engine: Literal["hf", "sglang"] = "hf"  # hf: transformers on CPU/GPU; sglang: SGLang on GPU
     n: int = 1  # samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 512
-    stop_token_ids: list = dataclasses.field(default_factory=list)  # stop ids besides the tokenizer's EOS
-    seed: int = 0
-    logprob_mode: Literal["tempered", "untempered"] = "tempered"
-    update_bucket_mb: int = 512
-    verify_every: int = 1  # fingerprint-verify every k-th weight sync; 0 = never
-    sync_mode: Literal["tensor", "distributed", "disk"] = "tensor"
-    sglang: dict = dataclasses.field(default_factory=dict)  # passed through to sglang.Engine
-    val_temperature: float = 0.0
-    val_n: int = 1
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = -1  # top-k sampling; -1: off
+    max_new_tokens: int = 512  # response length limit
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # stop ids besides the tokenizer's EOS
+    seed: int = 0  # sampling seed (step k uses seed + k)
+    logprob_mode: Literal["untempered", "tempered"] = "tempered"  # rollout log-probs of logits / temperature
+    update_bucket_mb: int = 512  # weight-sync bucket size in MiB
+    verify_every: int = 1  # fingerprint-verify the engine weights every k-th sync; 0: never
+    sync_mode: Literal["tensor", "distributed", "disk"] = "tensor"  # how weights reach the engine
+    sglang: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through to sglang.Engine
+    val_temperature: float = 0.0  # validation sampling temperature
+    val_n: int = 1  # validation samples per prompt
 
-    def __post_init__(self):
-        if self.n < 1 or self.max_new_tokens < 1:
-            raise ConfigError("rollout.n and rollout.max_new_tokens must be >= 1.")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1].")
+    def check(self) -> None:
+        _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1)
+        _require(self.temperature >= 0 and self.val_temperature >= 0,
+                 f"{P}temperature / {P}val_temperature must be >= 0. Fix: use 0 for greedy decoding.")
+        _require(0 < self.top_p <= 1, f"{P}top_p={self.top_p} must be in (0, 1]. Fix: use 1.0 to disable.")
+        _require(self.top_k == -1 or self.top_k >= 1, f"{P}top_k={self.top_k} must be -1 (off) or >= 1.")
+        _require(self.engine == "sglang" or self.sync_mode == "tensor",
+                 f"{P}sync_mode={self.sync_mode} needs {P}engine=sglang. Fix: set {P}sync_mode=tensor.")
 
 
-@dataclasses.dataclass
-class DataConfig:
-    train_files: list = dataclasses.field(default_factory=list)
-    val_files: list = dataclasses.field(default_factory=list)
-    builtin: Optional[str] = None  # 'digit_successor' or 'reasoning_gym:<task>' instead of files
-    builtin_size: int = 1000
-    builtin_val_size: int = 64
-    prompt_key: str = "prompt"
-    max_prompt_length: int = 512
-    long_prompt_policy: Literal["skip", "truncate", "error"] = "skip"
-    train_batch_size: int = 8  # prompts per step
-    shuffle: bool = True
-    seed: int = 1
-    apply_chat_template: bool = True
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Section):
+    train_files: list[str] = dataclasses.field(default_factory=list)  # JSONL/Parquet files, verl layout
+    val_files: list[str] = dataclasses.field(default_factory=list)  # validation files
+    builtin: Optional[str] = None  # a generated dataset instead of files, e.g. 'reasoning_gym:basic_arithmetic'
+    builtin_size: int = 2048  # prompts generated for training
+    builtin_val_size: int = 64  # prompts generated for validation (when val_files is empty)
+    prompt_key: str = "prompt"  # column holding the prompt (chat messages or text)
+    max_prompt_length: int = 512  # in tokens
+    long_prompt_policy: Literal["skip", "truncate", "error"] = "skip"  # for longer prompts
+    train_batch_size: int = 1024  # prompts per PPO step
+    shuffle: bool = True  # reshuffle prompts every epoch
+    seed: int = 1  # shuffling / generation seed
+    apply_chat_template: bool = True  # render prompts with the tokenizer's chat template
+
+    def check(self) -> None:
+        _at_least(self, builtin_size=1, builtin_val_size=1, max_prompt_length=1, train_batch_size=1)
+        _require(not (self.builtin and self.train_files),
+                 f"{P}builtin and {P}train_files are both set. Fix: set {P}builtin=null or {P}train_files=[].")
+        _require(not self.builtin or self.builtin_size >= self.train_batch_size,
+                 f"{P}builtin_size={self.builtin_size} is smaller than {P}train_batch_size={self.train_batch_size}: "
+                 f"not one full step. Fix: raise {P}builtin_size or lower {P}train_batch_size.")
 
     def require_training_data(self) -> None:
-        if not self.train_files and not self.builtin:
-            raise ConfigError("data: set data.train_files (JSONL/Parquet) or data.builtin to train.")
+        """Training needs prompts; a conversion-only config does not (so this is not in check())."""
+        _require(bool(self.train_files or self.builtin), "data.train_files and data.builtin are both empty. Fix: "
+                 "set data.train_files=[train.jsonl] or data.builtin=<name> to train.")
 
 
-@dataclasses.dataclass
-class CheckpointConfig:
-    """Trainer checkpoints are not implemented yet: the section is reserved, and asking for
-    a save or a resume is refused instead of silently ignored."""
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    """Trainer checkpoints are not implemented yet: the section is reserved, and asking for a save
+    or a resume is refused instead of silently ignored."""
 
-    dir: Optional[str] = None  # default: run.output_dir/checkpoints
-    save_every: int = 0  # steps; 0 = never (for now)
-    keep_last: int = 2
-    resume: Literal["auto", "must", "off"] = "auto"
-    save_hf_at_end: bool = False
+    dir: Optional[str] = None  # None: <run.output_dir>/checkpoints
+    save_every: int = 0  # steps between checkpoints; 0: never (for now)
+    keep_last: int = 2  # newest checkpoints kept; 0: keep all
+    resume: Literal["auto", "must", "off"] = "auto"  # auto: from the latest checkpoint if there is one
+    save_hf_at_end: bool = False  # also write the final actor as an HF directory
 
-    def __post_init__(self):
-        if self.save_every or self.resume == "must" or self.save_hf_at_end:
-            raise ConfigError("checkpoint: trainer checkpoints and resume are not implemented yet; leave "
-                              "checkpoint.save_every=0, checkpoint.resume=auto|off, checkpoint.save_hf_at_end=false.")
-
-
-@dataclasses.dataclass
-class LoggingConfig:
-    sinks: list = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
-    project: str = "megappo"
-    run_name: Optional[str] = None
-    progress_bar: bool = True
-
-    def __post_init__(self):
-        bad = [s for s in self.sinks if s not in ("console", "jsonl", "tensorboard", "wandb")]
-        if bad:
-            raise ConfigError(f"logging.sinks: unknown {bad}; choose from console, jsonl, tensorboard, wandb.")
+    def check(self) -> None:
+        _at_least(self, save_every=0, keep_last=0)
+        _require(not (self.save_every or self.resume == "must" or self.save_hf_at_end),
+                 f"trainer checkpoints and resume are not implemented yet. Fix: leave {P}save_every=0, "
+                 f"{P}resume=auto|off, {P}save_hf_at_end=false.")
 
 
-@dataclasses.dataclass
-class RunConfig:
-    output_dir: str = "runs/default"
-    seed: int = 42
-    total_steps: Optional[int] = None  # default: total_epochs over the dataset
-    total_epochs: int = 1
-    val_every: int = 0  # steps; 0 = no validation during training
-    val_before_train: bool = False
-    max_nan_skips: int = 3  # abort after this many steps skipped for non-finite losses/grads
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig(_Section):
+    sinks: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = dataclasses.field(
+        default_factory=lambda: ["console", "jsonl"])  # where metrics go
+    project: str = "megappo"  # W&B / TensorBoard project
+    run_name: Optional[str] = None  # None: the name of run.output_dir
+    progress_bar: bool = True  # a live progress line on the console
 
 
-@dataclasses.dataclass
-class Config:
-    model: ModelConfig
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
-    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
-    ref: RefConfig = dataclasses.field(default_factory=RefConfig)
-    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
-    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+@dataclasses.dataclass(frozen=True)
+class RunConfig(_Section):
+    output_dir: str = "runs/default"  # metrics, resolved config, checkpoints
+    seed: int = 42  # global seed (init, dropout, mini-batch shuffling)
+    total_steps: Optional[int] = None  # PPO steps; None: total_epochs over the prompts
+    total_epochs: int = 1  # used when total_steps is None
+    val_every: int = 0  # steps between validations; 0: none during training
+    val_before_train: bool = False  # validate once before the first step
+    max_nan_skips: int = 3  # abort after this many steps skipped for non-finite loss/grads
 
-    def __post_init__(self):
-        if self.critic.enable is False and self.algorithm.needs_critic:
-            raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or choose grpo/rloo/"
-                              "reinforce_plus_plus.")
-        if self.algorithm.grouped and self.rollout.n < 2:
-            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares samples of the same "
-                              f"prompt; set rollout.n >= 2 (now {self.rollout.n}).")
-        for role in ("actor", "critic"):
-            section = getattr(self, role)
-            if self.data.train_batch_size % section.ppo_mini_batch_size:
-                raise ConfigError(
-                    f"data.train_batch_size={self.data.train_batch_size} is not divisible by {role}."
-                    f"ppo_mini_batch_size={section.ppo_mini_batch_size}; make the mini-batch size a divisor.")
-            seqs = section.ppo_mini_batch_size * self.rollout.n
-            if seqs % section.micro_batch_size:
-                raise ConfigError(
-                    f"{role}: a mini-batch of {seqs} sequences ({role}.ppo_mini_batch_size x rollout.n) is not "
-                    f"divisible by {role}.micro_batch_size={section.micro_batch_size}.")
-        if self.algorithm.use_kl_in_reward and self.actor.use_kl_loss:
-            pass  # both is allowed (verl allows it); each is applied where it belongs
+    def check(self) -> None:
+        _at_least(self, total_steps=1, total_epochs=1, val_every=0, max_nan_skips=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(_Section):
+    model: ModelConfig  # the SFT model (actor, ref and default critic init)
+    parallel: ParallelConfig = _default(ParallelConfig)  # TP / PP / VPP layout shared by all roles
+    actor: ActorConfig = _default(ActorConfig)  # the trained policy: PPO loss and optimizer
+    critic: CriticConfig = _default(CriticConfig)  # the value model (GAE)
+    ref: RefConfig = _default(RefConfig)  # the frozen reference policy (KL terms)
+    reward: RewardConfig = _default(RewardConfig)  # rule-based reward functions and/or a reward model
+    algorithm: AlgorithmConfig = _default(AlgorithmConfig)  # advantage estimator, discounting, in-reward KL
+    rollout: RolloutConfig = _default(RolloutConfig)  # generation engine, sampling, weight sync
+    data: DataConfig = _default(DataConfig)  # prompts and batch size
+    checkpoint: CheckpointConfig = _default(CheckpointConfig)  # trainer checkpoints (reserved)
+    logging: LoggingConfig = _default(LoggingConfig)  # metric sinks and console
+    run: RunConfig = _default(RunConfig)  # output directory, seed, length, validation cadence
+
+    def check(self) -> None:
+        est, n = self.algorithm.adv_estimator, self.rollout.n
+        _require(self.critic.enable is not False or not self.algorithm.needs_critic,
+                 "algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Fix: set critic.enable=null "
+                 "(auto) or choose algorithm.adv_estimator=grpo/rloo/reinforce_plus_plus.")
+        _require(not self.algorithm.grouped or n >= 2,
+                 f"algorithm.adv_estimator={est} compares samples of the same prompt, but rollout.n={n}. "
+                 f"Fix: set rollout.n >= 2 (e.g. rollout.n=8).")
+        for role in ("actor", "critic") if self.use_critic else ("actor",):
+            mini, micro = getattr(self, role).ppo_mini_batch_size, getattr(self, role).micro_batch_size
+            _require(self.data.train_batch_size % mini == 0,
+                     f"data.train_batch_size={self.data.train_batch_size} is not divisible by "
+                     f"{role}.ppo_mini_batch_size={mini}. Fix: make {role}.ppo_mini_batch_size a divisor of it.")
+            _require(mini * n % micro == 0,
+                     f"{role}: a mini-batch of {mini * n} sequences ({role}.ppo_mini_batch_size={mini} x rollout.n="
+                     f"{n}) is not divisible by {role}.micro_batch_size={micro}. Fix: pick a micro_batch_size that "
+                     f"divides {mini * n}.")
+
+    # -- derived values -------------------------------------------------------------------
 
     @property
     def use_critic(self) -> bool:
@@ -316,147 +415,259 @@ class Config:
     def needs_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The Megatron models this run builds (the reward model aside)."""
+        return ("actor",) + (("critic",) if self.use_critic else ()) + (("ref",) if self.needs_ref else ())
+
+    @property
+    def ref_micro_batch_size(self) -> int:
+        return self.ref.micro_batch_size or self.actor.micro_batch_size
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or f"{self.run.output_dir.rstrip('/')}/checkpoints"
+
+    def updates_per_step(self, role: Literal["actor", "critic"]) -> int:
+        """Optimizer steps per PPO step: mini-batches per batch x epochs."""
+        section = getattr(self, role)
+        return self.data.train_batch_size // section.ppo_mini_batch_size * section.ppo_epochs
+
     def dp_size(self, world_size: int) -> int:
+        """Data-parallel replicas: world_size / (tp * pp), after `validate_world`."""
         self.validate_world(world_size)
         return world_size // (self.parallel.tp * self.parallel.pp)
 
     def validate_world(self, world_size: int) -> None:
+        """Checks that need the number of ranks: layouts divide it, batches split over data-parallel replicas."""
         tp, pp = self.parallel.tp, self.parallel.pp
-        if world_size % (tp * pp):
-            raise ConfigError(f"world size {world_size} is not a multiple of parallel.tp*parallel.pp = {tp}*{pp}; "
-                              f"launch a multiple of {tp * pp} ranks or change parallel.tp/pp.")
-        dp = world_size // (tp * pp)
-        for role in ("actor", "critic"):
-            seqs = getattr(self, role).ppo_mini_batch_size * self.rollout.n
-            if seqs % (dp * getattr(self, role).micro_batch_size):
-                raise ConfigError(
-                    f"{role}: a mini-batch of {seqs} sequences does not split over dp={dp} replicas in micro-batches "
-                    f"of {getattr(self, role).micro_batch_size}; change {role}.ppo_mini_batch_size, "
-                    f"{role}.micro_batch_size or the world size.")
+        _require(world_size >= 1, f"world size {world_size} must be >= 1. Fix: launch at least one rank.")
+        _require(world_size % (tp * pp) == 0, f"world size {world_size} is not a multiple of parallel.tp*parallel.pp = "
+                 f"{tp}*{pp}. Fix: launch a multiple of {tp * pp} ranks or change parallel.tp/parallel.pp.")
+        dp, batch = world_size // (tp * pp), self.data.train_batch_size * self.rollout.n
+        trained = [getattr(self, role) for role in self.roles if role != "ref"]
+        splits = [(role, s.micro_batch_size, "a mini-batch", s.ppo_mini_batch_size * self.rollout.n)
+                  for role, s in zip(("actor", "critic"), trained)]
+        splits += [("ref", self.ref_micro_batch_size, "the batch", batch)] if self.needs_ref else []
+        splits += [("reward", self.reward.micro_batch_size, "the batch", batch)] if self.reward.model_path else []
+        for role, micro, what, seqs in splits:
+            _require(seqs % (dp * micro) == 0,
+                     f"{role}: {what} of {seqs} sequences does not split over dp={dp} replicas in micro-batches of "
+                     f"{micro}. Fix: make {role}.micro_batch_size x {dp} divide {seqs} (or change the batch sizes or "
+                     f"the world size).")
+
+    def require_training_data(self) -> None:
+        """What `megappo train` needs beyond a valid config: prompts, a reward, validation prompts if asked for."""
+        self.data.require_training_data()
+        _require(bool(self.reward.functions or self.reward.model_path),
+                 "no reward: reward.functions is empty and reward.model_path is unset. Fix: set "
+                 "reward.functions=[gsm8k] (names in megappo.rewards) or reward.model_path.")
+        wants_val = self.run.val_every > 0 or self.run.val_before_train
+        _require(not wants_val or bool(self.data.val_files or self.data.builtin),
+                 "run.val_every / run.val_before_train ask for validation, but data.val_files is empty. Fix: set "
+                 "data.val_files=[val.jsonl] or run.val_every=0 run.val_before_train=false.")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain YAML/JSON data; `config_from_dict(cfg.to_dict()) == cfg`."""
+        return _plain(self)
 
 
-# -- building dataclasses from plain data -------------------------------------------------
+# -- conversion of plain data to typed fields -----------------------------------------------
 
-_YAML11_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+_YAML11_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")  # PyYAML reads `1e-6` (no dot) as a str
+_SCALARS = (bool, int, float, str)
+_EXAMPLES = {bool: "true", int: "2", float: "0.5", str: "text", list: "[a,b]", tuple: "[0.9,0.999]", dict: "{k: v}"}
 
 
-def _convert(path: str, value: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _options(tp: Any) -> list[Any]:
+    """The non-None members of a Union (`Optional[X]` -> [X]); [tp] for anything else."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return [a for a in typing.get_args(tp) if a is not type(None)]
+    return [tp]
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _type_error(key: str, value: Any, tp: Any) -> ConfigError:
+    base = _options(tp)[0]
+    if base is str and not isinstance(value, str):
+        fix = f"quote it: {P}{key}='{value}'"
+    else:
+        fix = f"write e.g. {P}{key}={_EXAMPLES.get(typing.get_origin(base) or base, '{k: v}')}"
+    return ConfigError(f"{P}{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}). Fix: {fix}.")
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    """`value` checked against annotation `tp`, containers and sections converted. `key` is section-relative."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(path, value, inner[0]) if len(inner) == 1 else value
+        options = _options(tp)
+        if len(options) == 1 and options[0] not in _SCALARS:
+            return _convert(key, value, options[0])  # its error is the more specific one
+        for option in options:
+            with contextlib.suppress(ConfigError):
+                return _convert(key, value, option)
+        raise _type_error(key, value, tp)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}.")
-        return value
+        if value in args and type(value) in {type(a) for a in args}:  # True == 1, but not a choice of 1
+            return value
+        guess = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" Did you mean '{guess[0]}'?" if guess else ""
+        raise ConfigError(f"{P}{key}: {value!r} is not one of {list(args)}.{hint} Fix: set {P}{key} to one of them.")
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping of {_fields(tp)}, got {type(value).__name__}.")
-        return _build(tp, value, path + ".")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {value!r} ({type(value).__name__}).")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r} ({type(value).__name__}).")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _YAML11_FLOAT.match(value):
-            return float(value)  # YAML 1.1 reads `3e-6` (no dot) as a string
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r} ({type(value).__name__}).")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r} ({type(value).__name__}).")
-        return value
-    if tp in (list, dict):
-        if not isinstance(value, tp):
-            raise ConfigError(f"{path}: expected a {tp.__name__}, got {value!r} ({type(value).__name__}).")
-        return value
-    return value
+            raise _type_error(key, value, tp)
+        try:
+            return _build(tp, value)
+        except ConfigError as e:
+            raise e.under(key) from None
+    if tp in _SCALARS:
+        if tp is float and isinstance(value, str) and _YAML11_FLOAT.match(value.strip()):
+            return float(value)
+        if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):
+            return value
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        raise _type_error(key, value, tp)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(key, value, tp)
+        return [_convert(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or (Ellipsis not in args and len(value) != len(args)):
+            raise _type_error(key, value, tp)
+        items = [args[0]] * len(value) if Ellipsis in args else args
+        return tuple(_convert(f"{key}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, items)))
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _type_error(key, value, tp)
+        return {k: _convert(f"{key}.{k}", v, args[1]) for k, v in value.items()}
+    raise TypeError(f"config annotation {tp!r} of '{key}' is not supported")  # a bug in this module
 
 
-def _fields(cls) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+def _unknown_key(key: Any, valid: list[str]) -> ConfigError:
+    guess = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f" Did you mean '{P}{guess[0]}'?" if guess else " Fix: remove it or use one of the valid keys."
+    return ConfigError(f"unknown config key '{P}{key}'.{hint} Valid keys: {valid}.")
 
 
-def _build(cls, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    valid = _fields(cls)
-    unknown = [k for k in data if k not in valid]
-    if unknown:
-        key = unknown[0]
-        guess = difflib.get_close_matches(str(key), valid, n=1)
-        hint = f" Did you mean '{prefix}{guess[0]}'?" if guess else ""
-        raise ConfigError(f"unknown config key '{prefix}{key}'.{hint} Valid keys{' of ' + prefix[:-1] if prefix else ''}: "
-                          f"{valid}.")
-    kwargs = {k: _convert(f"{prefix}{k}", v, hints[k]) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except TypeError as e:
-        raise ConfigError(f"{prefix[:-1] or 'config'}: {e}") from None
+def _build(cls: type, data: dict) -> Any:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in valid:
+            raise _unknown_key(key, valid)
+    return cls(**data)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+# -- public entry points --------------------------------------------------------------------
+
+def _not_a_mapping(what: str, data: Any) -> ConfigError:
+    return ConfigError(f"{what} must be a mapping of sections {[f.name for f in dataclasses.fields(Config)]}, got a "
+                       f"{type(data).__name__}. Fix: write 'section:' lines at the top level.")
 
 
 def config_from_dict(data: dict) -> Config:
+    """A Config from plain data (a parsed recipe); raises ConfigError naming the key and the fix."""
     if not isinstance(data, dict):
-        raise ConfigError(f"a recipe must be a mapping of sections {_fields(Config)}, got {type(data).__name__}.")
-    if "model" not in data:
-        raise ConfigError("the recipe has no 'model' section; set model.path or model.hf_config.")
+        raise _not_a_mapping("a recipe", data)
+    if data.get("model") is None:
+        raise ConfigError("the recipe has no 'model' section. Fix: set model.path=/path/to/hf_model "
+                          "(or model.hf_config).")
     return _build(Config, data)
 
 
 def apply_override(data: dict, override: str) -> None:
-    if "=" not in override:
-        raise ConfigError(f"override '{override}' is not KEY=VALUE (e.g. parallel.tp=2).")
-    key, raw = override.split("=", 1)
+    """Set `a.b.c=value` in the raw recipe `data`; the value is parsed as YAML. Unknown keys are errors."""
+    key, sep, raw = override.partition("=")
     parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"override '{override}' is not KEY=VALUE. Fix: write it like parallel.tp=2.")
+    if not raw.strip():
+        raise ConfigError(f"override '{override}' has no value. Fix: write {key}=null for None or {key}='' for empty.")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
-        value = raw
-    node, cls = data, Config
-    for depth, part in enumerate(parts[:-1]):
-        hints = typing.get_type_hints(cls) if cls else {}
-        if cls is not None and part not in hints:
-            _build(cls, {part: None}, ".".join(parts[:depth]) + "." if depth else "")  # raises the unknown-key error
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override '{override}': '{'.'.join(parts[:depth + 1])}' is not a section.")
-        field_type = hints.get(part) if cls else None
-        cls = field_type if dataclasses.is_dataclass(field_type) else None  # dict fields take any keys
-    node[parts[-1]] = value
+        value = raw  # e.g. an unbalanced '[': the field's type check reports it
+    node, tp = data, Config
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[:depth + 1])
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                raise _unknown_key(part, list(hints)).at(here[:-len(part)])
+            tp = _options(hints[part])[0]
+        else:  # a free-form mapping (dict[str, X] field or inside one): any key
+            tp = typing.get_args(tp)[1] if tp is not Any else Any
+        if depth == len(parts) - 1:
+            node[part] = value
+        else:
+            if not (dataclasses.is_dataclass(tp) or tp is Any or typing.get_origin(tp) is dict):
+                raise ConfigError(f"override '{override}': '{here}' is a single value ({_type_name(tp)}), not a "
+                                  f"section. Fix: write {here}=VALUE.")
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{override}': the recipe sets '{here}' to {node!r}, not a mapping. "
+                                  f"Fix: override the whole value instead.")
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
-    data: dict = {}
+    """Read a YAML recipe (or start empty when `path` is None), apply `key.sub=value` overrides, build."""
+    data: Any = {}
     if path is not None:
         try:
             with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"recipe '{path}' does not exist.") from None
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read recipe '{path}': {e.strerror}. Fix: check the path.") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', e)}.") from None
+            raise ConfigError(f"recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', None) or e}. "
+                              "Fix: correct the YAML there (indentation, brackets, 'key: value').") from None
+        if data is None:
+            data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"recipe '{path}' must be a mapping of sections {_fields(Config)}.")
+            raise _not_a_mapping(f"recipe '{path}'", data)
     for override in overrides:
         apply_override(data, override)
     return config_from_dict(data)
 
 
 def dump_config(cfg: Config, path: str) -> None:
+    """Write the resolved config as YAML; `load_config(path) == cfg`."""
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
