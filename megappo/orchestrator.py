@@ -16,7 +16,7 @@ import time
 import torch
 
 from megappo.parallel.comm import broadcast_from_rank0
-from megappo.ppo.advantages import get_estimator
+from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
 from megappo.rewards import score_batch
 from megappo.rollout.bridge import logprob_mismatch
@@ -123,19 +123,10 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
 
 
 def advantages(algo, token_rewards, mask, values, batch: RolloutBatch):
-    """Dispatch to the estimator named in the config, with its scalar arguments."""
-    fn = get_estimator(algo.adv_estimator)
-    name = algo.adv_estimator
-    if name == "gae":
-        return fn(token_rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
-    if name == "grpo":
-        return fn(token_rewards, mask, batch.prompt_index, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
-    if name in ("rloo", "reinforce_plus_plus_baseline"):
-        return fn(token_rewards, mask, batch.prompt_index)
-    if name == "reinforce_plus_plus":
-        return fn(token_rewards, mask, gamma=algo.gamma)
-    raise NotImplementedError(f"algorithm.adv_estimator={name} needs a greedy baseline rollout, which the "
-                              "orchestrator does not generate yet; use gae, grpo, rloo or reinforce_plus_plus.")
+    """The estimator named in the config, given every input it might need."""
+    return compute_advantage(algo.adv_estimator, token_level_rewards=token_rewards, response_mask=mask,
+                             values=values, index=batch.prompt_index, gamma=algo.gamma, lam=algo.lam,
+                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
 
 
 def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy, old_lp) -> dict[str, float]:

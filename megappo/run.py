@@ -96,7 +96,7 @@ def _optim(section, total_steps: int, updates_per_step: int, use_dist_opt: bool)
 
 
 def create_run(cfg: Config) -> Run:
-    cfg.data.require_training_data()
+    cfg.require_training_data()
     p = cfg.parallel
     ps = init_parallel(p.tp, p.pp, p.vpp, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     cfg.validate_world(ps.world_size)
@@ -126,7 +126,8 @@ def create_run(cfg: Config) -> Run:
 
     def model(role: str, source=weights) -> MegatronModel:
         m = build_model(dims, ps, role=role, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec,
-                        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+                        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                        sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init)
         load_hf_weights(m, source)
         return m
 

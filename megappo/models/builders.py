@@ -124,6 +124,13 @@ def build_model(
         raise ValueError(f"unknown role '{role}'; roles: {ROLES}")
     dims.check_layout(ps.tp, ps.pp, ps.vpp)
     cpu = ps.device.type == "cpu"
+    if config_overrides.get("sequence_parallel"):
+        if cpu:
+            raise ModelConfigError("parallel.sequence_parallel needs Transformer Engine or apex norms (GPU); "
+                                   "Megatron-Core's torch norms do not support it. Set it to false on CPU.")
+        if role in VALUE_ROLES:
+            raise ModelConfigError("parallel.sequence_parallel is not supported for critic/reward models yet; "
+                                   "set it to false.")
     config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=dtype, cpu=cpu,
                                 **config_overrides)
     padded_vocab = dims.padded_vocab_size(ps.tp, make_vocab_size_divisible_by)
