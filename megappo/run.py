@@ -125,7 +125,12 @@ def create_run(cfg: Config) -> Run:
     total_steps = cfg.run.total_steps or steps_per_epoch * cfg.run.total_epochs
 
     def model(role: str, source=weights) -> MegatronModel:
-        m = build_model(dims, ps, role=role, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec,
+        # a critic or reward model from its own directory may have another size than the actor
+        role_dims = dims_from_hf(load_hf_config(source)) if isinstance(source, str) else dims
+        if role_dims.vocab_size != dims.vocab_size:
+            raise ValueError(f"the {role} model's vocab_size {role_dims.vocab_size} differs from the actor's "
+                             f"{dims.vocab_size}; all roles must share the tokenizer.")
+        m = build_model(role_dims, ps, role=role, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                         sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init)
         load_hf_weights(m, source)

@@ -205,11 +205,8 @@ class ValueWorker:
         mbs = _micro_batches(seqs, rows, self.micro_batch_size, {})
 
         def on_output(v, mb):
-            resp = self._response_values(v.float(), seqs.prompt_len)
-            last = (mb["response_mask"].sum(-1) - 1).clamp(min=0)
-            # the value *after* the last token: position prompt_len + last in the full sequence
-            full = v.float()[:, seqs.prompt_len:]
-            return v.new_zeros(()), full.gather(1, last[:, None]).squeeze(1) + 0 * resp.sum()
+            last = seqs.prompt_len + (mb["response_mask"].sum(-1) - 1).clamp(min=0)  # [b] in the full sequence
+            return v.new_zeros(()), v.float().gather(1, last[:, None]).squeeze(1)
 
         return _gather_rows(self.model, run_micro_batches(self.model, mbs, on_output, forward_only=True))
 
