@@ -121,12 +121,15 @@ def digit_successor_rows(size: int, seed: int) -> list[dict]:
     return rows
 
 
-def reasoning_gym_rows(task: str, size: int, seed: int) -> list[dict]:
+def reasoning_gym_rows(task: str, size: int, seed: int, **task_args) -> list[dict]:
     try:
         import reasoning_gym
     except ImportError:
         raise DataError("data.builtin=reasoning_gym:... needs the reasoning-gym package: pip install reasoning-gym") from None
-    dataset = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
+    except (TypeError, ValueError, KeyError, AssertionError) as e:
+        raise DataError(f"reasoning-gym task '{task}' with data.builtin_args={task_args}: {e}") from None
     rows = []
     for entry in dataset:
         rows.append({
@@ -144,12 +147,12 @@ def reasoning_gym_scorer(task: str):
     return reasoning_gym.get_score_answer_fn(task)
 
 
-def builtin_rows(spec: str, size: int, seed: int) -> list[dict]:
-    """data.builtin: 'digit_successor' or 'reasoning_gym:<task>'."""
+def builtin_rows(spec: str, size: int, seed: int, args: dict | None = None) -> list[dict]:
+    """data.builtin: 'digit_successor' or 'reasoning_gym:<task>' (options in data.builtin_args)."""
     if spec == "digit_successor":
         return digit_successor_rows(size, seed)
     if spec.startswith("reasoning_gym:"):
-        return reasoning_gym_rows(spec.split(":", 1)[1], size, seed)
+        return reasoning_gym_rows(spec.split(":", 1)[1], size, seed, **(args or {}))
     raise DataError(f"unknown data.builtin '{spec}'; choose 'digit_successor' or 'reasoning_gym:<task>'.")
 
 

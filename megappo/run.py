@@ -110,12 +110,12 @@ def create_run(cfg: Config) -> Run:
     train_examples, val_examples, sampler, data_stats = [], [], None, {}
     if ps.is_rank0:
         d = cfg.data
-        rows = builtin_rows(d.builtin, d.builtin_size, d.seed) if d.builtin else load_rows(d.train_files)
+        rows = builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args) if d.builtin else load_rows(d.train_files)
         kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                   long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template)
         train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files), **kw)
         if d.val_files or d.builtin:
-            val_rows = (builtin_rows(d.builtin, d.builtin_val_size, d.seed + 1) if d.builtin and not d.val_files
+            val_rows = (builtin_rows(d.builtin, d.builtin_val_size, d.seed + 1, d.builtin_args) if d.builtin and not d.val_files
                         else load_rows(d.val_files))
             val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
         sampler = PromptSampler(len(train_examples), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
