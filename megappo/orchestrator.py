@@ -37,7 +37,7 @@ def timed(metrics: dict, name: str):
 
 
 def ppo_step(run: Run, step: int) -> dict[str, float]:
-    cfg, m = run.cfg, {}
+    m = {}
     with timed(m, "gen"):
         batch = broadcast_from_rank0(generate(run, step) if run.ps.is_rank0 else None)
     seqs = to_seqs(batch)

@@ -16,7 +16,6 @@ This module does not know about the rollout engine, rewards or the step's order.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 
@@ -24,7 +23,7 @@ from megappo.models.builders import MegatronModel
 from megappo.models.forward import run_micro_batches
 from megappo.models.training import Trainable, train_step
 from megappo.parallel.comm import dp_shard, gather_to_rank0
-from megappo.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from megappo.parallel.vocab_parallel import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megappo.ppo import losses as ppo_losses
 from megappo.ppo.kl import kl_penalty
 from megappo.ppo.stats import masked_mean
@@ -59,10 +58,6 @@ class Experience:
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
-
-
-def _rows(t: torch.Tensor | None, rows: slice | torch.Tensor) -> torch.Tensor | None:
-    return None if t is None else t[rows]
 
 
 def _micro_batches(seqs: SeqBatch, rows: slice | torch.Tensor, mb: int, extra: dict[str, torch.Tensor | None]
@@ -106,9 +101,9 @@ class PolicyWorker:
     def _token_stats(self, logits: torch.Tensor, mb: dict, prompt_len: int, entropy: bool):
         logits = self._response_logits(logits, prompt_len)
         labels = mb["input_ids"][:, prompt_len:]
-        lp = vocab_parallel_log_probs(logits, labels, self.model.ps.tp_group)
-        ent = vocab_parallel_entropy(logits, self.model.ps.tp_group) if entropy else None
-        return lp, ent
+        if entropy:  # one pass over the shard for both
+            return vocab_parallel_log_probs_and_entropy(logits, labels, self.model.ps.tp_group)
+        return vocab_parallel_log_probs(logits, labels, self.model.ps.tp_group), None
 
     @torch.no_grad()
     def log_probs(self, seqs: SeqBatch, *, with_entropy: bool = False):

