@@ -20,7 +20,9 @@ import torch
 from megappo.config import Config
 from megappo.data import PromptSampler, build_prompts, builtin_rows, load_rows
 from megappo.metrics import MetricLogger, Progress
+from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
+from megappo.models.checkpoint import save_model
 from megappo.models.hf_config import dims_from_hf, load_hf_config
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
@@ -49,6 +51,8 @@ class Run:
     logger: MetricLogger | None
     progress: Progress | None
     total_steps: int
+    hf_config: dict
+    critic_hf_config: dict | None = None
     start_step: int = 0
 
     @property
@@ -70,11 +74,23 @@ class Run:
                     seed=self.cfg.run.seed * 7919 + step)
 
     def maybe_checkpoint(self, step: int) -> None:
-        pass  # trainer checkpoints: see the run-at-scale issue
+        pass  # trainer checkpoints (optimizer, sampler, RNG; resume): the run-at-scale issue
 
     def finish(self) -> None:
+        """Write the trained models (collective) and close the logger."""
+        self.save_models(os.path.join(self.cfg.checkpoint_dir, "final"))
         if self.logger:
             self.logger.close()
+
+    def save_models(self, path: str) -> None:
+        """Model-only Megatron checkpoints of the trained roles (actor, critic) under `path`;
+        tools/convert_megatron_to_hf.py turns them into HF directories."""
+        aux = read_aux_files(self.cfg.model.path) if self.cfg.model.path else {}
+        save_model(self.actor.model, os.path.join(path, "actor"), self.hf_config, aux)
+        if self.critic:
+            save_model(self.critic.model, os.path.join(path, "critic"), self.critic_hf_config, aux)
+        if self.ps.is_rank0:
+            print(f"saved model checkpoints to {path}", flush=True)
 
 
 def _hf_source(cfg: Config):
@@ -175,7 +191,9 @@ def create_run(cfg: Config) -> Run:
         print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)} "
               f"(long prompts: {data_stats}) | steps={total_steps} | critic={'on' if critic else 'off'} "
               f"ref={'on' if ref else 'off'} | estimator={cfg.algorithm.adv_estimator}", flush=True)
+    critic_hf_config = load_hf_config(cfg.critic.path) if cfg.critic.path else hf_config
     return Run(cfg=cfg, ps=ps, tokenizer=tokenizer, actor=actor, ref=ref, critic=critic, reward_model=reward_model,
+               hf_config=hf_config, critic_hf_config=critic_hf_config,
                engine=engine, bridge=bridge, train_examples=train_examples, val_examples=val_examples,
                sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps)
 

@@ -46,6 +46,8 @@ def test_demo_recipe_learns(tmp_path):
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # engine and Megatron agree after the first sync
     assert val_rows[-1]["val/score/mean"] > val_rows[0]["val/score/mean"]  # greedy validation improves too
     assert (tmp_path / "curves.png").is_file()
+    for role in ("actor", "critic"):  # the trained models, as megappo model checkpoints
+        assert (tmp_path / "checkpoints" / "final" / role / "megappo_model.json").is_file()
 
 
 def test_bad_recipe_stops_before_any_rank_starts(tmp_path):
