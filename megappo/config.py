@@ -258,8 +258,6 @@ class AlgorithmConfig(_Section):
         for name in ("gamma", "lam"):
             v = getattr(self, name)
             _require(0 <= v <= 1, f"{P}{name}={v} must be in [0, 1]. Fix: e.g. {P}{name}=1.0.")
-        _require(self.adv_estimator != "remax", f"{P}adv_estimator=remax needs a greedy baseline rollout, which the "
-                 f"trainer does not generate yet. Fix: use gae, grpo, rloo or reinforce_plus_plus.")
         _require(self.use_kl_in_reward or self.kl_ctrl.type == "fixed",
                  f"{P}kl_ctrl.type=adaptive only steers the in-reward KL penalty, which is off. Fix: set "
                  f"{P}use_kl_in_reward=true or {P}kl_ctrl.type=fixed.")

@@ -11,6 +11,7 @@ This module does not know how models are built or sharded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -73,6 +74,11 @@ def generate(run: Run, step: int) -> RolloutBatch:
                             logprob_mode=cfg.logprob_mode)
     batch = run.engine.generate([p.prompt_ids for p in prompts], params)
     batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
+    if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
+        greedy = run.engine.generate([p.prompt_ids for p in prompts],
+                                     dataclasses.replace(params, n=1, temperature=0.0))
+        greedy.examples = prompts
+        batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
     return batch
 
 
@@ -126,6 +132,7 @@ def advantages(algo, token_rewards, mask, values, batch: RolloutBatch):
     """The estimator named in the config, given every input it might need."""
     return compute_advantage(algo.adv_estimator, token_level_rewards=token_rewards, response_mask=mask,
                              values=values, index=batch.prompt_index, gamma=algo.gamma, lam=algo.lam,
+                             reward_baselines=batch.reward_baselines,
                              norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
 
 

@@ -57,6 +57,7 @@ class RolloutBatch:
     prompt_index: torch.Tensor  # [N] long: which input prompt each sample came from
     logprob_mode: LogprobMode = "tempered"
     examples: list | None = None  # the orchestrator's per-sample prompt records (ground truth, ...)
+    reward_baselines: torch.Tensor | None = None  # [N] ReMax: reward of the prompt's greedy response
 
     @property
     def num_samples(self) -> int:

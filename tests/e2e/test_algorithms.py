@@ -20,6 +20,7 @@ CASES = {
     "rloo+kl_in_reward+is_correct": ["algorithm.adv_estimator=rloo", "rollout.n=2", "algorithm.use_kl_in_reward=true",
                                      "algorithm.kl_ctrl.type=adaptive", "actor.old_logprob=is_correct"],
     "reinforce++_bypass": ["algorithm.adv_estimator=reinforce_plus_plus", "actor.old_logprob=bypass"],
+    "remax": ["algorithm.adv_estimator=remax", "rollout.n=2"],
 }
 
 
