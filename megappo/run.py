@@ -23,7 +23,7 @@ from megappo.metrics import MetricLogger, Progress
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.checkpoint import save_model
-from megappo.models.hf_config import dims_from_hf, load_hf_config
+from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.state import ParallelState, init_parallel
@@ -144,7 +144,7 @@ def create_run(cfg: Config) -> Run:
         # a critic or reward model from its own directory may have another size than the actor
         role_dims = dims_from_hf(load_hf_config(source)) if isinstance(source, str) else dims
         if role_dims.vocab_size != dims.vocab_size:
-            raise ValueError(f"the {role} model's vocab_size {role_dims.vocab_size} differs from the actor's "
+            raise ModelConfigError(f"the {role} model's vocab_size {role_dims.vocab_size} differs from the actor's "
                              f"{dims.vocab_size}; all roles must share the tokenizer.")
         m = build_model(role_dims, ps, role=role, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
@@ -152,22 +152,22 @@ def create_run(cfg: Config) -> Run:
         load_hf_weights(m, source)
         return m
 
-    updates = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
     actor_model = model("actor")
     actor = PolicyWorker(actor_model, micro_batch_size=cfg.actor.micro_batch_size,
                          temperature=cfg.rollout.temperature or 1.0,
-                         trainable=make_trainable(actor_model, _optim(cfg.actor, total_steps, updates,
+                         trainable=make_trainable(actor_model, _optim(cfg.actor, total_steps,
+                                                                      cfg.updates_per_step("actor"),
                                                                       p.use_distributed_optimizer)))
     ref = None
     if cfg.needs_ref:
-        ref = PolicyWorker(model("ref"), micro_batch_size=cfg.ref.micro_batch_size or cfg.actor.micro_batch_size,
+        ref = PolicyWorker(model("ref"), micro_batch_size=cfg.ref_micro_batch_size,
                            temperature=cfg.rollout.temperature or 1.0)
     critic = None
     if cfg.use_critic:
-        c_updates = cfg.data.train_batch_size // cfg.critic.ppo_mini_batch_size * cfg.critic.ppo_epochs
         critic_model = model("critic", cfg.critic.path or weights)
         critic = ValueWorker(critic_model, micro_batch_size=cfg.critic.micro_batch_size,
-                             trainable=make_trainable(critic_model, _optim(cfg.critic, total_steps, c_updates,
+                             trainable=make_trainable(critic_model, _optim(cfg.critic, total_steps,
+                                                                           cfg.updates_per_step("critic"),
                                                                            p.use_distributed_optimizer)))
     reward_model = None
     if cfg.reward.model_path:

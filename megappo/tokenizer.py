@@ -45,9 +45,11 @@ def load_tokenizer(spec: str):
 
 def check_vocab(tokenizer, model_vocab_size: int) -> None:
     """A tokenizer with ids beyond the model's embedding rows would index out of range."""
+    from megappo.models.hf_config import ModelConfigError
+
     size = len(tokenizer)
     if size > model_vocab_size:
-        raise ValueError(
+        raise ModelConfigError(
             f"the tokenizer has {size} tokens but the model's vocab_size is {model_vocab_size}; "
             "use the model's own tokenizer (model.tokenizer) or a model with a larger vocabulary."
         )
