@@ -127,49 +127,39 @@ class PolicyWorker:
                use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str, seed: int) -> dict[str, float]:
         """PPO epochs over mini-batches (sequences), one optimizer step per mini-batch."""
         assert self.trainable is not None, "the reference model is not trained"
-        ps = self.model.ps
-        metrics: dict[str, list[float]] = {}
         first_micro_batch = [True]
-        for epoch in range(epochs):
-            for rows in _mini_batches(exp.seqs.size, mini_batch_size, ps.dp, seed + epoch):
-                mine = rows[dp_shard(len(rows), ps)]
-                counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
-                extra = {"old": exp.old_log_probs, "adv": exp.advantages, "ref": exp.ref_log_probs,
-                         "isw": exp.rollout_is_weights}
-                mbs = _micro_batches(exp.seqs, mine, self.micro_batch_size, extra)
 
-                def on_output(logits, mb):
-                    lp, ent = self._token_stats(logits, mb, exp.seqs.prompt_len, entropy=True)  # logged always
-                    mask = mb["response_mask"]
-                    pg_loss, m = ppo_losses.policy_loss(
-                        old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
-                        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                        loss_agg_mode=loss_agg_mode, rollout_is_weights=mb.get("isw"), **counts)
-                    loss = pg_loss
-                    ent_loss = ppo_losses.agg_loss(ent, mask, loss_agg_mode, **counts)
-                    if entropy_coeff:
-                        loss = loss - entropy_coeff * ent_loss
-                    if use_kl_loss:
-                        kl = kl_penalty(lp, mb["ref"], kl_loss_type)
-                        kl_loss = ppo_losses.agg_loss(kl, mask, loss_agg_mode, **counts)
-                        loss = loss + kl_loss_coef * kl_loss
-                        m["actor/kl_loss"] = kl_loss.detach()
-                    if first_micro_batch[0]:
-                        # before any update: 0 when old log-probs were recomputed by this model
-                        first_micro_batch[0] = False
-                        m["actor/ppo_kl_first_micro_batch"] = masked_mean(mb["old"] - lp.detach(), mask)
-                    m["actor/pg_loss"] = pg_loss.detach()
-                    m["actor/entropy"] = ent_loss.detach()
-                    return loss, {k: float(v) for k, v in m.items()}
+        def loss_for(counts):
+            def on_output(logits, mb):
+                lp, ent = self._token_stats(logits, mb, exp.seqs.prompt_len, entropy=True)  # logged always
+                mask = mb["response_mask"]
+                pg_loss, m = ppo_losses.policy_loss(
+                    old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
+                    clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
+                    loss_agg_mode=loss_agg_mode, rollout_is_weights=mb.get("isw"), **counts)
+                loss = pg_loss
+                ent_loss = ppo_losses.agg_loss(ent, mask, loss_agg_mode, **counts)
+                if entropy_coeff:
+                    loss = loss - entropy_coeff * ent_loss
+                if use_kl_loss:
+                    kl = kl_penalty(lp, mb["ref"], kl_loss_type)
+                    kl_loss = ppo_losses.agg_loss(kl, mask, loss_agg_mode, **counts)
+                    loss = loss + kl_loss_coef * kl_loss
+                    m["actor/kl_loss"] = kl_loss.detach()
+                if first_micro_batch[0]:
+                    # before any update: 0 when old log-probs were recomputed by this model
+                    first_micro_batch[0] = False
+                    m["actor/ppo_kl_first_micro_batch"] = masked_mean(mb["old"] - lp.detach(), mask)
+                m["actor/pg_loss"] = pg_loss.detach()
+                m["actor/entropy"] = ent_loss.detach()
+                return loss, {k: float(v) for k, v in m.items()}
 
-                results, step = train_step(self.trainable, mbs, on_output)
-                for r in results:  # per micro-batch parts of global-count losses: sum them
-                    for k, v in r.items():
-                        metrics.setdefault(k, []).append(v)
-                metrics.setdefault("actor/grad_norm", []).append(step["grad_norm"])
-                metrics.setdefault("actor/lr", []).append(step["lr"])
-                metrics.setdefault("actor/skipped_steps", []).append(step["skipped"])
-        return _reduce_metrics(self.model, metrics)
+            return on_output
+
+        extra = {"old": exp.old_log_probs, "adv": exp.advantages, "ref": exp.ref_log_probs,
+                 "isw": exp.rollout_is_weights}
+        return _ppo_updates(self.trainable, exp, extra, loss_for, prefix="actor", micro_batch_size=self.micro_batch_size,
+                            mini_batch_size=mini_batch_size, epochs=epochs, seed=seed)
 
 
 class ValueWorker:
@@ -208,29 +198,40 @@ class ValueWorker:
     def update(self, exp: Experience, *, mini_batch_size: int, epochs: int, cliprange_value: float,
                loss_agg_mode: str, seed: int) -> dict[str, float]:
         assert self.trainable is not None, "the reward model is not trained"
-        ps = self.model.ps
-        metrics: dict[str, list[float]] = {}
-        for epoch in range(epochs):
-            for rows in _mini_batches(exp.seqs.size, mini_batch_size, ps.dp, seed + epoch):
-                mine = rows[dp_shard(len(rows), ps)]
-                counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
-                mbs = _micro_batches(exp.seqs, mine, self.micro_batch_size,
-                                     {"values": exp.values, "returns": exp.returns})
 
-                def on_output(v, mb):
-                    vpreds = self._response_values(v.float(), exp.seqs.prompt_len)
-                    loss, clipfrac = ppo_losses.value_loss(
-                        vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
-                        cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, **counts)
-                    return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": clipfrac.item()}
+        def loss_for(counts):
+            def on_output(v, mb):
+                vpreds = self._response_values(v.float(), exp.seqs.prompt_len)
+                loss, clipfrac = ppo_losses.value_loss(
+                    vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
+                    cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, **counts)
+                return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": clipfrac.item()}
 
-                results, step = train_step(self.trainable, mbs, on_output)
-                for r in results:
-                    for k, v in r.items():
-                        metrics.setdefault(k, []).append(v)
-                metrics.setdefault("critic/grad_norm", []).append(step["grad_norm"])
-                metrics.setdefault("critic/lr", []).append(step["lr"])
-        return _reduce_metrics(self.model, metrics)
+            return on_output
+
+        return _ppo_updates(self.trainable, exp, {"values": exp.values, "returns": exp.returns}, loss_for,
+                            prefix="critic", micro_batch_size=self.micro_batch_size,
+                            mini_batch_size=mini_batch_size, epochs=epochs, seed=seed)
+
+
+def _ppo_updates(trainable: Trainable, exp: Experience, extra: dict, loss_for, *, prefix: str,
+                 micro_batch_size: int, mini_batch_size: int, epochs: int, seed: int) -> dict[str, float]:
+    """`epochs` passes over shuffled mini-batches (sequences), one optimizer step each. Every
+    mini-batch's loss function is built by `loss_for(counts)` with that mini-batch's global
+    token/sequence counts, so each DP replica and micro-batch computes its exact share."""
+    model = trainable.model
+    metrics: dict[str, list[float]] = {}
+    for epoch in range(epochs):
+        for rows in _mini_batches(exp.seqs.size, mini_batch_size, model.ps.dp, seed + epoch):
+            counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
+            mbs = _micro_batches(exp.seqs, rows[dp_shard(len(rows), model.ps)], micro_batch_size, extra)
+            results, step = train_step(trainable, mbs, loss_for(counts))
+            for r in results:  # parts of global-count losses: summed in _reduce_metrics
+                for k, v in r.items():
+                    metrics.setdefault(k, []).append(v)
+            for key, name in (("grad_norm", "grad_norm"), ("lr", "lr"), ("skipped", "skipped_steps")):
+                metrics.setdefault(f"{prefix}/{name}", []).append(step[key])
+    return _reduce_metrics(model, metrics)
 
 
 def _mini_batches(n: int, size: int, dp: int, seed: int) -> list[torch.Tensor]:
