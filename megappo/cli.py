@@ -21,19 +21,14 @@ import time
 def _greedy_megatron(model, prompt_ids, steps):
     """Greedy decoding by re-running the whole sequence (smoke test, not an engine)."""
     import torch
-    import torch.distributed as dist
 
-    from megappo.models.forward import run_micro_batches
+    from megappo.models.forward import gather_vocab_logits, run_micro_batches
 
-    ps = model.ps
     ids = prompt_ids.clone()
     for _ in range(steps):
         outs = run_micro_batches(model, [{"input_ids": ids}], lambda o, mb: (o.sum() * 0, o[:, -1].detach()),
                                  forward_only=True)
-        last = outs[0]
-        parts = [torch.empty_like(last) for _ in range(ps.tp)]
-        dist.all_gather(parts, last.contiguous(), group=ps.tp_group)
-        logits = torch.cat(parts, dim=-1)[:, : model.dims.vocab_size]
+        logits = gather_vocab_logits(outs[0], model)
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
     return ids
 

@@ -16,6 +16,7 @@ This module does not know about PPO or the trainer.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.checkpoint import load_model, read_metadata, save_model
-from megappo.models.forward import run_micro_batches
+from megappo.models.forward import gather_vocab_logits, run_micro_batches
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
 from megappo.models.hf_reference import ShardedSafetensorsWriter
 from megappo.models.weights import HFWeights, iter_hf_tensors, load_hf_weights
@@ -114,8 +115,6 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
             writer.add(name, tensor)
         if ps.rank == 0:
             writer.close()
-            import json
-
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(meta["hf_config"], f, indent=2)
             aux = os.path.join(ckpt_dir, "hf")
@@ -158,9 +157,7 @@ def verify_model(model: MegatronModel, hf_dir: str, *, tol: float = 1e-4, seed: 
     if ps.is_last_stage:
         got = torch.cat(outs)
         if not model.has_value_head:
-            parts = [torch.empty_like(got) for _ in range(ps.tp)]
-            dist.all_gather(parts, got.contiguous(), group=ps.tp_group)
-            got = torch.cat(parts, dim=-1)[..., : model.dims.vocab_size]
+            got = gather_vocab_logits(got, model)
         if ps.tp_rank == 0:
             ref = _hf_outputs(hf_dir, input_ids, model.has_value_head)
             diff[0] = (got.float().cpu() - ref.float()).abs().max()

@@ -53,7 +53,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         with timed(m, "reward"):
             scores = rewards(run, batch, rm_scores)
         exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
-        m.update(rollout_metrics(batch, scores, exp, entropy, old_lp))
+        m.update(rollout_metrics(batch, scores, exp, entropy))
     exp = broadcast_from_rank0(exp)
     if run.critic:
         with timed(m, "update_critic"):
@@ -136,7 +136,7 @@ def advantages(algo, token_rewards, mask, values, batch: RolloutBatch):
                              norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
 
 
-def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy, old_lp) -> dict[str, float]:
+def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> dict[str, float]:
     mask = batch.response_mask.bool()
     lengths = batch.response_mask.sum(-1).float()
     out = {

@@ -44,6 +44,20 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def gather_vocab_logits(logits: torch.Tensor, model: MegatronModel) -> torch.Tensor:
+    """[..., V_pad/tp] last-stage logits -> [..., V] full, unpadded logits on every TP rank.
+
+    Materialises the whole vocabulary: for verification and decoding checks only; training
+    and log-probs use megappo.parallel.vocab_parallel instead.
+    """
+    import torch.distributed as dist
+
+    ps = model.ps
+    parts = [torch.empty_like(logits) for _ in range(ps.tp)]
+    dist.all_gather(parts, logits.contiguous(), group=ps.tp_group)
+    return torch.cat(parts, dim=-1)[..., : model.dims.vocab_size]
+
+
 def run_micro_batches(
     model: MegatronModel,
     micro_batches: list[dict[str, torch.Tensor]],

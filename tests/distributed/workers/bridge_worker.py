@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.models.builders import build_model
-from megappo.models.forward import run_micro_batches
+from megappo.models.forward import gather_vocab_logits, run_micro_batches
 from megappo.models.hf_config import dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.models.weights import iter_hf_tensors, load_hf_weights
@@ -51,9 +51,7 @@ def megatron_log_probs(model, ids, mask, prompt_len):
     n, r = ids.shape[0], ids.shape[1] - prompt_len
     lp = torch.zeros(n, r)
     if ps.is_last_stage:
-        parts = [torch.empty_like(outs[0]) for _ in range(ps.tp)]
-        dist.all_gather(parts, outs[0].contiguous(), group=ps.tp_group)
-        logits = torch.cat(parts, -1)[..., : model.dims.vocab_size][:, prompt_len - 1:-1]
+        logits = gather_vocab_logits(outs[0], model)[:, prompt_len - 1:-1]
         lp = logits.log_softmax(-1).gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
     if ps.pp > 1:
         dist.broadcast(lp, src=ps.pp_last_rank, group=ps.pp_group)
