@@ -1,8 +1,11 @@
-"""`megappo` command line: train, plot, smoke.
+"""`megappo` command line: train, plan, export, plot, smoke.
 
   megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches tp*pp ranks itself
                                                   unless run under torchrun)
+  megappo export RUN_OR_CKPT HF_DIR [--role critic] a trainer checkpoint as an HF directory
   megappo plot RUN_DIR                            curves.png from metrics.jsonl
+  megappo plan RECIPE.yaml --world-size N         layout checks and a per-GPU memory estimate
+               [--gpu-mem GiB] [key.sub=value ...]  (no model is built; exit 1 if it does not fit)
   megappo smoke                                   2 gloo ranks: tiny Llama from config, HF ->
                                                   Megatron TP=2 -> HF with verification, and
                                                   greedy decoding checked against transformers
@@ -16,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 
 def _greedy_megatron(model, prompt_ids, steps):
@@ -76,11 +80,17 @@ def cmd_smoke(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from megappo.checkpointing import find_resume
     from megappo.config import load_config
     from megappo.parallel.launch import ensure_ranks
 
     cfg = load_config(args.recipe, args.overrides)  # every config error before any rank starts
-    ensure_ranks(args.world_size or cfg.parallel.tp * cfg.parallel.pp)
+    # under torchrun the world is torchrun's; otherwise --world-size or one data-parallel replica
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.tp * cfg.parallel.pp
+    cfg.validate_world(world)
+    with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
+        find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
+    ensure_ranks(world)
     from megappo.metrics import plot_run
     from megappo.orchestrator import train
     from megappo.parallel.state import destroy_parallel
@@ -93,6 +103,39 @@ def cmd_train(args) -> int:
         last = history[-1] if history else {}
         print(f"done: {len(history)} steps, final critic/score/mean={last.get('critic/score/mean', float('nan')):.3f}; "
               f"metrics in {cfg.run.output_dir}/metrics.jsonl, curves in {png}", flush=True)
+    destroy_parallel()
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from megappo.config import load_config
+    from megappo.plan import format_plan, make_plan
+
+    cfg = load_config(args.recipe, args.overrides)
+    plan = make_plan(cfg, args.world_size or cfg.parallel.tp * cfg.parallel.pp, gpu_mem_gib=args.gpu_mem,
+                     hf_config=args.hf_config, recipe=args.recipe)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def cmd_export(args) -> int:
+    from megappo.checkpointing import resolve_checkpoint
+    from megappo.convert import check_output_dir
+    from megappo.models.checkpoint import read_metadata
+    from megappo.models.hf_config import ModelDims
+    from megappo.parallel.launch import ensure_ranks
+
+    ckpt = os.path.join(resolve_checkpoint(args.checkpoint), args.role)
+    ModelDims(**read_metadata(ckpt)["dims"]).check_layout(args.tp, args.pp)
+    check_output_dir(args.out, args.overwrite)
+    ensure_ranks(args.tp * args.pp)
+    from megappo.convert import megatron_to_hf
+    from megappo.parallel.state import destroy_parallel, init_parallel
+
+    ps = init_parallel(args.tp, args.pp)
+    megatron_to_hf(ckpt, args.out, ps, overwrite=args.overwrite)
+    if ps.rank == 0:
+        print(f"exported {ckpt} to {args.out}")
     destroy_parallel()
     return 0
 
@@ -116,17 +159,36 @@ def main(argv=None) -> int:
     train.add_argument("--world-size", type=int, default=None,
                        help="ranks to launch when not under torchrun (default: parallel.tp * parallel.pp)")
     train.set_defaults(func=cmd_train)
+    plan = sub.add_parser("plan", help="check a recipe's layout and estimate per-GPU memory (no model is built)")
+    plan.add_argument("recipe")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")
+    plan.add_argument("--world-size", type=int, default=None, help="GPUs (default: parallel.tp * parallel.pp)")
+    plan.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default: 80)")
+    plan.add_argument("--hf-config", default=None,
+                      help="the model's config.json (or its directory) when model.path has none")
+    plan.set_defaults(func=cmd_plan)
+    export = sub.add_parser("export", help="a trainer checkpoint's actor or critic as an HF directory")
+    export.add_argument("checkpoint", help="a run directory, its checkpoints/ directory, or a step_NNNNNNNN directory")
+    export.add_argument("out", help="the HF directory to write")
+    export.add_argument("--role", choices=("actor", "critic"), default="actor")
+    export.add_argument("--tp", type=int, default=1, help="load the checkpoint at this TP size (default 1)")
+    export.add_argument("--pp", type=int, default=1, help="load the checkpoint at this PP size (default 1)")
+    export.add_argument("--overwrite", action="store_true")
+    export.set_defaults(func=cmd_export)
     plot = sub.add_parser("plot", help="write RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir")
     plot.set_defaults(func=cmd_plot)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = getattr(args, "overrides", []) + extra  # overrides after an option: `R.yaml --world-size 8 k=v`
     from megappo.config import ConfigError
     from megappo.data import DataError
     from megappo.models.hf_config import ModelConfigError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, ModelConfigError) as e:  # bad input: the message says the fix
+    except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
         print(f"megappo: error: {e}", file=sys.stderr)
         return 2
 

@@ -332,20 +332,16 @@ class DataConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig(_Section):
-    """Trainer checkpoints are not implemented yet: the section is reserved, and asking for a save
-    or a resume is refused instead of silently ignored."""
+    """Trainer checkpoints (models, optimizers, schedulers, data cursor, RNG): megappo.checkpointing."""
 
     dir: Optional[str] = None  # None: <run.output_dir>/checkpoints
-    save_every: int = 0  # steps between checkpoints; 0: never (for now)
+    save_every: int = 0  # steps between checkpoints; 0: only at the end of training
     keep_last: int = 2  # newest checkpoints kept; 0: keep all
-    resume: Literal["auto", "must", "off"] = "auto"  # auto: from the latest checkpoint if there is one
-    save_hf_at_end: bool = False  # also write the final actor as an HF directory
+    resume: Literal["auto", "must", "off"] = "auto"  # auto: from `latest` if there is one; must: refuse to start without
+    save_hf_at_end: bool = False  # also export the final actor (and critic) as HF directories under <run.output_dir>/hf
 
     def check(self) -> None:
         _at_least(self, save_every=0, keep_last=0)
-        _require(not (self.save_every or self.resume == "must" or self.save_hf_at_end),
-                 f"trainer checkpoints and resume are not implemented yet. Fix: leave {P}save_every=0, "
-                 f"{P}resume=auto|off, {P}save_hf_at_end=false.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +378,7 @@ class Config(_Section):
     algorithm: AlgorithmConfig = _default(AlgorithmConfig)  # advantage estimator, discounting, in-reward KL
     rollout: RolloutConfig = _default(RolloutConfig)  # generation engine, sampling, weight sync
     data: DataConfig = _default(DataConfig)  # prompts and batch size
-    checkpoint: CheckpointConfig = _default(CheckpointConfig)  # trainer checkpoints (reserved)
+    checkpoint: CheckpointConfig = _default(CheckpointConfig)  # trainer checkpoints and resume
     logging: LoggingConfig = _default(LoggingConfig)  # metric sinks and console
     run: RunConfig = _default(RunConfig)  # output directory, seed, length, validation cadence
 

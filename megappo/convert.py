@@ -39,9 +39,11 @@ HF_AUX_FILES = (
 )
 
 
-def read_aux_files(hf_dir: str) -> dict[str, bytes]:
+def read_aux_files(hf_dir: str, everything: bool = False) -> dict[str, bytes]:
+    """The tokenizer / generation files of an HF directory (every file with everything=True)."""
     out = {}
-    for name in HF_AUX_FILES:
+    names = sorted(os.listdir(hf_dir)) if everything and os.path.isdir(hf_dir) else HF_AUX_FILES
+    for name in names:
         path = os.path.join(hf_dir, name)
         if os.path.isfile(path):
             with open(path, "rb") as f:
@@ -108,6 +110,16 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
     dims = ModelDims(**meta["dims"])
     model = build_model(dims, ps, role=meta["role"])
     load_model(model, ckpt_dir)
+    return export_hf(model, out_dir, meta["hf_config"], read_aux_files(os.path.join(ckpt_dir, "hf"), everything=True),
+                     verify=verify, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+
+
+def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dict[str, bytes], *,
+              verify: bool = False, overwrite: bool = False, max_shard_bytes: int = 2 << 30) -> dict:
+    """Collective: the live (sharded) model as an HF directory written by global rank 0:
+    safetensors shards, `hf_config` as config.json, and `hf_files` (tokenizer files)."""
+    ps = model.ps
+    check_output_dir(out_dir, overwrite)
     results = {}
     with _StagedOutput(out_dir, ps, overwrite) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if ps.rank == 0 else None
@@ -116,11 +128,11 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
         if ps.rank == 0:
             writer.close()
             with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(meta["hf_config"], f, indent=2)
-            aux = os.path.join(ckpt_dir, "hf")
-            for name in os.listdir(aux) if os.path.isdir(aux) else []:
+                json.dump(hf_config, f, indent=2)
+            for name, data in hf_files.items():
                 if name != "config.json":
-                    shutil.copy(os.path.join(aux, name), os.path.join(tmp, name))
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.write(data)
         dist.barrier()
         if verify:
             results = verify_model(model, tmp)

@@ -159,9 +159,9 @@ def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> di
 
 def train(run: Run) -> list[dict[str, float]]:
     """The loop: steps, logging, progress, checkpoints, validation. Returns rank 0's metrics."""
-    history, skips = [], 0
+    history = []
     run.bridge.sync()
-    if run.cfg.run.val_before_train:
+    if run.cfg.run.val_before_train and not run.start_step:  # a resumed run validated before its first step
         val = validate(run)
         if run.ps.is_rank0:
             run.logger.log(run.start_step, val)
@@ -176,11 +176,11 @@ def train(run: Run) -> list[dict[str, float]]:
             tokens = metrics.get("response_length/mean", 0) * run.cfg.data.train_batch_size * run.cfg.rollout.n
             metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / run.ps.world_size
             skipped = metrics.get("actor/skipped_steps", 0) + metrics.get("critic/skipped_steps", 0)
-            skips += int(skipped > 0)
+            run.nan_skips += int(skipped > 0)
             run.logger.log(step, metrics)
             run.progress.update(step)
             history.append(metrics)
-        skips = broadcast_from_rank0(skips)
+        skips = run.nan_skips = broadcast_from_rank0(run.nan_skips)
         if skips > run.cfg.run.max_nan_skips:
             raise NonFiniteLossError(f"{skips} steps had non-finite losses or gradients (> run.max_nan_skips="
                                      f"{run.cfg.run.max_nan_skips}); lower the learning rate or check the data.")

@@ -3,26 +3,29 @@
 Process groups, the tokenizer, the actor / reference / critic / reward models (HF weights
 loaded into the shards, Megatron optimizers for the trained ones), the rollout engine and
 the bridge on rank 0, prompts and sampler, the KL controller, the metric logger, and the
-step bookkeeping the loop needs. Checkpoint save/resume of the trainer lives here too.
+step bookkeeping the loop needs; when a checkpoint is there to resume from (megappo.checkpointing),
+the models, optimizers, data cursor, KL coefficient and RNG continue from it.
 
 This module does not know the order of a PPO step (see megappo.orchestrator).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
 
+from megappo import checkpointing
 from megappo.config import Config
 from megappo.data import PromptSampler, build_prompts, builtin_rows, load_rows
 from megappo.metrics import MetricLogger, Progress
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
-from megappo.models.checkpoint import save_model
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
@@ -53,7 +56,9 @@ class Run:
     total_steps: int
     hf_config: dict
     critic_hf_config: dict | None = None
-    start_step: int = 0
+    start_step: int = 0  # the step a resumed run continues after
+    nan_skips: int = 0  # steps skipped for non-finite losses so far (carried across resumes)
+    last_saved_step: int | None = None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -73,24 +78,56 @@ class Run:
                     cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                     seed=self.cfg.run.seed * 7919 + step)
 
+    @property
+    def trainables(self) -> dict:
+        out = {"actor": self.actor.trainable}
+        if self.critic:
+            out["critic"] = self.critic.trainable
+        return out
+
     def maybe_checkpoint(self, step: int) -> None:
-        pass  # trainer checkpoints (optimizer, sampler, RNG; resume): the run-at-scale issue
+        every = self.cfg.checkpoint.save_every
+        if every and step % every == 0:
+            self.save_checkpoint(step)
+
+    def save_checkpoint(self, step: int) -> str:
+        """Collective: a trainer checkpoint of `step` (megappo.checkpointing)."""
+        trainer = None
+        if self.ps.is_rank0:
+            trainer = checkpointing.TrainerState(step=step, sampler=self.sampler.state_dict(),
+                                                 kl_coef=float(self.kl_ctrl.value), nan_skips=self.nan_skips)
+        path = checkpointing.save(self.cfg.checkpoint_dir, step, self.trainables, trainer, self.cfg,
+                                  hf_config=self.hf_config, hf_files=self._hf_files(),
+                                  critic_hf_config=self.critic_hf_config, rank=self.ps.rank,
+                                  keep_last=self.cfg.checkpoint.keep_last)
+        self.last_saved_step = step
+        if self.ps.is_rank0:
+            print(f"saved checkpoint {path}", flush=True)
+        return path
 
     def finish(self) -> None:
-        """Write the trained models (collective) and close the logger."""
-        self.save_models(os.path.join(self.cfg.checkpoint_dir, "final"))
+        """Collective: the final checkpoint (unless this step was just saved), the HF export if
+        asked for, and close the logger."""
+        if self.last_saved_step != self.total_steps:
+            self.save_checkpoint(self.total_steps)
+        if self.cfg.checkpoint.save_hf_at_end:
+            self.export_hf(os.path.join(self.cfg.run.output_dir, "hf"))
         if self.logger:
             self.logger.close()
 
-    def save_models(self, path: str) -> None:
-        """Model-only Megatron checkpoints of the trained roles (actor, critic) under `path`;
-        tools/convert_megatron_to_hf.py turns them into HF directories."""
-        aux = read_aux_files(self.cfg.model.path) if self.cfg.model.path else {}
-        save_model(self.actor.model, os.path.join(path, "actor"), self.hf_config, aux)
+    def export_hf(self, path: str) -> None:
+        """Collective: the trained actor (and critic) as HF directories `path`/actor, `path`/critic."""
+        from megappo.convert import export_hf
+
+        export_hf(self.actor.model, os.path.join(path, "actor"), self.hf_config, self._hf_files(), overwrite=True)
         if self.critic:
-            save_model(self.critic.model, os.path.join(path, "critic"), self.critic_hf_config, aux)
+            export_hf(self.critic.model, os.path.join(path, "critic"), self.critic_hf_config, self._hf_files(),
+                      overwrite=True)
         if self.ps.is_rank0:
-            print(f"saved model checkpoints to {path}", flush=True)
+            print(f"exported HF model directories to {path}", flush=True)
+
+    def _hf_files(self) -> dict:
+        return read_aux_files(self.cfg.model.path) if self.cfg.model.path else {}
 
 
 def _hf_source(cfg: Config):
@@ -116,6 +153,8 @@ def create_run(cfg: Config) -> Run:
     p = cfg.parallel
     ps = init_parallel(p.tp, p.pp, p.vpp, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     cfg.validate_world(ps.world_size)
+    with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
+        resume = checkpointing.find_resume(cfg)  # refusals come before any model is built
     torch.manual_seed(cfg.run.seed)
     hf_config, weights, hf_model = _hf_source(cfg)
     dims = dims_from_hf(hf_config, cfg.model.arch)
@@ -180,14 +219,24 @@ def create_run(cfg: Config) -> Run:
                           verify_every=cfg.rollout.verify_every)
     kl = cfg.algorithm.kl_ctrl
     kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+    trained = {"actor": actor.trainable, **({"critic": critic.trainable} if critic else {})}
+    start_step, nan_skips = 0, 0
+    if resume:
+        checkpointing.load(resume["path"], trained, ps.rank)
+        start_step, nan_skips = resume["step"], resume["nan_skips"]
+        kl_ctrl.value = resume["kl_coef"]
+        if sampler:
+            sampler.load_state_dict(resume["sampler"])
     logger = progress = None
     if ps.is_rank0:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
         with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
         logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
-                              run_name=cfg.logging.run_name, config=cfg.to_dict())
-        progress = Progress(total_steps, enabled=cfg.logging.progress_bar)
+                              run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step)
+        progress = Progress(total_steps, start=start_step, enabled=cfg.logging.progress_bar)
+        if resume:
+            print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
         print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)} "
               f"(long prompts: {data_stats}) | steps={total_steps} | critic={'on' if critic else 'off'} "
               f"ref={'on' if ref else 'off'} | estimator={cfg.algorithm.adv_estimator}", flush=True)
@@ -195,7 +244,8 @@ def create_run(cfg: Config) -> Run:
     return Run(cfg=cfg, ps=ps, tokenizer=tokenizer, actor=actor, ref=ref, critic=critic, reward_model=reward_model,
                hf_config=hf_config, critic_hf_config=critic_hf_config,
                engine=engine, bridge=bridge, train_examples=train_examples, val_examples=val_examples,
-               sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps)
+               sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps,
+               start_step=start_step, nan_skips=nan_skips, last_saved_step=start_step if resume else None)
 
 
 def _build_engine(cfg: Config, hf_model, tokenizer):

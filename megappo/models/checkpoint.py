@@ -1,20 +1,26 @@
 """Megatron-Core distributed checkpoints of one model, with megappo's model metadata.
 
 A model checkpoint directory holds Megatron's dist-checkpoint files (layout-independent:
-it loads at any TP/PP), `megappo_model.json` (architecture, dims, role, vocab padding) and
-`hf/` (the HF config.json and tokenizer files the model came from), so a checkpoint can
-be turned back into an HF directory and a checkpoint of another model is refused before
-any tensor is read.
+it loads at any TP/PP/DP), `megappo_model.json` (architecture, dims, role, vocab padding,
+whether optimizer state is inside) and `hf/` (the HF config.json and tokenizer files the
+model came from), so a checkpoint can be turned back into an HF directory and a
+checkpoint of another model is refused before any tensor is read.
 
-This module does not know about optimizers or trainer state (see the trainer checkpoints).
+`save_model` / `load_model`: weights only. `save_trainable` / `load_trainable`: weights,
+Megatron optimizer state (Adam moments, step; the distributed optimizer's shards in the
+'fully_reshardable' format) and the LR scheduler, so training continues exactly.
+
+This module does not know about trainer state (step, data cursor, RNG: megappo.checkpointing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 
+import torch
 import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel, _unwrap
@@ -57,16 +63,34 @@ def _sharded_state(model: MegatronModel) -> dict:
     return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model.chunks)}
 
 
+# The distributed optimizer's default format is rejected by megatron-core 0.16.1's own
+# mapping code; 'fully_reshardable' reshards over TP, PP and DP on load.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def save_model(model: MegatronModel, ckpt_dir: str, hf_config: dict, hf_files: dict[str, bytes] | None = None) -> None:
-    """Collective: save this model to `ckpt_dir` (which must not exist or be empty)."""
+    """Collective: save this model's weights to `ckpt_dir` (which must not exist or be empty)."""
+    _save(model, _sharded_state(model), ckpt_dir, hf_config, hf_files, with_optimizer=False)
+
+
+def save_trainable(trainable, ckpt_dir: str, hf_config: dict, hf_files: dict[str, bytes] | None = None) -> None:
+    """Collective: weights + optimizer state + LR scheduler of a `models.training.Trainable`."""
+    model_state = _sharded_state(trainable.model)
+    state = dict(model_state,
+                 optimizer=trainable.optimizer.sharded_state_dict(model_state, is_loading=False, metadata=OPTIM_METADATA),
+                 scheduler=trainable.scheduler.state_dict())
+    _save(trainable.model, state, ckpt_dir, hf_config, hf_files, with_optimizer=True)
+
+
+def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_files, with_optimizer: bool) -> None:
     from megatron.core import dist_checkpointing
 
     if model.ps.rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model), ckpt_dir)
+    dist_checkpointing.save(state, ckpt_dir)
     if model.ps.rank == 0:
-        meta = {"format": "megappo-model-v1", "role": model.role,
+        meta = {"format": "megappo-model-v1", "role": model.role, "with_optimizer": with_optimizer,
                 "dims": dataclasses.asdict(model.dims), "hf_config": hf_config}
         with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
@@ -85,6 +109,90 @@ def load_model(model: MegatronModel, ckpt_dir: str) -> dict:
     meta = read_metadata(ckpt_dir)
     check_compatible(model, meta, ckpt_dir)
     loaded = dist_checkpointing.load(_sharded_state(model), ckpt_dir)
+    _load_chunks(model, loaded)
+    return meta
+
+
+def load_trainable(trainable, ckpt_dir: str) -> dict:
+    """Collective: load weights, optimizer state and LR scheduler saved by `save_trainable`
+    into `trainable` at its current layout (TP/PP/DP may differ from the saver's)."""
+    from megatron.core import dist_checkpointing
+
+    model = trainable.model
+    meta = read_metadata(ckpt_dir)
+    check_compatible(model, meta, ckpt_dir)
+    if not meta.get("with_optimizer"):
+        raise ModelConfigError(f"checkpoint '{ckpt_dir}' holds weights only, no optimizer state to resume from.")
+    for opt in _inner_optimizers(trainable.optimizer):
+        # a fresh distributed optimizer has no Adam state to load into yet
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+    model_state = _sharded_state(model)
+    state = dict(model_state,
+                 optimizer=trainable.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=OPTIM_METADATA),
+                 scheduler=trainable.scheduler.state_dict())
+    loaded = dist_checkpointing.load(state, ckpt_dir)
+    _load_chunks(model, loaded)
+    with _adam_step_kept_out(trainable.optimizer):
+        trainable.optimizer.load_state_dict(loaded["optimizer"])
+    trainable.scheduler.load_state_dict(loaded["scheduler"])
+    _unshare_adam_steps(trainable.optimizer)
+    return meta
+
+
+def _load_chunks(model: MegatronModel, loaded: dict) -> None:
     for i, chunk in enumerate(model.chunks):
         _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
-    return meta
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The Megatron optimizers inside a (possibly chained) optimizer that wrap a torch one."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt for opt in chained if getattr(opt, "optimizer", None) is not None]
+
+
+@contextlib.contextmanager
+def _adam_step_kept_out(optimizer):
+    """Let the distributed optimizer load its 'fully_reshardable' state with torch's Adam.
+
+    Without apex/TE, torch Adam keeps a per-parameter 'step' that Megatron restores from the
+    param groups; its per-parameter copy loop (0.16.1) also expects 'step' in the saved
+    record, which does not carry it. Hide 'step' from that loop; it was restored already.
+    """
+    patched = []
+    for opt in _inner_optimizers(optimizer):
+        if not hasattr(opt, "_set_main_param_and_optimizer_states"):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group, order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam 'step' tensor.
+
+    Megatron restores one common step; on some load paths every parameter's state then
+    holds the SAME tensor object, and torch's foreach Adam increments it once per
+    parameter per step (wrong bias correction after resume).
+    """
+    for opt in _inner_optimizers(optimizer):
+        for state in opt.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                state["step"] = step.detach().clone()

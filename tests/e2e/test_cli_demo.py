@@ -46,8 +46,11 @@ def test_demo_recipe_learns(tmp_path):
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # engine and Megatron agree after the first sync
     assert val_rows[-1]["val/score/mean"] > val_rows[0]["val/score/mean"]  # greedy validation improves too
     assert (tmp_path / "curves.png").is_file()
-    for role in ("actor", "critic"):  # the trained models, as megappo model checkpoints
-        assert (tmp_path / "checkpoints" / "final" / role / "megappo_model.json").is_file()
+    ckpts = tmp_path / "checkpoints"  # trainer checkpoints every 50 steps, the last two kept
+    assert (ckpts / "latest").read_text() == "step_00000100"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000050", "step_00000100"]
+    for role in ("actor", "critic"):
+        assert (ckpts / "step_00000100" / role / "megappo_model.json").is_file()
 
 
 def test_bad_recipe_stops_before_any_rank_starts(tmp_path):

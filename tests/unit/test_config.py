@@ -216,9 +216,7 @@ GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}
     ({**GRPO, "actor": {"ppo_mini_batch_size": 256, "micro_batch_size": 3}},
      r"actor: a mini-batch of 1024 sequences \(actor.ppo_mini_batch_size=256 x rollout.n=4\) is not divisible by "
      r"actor.micro_batch_size=3"),
-    ({"checkpoint": {"save_every": 10}}, "checkpoints and resume are not implemented yet. Fix: leave "
-                                         "checkpoint.save_every=0"),
-    ({"checkpoint": {"resume": "must"}}, "not implemented yet"),
+    ({"checkpoint": {"save_every": -1}}, "checkpoint.save_every=-1 must be >= 0"),
     ({"run": {"total_steps": 0}}, "run.total_steps=0 must be >= 1"),
 ])
 def test_inconsistent_values(sections, needle):

@@ -1,0 +1,523 @@
+"""`megappo plan`: does a recipe's layout fit the model, and its memory the GPUs? No model is built.
+
+`make_plan(cfg, world_size, gpu_mem_gib=80.0, hf_config=None) -> Plan` checks the layout
+(`Config.validate_world` for the batch split over data-parallel replicas, `ModelDims.check_layout`
+for TP/PP/VPP against heads, query groups, FFN and layers, the SGLang engine's tp size against
+the heads) and estimates the memory of one GPU, role by role; `format_plan(plan)` prints it.
+Layout errors raise ConfigError / ModelConfigError naming the fix (the CLI exits 2); a plan that
+does not fit lists the knobs to turn (exit 1).
+
+The architecture comes from, in order: `--hf-config FILE`, `model.hf_config`, `model.path/config.json`,
+or `KNOWN_MODELS[basename(model.path)]` (public config.json numbers of a few well-known models),
+so a recipe can be planned on a machine without the weights.
+
+The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-parallel size):
+  trained roles (actor, critic), Megatron's mixed-precision bookkeeping (its distributed-optimizer
+  table): weights P x 2 (bf16/fp16) or 4 (fp32); gradients P x 4 (megappo reduces in fp32, a
+  main_grad buffer that the distributed optimizer does not shard); fp32 master weights P x 4 (half
+  precision only) and Adam moments P x 8, both / d with parallel.use_distributed_optimizer.
+  ref / reward model: weights only. P is the worst pipeline stage's share: layers / pp of each
+  layer's matrices / tp (norms replicated), plus the embedding / tp on the first stage and the
+  output layer / tp (a value head for critic and reward) on the last.
+  activations, per transformer layer and micro-batch of b sequences of s = data.max_prompt_length
+  + rollout.max_new_tokens tokens, no recomputation: Korthikanti et al. 2022 ("Reducing Activation
+  Recomputation in Large Transformer Models", Sec. 4) count s*b*h*(34 + 5*a*s/h) bytes for a GPT
+  layer (16-bit activations, 4h GeLU MLP, dropout). Recounted term by term for a Llama/Qwen2 layer
+  (no dropout, GQA with q = heads*head_dim and kv = groups*head_dim, SwiGLU with FFN size f), in
+  elements: 4h per token kept on every TP rank unless sequence parallel splits them (the two norm
+  inputs, the QKV and FC1 inputs) and q + 2kv + q + 3f per token split over TP (Q, K, V, the
+  attention output, the gate and up projections, the SwiGLU output); with h = q = kv and the GeLU
+  MLP (4h + 4h, plus the dropout masks) this is the paper's count. Unfused attention
+  (layer_spec=local) adds the paper's 5*a*s^2*b bytes of attention probabilities / tp; TE's fused
+  attention (te, and auto on a GPU) stores none. A pipeline stage holds L/pp layers for the
+  micro-batches in flight: pp - rank with 1F1B, (pp - rank - 1)*2 + (vpp - 1)*pp + 1 model chunks
+  of L/(pp*vpp) layers with the interleaved schedule (Megatron's warm-up counts), at most the
+  micro-batches of one mini-batch. The last stage of an LM role also holds one micro-batch of
+  [b, s, V/tp] logits in the model dtype plus three float32 copies (the vocab-parallel log-prob
+  and entropy pass). Forward-only passes (ref, reward) keep one layer and the logits. Phases run
+  one after another, so only the largest activation counts towards the peak.
+  engine: `rollout.engine=sglang` is one SGLang engine started by global rank 0 on its node's
+  first `rollout.sglang.tp_size` GPUs, after the trainer's models are built, so those GPUs hold
+  everything. SGLang sizes its static pool (weights / tp + KV cache) as mem_fraction_static times
+  the memory free when it starts and leaves the rest; Adam moments (created at the first
+  optimizer step) and activations must then fit in that rest. `rollout.engine=hf` runs on the host.
+  reserve: RESERVE_GIB per GPU for the CUDA context, NCCL buffers and allocator slack, and
+  ENGINE_RESERVE_GIB on engine GPUs for SGLang's CUDA graphs and sampling buffers (outside its pool).
+
+It does not know the allocator's fragmentation, Transformer Engine's workspaces, NCCL's real
+buffer sizes, SGLang's internals beyond its pool formula, or several nodes' placement of rank 0;
+treat the totals as estimates within a few GiB. It imports neither torch nor megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Optional
+
+from megappo.config import Config, ConfigError
+from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
+
+GIB = float(1 << 30)
+RESERVE_GIB = 3.0  # per GPU: CUDA context, NCCL buffers, allocator slack
+ENGINE_RESERVE_GIB = 3.0  # per engine GPU, outside SGLang's static pool: CUDA graphs, sampling buffers
+SGLANG_DEFAULTS = {"tp_size": 1, "mem_fraction_static": 0.5}  # megappo.rollout.sglang_engine.SGLangEngine
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+          "rope_theta": 1000000.0, "max_position_embeddings": 32768, "vocab_size": 152064,
+          "tie_word_embeddings": False}
+_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "rope_theta": 500000.0, "max_position_embeddings": 131072, "vocab_size": 128256,
+           "tie_word_embeddings": False,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+_QWEN25_7B = {**_QWEN2, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+              "num_attention_heads": 28, "num_key_value_heads": 4}
+_QWEN25_72B = {**_QWEN2, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+               "num_attention_heads": 64, "num_key_value_heads": 8}
+_LLAMA31_8B = {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8}
+_LLAMA33_70B = {**_LLAMA3, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                "num_attention_heads": 64, "num_key_value_heads": 8}
+_SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                 "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+                 "rope_theta": 100000.0, "max_position_embeddings": 8192}
+
+#: HF model name (the directory's basename, compared case-insensitively) -> the architecture part of
+#: its public config.json. Used only when model.path has no config.json (planning without weights).
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen2.5-7B": _QWEN25_7B,
+    "Qwen2.5-7B-Instruct": _QWEN25_7B,
+    "Qwen2.5-72B": _QWEN25_72B,
+    "Qwen2.5-72B-Instruct": _QWEN25_72B,
+    "Llama-3.1-8B": _LLAMA31_8B,
+    "Llama-3.1-8B-Instruct": _LLAMA31_8B,
+    "Llama-3.3-70B-Instruct": _LLAMA33_70B,
+    "SmolLM2-135M": _SMOLLM2_135M,
+    "SmolLM2-135M-Instruct": _SMOLLM2_135M,
+}
+
+
+# -- where the architecture comes from -----------------------------------------------------------
+
+def _read_config_file(path: str) -> dict:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ModelConfigError(f"cannot read HF config '{file}': {e.strerror}. Fix: pass --hf-config "
+                               f"path/to/config.json (or the model directory).") from None
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"HF config '{file}' is not valid JSON: {e}. Fix: point --hf-config at the "
+                               f"model's config.json.") from None
+
+
+def resolve_hf_config(path: Optional[str], key: str, *, inline: Optional[dict] = None,
+                      override: Optional[str] = None) -> tuple[dict, str]:
+    """(HF config dict, where it came from) for the model named by recipe key `key`."""
+    if override:
+        return _read_config_file(override), f"--hf-config {override}"
+    if inline is not None:
+        return inline, "model.hf_config"
+    assert path is not None  # ModelConfig.check: path or hf_config
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return _read_config_file(path), os.path.join(path, "config.json")
+    name = os.path.basename(os.path.normpath(path))
+    known = {k.lower(): (k, v) for k, v in KNOWN_MODELS.items()}
+    if name.lower() in known:
+        hf_name, cfg = known[name.lower()]
+        return cfg, f"built-in dims of {hf_name} (no config.json in {path})"
+    raise ModelConfigError(f"{key}={path} has no config.json and '{name}' is not a built-in model "
+                           f"({sorted(KNOWN_MODELS)}). Fix: pass --hf-config path/to/config.json, or copy the "
+                           f"model's config.json into {path}.")
+
+
+# -- parameters per GPU ---------------------------------------------------------------------------
+
+def layer_params(d: ModelDims, tp: int) -> float:
+    """Parameters of one decoder layer on one TP rank (matrices / tp; the two norms replicated)."""
+    q, kv = d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
+    qkv = d.hidden_size * (q + 2 * kv) + ((q + 2 * kv) if d.qkv_bias else 0)
+    return (qkv + q * d.hidden_size + 3 * d.hidden_size * d.ffn_hidden_size) / tp + 2 * d.hidden_size
+
+
+def total_params(d: ModelDims) -> int:
+    """Parameters of the HF model (unpadded vocab; a tied output layer counted once)."""
+    emb = d.vocab_size * d.hidden_size
+    return int(d.num_layers * layer_params(d, 1) + emb * (1 if d.tie_word_embeddings else 2) + d.hidden_size)
+
+
+def stage_params(d: ModelDims, *, tp: int, pp: int, stage: str, value_head: bool, divisible_by: int) -> float:
+    """Parameters one GPU holds on pipeline `stage` ('all' for pp=1, 'first', 'last')."""
+    h, vpad = d.hidden_size, d.padded_vocab_size(tp, divisible_by)
+    n = d.num_layers // pp * layer_params(d, tp)
+    if stage in ("all", "first"):
+        n += vpad * h / tp  # word embeddings
+    if stage in ("all", "last"):
+        n += h  # final norm
+        if value_head:
+            n += h + 1
+        elif not d.tie_word_embeddings or stage == "last":  # tied and pp > 1: the last stage keeps a copy
+            n += vpad * h / tp
+    return n
+
+
+# -- activations ----------------------------------------------------------------------------------
+
+def layer_activation_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, sequence_parallel: bool,
+                           act_bytes: int, fused_attention: bool) -> float:
+    """Activations one TP rank keeps for backward for one layer and one micro-batch (see module doc)."""
+    h, f = d.hidden_size, d.ffn_hidden_size
+    q, kv = d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
+    replicated = 4 * h  # two norm inputs, QKV input, FC1 input
+    split = q + 2 * kv + q + 3 * f  # Q, K, V, attention output, gate+up, SwiGLU output
+    tokens = seq * micro
+    total = act_bytes * tokens * (replicated / (tp if sequence_parallel else 1) + split / tp)
+    if not fused_attention:
+        total += 5 * d.num_heads * seq * seq * micro / tp * act_bytes / 2
+    return total
+
+
+def logits_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, act_bytes: int, divisible_by: int) -> float:
+    """One micro-batch of [b, s, V/tp] logits plus three float32 copies of it."""
+    return seq * micro * d.padded_vocab_size(tp, divisible_by) / tp * (act_bytes + 3 * 4)
+
+
+def layers_in_flight(num_layers: int, *, pp: int, vpp: Optional[int], rank: int, micro_batches: int) -> int:
+    """Layer-micro-batches whose activations pipeline rank `rank` holds at once during training."""
+    v = vpp or 1
+    if v == 1:
+        chunks = pp - rank
+    else:
+        chunks = (pp - rank - 1) * 2 + (v - 1) * pp + 1
+    return num_layers // (pp * v) * min(chunks, micro_batches * v)
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RoleMemory:
+    """One role's memory on one GPU, in bytes."""
+
+    role: str
+    params: float  # parameters this GPU holds
+    weights: float
+    grads: float
+    master: float  # fp32 master weights (allocated when the optimizer is built)
+    adam: float  # Adam moments (allocated at the first optimizer step)
+    activations: float
+    phase: str  # what the activations are for
+
+    @property
+    def optimizer(self) -> float:
+        return self.master + self.adam
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMemory:
+    """The SGLang engine's share of one of its GPUs, in bytes."""
+
+    tp_size: int
+    mem_fraction: float
+    weights: float  # engine weights / tp_size
+    pool: float  # its static pool: mem_fraction * memory free when it starts
+    kv_token_bytes: float  # KV cache bytes per token on one engine GPU
+
+    @property
+    def kv_cache(self) -> float:
+        return self.pool - self.weights
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_cache // self.kv_token_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    recipe: str
+    model: str  # where the architecture came from
+    dims: ModelDims
+    world_size: int
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    padded_vocab: int  # vocabulary rows Megatron allocates at this tp
+    dp: int
+    seq: int
+    dtype: str
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    fused_attention: bool
+    stage: str  # the pipeline stage shown (the one with the largest total)
+    roles: tuple[RoleMemory, ...]
+    engine: Optional[EngineMemory]
+    engine_name: str
+    gpu_mem: float  # bytes
+    reserve: float  # bytes on this GPU outside roles and the engine pool
+    fixes: tuple[str, ...]  # knobs, when it does not fit
+
+    @property
+    def peak_activation(self) -> RoleMemory:
+        return max(self.roles, key=lambda r: r.activations)
+
+    @property
+    def static(self) -> float:
+        """Weights, gradients and optimizer state of every role."""
+        return sum(r.weights + r.grads + r.optimizer for r in self.roles)
+
+    @property
+    def total(self) -> float:
+        engine = self.engine.pool if self.engine else 0.0
+        return self.static + self.peak_activation.activations + engine + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return not self.fixes
+
+
+def _roles_at(cfg: Config, dims: dict[str, ModelDims], world_size: int, stage: str, rank: int) -> list[RoleMemory]:
+    p, m = cfg.parallel, cfg.model
+    tp, pp, dp = p.tp, p.pp, world_size // (p.tp * p.pp)
+    db = DTYPE_BYTES[m.dtype]
+    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    fused = m.layer_spec != "local"
+    shard = dp if p.use_distributed_optimizer else 1
+    out = []
+    for role in cfg.roles + (("reward",) if cfg.reward.model_path else ()):
+        d = dims[role]
+        value = role in ("critic", "reward")
+        n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by)
+        per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
+        logits = 0.0 if value or stage == "first" else logits_bytes(
+            d, seq=seq, micro=1, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by)
+        if role in ("actor", "critic"):
+            section = getattr(cfg, role)
+            micro = section.micro_batch_size
+            micro_batches = section.ppo_mini_batch_size * cfg.rollout.n // (dp * micro)
+            layers = (d.num_layers if pp == 1 else
+                      layers_in_flight(d.num_layers, pp=pp, vpp=p.vpp, rank=rank, micro_batches=micro_batches))
+            act = layers * layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
+            out.append(RoleMemory(role, n, weights=n * db, grads=n * 4, master=n * 4 / shard if db < 4 else 0.0,
+                                  adam=n * 8 / shard, activations=act, phase=f"{role} update"))
+        else:
+            micro = cfg.ref_micro_batch_size if role == "ref" else cfg.reward.micro_batch_size
+            act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
+            out.append(RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
+                                  phase=f"{role} forward"))
+    return out
+
+
+def _engine_args(cfg: Config) -> tuple[int, float]:
+    args = {**SGLANG_DEFAULTS, **cfg.rollout.sglang}
+    tp_size, frac = args["tp_size"], args["mem_fraction_static"]
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ConfigError(f"rollout.sglang.tp_size={tp_size!r} must be an int >= 1. Fix: e.g. "
+                          f"rollout.sglang.tp_size=8.")
+    if not isinstance(frac, (int, float)) or not 0 < frac < 1:
+        raise ConfigError(f"rollout.sglang.mem_fraction_static={frac!r} must be in (0, 1). Fix: e.g. "
+                          f"rollout.sglang.mem_fraction_static=0.4.")
+    return tp_size, float(frac)
+
+
+def check_engine_layout(d: ModelDims, tp_size: int, world_size: int) -> None:
+    """SGLang splits attention heads over its tp size and replicates KV heads when tp > groups."""
+    def ok(t: int) -> bool:
+        g = d.num_query_groups
+        return d.num_heads % t == 0 and (g % t == 0 if t <= g else t % g == 0)
+
+    valid = [t for t in range(1, min(world_size, d.num_heads) + 1) if ok(t)]
+    if not ok(tp_size):
+        raise ModelConfigError(f"rollout.sglang.tp_size={tp_size} does not split num_attention_heads="
+                               f"{d.num_heads} / num_key_value_heads={d.num_query_groups}. Fix: choose "
+                               f"rollout.sglang.tp_size from {valid}.")
+    if tp_size > world_size:
+        raise ModelConfigError(f"rollout.sglang.tp_size={tp_size} needs more GPUs than the world size {world_size}. "
+                               f"Fix: choose rollout.sglang.tp_size from {valid}.")
+
+
+def _fixes(cfg: Config, plan_roles: list[RoleMemory], engine: Optional[EngineMemory], start: float, later: float,
+           gpu_mem: float, world_size: int, dims: ModelDims, seq: int) -> list[str]:
+    """The knobs that would make this plan fit, largest saving first; [] when it fits."""
+    fixes = []
+    p = cfg.parallel
+    dp = world_size // (p.tp * p.pp)
+    if engine is not None:
+        free = gpu_mem - start
+        need_pool = engine.weights + engine.kv_token_bytes * seq  # at least one full sequence in the KV cache
+        f_min, f_max = need_pool / free if free > 0 else math.inf, 1 - later / free if free > 0 else -math.inf
+        if engine.kv_tokens < seq or start + engine.pool + later > gpu_mem:
+            if f_min <= f_max:
+                fixes.append(f"set rollout.sglang.mem_fraction_static between {f_min:.2f} and {f_max:.2f} (now "
+                             f"{engine.mem_fraction:g}): below, SGLang's KV cache cannot hold one {seq}-token "
+                             f"sequence; above, the trainer's optimizer state and activations no longer fit")
+            elif engine.kv_tokens < seq:
+                fixes.append(f"SGLang's KV cache would hold {engine.kv_tokens} tokens, less than one {seq}-token "
+                             f"sequence, and no rollout.sglang.mem_fraction_static fits both the engine and the "
+                             f"trainer: shrink the trainer (below) or raise rollout.sglang.tp_size (now "
+                             f"{engine.tp_size}) to spread the engine weights")
+    total = start + (engine.pool if engine else 0.0) + later
+    if total <= gpu_mem and not fixes:
+        return []
+    by_size = []
+    optim = sum(r.optimizer for r in plan_roles)
+    if dp > 1 and not p.use_distributed_optimizer and optim > 0:
+        saved = sum(r.master + r.adam for r in plan_roles) * (1 - 1 / dp)
+        by_size.append((saved, f"set parallel.use_distributed_optimizer=true (shards {optim / GIB:.1f} GiB of "
+                               f"optimizer state over dp={dp}: saves {saved / GIB:.1f} GiB)"))
+    layouts = _bigger_layouts(dims, p.tp, p.pp, world_size)
+    static = sum(r.weights + r.grads + r.optimizer for r in plan_roles)
+    if layouts:
+        by_size.append((static / 2, f"raise model parallelism (now tp={p.tp} pp={p.pp}; weights, gradients and "
+                                    f"optimizer state take {static / GIB:.1f} GiB): e.g. {layouts}, or a larger "
+                                    f"world size"))
+    else:
+        by_size.append((static / 2, f"launch more GPUs: tp={p.tp} pp={p.pp} is the largest layout of this model "
+                                    f"that divides world size {world_size} (weights, gradients and optimizer state "
+                                    f"take {static / GIB:.1f} GiB)"))
+    top = max(plan_roles, key=lambda r: r.activations)
+    trained = top.role in ("actor", "critic")
+    micro = getattr(cfg, top.role).micro_batch_size if trained else (
+        cfg.ref_micro_batch_size if top.role == "ref" else cfg.reward.micro_batch_size)
+    key = {"actor": "actor.micro_batch_size", "critic": "critic.micro_batch_size", "ref": "ref.micro_batch_size",
+           "reward": "reward.micro_batch_size"}[top.role]
+    if micro > 1:
+        by_size.append((top.activations / 2, f"lower {key} (now {micro}; the {top.phase} keeps "
+                                             f"{top.activations / GIB:.1f} GiB of activations)"))
+    if p.vpp and top.role in ("actor", "critic"):
+        by_size.append((top.activations / 3, f"set parallel.vpp=null (the interleaved schedule keeps more "
+                                             f"micro-batches in flight than 1F1B; now vpp={p.vpp})"))
+    if p.tp > 1 and not p.sequence_parallel:
+        by_size.append((top.activations / 4, "set parallel.sequence_parallel=true (splits norm and projection "
+                                             "inputs over tp)"))
+    by_size.append((0.0, f"or shorten sequences (data.max_prompt_length + rollout.max_new_tokens = {seq})"))
+    return fixes + [text for _, text in sorted(by_size, key=lambda x: -x[0])]
+
+
+def _bigger_layouts(d: ModelDims, tp: int, pp: int, world_size: int) -> str:
+    """Up to three (tp, pp) layouts with more model parallelism that divide the model and the world."""
+    found = []
+    for t in range(1, world_size + 1):
+        for q in range(1, world_size // t + 1):
+            if t * q <= tp * pp or world_size % (t * q) or t < tp or q < pp:
+                continue
+            try:
+                d.check_layout(t, q)
+            except ModelConfigError:
+                continue
+            found.append((t * q, -t, f"parallel.tp={t} parallel.pp={q}"))
+    return "; ".join(text for _, _, text in sorted(found)[:3])
+
+
+def make_plan(cfg: Config, world_size: int, *, gpu_mem_gib: float = 80.0, hf_config: Optional[str] = None,
+              recipe: str = "") -> Plan:
+    """Check the layout (raises ConfigError / ModelConfigError naming the fix) and estimate one GPU's memory."""
+    if gpu_mem_gib <= 0:
+        raise ConfigError(f"--gpu-mem {gpu_mem_gib} must be > 0 (GiB per GPU). Fix: e.g. --gpu-mem 80.")
+    cfg.validate_world(world_size)
+    p, m = cfg.parallel, cfg.model
+    hf, source = resolve_hf_config(m.path, "model.path", inline=m.hf_config, override=hf_config)
+    dims = {"actor": dims_from_hf(hf, m.arch)}
+    dims["ref"] = dims["actor"]
+    dims["critic"] = dims["actor"]
+    if cfg.critic.path:
+        dims["critic"] = dims_from_hf(resolve_hf_config(cfg.critic.path, "critic.path")[0])
+    if cfg.reward.model_path:
+        dims["reward"] = dims_from_hf(resolve_hf_config(cfg.reward.model_path, "reward.model_path")[0])
+    for role, d in dims.items():
+        if role in cfg.roles or (role == "reward" and cfg.reward.model_path):
+            d.check_layout(p.tp, p.pp, p.vpp)
+    actor = dims["actor"]
+    dp = world_size // (p.tp * p.pp)
+    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    gpu_mem = gpu_mem_gib * GIB
+    engine_args = None
+    if cfg.rollout.engine == "sglang":
+        engine_args = _engine_args(cfg)
+        check_engine_layout(actor, engine_args[0], world_size)
+
+    candidates = []
+    stages = [("all", 0)] if p.pp == 1 else [("first", 0), ("last", p.pp - 1)]
+    for stage, rank in stages:
+        roles = _roles_at(cfg, dims, world_size, stage, rank)
+        reserve = RESERVE_GIB * GIB
+        start = sum(r.weights + r.grads + r.master for r in roles) + reserve
+        later = sum(r.adam for r in roles) + max(r.activations for r in roles)
+        engine = None
+        # the engine takes global ranks [0, tp_size) of rank 0's node; Megatron orders ranks tp, dp, then pp
+        if engine_args and rank * p.tp * dp < engine_args[0]:
+            tp_size, frac = engine_args
+            later += ENGINE_RESERVE_GIB * GIB
+            reserve += ENGINE_RESERVE_GIB * GIB
+            db = DTYPE_BYTES[m.dtype]
+            kv_heads = max(1, actor.num_query_groups // tp_size)  # SGLang replicates KV heads when tp > groups
+            engine = EngineMemory(tp_size=tp_size, mem_fraction=frac, weights=total_params(actor) * db / tp_size,
+                                  pool=frac * max(0.0, gpu_mem - start),
+                                  kv_token_bytes=2 * kv_heads * actor.head_dim * actor.num_layers * db)
+        fixes = _fixes(cfg, roles, engine, start, later, gpu_mem, world_size, actor, seq)
+        plan = Plan(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
+                    padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by),
+                    dp=dp, seq=seq, dtype=m.dtype, sequence_parallel=p.sequence_parallel,
+                    distributed_optimizer=p.use_distributed_optimizer, fused_attention=m.layer_spec != "local",
+                    stage=stage, roles=tuple(roles), engine=engine, engine_name=cfg.rollout.engine,
+                    gpu_mem=gpu_mem, reserve=reserve, fixes=tuple(fixes))
+        candidates.append(plan)
+    # the worst GPU: one that does not fit, else the largest total
+    return max(candidates, key=lambda c: (not c.fits, c.total))
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
+def format_plan(plan: Plan) -> str:
+    d = plan.dims
+    g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    lines = [
+        f"model: {d.arch}, {_count(total_params(d))} parameters, {d.num_layers} layers, hidden {d.hidden_size}, "
+        f"{d.num_heads} heads / {d.num_query_groups} KV heads, vocab {d.vocab_size} (padded to {plan.padded_vocab} "
+        f"at tp={plan.tp})",
+        f"  from {plan.model}",
+        f"layout: world {plan.world_size} = tp {plan.tp} x pp {plan.pp}" + (f" (vpp {plan.vpp})" if plan.vpp else "")
+        + f" x dp {plan.dp}; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
+        f"{on(plan.distributed_optimizer)}; attention {'fused (TE)' if plan.fused_attention else 'unfused (local)'}",
+        f"sequence length {plan.seq} (data.max_prompt_length + rollout.max_new_tokens)",
+        "",
+        f"memory per GPU (GiB), pipeline stage '{plan.stage}'" + (" (a GPU of the engine)" if plan.engine else "")
+        + ":",
+        f"{'role':<10}{'params':>9}{'weights':>9}{'grads':>8}{'optimizer':>11}{'activations':>13}{'total':>8}",
+    ]
+    for r in plan.roles:
+        lines.append(f"{r.role:<10}{_count(r.params):>9}{g(r.weights):>9}{g(r.grads):>8}{g(r.optimizer):>11}"
+                     f"{g(r.activations):>13}{g(r.total):>8}")
+    if plan.engine:
+        e = plan.engine
+        lines.append(f"{'engine':<10}{'':>9}{g(e.weights):>9}{'':>8}{'':>11}{'':>13}{g(e.pool):>8}"
+                     f"   sglang tp={e.tp_size}, pool {e.mem_fraction:g} x free; KV cache {g(max(0.0, e.kv_cache))} "
+                     f"GiB = {e.kv_tokens} tokens ({e.kv_tokens // plan.seq} sequences of {plan.seq})")
+    elif plan.engine_name == "hf":
+        lines.append(f"{'engine':<10}  hf engine: on the host (CPU memory), no GPU memory")
+    lines.append(f"{'reserve':<10}{'':>9}{'':>9}{'':>8}{'':>11}{'':>13}{g(plan.reserve):>8}   CUDA context, NCCL, "
+                 f"allocator slack" + (", SGLang graphs" if plan.engine else ""))
+    peak = plan.peak_activation
+    lines += [
+        "",
+        f"per GPU: weights+grads+optimizer {g(plan.static)} + activations {g(peak.activations)} (largest: "
+        f"{peak.phase}; phases run one after another)" + (f" + engine {g(plan.engine.pool)}" if plan.engine else "")
+        + f" + reserve {g(plan.reserve)} = {g(plan.total)} GiB of {g(plan.gpu_mem)} GiB",
+    ]
+    if plan.fits:
+        lines.append(f"fits: {g(plan.gpu_mem - plan.total)} GiB to spare")
+    else:
+        lines.append("does NOT fit. Fix, largest saving first:")
+        lines += [f"  - {fix}" for fix in plan.fixes]
+    return "\n".join(lines)

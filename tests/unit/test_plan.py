@@ -1,0 +1,190 @@
+"""megappo.plan: layout checks that name the fix, and memory numbers worked out by hand."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megappo.cli import main
+from megappo.config import ConfigError, config_from_dict
+from megappo.models.hf_config import ModelConfigError, dims_from_hf
+from megappo.plan import (GIB, KNOWN_MODELS, RESERVE_GIB, format_plan, layer_activation_bytes, layers_in_flight,
+                          make_plan, total_params)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QWEN7B = dims_from_hf(KNOWN_MODELS["Qwen2.5-7B"])
+
+# Qwen2.5-7B by hand (hidden 3584, FFN 18944, 28 layers, 28 heads / 4 KV heads of 128, vocab 152064, untied):
+#   QKV 3584 * (3584 + 2 * 512) = 16,515,072 + bias 4,608; O 3584 * 3584 = 12,845,056;
+#   MLP 3 * 3584 * 18944 = 203,685,888; two norms 7,168  ->  233,057,792 per layer, x 28 = 6,525,618,176
+#   embedding and LM head 152064 * 3584 = 544,997,376 each; final norm 3,584
+QWEN7B_PARAMS = 6_525_618_176 + 2 * 544_997_376 + 3_584  # = 7,615,616,512 (HF reports 7.62B)
+
+
+def recipe(**sections):
+    """A Qwen2.5-7B PPO config; `sections` replace whole top-level sections."""
+    data = {"model": {"path": "/nonexistent/Qwen2.5-7B-Instruct", "dtype": "bfloat16", "layer_spec": "te"},
+            "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 1},
+            "critic": {"ppo_mini_batch_size": 8, "micro_batch_size": 1},
+            "rollout": {"engine": "hf", "max_new_tokens": 1024},
+            "data": {"max_prompt_length": 512, "train_batch_size": 8}}
+    data.update(sections)
+    return config_from_dict(data)
+
+
+def test_parameter_counts_of_the_known_models():
+    # public parameter counts (Llama's are exact: 8,030,261,248 and 70,553,706,496)
+    expected = {"Qwen2.5-7B": QWEN7B_PARAMS, "Llama-3.1-8B": 8_030_261_248, "Llama-3.3-70B-Instruct": 70_553_706_496,
+                "Qwen2.5-72B": 72.71e9, "SmolLM2-135M": 134.5e6}
+    for name, n in expected.items():
+        assert total_params(dims_from_hf(KNOWN_MODELS[name])) == pytest.approx(n, rel=1e-3), name
+    assert total_params(QWEN7B) == QWEN7B_PARAMS
+
+
+def test_7b_actor_memory_by_hand_tp1():
+    """tp=1, pp=1, bf16, no distributed optimizer: 2 + 4 + 4 + 8 = 18 bytes per parameter."""
+    plan = make_plan(recipe(), world_size=1)
+    actor = {r.role: r for r in plan.roles}["actor"]
+    assert actor.params == QWEN7B_PARAMS
+    assert actor.weights == 2 * QWEN7B_PARAMS  # bf16
+    assert actor.grads == 4 * QWEN7B_PARAMS  # fp32 main_grad
+    assert actor.master == 4 * QWEN7B_PARAMS and actor.adam == 8 * QWEN7B_PARAMS
+    assert (actor.weights + actor.grads + actor.optimizer) / GIB == pytest.approx(127.67, abs=0.01)
+    # activations, s = 512 + 1024 = 1536, b = 1, bf16, fused attention, all 28 layers on one stage:
+    #   per token 4 * 3584 (norm, QKV and FC1 inputs) + (3584 + 2 * 512 + 3584 + 3 * 18944) = 79,360 elements,
+    #   x 2 bytes x 1536 tokens = 243,793,920 bytes per layer, x 28 = 6,826,229,760;
+    #   logits 1536 * 152064 * (2 + 3 * 4) bytes = 3,269,984,256
+    assert actor.activations == 6_826_229_760 + 3_269_984_256
+    critic = {r.role: r for r in plan.roles}["critic"]
+    assert critic.params == QWEN7B_PARAMS - 544_997_376 + 3_584 + 1  # value head instead of the LM head
+    assert not plan.fits  # 2 x 127.7 GiB on one 80 GiB GPU
+
+
+def test_7b_sharded_by_hand():
+    """tp=4 with sequence parallel, dp=2 with the distributed optimizer."""
+    cfg = recipe(parallel={"tp": 4, "sequence_parallel": True, "use_distributed_optimizer": True})
+    actor = {r.role: r for r in make_plan(cfg, world_size=8).roles}["actor"]
+    per_layer = (16_515_072 + 4_608 + 12_845_056 + 203_685_888) / 4 + 7_168
+    n = 28 * per_layer + 2 * 544_997_376 / 4 + 3_584
+    assert actor.params == pytest.approx(n)
+    assert actor.grads == pytest.approx(4 * n)
+    assert actor.master == pytest.approx(4 * n / 2) and actor.adam == pytest.approx(8 * n / 2)
+    # sequence parallel splits the 4h replicated elements as well: 79,360 / 4 per token
+    assert actor.activations == pytest.approx(28 * 2 * 1536 * 79_360 / 4 + 1536 * 152064 / 4 * 14)
+
+
+def test_unfused_attention_adds_korthikanti_score_term():
+    kw = dict(seq=2048, micro=2, tp=2, sequence_parallel=False, act_bytes=2)
+    extra = (layer_activation_bytes(QWEN7B, fused_attention=False, **kw)
+             - layer_activation_bytes(QWEN7B, fused_attention=True, **kw))
+    assert extra == 5 * 28 * 2048 * 2048 * 2 / 2  # 5 a s^2 b bytes, / tp
+
+
+def test_pipeline_micro_batches_in_flight():
+    assert layers_in_flight(80, pp=8, vpp=None, rank=0, micro_batches=32) == 80  # 10 layers x 8 (1F1B)
+    assert layers_in_flight(80, pp=8, vpp=None, rank=7, micro_batches=32) == 10
+    assert layers_in_flight(80, pp=8, vpp=None, rank=0, micro_batches=3) == 30
+    # interleaved: (pp - 1) * 2 + (vpp - 1) * pp + 1 = 23 chunks of 5 layers on the first rank
+    assert layers_in_flight(80, pp=8, vpp=2, rank=0, micro_batches=32) == 115
+
+
+def test_layout_errors_name_the_fix():
+    with pytest.raises(ModelConfigError, match=r"num_attention_heads=28 is not divisible by tp=8.*Fix: choose "
+                                               r"parallel.tp from \[1, 2, 4\]"):
+        make_plan(recipe(parallel={"tp": 8}), world_size=8)
+    with pytest.raises(ModelConfigError, match=r"num_hidden_layers=28 is not divisible by pp=3"):
+        make_plan(recipe(parallel={"pp": 3}), world_size=3)
+    with pytest.raises(ConfigError, match=r"world size 6 is not a multiple of parallel.tp\*parallel.pp = 4\*1"):
+        make_plan(recipe(parallel={"tp": 4}), world_size=6)
+    with pytest.raises(ConfigError, match=r"actor: a mini-batch of 8 sequences does not split over dp=4 replicas in "
+                                          r"micro-batches of 4"):
+        make_plan(recipe(actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4}), world_size=4)
+    sglang = {"engine": "sglang", "sglang": {"tp_size": 8}}
+    with pytest.raises(ModelConfigError, match=r"rollout.sglang.tp_size=8 does not split num_attention_heads=28.*"
+                                               r"Fix: choose rollout.sglang.tp_size from \[1, 2, 4\]"):
+        make_plan(recipe(rollout=sglang), world_size=8)
+    with pytest.raises(ConfigError, match="mem_fraction_static=1.5 must be in"):
+        make_plan(recipe(rollout={"engine": "sglang", "sglang": {"mem_fraction_static": 1.5}}), world_size=1)
+
+
+def test_architecture_sources(tmp_path):
+    with pytest.raises(ModelConfigError, match=r"model.path=/models/my-model has no config.json and 'my-model' is "
+                                               r"not a built-in model.*Fix: pass --hf-config"):
+        make_plan(recipe(model={"path": "/models/my-model"}), world_size=1)
+    # a config.json in model.path wins over the built-in table; --hf-config wins over both
+    small = {**KNOWN_MODELS["SmolLM2-135M"]}
+    model_dir = tmp_path / "Qwen2.5-7B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(small))
+    plan = make_plan(recipe(model={"path": str(model_dir)}), world_size=1)
+    assert plan.dims.hidden_size == 576 and plan.model.endswith("config.json")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(KNOWN_MODELS["Llama-3.1-8B"]))
+    plan = make_plan(recipe(model={"path": str(model_dir)}), world_size=1, hf_config=str(other))
+    assert plan.dims.hidden_size == 4096
+    # the built-in table is an explicit, case-insensitive match on the directory name, not a substring
+    assert make_plan(recipe(model={"path": "/m/qwen2.5-7b-instruct/"}), world_size=1).dims.hidden_size == 3584
+    with pytest.raises(ModelConfigError, match="not a built-in model"):
+        make_plan(recipe(model={"path": "/m/Qwen2.5-7B-Instruct-finetuned"}), world_size=1)
+
+
+def test_engine_fraction_range_is_consistent():
+    """A plan that fails on SGLang's memory fraction suggests a range; the middle of it fits."""
+    cfg = dict(parallel={"tp": 4, "sequence_parallel": True, "use_distributed_optimizer": True},
+               actor={"ppo_mini_batch_size": 64, "micro_batch_size": 2},
+               critic={"ppo_mini_batch_size": 64, "micro_batch_size": 2},
+               data={"max_prompt_length": 512, "train_batch_size": 64})
+    plan = make_plan(recipe(rollout={"engine": "sglang", "sglang": {"tp_size": 4, "mem_fraction_static": 0.9}},
+                            **cfg), world_size=8)
+    assert not plan.fits and plan.engine.tp_size == 4
+    fix = plan.fixes[0]
+    assert fix.startswith("set rollout.sglang.mem_fraction_static between")
+    low, high = (float(x) for x in fix.split("between ")[1].split(" (now")[0].split(" and "))
+    assert 0 < low < high < 0.9
+    good = make_plan(recipe(rollout={"engine": "sglang", "sglang": {"tp_size": 4,
+                                                                    "mem_fraction_static": (low + high) / 2}}, **cfg),
+                     world_size=8)
+    assert good.fits and good.engine.kv_tokens >= good.seq
+    # the engine's pool is its fraction of what the trainer left free when it started
+    start = sum(r.weights + r.grads + r.master for r in good.roles) + RESERVE_GIB * GIB
+    assert good.engine.pool == pytest.approx((low + high) / 2 * (80 * GIB - start))
+    assert good.total <= 80 * GIB
+    text = format_plan(good)
+    assert "sglang tp=4" in text and "fits:" in text
+
+
+def test_does_not_fit_names_knobs():
+    plan = make_plan(recipe(parallel={"tp": 2}, actor={"ppo_mini_batch_size": 32, "micro_batch_size": 4},
+                            critic={"ppo_mini_batch_size": 32, "micro_batch_size": 4},
+                            data={"max_prompt_length": 512, "train_batch_size": 32}), world_size=8)
+    text = "\n".join(plan.fixes)
+    assert "parallel.use_distributed_optimizer=true" in text
+    assert "parallel.tp=4" in text  # a bigger layout that divides the model and the world
+    assert "lower actor.micro_batch_size (now 4" in text
+    assert "parallel.sequence_parallel=true" in text
+    assert "does NOT fit" in format_plan(plan)
+
+
+def test_cli_exit_codes(capsys):
+    path = os.path.join(REPO, "recipes", "qwen2.5-7b-ppo-8gpu.yaml")
+    assert main(["plan", path, "--world-size", "8"]) == 0
+    assert "fits:" in capsys.readouterr().out
+    # options before or after the overrides
+    assert main(["plan", path, "--world-size", "8", "parallel.use_distributed_optimizer=false"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["plan", path, "parallel.tp=8", "--world-size", "8"]) == 2
+    assert "megappo: error: the parallel layout does not fit the model" in capsys.readouterr().err
+    assert main(["plan", path, "--world-size", "8", "--gpu-mem", "40"]) == 1
+
+
+def test_plan_imports_neither_torch_nor_megatron():
+    code = ("import sys; from megappo.cli import main; "
+            "rc = main(['plan', 'recipes/llama3.1-8b-grpo-8gpu.yaml', '--world-size', '8']); "
+            "assert rc == 0, rc; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'transformers')]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
