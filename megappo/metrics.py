@@ -49,7 +49,9 @@ class MetricLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError("logging.sinks tensorboard needs the tensorboard package: pip install tensorboard") from e
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # a resumed run drops the events logged after its checkpoint, as metrics.jsonl does
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                     purge_step=resume_step + 1 if resume_step else None)
         self._wandb = None
         if "wandb" in sinks:
             try:

@@ -21,6 +21,23 @@ def test_jsonl_console_and_resume(tmp_path, capsys):
     assert read_metrics(str(tmp_path))[-1]["critic/score/mean"] == 0.9
 
 
+def test_tensorboard_sink_and_resume(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard sink needs the tensorboard package (in .[test])")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricLogger(str(tmp_path), ["tensorboard"])
+    for step in range(1, 5):
+        log.log(step, {"critic/score/mean": step / 10})
+    log.close()
+    log = MetricLogger(str(tmp_path), ["tensorboard"], resume_step=2)  # resumed from the step-2 checkpoint
+    log.log(3, {"critic/score/mean": 0.9})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = [(e.step, round(e.value, 4)) for e in events.Scalars("critic/score/mean")]
+    assert got == [(1, 0.1), (2, 0.2), (3, 0.9)]
+
+
 def test_unknown_sink():
     with pytest.raises(ValueError, match="unknown logging sink\\(s\\) \\['mlflow'\\]"):
         MetricLogger("/tmp/x", ["mlflow"])
