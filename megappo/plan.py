@@ -363,7 +363,7 @@ def _fixes(cfg: Config, plan_roles: list[RoleMemory], engine: Optional[EngineMem
                 fixes.append(f"SGLang's KV cache would hold {engine.kv_tokens} tokens, less than one {seq}-token "
                              f"sequence, and no rollout.sglang.mem_fraction_static fits both the engine and the "
                              f"trainer: shrink the trainer (below) or raise rollout.sglang.tp_size (now "
-                             f"{engine.tp_size}) to spread the engine weights")
+                             f"{engine.tp_size}; at most one node's GPUs) to spread the engine weights")
     total = start + (engine.pool if engine else 0.0) + later
     if total <= gpu_mem and not fixes:
         return []
