@@ -129,18 +129,25 @@ def train_step(
     return results, metrics
 
 
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: every element of `t` is finite. Equals `torch.isfinite(t).all()` in one
+    pass with no temporary: min and max are both finite exactly when every element is
+    (aminmax propagates NaN)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
 def _grads_finite(trainable: Trainable) -> bool:
-    """All ranks agree whether every gradient is finite (one all-reduce)."""
+    """All ranks agree whether every gradient is finite (one all-reduce). The gradients are
+    the DDP chunks' contiguous grad buffers (every `main_grad` is a view into one): one
+    check per buffer, one host sync."""
     import torch.distributed as dist
 
-    bad = torch.zeros(1, device=trainable.model.ps.device)
-    for chunk in trainable.model.chunks:
-        for p in chunk.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is None:
-                g = p.grad
-            if g is not None and not torch.isfinite(g).all():
-                bad += 1
-                break
+    flags = [all_finite(buffer.grad_data) for chunk in trainable.model.chunks
+             for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    bad = (~torch.stack(flags)).sum(dtype=torch.float32).reshape(1) if flags else torch.zeros(1)
+    bad = bad.to(trainable.model.ps.device)
     dist.all_reduce(bad)
     return bad.item() == 0

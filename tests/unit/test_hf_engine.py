@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.rollout.engine import iter_buckets, tensor_fingerprint
+from megappo.rollout.engine import iter_buckets, tensor_fingerprint, tensor_fingerprint_reference
 from megappo.rollout.hf_engine import HFEngine, filter_logits
 from megappo.types import SamplingParams
 
@@ -78,3 +78,19 @@ def test_update_weights_in_place_and_fingerprints(model):
     assert all(torch.equal(fps[k], tensor_fingerprint(v)) for k, v in new.items())
     with pytest.raises(KeyError, match="no tensor 'model.bogus'"):
         engine.update_weights([[("model.bogus", torch.zeros(1))]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_fingerprint_equals_its_reference(dtype):
+    """The one-pass fingerprint (sums per position of the weight period) equals the
+    one-weight-per-element definition bit for bit, including int64 wrap-around."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (0, 1, 300, 65520, 65521, 65522, 3 * 65521 + 17):
+        t = torch.randn(n, generator=gen).to(dtype)
+        assert torch.equal(tensor_fingerprint(t), tensor_fingerprint_reference(t)), n
+    big = torch.full((200_000,), -1.7e308, dtype=torch.float64).to(dtype)  # sums wrap around in int64
+    assert torch.equal(tensor_fingerprint(big), tensor_fingerprint_reference(big))
+    moved = torch.randn(70_000, generator=gen).to(dtype)
+    swapped = moved.clone()
+    swapped[[3, 65520]] = swapped[[65520, 3]]
+    assert not torch.equal(tensor_fingerprint(moved), tensor_fingerprint(swapped))

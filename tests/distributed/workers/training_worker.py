@@ -6,6 +6,7 @@ Tiny Llama and Qwen2 actors take 3 AdamW steps (weight decay, global-norm clippi
 warmup) on a token-level loss normalised by the global token count, each DP rank feeding
 its share of the batch in micro-batches of 2. Reference: the HF model with
 torch.optim.AdamW on the whole batch in one process. Weights after the steps must agree.
+Then a step whose gradient is NaN on one rank only is skipped on every rank, weights unchanged.
 """
 
 import sys
@@ -87,6 +88,16 @@ def check(ps, family, dist_opt):
         assert worst <= 2e-5, f"{family}: weights differ from the reference by {worst}"
         print(f"OK {family} training tp={ps.tp} pp={ps.pp} dp={ps.dp} dist_opt={dist_opt} "
               f"max_weight_diff={worst:.2e} (moved {moved:.2e})", flush=True)
+
+    def nan_on_last_rank(logits, mb):  # a non-finite gradient on one rank: every rank skips the step
+        loss, _ = loss_fn(logits, mb)
+        return loss * (float("nan") if ps.rank == ps.world_size - 1 else 1.0), None
+
+    _, metrics = train_step(trainable, mbs, nan_on_last_rank)
+    assert metrics["skipped"] == 1, metrics
+    after = dict(iter_hf_tensors(model))
+    if ps.rank == 0:
+        assert all(torch.equal(got[k], after[k]) for k in got), "a skipped step changed the weights"
 
 
 def main():
