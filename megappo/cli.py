@@ -83,11 +83,12 @@ def cmd_train(args) -> int:
     from megappo.checkpointing import find_resume
     from megappo.config import load_config
     from megappo.parallel.launch import ensure_ranks
+    from megappo.preflight import check_inputs
 
     cfg = load_config(args.recipe, args.overrides)  # every config error before any rank starts
     # under torchrun the world is torchrun's; otherwise --world-size or one data-parallel replica
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.tp * cfg.parallel.pp
-    cfg.validate_world(world)
+    check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
     with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
         find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
     ensure_ranks(world)
@@ -182,15 +183,41 @@ def main(argv=None) -> int:
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = getattr(args, "overrides", []) + extra  # overrides after an option: `R.yaml --world-size 8 k=v`
+    return run_reporting_errors(args.func, args)
+
+
+def run_reporting_errors(func, *args) -> int:
+    """`func(*args)` with megappo's own errors as one `megappo: error: ...` line instead of a
+    traceback: bad input (the message says the fix) exits 2; a run that failed on the way
+    (non-finite losses past run.max_nan_skips, a weight-sync mismatch, a collective that timed
+    out or lost a rank: the message names the rank and the stage) exits 1. Anything else is a
+    bug and keeps its traceback."""
     from megappo.config import ConfigError
     from megappo.data import DataError
     from megappo.models.hf_config import ModelConfigError
 
     try:
-        return args.func(args)
+        return func(*args)
     except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
-        print(f"megappo: error: {e}", file=sys.stderr)
+        print(f"megappo: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as e:
+        failure = _run_failure(e)
+        if failure is None:
+            raise
+        print(f"megappo: error: {failure}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _run_failure(e: RuntimeError) -> RuntimeError | None:
+    """`e` if it is one of the ways a run fails that the message explains, else None."""
+    from megappo.parallel.stage import as_collective_error  # imported only now: these pull in torch
+    from megappo.rollout.engine import WeightSyncError
+
+    orchestrator = sys.modules.get("megappo.orchestrator")  # never imported: `e` cannot be its error
+    if isinstance(e, WeightSyncError) or (orchestrator and isinstance(e, orchestrator.NonFiniteLossError)):
+        return e
+    return as_collective_error(e)
 
 
 if __name__ == "__main__":

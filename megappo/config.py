@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import types
 import typing
@@ -112,11 +113,13 @@ class ParallelConfig(_Section):
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule); needs pp > 1
     sequence_parallel: bool = False  # Megatron sequence parallelism; needs tp > 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
-    timeout_minutes: int = 30  # a collective that takes longer ends the run with a message
+    timeout_minutes: float = 30.0  # a collective that waits longer ends the run with a message naming rank and stage
     use_distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks
 
     def check(self) -> None:
-        _at_least(self, tp=1, pp=1, vpp=1, timeout_minutes=1)
+        _at_least(self, tp=1, pp=1, vpp=1)
+        _require(self.timeout_minutes > 0, f"{P}timeout_minutes={self.timeout_minutes} must be > 0. Fix: e.g. "
+                                           f"{P}timeout_minutes=30 (a float: 0.5 is 30 seconds).")
         _require(self.vpp is None or self.pp > 1,
                  f"{P}vpp={self.vpp} needs {P}pp > 1 (now {self.pp}). Fix: set {P}vpp=null or raise {P}pp.")
         _require(not self.sequence_parallel or self.tp > 1,
@@ -387,6 +390,9 @@ class Config(_Section):
         _require(self.critic.enable is not False or not self.algorithm.needs_critic,
                  "algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Fix: set critic.enable=null "
                  "(auto) or choose algorithm.adv_estimator=grpo/rloo/reinforce_plus_plus.")
+        _require(self.rollout.engine != "sglang" or self.model.path is not None,
+                 "rollout.engine=sglang loads the model from model.path, which is unset. Fix: give model.path "
+                 "(an HF directory), or use rollout.engine=hf with model.hf_config.")
         _require(not self.algorithm.grouped or n >= 2,
                  f"algorithm.adv_estimator={est} compares samples of the same prompt, but rollout.n={n}. "
                  f"Fix: set rollout.n >= 2 (e.g. rollout.n=8).")
@@ -517,6 +523,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         if value is None and type(None) in args:
             return None
         options = _options(tp)
+        if float in options and isinstance(value, float) and not math.isfinite(value):
+            return _convert(key, value, float)  # the finiteness error, not "expected float or null"
         if len(options) == 1 and options[0] not in _SCALARS:
             return _convert(key, value, options[0])  # its error is the more specific one
         for option in options:
@@ -538,13 +546,17 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
             return _build(tp, value)
         except ConfigError as e:
             raise e.under(key) from None
+    if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.match(value.strip()):
+            value = float(value)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _type_error(key, value, tp)
+        if not math.isfinite(value):  # YAML's .nan / .inf: no field means anything by them
+            raise ConfigError(f"{P}{key}={value} is not a finite number. Fix: set {P}{key} to a finite value.")
+        return float(value)
     if tp in _SCALARS:
-        if tp is float and isinstance(value, str) and _YAML11_FLOAT.match(value.strip()):
-            return float(value)
         if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):
             return value
-        if tp is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
         raise _type_error(key, value, tp)
     if origin is list:
         if not isinstance(value, (list, tuple)):
@@ -564,7 +576,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
 
 def _unknown_key(key: Any, valid: list[str]) -> ConfigError:
     guess = difflib.get_close_matches(str(key), valid, n=1)
-    hint = f" Did you mean '{P}{guess[0]}'?" if guess else " Fix: remove it or use one of the valid keys."
+    hint = (f" Did you mean '{P}{guess[0]}'? Fix: rename it." if guess
+            else " Fix: remove it or use one of the valid keys.")
     return ConfigError(f"unknown config key '{P}{key}'.{hint} Valid keys: {valid}.")
 
 

@@ -186,7 +186,8 @@ def _hf_outputs(hf_dir: str, input_ids: torch.Tensor, value_head: bool) -> torch
     hf_logging.disable_progress_bar()
     with torch.no_grad():
         if value_head:
-            m = AutoModelForTokenClassification.from_pretrained(hf_dir, num_labels=1, dtype=torch.float32)
+            m = AutoModelForTokenClassification.from_pretrained(hf_dir, num_labels=1, dtype=torch.float32,
+                                                                use_safetensors=True)
             return m(input_ids=input_ids).logits.squeeze(-1)
-        m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_safetensors=True)
         return m(input_ids=input_ids).logits

@@ -39,11 +39,36 @@ class PromptExample:
     index: int  # row index in the source
 
 
-def load_rows(paths: Sequence[str]) -> list[dict]:
-    rows: list[dict] = []
+def _pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("reading .parquet needs pyarrow. Fix: pip install pyarrow.") from None
+    return pq
+
+
+def check_files(paths: Sequence[str], key: str = "data.train_files") -> None:
+    """Cheap checks before any rank starts: every file exists, has a known format and a row."""
     for path in paths:
         if not os.path.isfile(path):
-            raise DataError(f"dataset file '{path}' does not exist (data.train_files / data.val_files).")
+            raise DataError(f"dataset file '{path}' ({key}) does not exist. Fix: correct the path in {key}.")
+        if path.endswith((".jsonl", ".json")):
+            with open(path) as f:
+                empty = not any(line.strip() for line in f)
+        elif path.endswith(".parquet"):
+            empty = _pyarrow_parquet().read_metadata(path).num_rows == 0
+        else:
+            raise DataError(f"dataset file '{path}' ({key}) has an unsupported format. Fix: convert it to .jsonl "
+                            "(one JSON object per line) or .parquet.")
+        if empty:
+            raise DataError(f"dataset file '{path}' ({key}) is empty (no rows). Fix: write at least one prompt row "
+                            f"into it or remove it from {key}.")
+
+
+def load_rows(paths: Sequence[str], key: str = "data.train_files") -> list[dict]:
+    check_files(paths, key)
+    rows: list[dict] = []
+    for path in paths:
         if path.endswith((".jsonl", ".json")):
             with open(path) as f:
                 for line_no, line in enumerate(f, 1):
@@ -51,17 +76,13 @@ def load_rows(paths: Sequence[str]) -> list[dict]:
                         try:
                             rows.append(json.loads(line))
                         except json.JSONDecodeError as e:
-                            raise DataError(f"{path}:{line_no} is not valid JSON ({e.msg}).") from None
-        elif path.endswith(".parquet"):
-            try:
-                import pyarrow.parquet as pq
-            except ImportError:
-                raise DataError("reading .parquet needs pyarrow: pip install pyarrow") from None
-            rows.extend(pq.read_table(path).to_pylist())
+                            raise DataError(f"{path}:{line_no} is not valid JSON ({e.msg}). Fix: one JSON object "
+                                            "per line.") from None
+                        if not isinstance(rows[-1], dict):
+                            raise DataError(f"{path}:{line_no} is a {type(rows[-1]).__name__}, not a JSON object. "
+                                            'Fix: write each row as {"prompt": ..., ...}.')
         else:
-            raise DataError(f"'{path}': unsupported dataset format; use .jsonl or .parquet.")
-    if not rows:
-        raise DataError(f"the dataset {list(paths)} is empty; a PPO run needs at least one prompt.")
+            rows.extend(_pyarrow_parquet().read_table(path).to_pylist())
     return rows
 
 
@@ -81,18 +102,21 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
                   long_prompt_policy: str = "skip", apply_chat_template: bool = True, source: str = "dataset"
                   ) -> tuple[list[PromptExample], dict[str, int]]:
     """Tokenize rows; returns (examples, {"skipped_long": k, "truncated_long": k})."""
-    examples, stats = [], {"skipped_long": 0, "truncated_long": 0}
+    examples, stats, longest = [], {"skipped_long": 0, "truncated_long": 0}, 0
     for i, row in enumerate(rows):
         if prompt_key not in row or row[prompt_key] in (None, "", []):
             raise DataError(
-                f"row {i} of {source} has no '{prompt_key}' (keys: {sorted(row)}); fix the row or set data.prompt_key."
+                f"row {i} of {source} has no '{prompt_key}' (keys: {sorted(row)}). Fix: add a '{prompt_key}' to the "
+                "row, or set data.prompt_key to the column that holds the prompt."
             )
         ids = render_prompt(row[prompt_key], tokenizer, apply_chat_template)
+        longest = max(longest, len(ids))
         if len(ids) > max_prompt_length:
             if long_prompt_policy == "error":
                 raise DataError(
-                    f"row {i} of {source}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}; "
-                    "raise the limit or set data.long_prompt_policy=skip|truncate."
+                    f"row {i} of {source}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}. "
+                    "Fix: raise data.max_prompt_length, or set data.long_prompt_policy=skip (drop such prompts, "
+                    "counted) or truncate (keep their last tokens, counted)."
                 )
             if long_prompt_policy == "skip":
                 stats["skipped_long"] += 1
@@ -104,7 +128,9 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
                                       ground_truth=reward_info.get("ground_truth"),
                                       extra=dict(row.get("extra_info") or {}), index=i))
     if not examples:
-        raise DataError(f"no prompt of {source} is usable ({stats}); check data.max_prompt_length.")
+        raise DataError(f"every prompt of {source} is longer than data.max_prompt_length={max_prompt_length} "
+                        f"(longest: {longest} tokens; {stats}). Fix: raise data.max_prompt_length, or set "
+                        "data.long_prompt_policy=truncate.")
     return examples, stats
 
 
@@ -125,11 +151,13 @@ def reasoning_gym_rows(task: str, size: int, seed: int, **task_args) -> list[dic
     try:
         import reasoning_gym
     except ImportError:
-        raise DataError("data.builtin=reasoning_gym:... needs the reasoning-gym package: pip install reasoning-gym") from None
+        raise DataError("data.builtin=reasoning_gym:... needs the reasoning-gym package. Fix: pip install "
+                        "reasoning-gym.") from None
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
     except (TypeError, ValueError, KeyError, AssertionError) as e:
-        raise DataError(f"reasoning-gym task '{task}' with data.builtin_args={task_args}: {e}") from None
+        raise DataError(f"reasoning-gym task '{task}' with data.builtin_args={task_args}: {e}. Fix: check the task "
+                        "name and data.builtin_args against reasoning-gym's task list.") from None
     rows = []
     for entry in dataset:
         rows.append({
@@ -153,7 +181,8 @@ def builtin_rows(spec: str, size: int, seed: int, args: dict | None = None) -> l
         return digit_successor_rows(size, seed)
     if spec.startswith("reasoning_gym:"):
         return reasoning_gym_rows(spec.split(":", 1)[1], size, seed, **(args or {}))
-    raise DataError(f"unknown data.builtin '{spec}'; choose 'digit_successor' or 'reasoning_gym:<task>'.")
+    raise DataError(f"unknown data.builtin '{spec}'. Fix: set data.builtin=digit_successor or "
+                    "data.builtin=reasoning_gym:<task>.")
 
 
 # -- sampling ------------------------------------------------------------------------------
@@ -167,8 +196,8 @@ class PromptSampler:
     def __init__(self, num_examples: int, batch_size: int, *, seed: int = 1, shuffle: bool = True):
         if batch_size > num_examples:
             raise DataError(
-                f"data.train_batch_size={batch_size} is larger than the dataset ({num_examples} prompts); "
-                "lower the batch size or add prompts."
+                f"data.train_batch_size={batch_size} is larger than the dataset ({num_examples} usable prompts). "
+                "Fix: lower data.train_batch_size or add prompts."
             )
         self.n, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
         self.epoch, self.cursor = 0, 0
@@ -195,5 +224,6 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n or state["seed"] != self.seed:
-            raise DataError("the checkpoint's sampler was built for another dataset or seed; resume with the same data.")
+            raise DataError("the checkpoint's sampler was built for another dataset or seed. Fix: resume with the "
+                            "same data and data.seed.")
         self.epoch, self.cursor = state["epoch"], state["cursor"]

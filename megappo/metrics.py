@@ -72,7 +72,9 @@ class MetricLogger:
             self._wandb.log(clean, step=step)
         if "console" in self.sinks:
             shown = " ".join(f"{k}={clean[k]:.4g}" for k in CONSOLE_KEYS if k in clean)
-            print(f"step {step}: {shown}", flush=True)
+            skipped = [k for k in ("actor/skipped_steps", "critic/skipped_steps") if clean.get(k)]
+            note = f" | SKIPPED updates ({', '.join(skipped)}): non-finite loss or gradients" if skipped else ""
+            print(f"step {step}: {shown}{note}", flush=True)
 
     def close(self) -> None:
         if self._jsonl:

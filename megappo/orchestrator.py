@@ -17,6 +17,7 @@ import time
 import torch
 
 from megappo.parallel.comm import broadcast_from_rank0
+from megappo.parallel.stage import stage
 from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
 from megappo.rewards import score_batch
@@ -32,8 +33,10 @@ class NonFiniteLossError(RuntimeError):
 
 @contextlib.contextmanager
 def timed(metrics: dict, name: str):
+    """`timing_s/<name>`; `name` is also the stage a timed-out collective inside reports."""
     start = time.perf_counter()
-    yield
+    with stage(name):
+        yield
     metrics[f"timing_s/{name}"] = time.perf_counter() - start
 
 
@@ -44,17 +47,20 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     seqs = to_seqs(batch)
     with timed(m, "old_log_prob"):
         old_lp, entropy = run.actor.log_probs(seqs, with_entropy=True)
-    ref_lp = run.ref.log_probs(seqs) if run.ref else None
+    with timed(m, "ref"):
+        ref_lp = run.ref.log_probs(seqs) if run.ref else None
     with timed(m, "values"):
         values = run.critic.values(seqs) if run.critic else None
-    rm_scores = run.reward_model.scores(seqs) if run.reward_model else None
+    with timed(m, "reward_model"):
+        rm_scores = run.reward_model.scores(seqs) if run.reward_model else None
     exp = None
-    if run.ps.is_rank0:
-        with timed(m, "reward"):
-            scores = rewards(run, batch, rm_scores)
-        exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
-        m.update(rollout_metrics(batch, scores, exp, entropy))
-    exp = broadcast_from_rank0(exp)
+    with timed(m, "adv"):  # rank 0 scores and computes advantages while the others wait for them
+        if run.ps.is_rank0:
+            with timed(m, "reward"):
+                scores = rewards(run, batch, rm_scores)
+            exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
+            m.update(rollout_metrics(batch, scores, exp, entropy))
+        exp = broadcast_from_rank0(exp)
     if run.critic:
         with timed(m, "update_critic"):
             m.update(run.critic.update(exp, **run.critic_update_args(step)))
@@ -183,7 +189,8 @@ def train(run: Run) -> list[dict[str, float]]:
         skips = run.nan_skips = broadcast_from_rank0(run.nan_skips)
         if skips > run.cfg.run.max_nan_skips:
             raise NonFiniteLossError(f"{skips} steps had non-finite losses or gradients (> run.max_nan_skips="
-                                     f"{run.cfg.run.max_nan_skips}); lower the learning rate or check the data.")
+                                     f"{run.cfg.run.max_nan_skips}). Fix: lower actor.optim.lr / critic.optim.lr, "
+                                     "look for NaN or inf in the rewards and data, or raise run.max_nan_skips.")
         run.maybe_checkpoint(step)
     run.finish()
     return history

@@ -17,8 +17,11 @@ This module does not know about tokenizers, models or process groups.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Callable, Sequence
+
+from megappo.config import ConfigError
 
 RewardFn = Callable[[str, Any, dict], float]
 
@@ -92,7 +95,10 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 
 def get_reward_fn(name: str) -> RewardFn:
     if name not in REWARD_FUNCTIONS:
-        raise ValueError(f"unknown reward function '{name}'; choose from {sorted(REWARD_FUNCTIONS)} (reward.functions)")
+        guess = difflib.get_close_matches(name, list(REWARD_FUNCTIONS), n=1)
+        hint = f" Did you mean '{guess[0]}'?" if guess else ""
+        raise ConfigError(f"unknown reward function '{name}' in reward.functions.{hint} Fix: use names from "
+                          f"{sorted(REWARD_FUNCTIONS)}.")
     return REWARD_FUNCTIONS[name]
 
 

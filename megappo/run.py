@@ -30,6 +30,7 @@ from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_con
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.state import ParallelState, init_parallel
+from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
 from megappo.tokenizer import check_vocab, load_tokenizer
@@ -149,10 +150,9 @@ def _optim(section, total_steps: int, updates_per_step: int, use_dist_opt: bool)
 
 
 def create_run(cfg: Config) -> Run:
-    cfg.require_training_data()
     p = cfg.parallel
     ps = init_parallel(p.tp, p.pp, p.vpp, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
-    cfg.validate_world(ps.world_size)
+    check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
         resume = checkpointing.find_resume(cfg)  # refusals come before any model is built
     torch.manual_seed(cfg.run.seed)
@@ -255,10 +255,9 @@ def _build_engine(cfg: Config, hf_model, tokenizer):
         if hf_model is None:
             from transformers import AutoModelForCausalLM
 
-            hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+            hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, use_safetensors=True)
         return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id)
-    if cfg.model.path is None:
-        raise ValueError("rollout.engine=sglang needs model.path (an HF directory SGLang can load).")
+    assert cfg.model.path is not None, "Config.check: rollout.engine=sglang needs model.path"
     return build_engine("sglang", model_path=cfg.model.path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
                         engine_args=cfg.rollout.sglang)

@@ -3,12 +3,17 @@
 `load_tokenizer(spec)`: a path is loaded with `AutoTokenizer` (offline); `builtin:digits`
 builds a character-level tokenizer over digits and a few symbols in memory, with
 <pad>=0, <eos>=1, <bos>=2 (no download, no files). The model's vocab must cover the
-tokenizer's (`check_vocab`).
+tokenizer's (`check_vocab`). `check_tokenizer_spec(spec)` is the cheap check before any rank
+starts (a known built-in name, or an existing directory).
 
 This module does not know about models or training.
 """
 
 from __future__ import annotations
+
+import os
+
+from megappo.config import ConfigError
 
 BUILTIN_ALPHABETS = {"digits": "0123456789>+-=? "}
 
@@ -28,12 +33,26 @@ def char_tokenizer(alphabet: str):
     return fast
 
 
+def _unknown_builtin(spec: str) -> ConfigError:
+    return ConfigError(f"unknown built-in tokenizer '{spec}'. Fix: set model.tokenizer to one of "
+                       f"{['builtin:' + k for k in BUILTIN_ALPHABETS]} or to an HF tokenizer directory.")
+
+
+def check_tokenizer_spec(spec: str) -> None:
+    """Cheap, before any rank starts: a built-in name megappo has, or an existing directory."""
+    if spec.startswith("builtin:"):
+        if spec.split(":", 1)[1] not in BUILTIN_ALPHABETS:
+            raise _unknown_builtin(spec)
+    elif not os.path.isdir(spec):
+        raise ConfigError(f"tokenizer directory '{spec}' does not exist. Fix: set model.tokenizer (or model.path) to "
+                          "an HF tokenizer directory, or model.tokenizer=builtin:digits for the CPU demo.")
+
+
 def load_tokenizer(spec: str):
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
         if name not in BUILTIN_ALPHABETS:
-            raise ValueError(f"unknown built-in tokenizer '{spec}'; choose from "
-                             f"{['builtin:' + k for k in BUILTIN_ALPHABETS]} or give an HF tokenizer directory.")
+            raise _unknown_builtin(spec)
         return char_tokenizer(BUILTIN_ALPHABETS[name])
     from transformers import AutoTokenizer
 
@@ -50,6 +69,7 @@ def check_vocab(tokenizer, model_vocab_size: int) -> None:
     size = len(tokenizer)
     if size > model_vocab_size:
         raise ModelConfigError(
-            f"the tokenizer has {size} tokens but the model's vocab_size is {model_vocab_size}; "
-            "use the model's own tokenizer (model.tokenizer) or a model with a larger vocabulary."
+            f"the tokenizer has {size} tokens but the model's vocab_size is {model_vocab_size}: ids beyond the "
+            "embedding would index out of range. Fix: use the model's own tokenizer (model.tokenizer) or a model "
+            "with a larger vocabulary."
         )

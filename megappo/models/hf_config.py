@@ -136,7 +136,8 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
         arch = archs[0]
     if arch not in SUPPORTED_ARCHS:
         raise ModelConfigError(
-            f"architecture '{arch}' is not in megappo's registry; supported: {sorted(SUPPORTED_ARCHS)}."
+            f"architecture '{arch}' is not in megappo's registry. Fix: use a model of a supported architecture "
+            f"{sorted(SUPPORTED_ARCHS)} (or set model.arch if config.json names a compatible one)."
         )
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={cfg['hidden_act']!r} is not supported (SwiGLU/silu only).")
@@ -177,7 +178,8 @@ def load_hf_config(path: str | os.PathLike) -> dict:
     """Read `config.json` from an HF model directory, with a clear error when absent."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
-        raise ModelConfigError(f"no config.json in '{path}'; model.path must be an HF model directory.")
+        raise ModelConfigError(f"no config.json in '{path}': not an HF model directory. Fix: point model.path "
+                               "(critic.path, reward.model_path) at a directory with config.json and safetensors.")
     with open(file) as f:
         return json.load(f)
 

@@ -7,7 +7,7 @@ calls Megatron-Core's `initialize_model_parallel`, seeds the model-parallel RNG 
 and returns a frozen `ParallelState`. Builders, the bridge and the workers take that object
 as an argument; nothing below this module calls Megatron's global getters for layout.
 
-This module does not know about models, configs or PPO.
+This module does not know about models, configs (beyond their error type) or PPO.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megappo.parallel import cpu_compat
+from megappo.config import ConfigError
+from megappo.parallel import cpu_compat, stage
 
 
-class ParallelConfigError(ValueError):
-    """A parallel layout that cannot work; the message says how to fix it."""
+class ParallelConfigError(ConfigError):
+    """A parallel layout that cannot work; the message says how to fix it (a ConfigError, so the
+    CLI reports it as bad input)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,8 @@ class ParallelState:
 def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None) -> int:
     """Validate a TP x PP layout against the world size; returns the DP size."""
     if tp < 1 or pp < 1:
-        raise ParallelConfigError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1.")
+        raise ParallelConfigError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1. Fix: e.g. "
+                                  "parallel.tp=1.")
     if world_size % (tp * pp) != 0:
         raise ParallelConfigError(
             f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}. "
@@ -83,7 +86,7 @@ def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None) -> i
         )
     if vpp is not None and (vpp < 1 or pp < 2):
         raise ParallelConfigError(
-            f"parallel.vpp={vpp} needs parallel.pp >= 2 and vpp >= 1; set parallel.vpp=null "
+            f"parallel.vpp={vpp} needs parallel.pp >= 2 and vpp >= 1. Fix: set parallel.vpp=null "
             "to disable virtual pipeline stages."
         )
     return world_size // (tp * pp)
@@ -130,11 +133,13 @@ def init_parallel(
     *,
     backend: str = "auto",
     seed: int = 1234,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30.0,
 ) -> ParallelState:
     """Initialise torch.distributed and Megatron-Core model parallelism; return the layout.
 
     backend: "auto" (nccl when CUDA is available, else gloo), "nccl" or "gloo".
+    timeout_minutes: how long a collective may wait before it fails (with a message naming the
+    rank and the stage, megappo.parallel.stage); a float, so tests can use seconds.
     Safe to call once per process; call `destroy_parallel()` before calling it again.
     """
     rank, world, local = _torchrun_env()
@@ -143,7 +148,7 @@ def init_parallel(
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:
-        raise ParallelConfigError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo on CPU.")
+        raise ParallelConfigError("parallel.backend=nccl needs CUDA. Fix: parallel.backend=gloo (or auto) on CPU.")
     _quiet_warnings(cpu=not cuda)
     if not cuda:
         cpu_compat.enable()
@@ -179,6 +184,8 @@ def init_parallel(
     else:
         cpu_compat.model_parallel_manual_seed(seed, tp_rank)
     pp_ranks = dist.get_process_group_ranks(mps.get_pipeline_model_parallel_group())
+    stage.set_identity(rank, tp_rank, mps.get_pipeline_model_parallel_rank(), mps.get_data_parallel_rank(),
+                       timeout_minutes)
     return ParallelState(
         world_size=world,
         rank=rank,

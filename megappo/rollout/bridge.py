@@ -97,7 +97,9 @@ class WeightBridge:
             if bad:
                 raise WeightSyncError(
                     f"weight sync verification failed for {len(bad)} tensor(s), e.g. {bad[:3]}: the engine "
-                    "holds different weights than the trainer sent (corrupted transfer or a name-map bug)."
+                    "holds different weights than the trainer sent (corrupted transfer or a name-map bug). Fix: report "
+                    "it with these tensor names; rollout.verify_every=0 turns the check off, at the risk of "
+                    "sampling from weights other than the ones being trained."
                 )
         stats.seconds = time.perf_counter() - start
         return stats

@@ -1,0 +1,84 @@
+"""Stage labels for collectives, and the error a timed-out or broken collective becomes.
+
+`with stage("update_actor"):` records what this rank is doing. When a collective inside fails
+because it waited longer than the process group's timeout (parallel.timeout_minutes) or because
+another rank's connection dropped, torch.distributed raises a RuntimeError whose text is the
+backend's ("Timed out waiting 1800000ms for recv operation", "Connection reset by peer"); `stage`
+turns it into a `CollectiveError` that names this rank, its place in the layout, the stage and
+what to look at, e.g.
+
+    rank 1 (tp_rank 1, pp_rank 0, dp_rank 0) timed out after 30 min in stage 'update_actor'
+    waiting for a collective; another rank probably crashed or hangs: check its log. ...
+
+Which rank this is and the timeout are recorded once by `init_parallel` (`set_identity`): they
+only word the message and change no behaviour. Other exceptions pass through unchanged.
+Measured with gloo (torch 2.13): a collective whose peer sleeps raises after the timeout; one
+whose peer died raises at once with "Connection reset by peer". With NCCL a timed-out
+collective is usually reported by NCCL's watchdog, which ends the process itself.
+
+This module does not know about models, configs or PPO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch.distributed as dist
+
+_TIMEOUT_TEXT = ("timed out", "timeout")
+_PEER_LOST_TEXT = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+_stages: list[str] = []
+_identity = {"where": "rank 0", "timeout": "the timeout"}
+
+
+class CollectiveError(RuntimeError):
+    """A collective timed out or lost a peer; the message names the rank and the stage."""
+
+
+def set_identity(rank: int, tp_rank: int, pp_rank: int, dp_rank: int, timeout_minutes: float) -> None:
+    """Called by init_parallel: how this rank and the timeout are named in a CollectiveError."""
+    _identity["where"] = f"rank {rank} (tp_rank {tp_rank}, pp_rank {pp_rank}, dp_rank {dp_rank})"
+    _identity["timeout"] = (f"{timeout_minutes * 60:g} s" if timeout_minutes < 1 else f"{timeout_minutes:g} min")
+
+
+def current_stage() -> str:
+    return _stages[-1] if _stages else "outside any named stage"
+
+
+def as_collective_error(e: BaseException, stage_name: str | None = None) -> CollectiveError | None:
+    """The CollectiveError that backend error `e` stands for; None when it is something else."""
+    if isinstance(e, CollectiveError):
+        return e
+    text, where = str(e).lower(), _identity["where"]
+    # gloo raises plain RuntimeErrors naming itself; NCCL and the store raise torch's DistErrors
+    if not (isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and ("gloo" in text or "nccl" in text))):
+        return None
+    name = stage_name or current_stage()
+    if any(t in text for t in _TIMEOUT_TEXT):
+        return CollectiveError(
+            f"{where} timed out after {_identity['timeout']} in stage '{name}' waiting for a collective; another "
+            "rank probably crashed or hangs: check its log. Fix: if that stage is legitimately this slow, raise "
+            f"parallel.timeout_minutes. (backend: {str(e).splitlines()[0][:200]})")
+    if any(t in text for t in _PEER_LOST_TEXT):
+        return CollectiveError(
+            f"{where} lost its connection to another rank in stage '{name}' during a collective; that rank "
+            "probably crashed: check its log (the launcher names the rank that failed first). "
+            f"(backend: {str(e).splitlines()[0][:200]})")
+    return None
+
+
+@contextlib.contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Label the collectives inside; a timed-out or broken one raises CollectiveError naming `name`."""
+    _stages.append(name)
+    try:
+        yield
+    except RuntimeError as e:
+        error = as_collective_error(e, name)
+        if error is None or error is e:
+            raise
+        raise error from e
+    finally:
+        _stages.pop()

@@ -1,0 +1,55 @@
+"""What `megappo train` checks before any rank starts or any model is built, from files alone.
+
+`check_inputs(cfg, world_size)` checks the world against the layout and the batch sizes
+(`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
+every model's config.json against parallel.tp / pp / vpp (heads, query groups, FFN, layers) and
+the roles' vocabularies against the actor's, the dataset files (present, a known format, a row
+at least), the reward function names and the tokenizer's name or directory. It reads JSON and
+file headers only (no torch, no tokenizer, no dataset rows), so the CLI runs it in the launching
+process and `create_run` again on every rank, before prompts are tokenized. What needs the
+tokenizer or the rows (the vocabulary size, a row without a prompt, prompts over the length
+limit) is checked by `create_run` before any model is built.
+
+Every failure is a ConfigError / DataError / ModelConfigError whose message says the fix.
+
+This module does not know about process groups, weights or PPO.
+"""
+
+from __future__ import annotations
+
+from megappo.config import Config
+from megappo.data import check_files
+from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
+from megappo.rewards import get_reward_fn
+from megappo.tokenizer import check_tokenizer_spec
+
+
+def check_inputs(cfg: Config, world_size: int) -> None:
+    cfg.validate_world(world_size)
+    cfg.require_training_data()
+    check_models(cfg)
+    check_files(cfg.data.train_files, "data.train_files")
+    check_files(cfg.data.val_files, "data.val_files")
+    for name in cfg.reward.functions:
+        get_reward_fn(name)
+    check_tokenizer_spec(cfg.model.tokenizer_path)
+
+
+def check_models(cfg: Config) -> None:
+    """Every model the run builds splits over the layout and has the actor's vocabulary."""
+    p = cfg.parallel
+    actor = dims_from_hf(cfg.model.hf_config or load_hf_config(cfg.model.path), cfg.model.arch)
+    models: dict[str, ModelDims] = {"model": actor}
+    if cfg.use_critic and cfg.critic.path:
+        models["critic.path"] = dims_from_hf(load_hf_config(cfg.critic.path))
+    if cfg.reward.model_path:
+        models["reward.model_path"] = dims_from_hf(load_hf_config(cfg.reward.model_path))
+    for where, dims in models.items():
+        try:
+            dims.check_layout(p.tp, p.pp, p.vpp)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{where}: {e}") from None
+        if dims.vocab_size != actor.vocab_size:
+            raise ModelConfigError(f"{where} has vocab_size {dims.vocab_size}, the actor (model) {actor.vocab_size}: "
+                                   "every role scores the same token ids. Fix: use a model with the actor's "
+                                   "tokenizer and vocabulary.")

@@ -1,0 +1,60 @@
+"""`megappo` with one fault injected, for tests/e2e/test_bad_inputs_cli.py:
+
+    python tests/e2e/_faults.py FAULT train RECIPE.yaml key=value ...
+
+  nan_reward    the reward function 'nan' scores every response NaN, so every loss is NaN
+  corrupt_sync  the hf engine adds 1 to the first element of the first tensor it loads
+  stall_rank0   global rank 0 sleeps 600 s at the start of the first generation, while the
+                other ranks wait for the batch: a hung rank
+
+The rest is the real CLI (megappo.cli.main): its launcher re-runs this script on every rank,
+so every rank injects the same fault.
+"""
+
+import os
+import sys
+import time
+
+from megappo import cli, rewards
+
+
+def main() -> int:
+    fault, argv = sys.argv[1], sys.argv[2:]
+    if fault == "nan_reward":
+        rewards.REWARD_FUNCTIONS["nan"] = lambda response, ground_truth, extra: float("nan")
+    elif fault == "corrupt_sync":
+        from megappo.rollout.hf_engine import HFEngine
+
+        load = HFEngine.update_weights
+
+        def corrupting(self, buckets):
+            def corrupt(buckets):
+                for i, bucket in enumerate(buckets):
+                    if i == 0:
+                        name, t = bucket[0]
+                        t = t.clone()
+                        t.view(-1)[0] += 1.0
+                        bucket = [(name, t)] + bucket[1:]
+                    yield bucket
+
+            load(self, corrupt(buckets))
+
+        HFEngine.update_weights = corrupting
+    elif fault == "stall_rank0":
+        if os.environ.get("RANK") == "0":  # the ranks, not the launcher (generation runs on rank 0)
+            from megappo import orchestrator
+
+            generate = orchestrator.generate
+
+            def stalled(run, step):
+                time.sleep(600)
+                return generate(run, step)
+
+            orchestrator.generate = stalled
+    else:
+        raise SystemExit(f"unknown fault {fault!r}")
+    return cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The bad-input catalogue (README, "Bad input and failures"), through `megappo train` itself.
+
+Each case here is refused before any rank starts: `megappo.cli.main(["train", RECIPE, ...])`
+in this process returns 2 after one `megappo: error: ...` line that says the fix, and the
+run's output directory was never created. The cases that need ranks, the tokenizer or the
+training loop (dataset rows, the vocabulary, non-finite losses, weight sync, collective
+timeouts) are in tests/e2e/test_bad_inputs_cli.py. Also here: how a failed collective is
+worded (megappo.parallel.stage) and the scan that keeps pickle loading out of megappo.
+"""
+
+import ast
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from megappo import cli
+from megappo.parallel import stage as stage_module
+from megappo.parallel.stage import CollectiveError, stage
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "recipes" / "demo-cpu.yaml")
+DEMO_MODEL = yaml.safe_load(open(DEMO))["model"]["hf_config"]  # 4 heads, 2 query groups, FFN 128, 2 layers, vocab 19
+FILES = ["data.builtin=null", "run.val_before_train=false", "run.val_every=0"]  # train from data.train_files
+
+
+def train(tmp_path, capsys, *args):
+    """`megappo train` on the demo recipe; (exit code, stderr). The output dir must not appear."""
+    out = tmp_path / "run"
+    code = cli.main(["train", DEMO, f"run.output_dir={out}", *args])
+    err = capsys.readouterr().err
+    assert not out.exists(), f"{out} was created before the error: {err}"
+    return code, err
+
+
+def refused(tmp_path, capsys, *args) -> str:
+    code, err = train(tmp_path, capsys, *args)
+    assert code == 2 and err.startswith("megappo: error: ") and "Fix" in err, (code, err)
+    return err
+
+
+# (overrides, what the message must say); {tmp} is the test's directory
+CASES = {
+    "unknown key": (["parallel.tpp=2"], "unknown config key 'parallel.tpp'. Did you mean 'parallel.tp'? Fix"),
+    "unknown section": (["paralel.tp=2"], "unknown config key 'paralel'. Did you mean 'parallel'?"),
+    "wrong type": (["parallel.tp=two"], "parallel.tp: expected int, got 'two' (str). Fix: write e.g. parallel.tp=2"),
+    "wrong choice": (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: 'ppo' is not one of"),
+    "not finite": (["actor.optim.lr=.inf"], "actor.optim.lr=inf is not a finite number"),
+    "tp vs heads": (["parallel.tp=3", "--world-size", "3"],
+                    "num_attention_heads=4 is not divisible by tp=3; num_key_value_heads=2 is not divisible by tp=3"),
+    "tp vs query groups": (["parallel.tp=4"], "num_key_value_heads=2 is not divisible by tp=4. Fix: choose "
+                                              "parallel.tp from [1, 2]"),
+    "pp vs layers": (["parallel.tp=1", "parallel.pp=3"], "num_hidden_layers=2 is not divisible by pp=3"),
+    "pp*vpp vs layers": (["parallel.tp=1", "parallel.pp=2", "parallel.vpp=2"],
+                         "num_hidden_layers=2 is not divisible by pp*vpp=2*2"),
+    "world vs tp*pp": (["--world-size", "3"], "world size 3 is not a multiple of parallel.tp*parallel.pp = 2*1. "
+                                              "Fix: launch a multiple of 2 ranks"),
+    "batch vs dp": (["--world-size", "4"], "actor: a mini-batch of 32 sequences does not split over dp=2 replicas "
+                                           "in micro-batches of 32"),
+    "timeout": (["parallel.timeout_minutes=0"], "parallel.timeout_minutes=0.0 must be > 0"),
+    "no data": (["data.builtin=null"], "data.train_files and data.builtin are both empty"),
+    "missing dataset": ([*FILES, "data.train_files=[{tmp}/nope.jsonl]"],
+                        "dataset file '{tmp}/nope.jsonl' (data.train_files) does not exist"),
+    "empty dataset": ([*FILES, "data.train_files=[{tmp}/empty.jsonl]"],
+                      "dataset file '{tmp}/empty.jsonl' (data.train_files) is empty (no rows)"),
+    "dataset format": ([*FILES, "data.train_files=[{tmp}/rows.csv]"], "has an unsupported format"),
+    "missing val dataset": (["run.val_before_train=true", "data.val_files=[{tmp}/nope.jsonl]"],
+                            "(data.val_files) does not exist"),
+    "no reward": (["reward.functions=[]"], "no reward: reward.functions is empty"),
+    "unknown reward": (["reward.functions=[digit_sucessor]"], "Did you mean 'digit_successor'?"),
+    "model dir": (["model.hf_config=null", "model.path={tmp}"], "no config.json in '{tmp}'"),
+    "tokenizer": (["model.tokenizer={tmp}/tok"], "tokenizer directory '{tmp}/tok' does not exist"),
+    "builtin tokenizer": (["model.tokenizer=builtin:words"], "unknown built-in tokenizer 'builtin:words'"),
+    "sglang without model.path": (["rollout.engine=sglang"], "rollout.engine=sglang loads the model from model.path"),
+    "critic vocab": (["critic.path={tmp}/critic"], "critic.path has vocab_size 32, the actor (model) 19"),
+    "critic layout": (["critic.path={tmp}/critic3"], "critic.path: the parallel layout does not fit the model: "
+                                                     "num_attention_heads=3 is not divisible by tp=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refused_before_any_rank_starts(tmp_path, capsys, case):
+    overrides, needle = CASES[case]
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "rows.csv").write_text("prompt\n1>\n")
+    for name, changes in {"critic": {"vocab_size": 32}, "critic3": {"num_attention_heads": 3,
+                                                                    "num_key_value_heads": 3}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**DEMO_MODEL, **changes}))
+    err = refused(tmp_path, capsys, *(o.replace("{tmp}", str(tmp_path)) for o in overrides))
+    assert needle.replace("{tmp}", str(tmp_path)) in err
+
+
+def test_recipe_file_errors(tmp_path, capsys):
+    code = cli.main(["train", str(tmp_path / "missing.yaml")])
+    assert code == 2 and "cannot read recipe" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: [unclosed\n")
+    code = cli.main(["train", str(bad)])
+    assert code == 2 and "is not valid YAML at line" in capsys.readouterr().err
+
+
+# -- collectives: the message a timed-out or broken one becomes --------------------------------
+
+GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1800000ms for recv"
+GLOO_PEER_LOST = "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."
+
+
+@pytest.fixture
+def rank3(monkeypatch):
+    monkeypatch.setattr(stage_module, "_identity", dict(stage_module._identity))
+    stage_module.set_identity(rank=3, tp_rank=1, pp_rank=1, dp_rank=0, timeout_minutes=0.5)
+
+
+def test_a_timed_out_collective_names_rank_layout_and_stage(rank3):
+    with pytest.raises(CollectiveError) as e, stage("step"), stage("update_actor"):
+        raise RuntimeError(GLOO_TIMEOUT)
+    assert str(e.value).startswith("rank 3 (tp_rank 1, pp_rank 1, dp_rank 0) timed out after 30 s in stage "
+                                   "'update_actor' waiting for a collective; another rank probably crashed or hangs: "
+                                   "check its log. Fix: ")
+    with pytest.raises(CollectiveError, match="rank 3 .* lost its connection to another rank in stage 'gen'"):
+        with stage("gen"):
+            raise RuntimeError(GLOO_PEER_LOST)
+    with pytest.raises(RuntimeError, match="^shapes do not match$"):  # not a collective failure: unchanged
+        with stage("gen"):
+            raise RuntimeError("shapes do not match")
+    assert stage_module.current_stage() == "outside any named stage"
+
+
+def test_cli_reports_run_failures_in_one_line(rank3, capsys):
+    def fails(error):
+        raise error
+
+    assert cli.run_reporting_errors(fails, RuntimeError(GLOO_TIMEOUT)) == 1  # raised outside any stage
+    assert capsys.readouterr().err.startswith("megappo: error: rank 3 (tp_rank 1, pp_rank 1, dp_rank 0) timed out "
+                                              "after 30 s in stage 'outside any named stage'")
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+        cli.run_reporting_errors(fails, RuntimeError("a bug"))
+
+
+# -- item 7: nothing megappo loads can run code --------------------------------------------------
+
+def _calls(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            yield name, node.func.attr, {k.arg: k.value for k in node.keywords}, node.lineno
+
+
+def test_no_pickle_loading_in_megappo():
+    """torch.load only with weights_only=True, no pickle / numpy-pickle loads, and HF models
+    only from safetensors (or GGUF in tools/prepare_smollm2.py): a checkpoint or model
+    directory from elsewhere cannot run code. (Megatron's own dist-checkpoint loading uses
+    torch.load with torch's weights_only default and torch DCP's pickled .metadata: see README.)"""
+    problems = []
+    for path in sorted([*(REPO / "megappo").rglob("*.py"), *(REPO / "tools").rglob("*.py")]):
+        for owner, attr, kw, line in _calls(path):
+            where = f"{path.relative_to(REPO)}:{line}"
+            true = lambda k: isinstance(kw.get(k), ast.Constant) and kw[k].value is True  # noqa: E731
+            if owner == "torch" and attr == "load" and not true("weights_only"):
+                problems.append(f"{where}: torch.load without weights_only=True")
+            if owner in ("pickle", "cPickle", "dill") and attr in ("load", "loads"):
+                problems.append(f"{where}: {owner}.{attr}")
+            if owner in ("np", "numpy") and attr == "load" and "allow_pickle" in kw:
+                problems.append(f"{where}: np.load with allow_pickle")
+            if attr == "from_pretrained" and "Tokenizer" not in owner and not (true("use_safetensors")
+                                                                                 or "gguf_file" in kw):
+                problems.append(f"{where}: {owner}.from_pretrained without use_safetensors=True")
+    assert not problems, problems
