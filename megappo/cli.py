@@ -94,11 +94,14 @@ def cmd_train(args) -> int:
     ensure_ranks(world)
     from megappo.metrics import plot_run
     from megappo.orchestrator import train
+    from megappo.parallel.stage import stage
     from megappo.parallel.state import destroy_parallel
     from megappo.run import create_run
 
-    run = create_run(cfg)
-    history = train(run)
+    with stage("setup"):  # the stage a failed collective reports when no inner one is named
+        run = create_run(cfg)
+    with stage("train loop"):
+        history = train(run)
     if run.ps.is_rank0:
         png = plot_run(cfg.run.output_dir)
         last = history[-1] if history else {}
@@ -189,9 +192,10 @@ def main(argv=None) -> int:
 def run_reporting_errors(func, *args) -> int:
     """`func(*args)` with megappo's own errors as one `megappo: error: ...` line instead of a
     traceback: bad input (the message says the fix) exits 2; a run that failed on the way
-    (non-finite losses past run.max_nan_skips, a weight-sync mismatch, a collective that timed
-    out or lost a rank: the message names the rank and the stage) exits 1. Anything else is a
-    bug and keeps its traceback."""
+    (non-finite losses past run.max_nan_skips, a weight-sync mismatch) exits 1; a collective
+    that timed out or lost a rank (the message names this rank and the stage) exits 3, which
+    the launcher reports only when no other rank failed. Anything else is a bug and keeps its
+    traceback."""
     from megappo.config import ConfigError
     from megappo.data import DataError
     from megappo.models.hf_config import ModelConfigError
@@ -205,19 +209,22 @@ def run_reporting_errors(func, *args) -> int:
         failure = _run_failure(e)
         if failure is None:
             raise
-        print(f"megappo: error: {failure}", file=sys.stderr, flush=True)
-        return 1
+        print(f"megappo: error: {failure[0]}", file=sys.stderr, flush=True)
+        return failure[1]
 
 
-def _run_failure(e: RuntimeError) -> RuntimeError | None:
-    """`e` if it is one of the ways a run fails that the message explains, else None."""
+def _run_failure(e: RuntimeError) -> tuple[RuntimeError, int] | None:
+    """(the error to report, the exit code) when `e` is a way a run fails that the message
+    explains, else None."""
+    from megappo.parallel.launch import GAVE_UP_EXIT
     from megappo.parallel.stage import as_collective_error  # imported only now: these pull in torch
     from megappo.rollout.engine import WeightSyncError
 
     orchestrator = sys.modules.get("megappo.orchestrator")  # never imported: `e` cannot be its error
     if isinstance(e, WeightSyncError) or (orchestrator and isinstance(e, orchestrator.NonFiniteLossError)):
-        return e
-    return as_collective_error(e)
+        return e, 1
+    collective = as_collective_error(e)
+    return (collective, GAVE_UP_EXIT) if collective else None
 
 
 if __name__ == "__main__":

@@ -49,14 +49,15 @@ def first_error(out: str) -> str:
 
 def test_row_without_prompt_on_two_ranks(tmp_path):
     """Rank 0 reads the data while rank 1 waits: the launcher stops rank 1 and exits with rank
-    0's code 2, not torchrun's 1 and its traceback."""
+    0's code 2, not torchrun's 1 and its traceback. (Rank 1 may first notice that rank 0 is
+    gone and say so, exiting 3: the launcher still names rank 0.)"""
     rows = digit_rows(8)
     rows[3] = {"question": "3>", "reward_model": {"ground_truth": "4"}}
     code, out = megappo(*SMALL, rows_file(tmp_path, rows), f"run.output_dir={tmp_path / 'run'}")
     assert code == 2, out[-4000:]
     assert first_error(out).startswith(f"megappo: error: row 3 of ['{tmp_path}/train.jsonl'] has no 'prompt' "
                                        "(keys: ['question', 'reward_model']). Fix: add a 'prompt'")
-    assert "megappo: rank 0 exited with code 2, the first to fail" in out
+    assert "megappo: rank 0 failed (exited with code 2); the other ranks were stopped." in out
     assert "Traceback" not in out and not (tmp_path / "run").exists()
 
 
@@ -117,9 +118,9 @@ def test_a_hung_rank_times_out_the_other_with_rank_and_stage(tmp_path):
     parallel.timeout_minutes (9 s here) and says where; the launcher stops rank 0."""
     run = tmp_path / "run"
     code, out = megappo("parallel.timeout_minutes=0.15", f"run.output_dir={run}", fault="stall_rank0")
-    assert code == 1, out[-4000:]
+    assert code == 3, out[-4000:]
     assert first_error(out).startswith(
         "megappo: error: rank 1 (tp_rank 1, pp_rank 0, dp_rank 0) timed out after 9 s in stage 'gen' waiting for "
         "a collective; another rank probably crashed or hangs: check its log. Fix: ")
-    assert "megappo: rank 1 exited with code 1, the first to fail; the other ranks were stopped." in out
+    assert "megappo: rank 1 failed (exited with code 3); the other ranks were stopped." in out
     assert "Traceback" not in out and not (run / "checkpoints").exists()

@@ -132,11 +132,19 @@ def test_cli_reports_run_failures_in_one_line(rank3, capsys):
     def fails(error):
         raise error
 
-    assert cli.run_reporting_errors(fails, RuntimeError(GLOO_TIMEOUT)) == 1  # raised outside any stage
+    assert cli.run_reporting_errors(fails, RuntimeError(GLOO_TIMEOUT)) == 3  # raised outside any stage
     assert capsys.readouterr().err.startswith("megappo: error: rank 3 (tp_rank 1, pp_rank 1, dp_rank 0) timed out "
                                               "after 30 s in stage 'outside any named stage'")
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
         cli.run_reporting_errors(fails, RuntimeError("a bug"))
+
+
+def test_the_launcher_names_the_cause_not_the_first_exit():
+    """Exit codes as torchrun reports them (a signal as its negative): a rank's own error, then
+    a crash or OOM kill, then a rank that gave up waiting (3), then one torchrun stopped."""
+    from megappo.parallel.launch import _consequence
+
+    assert sorted([-15, 3, -9, 2, 1], key=_consequence) == [2, 1, -9, 3, -15]
 
 
 # -- item 7: nothing megappo loads can run code --------------------------------------------------
