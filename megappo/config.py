@@ -127,6 +127,18 @@ class ParallelConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class RoleParallelConfig(_Section):
+    """One role's own layout over the same ranks; unset fields follow the top-level `parallel`."""
+
+    tp: Optional[int] = None  # tensor-parallel size of this role; None: parallel.tp
+    pp: Optional[int] = None  # pipeline-parallel size of this role; None: parallel.pp
+    vpp: Optional[int] = None  # virtual stages of this role; None: parallel.vpp when this role's pp is parallel.pp
+
+    def check(self) -> None:
+        _at_least(self, tp=1, pp=1, vpp=1)
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimConfig(_Section):
     lr: float = 1e-6  # peak learning rate (Adam)
     weight_decay: float = 0.01  # decoupled weight decay (AdamW)
@@ -169,6 +181,7 @@ class ActorConfig(_Section):
     old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"  # source of old log-probs
     is_truncate: float = 2.0  # is_correct: truncation of rollout importance weights
     optim: OptimConfig = _default(OptimConfig)  # optimizer and LR schedule
+    parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
     def check(self) -> None:
         _check_trained_role(self)
@@ -203,6 +216,7 @@ class CriticConfig(_Section):
     grad_clip: float = 1.0  # global gradient-norm clip
     loss_agg_mode: LossAggMode = "token-mean"  # reduction of the value loss
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))  # optimizer
+    parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
     def check(self) -> None:
         _check_trained_role(self)
@@ -212,6 +226,7 @@ class CriticConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class RefConfig(_Section):
     micro_batch_size: Optional[int] = None  # sequences per forward on one replica; None: actor's
+    parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
     def check(self) -> None:
         _at_least(self, micro_batch_size=1)
@@ -224,6 +239,7 @@ class RewardConfig(_Section):
     model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
     model_weight: float = 1.0  # weight of the reward model's score in the sum
     micro_batch_size: int = 4  # reward-model sequences per forward on one replica
+    parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
     def check(self) -> None:
         _at_least(self, micro_batch_size=1)
@@ -373,7 +389,7 @@ class RunConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class Config(_Section):
     model: ModelConfig  # the SFT model (actor, ref and default critic init)
-    parallel: ParallelConfig = _default(ParallelConfig)  # TP / PP / VPP layout shared by all roles
+    parallel: ParallelConfig = _default(ParallelConfig)  # TP / PP / VPP layout of every role without its own
     actor: ActorConfig = _default(ActorConfig)  # the trained policy: PPO loss and optimizer
     critic: CriticConfig = _default(CriticConfig)  # the value model (GAE)
     ref: RefConfig = _default(RefConfig)  # the frozen reference policy (KL terms)
@@ -396,6 +412,13 @@ class Config(_Section):
         _require(not self.algorithm.grouped or n >= 2,
                  f"algorithm.adv_estimator={est} compares samples of the same prompt, but rollout.n={n}. "
                  f"Fix: set rollout.n >= 2 (e.g. rollout.n=8).")
+        for role in self.model_roles:
+            tp, pp, vpp = self.layout(role)
+            _require(vpp is None or pp > 1, f"{role}.parallel.vpp={vpp} needs a pipeline (pp > 1), but {role}'s pp is "
+                     f"{pp}. Fix: set {role}.parallel.vpp=null or raise {role}.parallel.pp.")
+            _require(not self.parallel.sequence_parallel or tp > 1,
+                     f"parallel.sequence_parallel needs tp > 1 for every role, but {role}'s tp is 1. Fix: set "
+                     f"{role}.parallel.tp >= 2 or parallel.sequence_parallel=false.")
         for role in ("actor", "critic") if self.use_critic else ("actor",):
             mini, micro = getattr(self, role).ppo_mini_batch_size, getattr(self, role).micro_batch_size
             _require(self.data.train_batch_size % mini == 0,
@@ -429,15 +452,29 @@ class Config(_Section):
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or f"{self.run.output_dir.rstrip('/')}/checkpoints"
 
+    def layout(self, role: Literal["actor", "critic", "ref", "reward"]) -> tuple[int, int, Optional[int]]:
+        """(tp, pp, vpp) of a role: its own `<role>.parallel` fields, else the shared `parallel`."""
+        own, shared = getattr(self, role).parallel, self.parallel
+        tp = own.tp or shared.tp
+        pp = own.pp or shared.pp
+        vpp = own.vpp if own.vpp is not None else (shared.vpp if pp == shared.pp else None)
+        return tp, pp, vpp
+
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        """Every Megatron model this run builds, the reward model included, in build order."""
+        return self.roles + (("reward",) if self.reward.model_path else ())
+
     def updates_per_step(self, role: Literal["actor", "critic"]) -> int:
         """Optimizer steps per PPO step: mini-batches per batch x epochs."""
         section = getattr(self, role)
         return self.data.train_batch_size // section.ppo_mini_batch_size * section.ppo_epochs
 
-    def dp_size(self, world_size: int) -> int:
-        """Data-parallel replicas: world_size / (tp * pp), after `validate_world`."""
+    def dp_size(self, world_size: int, role: str = "actor") -> int:
+        """A role's data-parallel replicas: world_size / (its tp * pp), after `validate_world`."""
         self.validate_world(world_size)
-        return world_size // (self.parallel.tp * self.parallel.pp)
+        tp, pp, _ = self.layout(role)
+        return world_size // (tp * pp)
 
     def validate_world(self, world_size: int) -> None:
         """Checks that need the number of ranks: layouts divide it, batches split over data-parallel replicas."""
@@ -445,13 +482,20 @@ class Config(_Section):
         _require(world_size >= 1, f"world size {world_size} must be >= 1. Fix: launch at least one rank.")
         _require(world_size % (tp * pp) == 0, f"world size {world_size} is not a multiple of parallel.tp*parallel.pp = "
                  f"{tp}*{pp}. Fix: launch a multiple of {tp * pp} ranks or change parallel.tp/parallel.pp.")
-        dp, batch = world_size // (tp * pp), self.data.train_batch_size * self.rollout.n
-        trained = [getattr(self, role) for role in self.roles if role != "ref"]
-        splits = [(role, s.micro_batch_size, "a mini-batch", s.ppo_mini_batch_size * self.rollout.n)
-                  for role, s in zip(("actor", "critic"), trained)]
+        for role in self.model_roles:
+            rtp, rpp, _ = self.layout(role)
+            _require(world_size % (rtp * rpp) == 0,
+                     f"world size {world_size} is not a multiple of {role}'s tp*pp = {rtp}*{rpp}. Fix: change "
+                     f"{role}.parallel.tp/pp (or parallel.tp/pp) so that their product divides {world_size}.")
+        batch = self.data.train_batch_size * self.rollout.n
+        splits = [(role, getattr(self, role).micro_batch_size, "a mini-batch",
+                   getattr(self, role).ppo_mini_batch_size * self.rollout.n)
+                  for role in ("actor", "critic") if role in self.roles]
         splits += [("ref", self.ref_micro_batch_size, "the batch", batch)] if self.needs_ref else []
         splits += [("reward", self.reward.micro_batch_size, "the batch", batch)] if self.reward.model_path else []
         for role, micro, what, seqs in splits:
+            rtp, rpp, _ = self.layout(role)
+            dp = world_size // (rtp * rpp)
             _require(seqs % (dp * micro) == 0,
                      f"{role}: {what} of {seqs} sequences does not split over dp={dp} replicas in micro-batches of "
                      f"{micro}. Fix: make {role}.micro_batch_size x {dp} divide {seqs} (or change the batch sizes or "

@@ -29,7 +29,7 @@ from megappo.models.builders import MegatronModel, build_model
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
-from megappo.parallel.state import ParallelState, init_parallel
+from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
@@ -179,13 +179,22 @@ def create_run(cfg: Config) -> Run:
     steps_per_epoch = broadcast_from_rank0(sampler.batches_per_epoch if sampler else None)
     total_steps = cfg.run.total_steps or steps_per_epoch * cfg.run.total_epochs
 
+    # roles with their own TP/PP get their own Megatron groups over the same ranks (built in
+    # the same order on every rank)
+    layouts = {ps.layout: ps}
+    for role in cfg.model_roles:
+        if cfg.layout(role) not in layouts:
+            layouts[cfg.layout(role)] = add_layout(ps, *cfg.layout(role), seed=cfg.run.seed,
+                                                   timeout_minutes=p.timeout_minutes)
+
     def model(role: str, source=weights) -> MegatronModel:
         # a critic or reward model from its own directory may have another size than the actor
         role_dims = dims_from_hf(load_hf_config(source)) if isinstance(source, str) else dims
         if role_dims.vocab_size != dims.vocab_size:
             raise ModelConfigError(f"the {role} model's vocab_size {role_dims.vocab_size} differs from the actor's "
                              f"{dims.vocab_size}; all roles must share the tokenizer.")
-        m = build_model(role_dims, ps, role=role, dtype=cfg.model.dtype, layer_spec=cfg.model.layer_spec,
+        m = build_model(role_dims, layouts[cfg.layout(role)], role=role, dtype=cfg.model.dtype,
+                        layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                         sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init)
         load_hf_weights(m, source)
@@ -240,6 +249,10 @@ def create_run(cfg: Config) -> Run:
         print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)} "
               f"(long prompts: {data_stats}) | steps={total_steps} | critic={'on' if critic else 'off'} "
               f"ref={'on' if ref else 'off'} | estimator={cfg.algorithm.adv_estimator}", flush=True)
+        if len(layouts) > 1:
+            print("megappo: per-role layouts: " + ", ".join(
+                f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
+                for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)]), flush=True)
     critic_hf_config = load_hf_config(cfg.critic.path) if cfg.critic.path else hf_config
     return Run(cfg=cfg, ps=ps, tokenizer=tokenizer, actor=actor, ref=ref, critic=critic, reward_model=reward_model,
                hf_config=hf_config, critic_hf_config=critic_hf_config,

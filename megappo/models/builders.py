@@ -115,8 +115,16 @@ def build_model(
     value_head_seed: int = 0,
     **config_overrides,
 ) -> MegatronModel:
-    """Build this rank's chunks of a role's model. Weights are randomly initialised;
-    load real ones with `megappo.models.weights.load_hf_weights`."""
+    """Build this rank's chunks of a role's model (in the layout `ps`). Weights are randomly
+    initialised; load real ones with `megappo.models.weights.load_hf_weights`."""
+    with ps.active():
+        return _build_model(dims, ps, role=role, dtype=dtype, layer_spec=layer_spec,
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                            value_head_bias=value_head_bias, value_head_seed=value_head_seed, **config_overrides)
+
+
+def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible_by, value_head_bias,
+                 value_head_seed, **config_overrides) -> MegatronModel:
     from megatron.core import parallel_state as mps
     from megatron.core.models.gpt import GPTModel
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel, _unwrap
 from megappo.models.hf_config import ModelConfigError, ModelDims
+from megappo.parallel.state import in_layout
 
 META_FILE = "megappo_model.json"
 
@@ -68,11 +69,13 @@ def _sharded_state(model: MegatronModel) -> dict:
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+@in_layout
 def save_model(model: MegatronModel, ckpt_dir: str, hf_config: dict, hf_files: dict[str, bytes] | None = None) -> None:
     """Collective: save this model's weights to `ckpt_dir` (which must not exist or be empty)."""
     _save(model, _sharded_state(model), ckpt_dir, hf_config, hf_files, with_optimizer=False)
 
 
+@in_layout
 def save_trainable(trainable, ckpt_dir: str, hf_config: dict, hf_files: dict[str, bytes] | None = None) -> None:
     """Collective: weights + optimizer state + LR scheduler of a `models.training.Trainable`."""
     model_state = _sharded_state(trainable.model)
@@ -102,6 +105,7 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
     dist.barrier()
 
 
+@in_layout
 def load_model(model: MegatronModel, ckpt_dir: str) -> dict:
     """Collective: load `ckpt_dir` into the model at its current layout; returns metadata."""
     from megatron.core import dist_checkpointing
@@ -113,6 +117,7 @@ def load_model(model: MegatronModel, ckpt_dir: str) -> dict:
     return meta
 
 
+@in_layout
 def load_trainable(trainable, ckpt_dir: str) -> dict:
     """Collective: load weights, optimizer state and LR scheduler saved by `save_trainable`
     into `trainable` at its current layout (TP/PP/DP may differ from the saver's)."""

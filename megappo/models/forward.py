@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from megappo.models.builders import MegatronModel
+from megappo.parallel.state import in_layout
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -58,6 +59,7 @@ def gather_vocab_logits(logits: torch.Tensor, model: MegatronModel) -> torch.Ten
     return torch.cat(parts, dim=-1)[..., : model.dims.vocab_size]
 
 
+@in_layout
 def run_micro_batches(
     model: MegatronModel,
     micro_batches: list[dict[str, torch.Tensor]],

@@ -26,6 +26,7 @@ import torch
 
 from megappo.models.builders import MegatronModel
 from megappo.models.forward import run_micro_batches
+from megappo.parallel.state import in_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Trainable:
     settings: OptimSettings
 
 
+@in_layout
 def make_trainable(model: MegatronModel, settings: OptimSettings) -> Trainable:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -99,6 +101,7 @@ def make_trainable(model: MegatronModel, settings: OptimSettings) -> Trainable:
     return Trainable(model=model, optimizer=optimizer, scheduler=scheduler, settings=settings)
 
 
+@in_layout
 def train_step(
     trainable: Trainable,
     micro_batches: list[dict[str, torch.Tensor]],

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megappo.models.builders import MegatronModel
 from megappo.models.hf_config import ModelConfigError
 from megappo.models.name_map import merge_tp_shards, shard_for_tp
+from megappo.parallel.state import in_layout
 
 
 class HFWeights:
@@ -75,6 +76,7 @@ def _index_safetensors(path: str) -> dict[str, str]:
 
 
 @torch.no_grad()
+@in_layout
 def load_hf_weights(model: MegatronModel, source: str | Mapping[str, torch.Tensor]) -> list[str]:
     """Copy HF weights into this rank's shards. Returns the names left at their init
     (only the value head, when the checkpoint has no `score` tensors)."""

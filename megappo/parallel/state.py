@@ -7,14 +7,24 @@ calls Megatron-Core's `initialize_model_parallel`, seeds the model-parallel RNG 
 and returns a frozen `ParallelState`. Builders, the bridge and the workers take that object
 as an argument; nothing below this module calls Megatron's global getters for layout.
 
+Roles may use different layouts over the same ranks (e.g. actor TP=2, critic PP=2):
+`add_layout(ps, tp, pp)` builds another set of Megatron groups and returns its own
+`ParallelState`. Megatron-Core keeps its groups (and RNG tracker) in module globals that
+its schedules, DDP, optimizer and checkpointing read; each `ParallelState` holds a
+snapshot of those globals, and `with ps.active():` installs it for the block. The model
+functions in megappo.models enter their model's layout themselves, so callers never do.
+
 This module does not know about models, configs (beyond their error type) or PPO.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
 import os
+import re
 import socket
 import warnings
 
@@ -54,6 +64,25 @@ class ParallelState:
     pp_first_rank: int = 0
     #: rank (global) of the last stage in this rank's pipeline, with the same tp/dp rank
     pp_last_rank: int = 0
+    #: Megatron-Core's module globals for this layout (groups, RNG tracker); see `active()`
+    megatron_globals: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this layout Megatron-Core's global one inside the block (nests; restores on exit)."""
+        if self.megatron_globals is None:
+            yield
+            return
+        saved = _megatron_globals()
+        _install_globals(self.megatron_globals)
+        try:
+            yield
+        finally:
+            _install_globals(saved)
+
+    @property
+    def layout(self) -> tuple[int, int, int | None]:
+        return self.tp, self.pp, self.vpp
 
     @property
     def is_first_stage(self) -> bool:
@@ -143,7 +172,7 @@ def init_parallel(
     Safe to call once per process; call `destroy_parallel()` before calling it again.
     """
     rank, world, local = _torchrun_env()
-    dp = check_layout(world, tp, pp, vpp)
+    check_layout(world, tp, pp, vpp)
     cuda = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -169,9 +198,37 @@ def init_parallel(
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
 
+    global _PRISTINE
+    if _PRISTINE is None:
+        _PRISTINE = _megatron_globals()
+    return _initialize_layout(tp, pp, vpp, seed=seed, timeout_minutes=timeout_minutes, backend=backend,
+                              device=device, env=(rank, world, local))
+
+
+def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, seed: int = 1234,
+               timeout_minutes: int = 30) -> ParallelState:
+    """Collective (every rank, same order): another TP x PP layout over the same ranks.
+
+    The layout that was active before the call stays active; use `with ps.active():`
+    (megappo.models does) to run a model built for the new layout.
+    """
+    assert _PRISTINE is not None, "call init_parallel first"
+    check_layout(base.world_size, tp, pp, vpp)
+    saved = _megatron_globals()
+    _install_globals(_PRISTINE)
+    try:
+        return _initialize_layout(tp, pp, vpp, seed=seed, timeout_minutes=timeout_minutes, backend=base.backend,
+                                  device=base.device, env=(base.rank, base.world_size, base.local_rank))
+    finally:
+        _install_globals(saved)
+
+
+def _initialize_layout(tp, pp, vpp, *, seed, timeout_minutes, backend, device, env) -> ParallelState:
+    """Megatron's groups and RNG tracker for one layout (installed as the global ones)."""
     from megatron.core import parallel_state as mps
     from megatron.core import tensor_parallel
 
+    rank, world, local = env
     mps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -179,7 +236,7 @@ def init_parallel(
         distributed_timeout_minutes=timeout_minutes,
     )
     tp_rank = mps.get_tensor_model_parallel_rank()
-    if cuda:
+    if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         cpu_compat.model_parallel_manual_seed(seed, tp_rank)
@@ -192,7 +249,7 @@ def init_parallel(
         local_rank=local,
         tp=tp,
         pp=pp,
-        dp=dp,
+        dp=world // (tp * pp),
         vpp=vpp,
         tp_rank=tp_rank,
         pp_rank=mps.get_pipeline_model_parallel_rank(),
@@ -205,13 +262,54 @@ def init_parallel(
         mp_group=mps.get_model_parallel_group(),
         pp_first_rank=pp_ranks[0],
         pp_last_rank=pp_ranks[-1],
+        megatron_globals=_megatron_globals(),
     )
+
+
+def in_layout(fn):
+    """Decorator for functions whose first argument is a model (`.ps`) or a trainable
+    (`.model.ps`): run them inside that model's layout (see `ParallelState.active`)."""
+
+    @functools.wraps(fn)
+    def wrapped(obj, *args, **kwargs):
+        ps = obj.ps if hasattr(obj, "ps") else obj.model.ps
+        with ps.active():
+            return fn(obj, *args, **kwargs)
+
+    return wrapped
+
+
+# Megatron-Core's per-layout module state: every upper-case module global of parallel_state
+# (groups, ranks, sizes, cached buffers) and the RNG tracker singleton.
+_GLOBAL_NAME = re.compile(r"^_[A-Z0-9_]+$")
+_RNG_GLOBALS = ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
+_PRISTINE: dict | None = None  # the globals before any layout was initialised
+
+
+def _megatron_globals() -> dict:
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    state = {("ps", k): v for k, v in vars(mps).items() if _GLOBAL_NAME.match(k)}
+    state.update({("rng", k): getattr(mrandom, k) for k in _RNG_GLOBALS})
+    return state
+
+
+def _install_globals(state: dict) -> None:
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    modules = {"ps": mps, "rng": mrandom}
+    for (module, name), value in state.items():
+        setattr(modules[module], name, value)
 
 
 def destroy_parallel() -> None:
     """Tear down Megatron's groups and the default process group."""
     from megatron.core import parallel_state as mps
 
+    global _PRISTINE
     mps.destroy_model_parallel()
+    _PRISTINE = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""The same PPO steps at TP1, TP2, PP2 and DP2 give the same losses and metrics.
+"""The same PPO steps at TP1, TP2, PP2, DP2, and with per-role layouts (actor TP2 + critic
+PP2) give the same losses and metrics.
 
 3 steps of the demo recipe (critic + GAE, same seed, same data, fp32, gloo), launched
 through the CLI at each layout. Losses are normalised by global counts and DP gradients
@@ -17,7 +18,9 @@ KEYS = ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl
         "actor/grad_norm", "critic/vf_loss", "critic/vf_clipfrac", "critic/advantages/mean", "critic/values/mean",
         "response_length/mean")
 LAYOUTS = {"tp1": (1, ["parallel.tp=1"]), "tp2": (2, ["parallel.tp=2"]), "pp2": (2, ["parallel.tp=1", "parallel.pp=2"]),
-           "dp2": (2, ["parallel.tp=1"])}
+           "dp2": (2, ["parallel.tp=1"]),
+           # each role its own layout over the same 2 ranks: actor TP=2, critic PP=2
+           "per_role": (2, ["parallel.tp=2", "critic.parallel.tp=1", "critic.parallel.pp=2"])}
 
 
 def run_layout(tmp_path, name):
@@ -43,7 +46,7 @@ def test_recompute_first_micro_batch_kl_is_zero(reference):
     assert all(row["actor/ppo_kl_first_micro_batch"] == pytest.approx(0.0, abs=1e-6) for row in reference)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "per_role"])
 def test_layout_matches_tp1(tmp_path, reference, layout):
     rows = run_layout(tmp_path, layout)
     assert len(rows) == len(reference) == 3

@@ -224,6 +224,28 @@ def test_inconsistent_values(sections, needle):
         config_from_dict({**MIN, **sections})
 
 
+def test_per_role_layouts():
+    cfg = build(parallel={"tp": 2, "pp": 2, "vpp": 2}, critic={"parallel": {"pp": 1}}, ref={"parallel": {"tp": 1}},
+                actor={"use_kl_loss": True})
+    assert cfg.layout("actor") == (2, 2, 2)  # the shared layout
+    assert cfg.layout("critic") == (2, 1, None)  # own pp: the shared vpp does not apply
+    assert cfg.layout("ref") == (1, 2, 2)  # own tp, shared pp and vpp
+    assert cfg.model_roles == ("actor", "critic", "ref") and cfg.dp_size(8, "critic") == 4
+    with pytest.raises(ConfigError, match=r"world size 4 is not a multiple of critic's tp\*pp = 8\*1. Fix: change "
+                                          r"critic.parallel.tp/pp"):
+        build(parallel={"tp": 2}, critic={"parallel": {"tp": 8}}).validate_world(4)
+    with pytest.raises(ConfigError, match=r"critic.parallel.vpp=2 needs a pipeline \(pp > 1\), but critic's pp is 1"):
+        build(critic={"parallel": {"vpp": 2}})
+    with pytest.raises(ConfigError, match="sequence_parallel needs tp > 1 for every role, but critic's tp is 1"):
+        build(parallel={"tp": 2, "sequence_parallel": True}, critic={"parallel": {"tp": 1}})
+    # each role's batch split uses its own data-parallel size
+    small = dict(data={"train_batch_size": 8}, actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4},
+                 critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4})
+    build(parallel={"tp": 2}, **small).validate_world(4)  # dp=2: 8 = 2 x 4
+    with pytest.raises(ConfigError, match="critic: a mini-batch of 8 sequences does not split over dp=4 replicas"):
+        build(parallel={"tp": 2}, **{**small, "critic": {**small["critic"], "parallel": {"tp": 1}}}).validate_world(4)
+
+
 def test_consistent_variants_pass():
     cfg = build(**GRPO, critic={"ppo_mini_batch_size": 3})  # the critic is off for grpo: its sizes are not checked
     assert not cfg.use_critic and cfg.roles == ("actor",) and cfg.algorithm.grouped
