@@ -45,8 +45,10 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     with timed(m, "gen"):
         batch = broadcast_from_rank0(generate(run, step) if run.ps.is_rank0 else None)
     seqs = to_seqs(batch)
-    with timed(m, "old_log_prob"):
-        old_lp, entropy = run.actor.log_probs(seqs, with_entropy=True)
+    old_lp = entropy = None  # bypass: the engine's log-probs are the old ones, no recompute
+    if run.cfg.actor.old_logprob != "bypass":
+        with timed(m, "old_log_prob"):
+            old_lp, entropy = run.actor.log_probs(seqs, with_entropy=True)
     with timed(m, "ref"):
         ref_lp = run.ref.log_probs(seqs) if run.ref else None
     with timed(m, "values"):
@@ -115,17 +117,18 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
     last = (mask.sum(-1) - 1).clamp(min=0)
     token_scores = torch.zeros_like(mask, dtype=torch.float32)
     token_scores[torch.arange(len(last)), last] = scores  # the sequence score sits on its last token
+    rollout_lp = batch.rollout_log_probs
+    if old_lp is None:  # bypass; the mismatch shows as the first micro-batch's actor/ppo_kl
+        old_lp = rollout_lp
+    else:
+        m.update(logprob_mismatch(rollout_lp, old_lp, mask))
     token_rewards = token_scores
     if cfg.algorithm.use_kl_in_reward:
         token_rewards, kl_metrics = apply_kl_penalty(token_scores, old_lp, ref_lp, mask, run.kl_ctrl,
                                                      kl_penalty=cfg.algorithm.kl_penalty)
         m.update(kl_metrics)
-    rollout_lp = batch.rollout_log_probs
-    m.update(logprob_mismatch(rollout_lp, old_lp, mask))
     is_weights = None
-    if cfg.actor.old_logprob == "bypass":
-        old_lp = rollout_lp
-    elif cfg.actor.old_logprob == "is_correct":
+    if cfg.actor.old_logprob == "is_correct":
         is_weights = torch.exp((old_lp - rollout_lp) * mask).clamp(max=cfg.actor.is_truncate) * mask
         m["rollout/is_weight_mean"] = (is_weights.sum() / mask.sum().clamp(min=1)).item()
     adv, ret = advantages(cfg.algorithm, token_rewards, mask, values, batch)
@@ -152,8 +155,9 @@ def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> di
         "critic/advantages/mean": exp.advantages[mask].mean().item(),
         "response_length/mean": lengths.mean().item(),
         "response_length/clip_ratio": sum(r == "length" for r in batch.finish_reasons) / batch.num_samples,
-        "actor/rollout_entropy": entropy[mask].mean().item(),
     }
+    if entropy is not None:
+        out["actor/rollout_entropy"] = entropy[mask].mean().item()
     if exp.returns is not None:
         out["critic/returns/mean"] = exp.returns[mask].mean().item()
     if exp.values is not None:

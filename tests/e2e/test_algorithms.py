@@ -19,7 +19,8 @@ CASES = {
                      "actor.kl_loss_type=k3+", "actor.entropy_coeff=0.01", "actor.loss_agg_mode=seq-mean-token-mean"],
     "rloo+kl_in_reward+is_correct": ["algorithm.adv_estimator=rloo", "rollout.n=2", "algorithm.use_kl_in_reward=true",
                                      "algorithm.kl_ctrl.type=adaptive", "actor.old_logprob=is_correct"],
-    "reinforce++_bypass": ["algorithm.adv_estimator=reinforce_plus_plus", "actor.old_logprob=bypass"],
+    "reinforce++_bypass+reward_kl": ["algorithm.adv_estimator=reinforce_plus_plus", "actor.old_logprob=bypass",
+                                      "algorithm.use_kl_in_reward=true"],
     "remax": ["algorithm.adv_estimator=remax", "rollout.n=2"],
 }
 
@@ -47,6 +48,10 @@ def test_algorithm_runs(tmp_path, case):
         assert "rollout/is_weight_mean" in last
     if "bypass" in case:  # old log-probs are the engine's: the first micro-batch sees a tiny mismatch
         assert abs(last["actor/ppo_kl_first_micro_batch"]) < 1e-4
+        assert "timing_s/old_log_prob" not in last  # and the actor does not recompute them
+        assert "actor/reward_kl_penalty" in last  # KL in the reward from the engine's log-probs
+    else:
+        assert "timing_s/old_log_prob" in last and "rollout/logprob_diff_max" in last
 
 
 def test_reward_model_adds_its_score(tmp_path):
