@@ -285,35 +285,46 @@ class Plan:
 
 
 def _roles_at(cfg: Config, dims: dict[str, ModelDims], world_size: int, stage: str, rank: int) -> list[RoleMemory]:
+    """Every role's memory on the GPU that is pipeline stage `stage` (rank `rank`) of the shared
+    layout; a role with its own pipeline size is counted at its larger end stage."""
+    out = []
+    for role in cfg.model_roles:
+        if cfg.layout(role)[1] == cfg.parallel.pp:
+            out.append(_role_at(cfg, role, dims[role], world_size, stage, rank))
+        else:
+            pp = cfg.layout(role)[1]
+            ends = [("all", 0)] if pp == 1 else [("first", 0), ("last", pp - 1)]
+            out.append(max((_role_at(cfg, role, dims[role], world_size, s, r) for s, r in ends),
+                           key=lambda r: r.total))
+    return out
+
+
+def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, rank: int) -> RoleMemory:
     p, m = cfg.parallel, cfg.model
-    tp, pp, dp = p.tp, p.pp, world_size // (p.tp * p.pp)
+    tp, pp, vpp = cfg.layout(role)
+    dp = world_size // (tp * pp)
     db = DTYPE_BYTES[m.dtype]
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     fused = m.layer_spec != "local"
     shard = dp if p.use_distributed_optimizer else 1
-    out = []
-    for role in cfg.roles + (("reward",) if cfg.reward.model_path else ()):
-        d = dims[role]
-        value = role in ("critic", "reward")
-        n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by)
-        per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
-        logits = 0.0 if value or stage == "first" else logits_bytes(
-            d, seq=seq, micro=1, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by)
-        if role in ("actor", "critic"):
-            section = getattr(cfg, role)
-            micro = section.micro_batch_size
-            micro_batches = section.ppo_mini_batch_size * cfg.rollout.n // (dp * micro)
-            layers = (d.num_layers if pp == 1 else
-                      layers_in_flight(d.num_layers, pp=pp, vpp=p.vpp, rank=rank, micro_batches=micro_batches))
-            act = layers * layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
-            out.append(RoleMemory(role, n, weights=n * db, grads=n * 4, master=n * 4 / shard if db < 4 else 0.0,
-                                  adam=n * 8 / shard, activations=act, phase=f"{role} update"))
-        else:
-            micro = cfg.ref_micro_batch_size if role == "ref" else cfg.reward.micro_batch_size
-            act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
-            out.append(RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
-                                  phase=f"{role} forward"))
-    return out
+    value = role in ("critic", "reward")
+    n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by)
+    per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
+    logits = 0.0 if value or stage == "first" else logits_bytes(
+        d, seq=seq, micro=1, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by)
+    if role in ("actor", "critic"):
+        section = getattr(cfg, role)
+        micro = section.micro_batch_size
+        micro_batches = section.ppo_mini_batch_size * cfg.rollout.n // (dp * micro)
+        layers = (d.num_layers if pp == 1 else
+                  layers_in_flight(d.num_layers, pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches))
+        act = layers * layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
+        return RoleMemory(role, n, weights=n * db, grads=n * 4, master=n * 4 / shard if db < 4 else 0.0,
+                          adam=n * 8 / shard, activations=act, phase=f"{role} update")
+    micro = cfg.ref_micro_batch_size if role == "ref" else cfg.reward.micro_batch_size
+    act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
+    return RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
+                      phase=f"{role} forward")
 
 
 def _engine_args(cfg: Config) -> tuple[int, float]:
@@ -432,9 +443,8 @@ def make_plan(cfg: Config, world_size: int, *, gpu_mem_gib: float = 80.0, hf_con
         dims["critic"] = dims_from_hf(resolve_hf_config(cfg.critic.path, "critic.path")[0])
     if cfg.reward.model_path:
         dims["reward"] = dims_from_hf(resolve_hf_config(cfg.reward.model_path, "reward.model_path")[0])
-    for role, d in dims.items():
-        if role in cfg.roles or (role == "reward" and cfg.reward.model_path):
-            d.check_layout(p.tp, p.pp, p.vpp)
+    for role in cfg.model_roles:
+        dims[role].check_layout(*cfg.layout(role))
     actor = dims["actor"]
     dp = world_size // (p.tp * p.pp)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens

@@ -75,6 +75,18 @@ def test_7b_sharded_by_hand():
     assert actor.activations == pytest.approx(28 * 2 * 1536 * 79_360 / 4 + 1536 * 152064 / 4 * 14)
 
 
+def test_per_role_layouts_are_planned_per_role():
+    """The critic at its own tp=2 (dp=4) next to a tp=4 actor: its shard is the tp=2 one."""
+    cfg = recipe(parallel={"tp": 4, "use_distributed_optimizer": True}, critic={
+        "ppo_mini_batch_size": 8, "micro_batch_size": 1, "parallel": {"tp": 2}})
+    roles = {r.role: r for r in make_plan(cfg, world_size=8).roles}
+    per_layer = (16_515_072 + 4_608 + 12_845_056 + 203_685_888) / 2 + 7_168
+    n = 28 * per_layer + 544_997_376 / 2 + 3_584 + 3_585  # embedding shard, final norm, value head
+    assert roles["critic"].params == pytest.approx(n)
+    assert roles["critic"].adam == pytest.approx(8 * n / 4)  # distributed optimizer over the critic's dp=4
+    assert roles["actor"].params < roles["critic"].params
+
+
 def test_unfused_attention_adds_korthikanti_score_term():
     kw = dict(seq=2048, micro=2, tp=2, sequence_parallel=False, act_bytes=2)
     extra = (layer_activation_bytes(QWEN7B, fused_attention=False, **kw)
