@@ -87,7 +87,7 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.recipe, args.overrides)  # every config error before any rank starts
     # under torchrun the world is torchrun's; otherwise --world-size or one data-parallel replica
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.tp * cfg.parallel.pp
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or cfg.min_world_size
     check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
     with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
         find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
@@ -116,7 +116,7 @@ def cmd_plan(args) -> int:
     from megappo.plan import format_plan, make_plan
 
     cfg = load_config(args.recipe, args.overrides)
-    plan = make_plan(cfg, args.world_size or cfg.parallel.tp * cfg.parallel.pp, gpu_mem_gib=args.gpu_mem,
+    plan = make_plan(cfg, args.world_size or cfg.min_world_size, gpu_mem_gib=args.gpu_mem,
                      hf_config=args.hf_config, recipe=args.recipe)
     print(format_plan(plan))
     return 0 if plan.fits else 1
@@ -161,12 +161,12 @@ def main(argv=None) -> int:
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
     train.add_argument("--world-size", type=int, default=None,
-                       help="ranks to launch when not under torchrun (default: parallel.tp * parallel.pp)")
+                       help="ranks to launch when not under torchrun (default: tp * pp, the lcm over roles with their own)")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="check a recipe's layout and estimate per-GPU memory (no model is built)")
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")
-    plan.add_argument("--world-size", type=int, default=None, help="GPUs (default: parallel.tp * parallel.pp)")
+    plan.add_argument("--world-size", type=int, default=None, help="GPUs (default: tp * pp, the lcm over roles with their own)")
     plan.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default: 80)")
     plan.add_argument("--hf-config", default=None,
                       help="the model's config.json (or its directory) when model.path has none")

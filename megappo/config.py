@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import math
 import re
 import types
 import typing
@@ -459,6 +460,11 @@ class Config(_Section):
         pp = own.pp or shared.pp
         vpp = own.vpp if own.vpp is not None else (shared.vpp if pp == shared.pp else None)
         return tp, pp, vpp
+
+    @property
+    def min_world_size(self) -> int:
+        """The fewest ranks every role's layout fits: the lcm of their tp * pp (one DP replica each)."""
+        return math.lcm(*(tp * pp for tp, pp, _ in map(self.layout, self.model_roles)))
 
     @property
     def model_roles(self) -> tuple[str, ...]:

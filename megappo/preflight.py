@@ -2,7 +2,7 @@
 
 `check_inputs(cfg, world_size)` checks the world against the layout and the batch sizes
 (`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
-every model's config.json against parallel.tp / pp / vpp (heads, query groups, FFN, layers) and
+every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers) and
 the roles' vocabularies against the actor's, the dataset files (present, a known format, a row
 at least), the reward function names and the tokenizer's name or directory. It reads JSON and
 file headers only (no torch, no tokenizer, no dataset rows), so the CLI runs it in the launching
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from megappo.config import Config
 from megappo.data import check_files
-from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
+from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.rewards import get_reward_fn
 from megappo.tokenizer import check_tokenizer_spec
 
@@ -36,19 +36,21 @@ def check_inputs(cfg: Config, world_size: int) -> None:
 
 
 def check_models(cfg: Config) -> None:
-    """Every model the run builds splits over the layout and has the actor's vocabulary."""
-    p = cfg.parallel
+    """Every model the run builds splits over its role's layout and has the actor's vocabulary."""
     actor = dims_from_hf(cfg.model.hf_config or load_hf_config(cfg.model.path), cfg.model.arch)
-    models: dict[str, ModelDims] = {"model": actor}
+    sources = {"actor": ("model", actor), "ref": ("model", actor), "critic": ("model", actor)}
     if cfg.use_critic and cfg.critic.path:
-        models["critic.path"] = dims_from_hf(load_hf_config(cfg.critic.path))
+        sources["critic"] = ("critic.path", dims_from_hf(load_hf_config(cfg.critic.path)))
     if cfg.reward.model_path:
-        models["reward.model_path"] = dims_from_hf(load_hf_config(cfg.reward.model_path))
-    for where, dims in models.items():
+        sources["reward"] = ("reward.model_path", dims_from_hf(load_hf_config(cfg.reward.model_path)))
+    for role in cfg.model_roles:
+        where, dims = sources[role]
         try:
-            dims.check_layout(p.tp, p.pp, p.vpp)
+            dims.check_layout(*cfg.layout(role))
         except ModelConfigError as e:
-            raise ModelConfigError(f"{where}: {e}") from None
+            own = " (its own layout: " + role + ".parallel)" if cfg.layout(role) != (
+                cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp) else ""
+            raise ModelConfigError(f"{where} as the {role}{own}: {e}") from None
         if dims.vocab_size != actor.vocab_size:
             raise ModelConfigError(f"{where} has vocab_size {dims.vocab_size}, the actor (model) {actor.vocab_size}: "
                                    "every role scores the same token ids. Fix: use a model with the actor's "

@@ -74,8 +74,14 @@ CASES = {
     "builtin tokenizer": (["model.tokenizer=builtin:words"], "unknown built-in tokenizer 'builtin:words'"),
     "sglang without model.path": (["rollout.engine=sglang"], "rollout.engine=sglang loads the model from model.path"),
     "critic vocab": (["critic.path={tmp}/critic"], "critic.path has vocab_size 32, the actor (model) 19"),
-    "critic layout": (["critic.path={tmp}/critic3"], "critic.path: the parallel layout does not fit the model: "
-                                                     "num_attention_heads=3 is not divisible by tp=2"),
+    "critic layout": (["critic.path={tmp}/critic3"], "critic.path as the critic: the parallel layout does not fit "
+                                                     "the model: num_attention_heads=3 is not divisible by tp=2"),
+    "role layout vs world": (["--world-size", "2", "critic.parallel.tp=4"],
+                             "world size 2 is not a multiple of critic's tp*pp = 4*1"),
+    "role layout vs model": (["parallel.tp=1", "critic.parallel.tp=2", "critic.path={tmp}/critic3",
+                              "actor.micro_batch_size=16", "critic.micro_batch_size=16"],
+                             "critic.path as the critic (its own layout: critic.parallel): the parallel layout does "
+                             "not fit the model: num_attention_heads=3 is not divisible by tp=2"),
 }
 
 
