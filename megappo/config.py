@@ -20,7 +20,6 @@ import dataclasses
 import difflib
 import functools
 import math
-import math
 import re
 import types
 import typing
