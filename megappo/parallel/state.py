@@ -201,8 +201,10 @@ def init_parallel(
     global _PRISTINE
     if _PRISTINE is None:
         _PRISTINE = _megatron_globals()
-    return _initialize_layout(tp, pp, vpp, seed=seed, timeout_minutes=timeout_minutes, backend=backend,
-                              device=device, env=(rank, world, local))
+    ps = _initialize_layout(tp, pp, vpp, seed=seed, timeout_minutes=timeout_minutes, backend=backend,
+                            device=device, env=(rank, world, local))
+    stage.set_identity(ps.rank, ps.tp_rank, ps.pp_rank, ps.dp_rank, timeout_minutes)  # the shared layout names ranks
+    return ps
 
 
 def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, seed: int = 1234,
@@ -241,8 +243,6 @@ def _initialize_layout(tp, pp, vpp, *, seed, timeout_minutes, backend, device, e
     else:
         cpu_compat.model_parallel_manual_seed(seed, tp_rank)
     pp_ranks = dist.get_process_group_ranks(mps.get_pipeline_model_parallel_group())
-    stage.set_identity(rank, tp_rank, mps.get_pipeline_model_parallel_rank(), mps.get_data_parallel_rank(),
-                       timeout_minutes)
     return ParallelState(
         world_size=world,
         rank=rank,
