@@ -92,11 +92,18 @@ class PolicyWorker:
         per_tp = model.padded_vocab // ps.tp
         vocab_ids = torch.arange(ps.tp_rank * per_tp, (ps.tp_rank + 1) * per_tp, device=ps.device)
         self._padded_vocab = vocab_ids >= model.dims.vocab_size  # [V_pad/tp] True for padding rows
+        self._has_padding = bool(self._padded_vocab.any())
 
     def _response_logits(self, logits: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """[b, T, V_pad/tp] -> [b, R, V_pad/tp] scaled by 1/temperature, padding rows masked."""
-        logits = logits[:, prompt_len - 1:-1].float() / self.temperature
-        return logits.masked_fill(self._padded_vocab, float("-inf"))
+        """[b, T, V_pad/tp] -> [b, R, V_pad/tp] scaled by 1/temperature, padding rows masked.
+        Each step is skipped where it would not change a bit (temperature 1, a shard without
+        padding rows): each is a pass over the logits, and another in the backward."""
+        logits = logits[:, prompt_len - 1:-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        if self._has_padding:
+            logits = logits.masked_fill(self._padded_vocab, float("-inf"))
+        return logits
 
     def _token_stats(self, logits: torch.Tensor, mb: dict, prompt_len: int, entropy: bool):
         logits = self._response_logits(logits, prompt_len)

@@ -68,12 +68,18 @@ class _VocabParallelStats(torch.autograd.Function):
 
         entropy, s_centred = empty, empty
         if with_entropy:
-            s_finite = torch.where(p > 0, s, torch.zeros_like(s))  # p * s is 0, not NaN, at -inf logits
+            s_finite = s  # where p = 0 and s is finite, p * s is +-0 either way: the sums do not change
+            if bool((x.detach().amin(dim=-1) == float("-inf")).any()):
+                s_finite = torch.where(p > 0, s, 0.0)  # p * s is 0, not NaN, at -inf logits
             mean_s = _all_reduce((p * s_finite).sum(-1), dist.ReduceOp.SUM, group)
             entropy = log_z - mean_s
             s_centred = s_finite.sub_(mean_s.unsqueeze(-1))
 
         ctx.save_for_backward(p, local, owned, s_centred)
+        # an output the loss does not use (e.g. the entropy, logged only) gets None, not a
+        # tensor of zeros: its backward pass over the logits is skipped (subtracting zeros
+        # would not change a bit)
+        ctx.set_materialize_grads(False)
         ctx.has_labels, ctx.with_entropy, ctx.dtype = labels is not None, with_entropy, logits.dtype
         return log_probs, entropy
 
