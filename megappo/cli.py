@@ -90,7 +90,12 @@ def cmd_train(args) -> int:
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or cfg.min_world_size
     check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
     with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
-        find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
+        resume = find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
+    if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
+        print(f"nothing to do: {resume['path']} is at step {resume['step']} and run.total_steps="
+              f"{cfg.run.total_steps}. Raise run.total_steps to train longer, or export the models: "
+              f"megappo export {cfg.run.output_dir} OUT_DIR", flush=True)
+        return 0
     ensure_ranks(world)
     from megappo.metrics import plot_run
     from megappo.orchestrator import train

@@ -128,6 +128,12 @@ def test_resume_refuses_a_changed_algorithm(straight, tmp_path):
     assert not (out / "metrics.jsonl").exists()  # refused before anything was written
 
 
+def test_rerun_of_a_finished_run_has_nothing_to_do(straight):
+    proc = subprocess.run(command(straight, *DP2), env=env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "nothing to do: " in proc.stdout and "at step 4 and run.total_steps=4" in proc.stdout
+    assert [r["step"] for r in metrics(straight)] == [0, 1, 2, 3, 4]  # the log is untouched
+
+
 def test_export_a_checkpoint_to_hf(straight, tmp_path):
     """`megappo export RUN_DIR OUT` writes the latest checkpoint's actor: the same tensors as
     the end-of-training export (checkpoint.save_hf_at_end)."""
