@@ -24,9 +24,15 @@ What each side does per step:
     `model.generate` (old log-probs taken from its scores: no recompute), reference
     log-probs, values, reward-model scores, advantages, one joint policy+value update; the
     policy is the generator, so there is no weight sync.
-Forward passes run the whole batch at once on both sides (micro-batch = batch, up to
---micro-batch); updates use micro-batches of --micro-batch sequences with one optimizer
-step per mini-batch.
+  * --megappo-bypass adds megappo with `actor.old_logprob=bypass`: the engine's log-probs
+    are the old log-probs and the actor's recompute pass is skipped, so the model passes are
+    TRL's (plus megappo's weight sync).
+Batching: generation takes the whole batch on both sides. TRL's rollout forwards
+(reference, values, reward model) take the whole batch too (`local_rollout_forward_batch_size`
+also sets its generation batch); megappo's reference and reward-model passes take the whole
+batch, its actor log-prob and critic value passes use the actor's / critic's micro-batch.
+Updates use micro-batches of --micro-batch sequences (TRL: gradient accumulation) and one
+optimizer step per mini-batch. With the default batch of 8 every pass takes the whole batch.
 
 Runs alternate (megappo, TRL, megappo, TRL, ... --rounds times), each run doing 1 warm-up
 step and --steps timed steps; process start-up and the warm-up step are excluded. The table
@@ -131,7 +137,7 @@ def prepare(args, work: str, batch: int, response_length: int) -> dict:
 
 # -- megappo side ---------------------------------------------------------------------------
 
-def megappo_recipe(spec: dict, out: str, tp: int) -> dict:
+def megappo_recipe(spec: dict, out: str, tp: int, old_logprob: str = "recompute") -> dict:
     b, mb = spec["batch"], spec["micro_batch"]
     trained = {"ppo_mini_batch_size": b, "micro_batch_size": mb, "ppo_epochs": 1, "cliprange_value": VF_CLIP,
                "optim": {"lr": LR, "weight_decay": 0.0}}
@@ -139,7 +145,7 @@ def megappo_recipe(spec: dict, out: str, tp: int) -> dict:
         "model": {"path": spec["policy"], "tokenizer": spec["tokenizer"]},
         "parallel": {"tp": tp},
         "actor": {"ppo_mini_batch_size": b, "micro_batch_size": mb, "ppo_epochs": 1, "clip_ratio": CLIP,
-                  "optim": {"lr": LR, "weight_decay": 0.0}},
+                  "old_logprob": old_logprob, "optim": {"lr": LR, "weight_decay": 0.0}},
         "critic": {"path": spec["value"], **trained},
         "ref": {"micro_batch_size": b},
         "reward": {"model_path": spec["reward"], "micro_batch_size": b},
@@ -154,7 +160,8 @@ def megappo_recipe(spec: dict, out: str, tp: int) -> dict:
     }
 
 
-def run_megappo(spec: dict, tp: int, threads: int, profile: str | None = None, repo: str = REPO) -> list[dict]:
+def run_megappo(spec: dict, tp: int, threads: int, profile: str | None = None, repo: str = REPO,
+                old_logprob: str = "recompute") -> list[dict]:
     """Steps 2.. of a `megappo train` run: [{'step': s, 'gen': s, ..., 'tokens': n}, ...].
     `repo`: the megappo checkout to run (another one gives before/after numbers). With
     `profile`, prints the profile instead (see profile_worker) and returns []."""
@@ -163,7 +170,7 @@ def run_megappo(spec: dict, tp: int, threads: int, profile: str | None = None, r
     out = tempfile.mkdtemp(prefix="megappo_", dir=spec["root"])
     recipe = os.path.join(out, "recipe.yaml")
     with open(recipe, "w") as f:
-        yaml.safe_dump(megappo_recipe(spec, out, tp), f)
+        yaml.safe_dump(megappo_recipe(spec, out, tp, old_logprob), f)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=repo)
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "megappo.cli", "train", recipe]
@@ -386,6 +393,9 @@ def compare(args, work: str, batch: int, response_length: int, trl_python: str |
             breakdown: bool) -> dict:
     spec = prepare(args, work, batch, response_length)
     sides = [(f"megappo (tp={args.megappo_tp})", lambda: run_megappo(spec, args.megappo_tp, args.threads))]
+    if args.megappo_bypass:
+        sides.append((f"megappo bypass (tp={args.megappo_tp})",
+                       lambda: run_megappo(spec, args.megappo_tp, args.threads, old_logprob="bypass")))
     if args.baseline_repo:
         sides.append((f"megappo baseline (tp={args.megappo_tp})",
                       lambda: run_megappo(spec, args.megappo_tp, args.threads, repo=args.baseline_repo)))
@@ -428,6 +438,8 @@ def main():
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--trl-python", default=None, help=f"interpreter with trl==1.12.0 (default {DEFAULT_TRL_PYTHON})")
     p.add_argument("--no-trl", action="store_true", help="megappo only")
+    p.add_argument("--megappo-bypass", action="store_true",
+                   help="also megappo with actor.old_logprob=bypass: old log-probs from the engine, as TRL does")
     p.add_argument("--baseline-repo", metavar="PATH", help="also run the megappo of another checkout (before/after)")
     p.add_argument("--sweep", action="store_true",
                    help="response 32/128/512 x batch 8/32, --sweep-steps timed steps, one round each")
