@@ -127,7 +127,9 @@ def load_trainable(trainable, ckpt_dir: str) -> dict:
     meta = read_metadata(ckpt_dir)
     check_compatible(model, meta, ckpt_dir)
     if not meta.get("with_optimizer"):
-        raise ModelConfigError(f"checkpoint '{ckpt_dir}' holds weights only, no optimizer state to resume from.")
+        raise ModelConfigError(f"checkpoint '{ckpt_dir}' holds weights only, no optimizer state to resume from. Fix: "
+                               "resume from a trainer checkpoint (<run.output_dir>/checkpoints/step_NNNNNNNN), or load "
+                               "these weights as a model with load_model / an HF export.")
     for opt in _inner_optimizers(trainable.optimizer):
         # a fresh distributed optimizer has no Adam state to load into yet
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
