@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from megappo.parallel import cpu_compat
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.stage import stage
 from megappo.ppo.advantages import compute_advantage
@@ -80,14 +81,21 @@ def generate(run: Run, step: int) -> RolloutBatch:
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
                             logprob_mode=cfg.logprob_mode)
-    batch = run.engine.generate([p.prompt_ids for p in prompts], params)
+    batch = engine_generate(run, [p.prompt_ids for p in prompts], params)
     batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
     if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
-        greedy = run.engine.generate([p.prompt_ids for p in prompts],
-                                     dataclasses.replace(params, n=1, temperature=0.0))
+        greedy = engine_generate(run, [p.prompt_ids for p in prompts],
+                                 dataclasses.replace(params, n=1, temperature=0.0))
         greedy.examples = prompts
         batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
     return batch
+
+
+def engine_generate(run: Run, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutBatch:
+    # the engine never names a CUDA device: the CPU compatibility layer's device remapping
+    # (a torch function mode, active only on CPU) is suspended around it, same results
+    with cpu_compat.suspended():
+        return run.engine.generate(prompt_ids, params)
 
 
 def to_seqs(batch: RolloutBatch) -> SeqBatch:
@@ -208,7 +216,7 @@ def validate(run: Run) -> dict[str, float]:
     params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed)
-    batch = run.engine.generate([e.prompt_ids for e in run.val_examples], params)  # one batch: small val sets
+    batch = engine_generate(run, [e.prompt_ids for e in run.val_examples], params)  # one batch: small val sets
     batch.examples = [run.val_examples[i] for i in batch.prompt_index.tolist()]
     scores = rewards(run, batch, None)
     return {"val/score/mean": scores.mean().item(),
