@@ -97,7 +97,8 @@ def find_resume(cfg: Config) -> dict | None:
     path = latest_checkpoint(root) if os.path.isdir(root) else None
     if mode == "must" and path is None:
         raise ConfigError(f"checkpoint.resume=must, but {root} has no complete checkpoint. Fix: set checkpoint.dir "
-                          "to the run's checkpoint directory, or checkpoint.resume=auto to start fresh when there is none.")
+                          "to the run's checkpoint directory, or checkpoint.resume=auto to start fresh when there "
+                          "is none.")
     if mode == "off":
         if path is not None:
             raise ConfigError(f"checkpoint.resume=off, but {root} already holds checkpoints (latest: "

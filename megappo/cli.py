@@ -166,12 +166,14 @@ def main(argv=None) -> int:
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
     train.add_argument("--world-size", type=int, default=None,
-                       help="ranks to launch when not under torchrun (default: tp * pp, the lcm over roles with their own)")
+                       help="ranks to launch when not under torchrun (default: tp * pp, the lcm over roles "
+                            "with their own)")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="check a recipe's layout and estimate per-GPU memory (no model is built)")
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")
-    plan.add_argument("--world-size", type=int, default=None, help="GPUs (default: tp * pp, the lcm over roles with their own)")
+    plan.add_argument("--world-size", type=int, default=None,
+                      help="GPUs (default: tp * pp, the lcm over roles with their own)")
     plan.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default: 80)")
     plan.add_argument("--hf-config", default=None,
                       help="the model's config.json (or its directory) when model.path has none")

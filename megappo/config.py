@@ -356,7 +356,7 @@ class CheckpointConfig(_Section):
     dir: Optional[str] = None  # None: <run.output_dir>/checkpoints
     save_every: int = 0  # steps between checkpoints; 0: only at the end of training
     keep_last: int = 2  # newest checkpoints kept; 0: keep all
-    resume: Literal["auto", "must", "off"] = "auto"  # auto: from `latest` if there is one; must: refuse to start without
+    resume: Literal["auto", "must", "off"] = "auto"  # auto: from `latest` if any; must: refuse to start without
     save_hf_at_end: bool = False  # also export the final actor (and critic) as HF directories under <run.output_dir>/hf
 
     def check(self) -> None:
