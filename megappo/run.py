@@ -81,10 +81,7 @@ class Run:
 
     @property
     def trainables(self) -> dict:
-        out = {"actor": self.actor.trainable}
-        if self.critic:
-            out["critic"] = self.critic.trainable
-        return out
+        return _trained(self.actor, self.critic)
 
     def maybe_checkpoint(self, step: int) -> None:
         every = self.cfg.checkpoint.save_every
@@ -120,15 +117,21 @@ class Run:
         """Collective: the trained actor (and critic) as HF directories `path`/actor, `path`/critic."""
         from megappo.convert import export_hf
 
-        export_hf(self.actor.model, os.path.join(path, "actor"), self.hf_config, self._hf_files(), overwrite=True)
+        hf_files = self._hf_files()
+        export_hf(self.actor.model, os.path.join(path, "actor"), self.hf_config, hf_files, overwrite=True)
         if self.critic:
-            export_hf(self.critic.model, os.path.join(path, "critic"), self.critic_hf_config, self._hf_files(),
+            export_hf(self.critic.model, os.path.join(path, "critic"), self.critic_hf_config, hf_files,
                       overwrite=True)
         if self.ps.is_rank0:
             print(f"exported HF model directories to {path}", flush=True)
 
     def _hf_files(self) -> dict:
         return read_aux_files(self.cfg.model.path) if self.cfg.model.path else {}
+
+
+def _trained(actor: PolicyWorker, critic: ValueWorker | None) -> dict:
+    """The Trainables of the trained roles by role name: what a trainer checkpoint holds."""
+    return {"actor": actor.trainable, **({"critic": critic.trainable} if critic else {})}
 
 
 def _hf_source(cfg: Config):
@@ -228,10 +231,9 @@ def create_run(cfg: Config) -> Run:
                           verify_every=cfg.rollout.verify_every)
     kl = cfg.algorithm.kl_ctrl
     kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-    trained = {"actor": actor.trainable, **({"critic": critic.trainable} if critic else {})}
     start_step, nan_skips = 0, 0
     if resume:
-        checkpointing.load(resume["path"], trained, ps.rank)
+        checkpointing.load(resume["path"], _trained(actor, critic), ps.rank)
         start_step, nan_skips = resume["step"], resume["nan_skips"]
         kl_ctrl.value = resume["kl_coef"]
         if sampler:

@@ -208,7 +208,7 @@ def init_parallel(
 
 
 def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, seed: int = 1234,
-               timeout_minutes: int = 30) -> ParallelState:
+               timeout_minutes: float = 30.0) -> ParallelState:
     """Collective (every rank, same order): another TP x PP layout over the same ranks.
 
     The layout that was active before the call stays active; use `with ps.active():`
