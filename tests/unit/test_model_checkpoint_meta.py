@@ -35,3 +35,18 @@ def test_other_architecture_and_role(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ModelConfigError, match="not a megappo model checkpoint"):
         read_metadata(str(tmp_path))
+
+
+def test_weights_only_checkpoint_cannot_resume_training(tmp_path):
+    """load_trainable refuses a save_model checkpoint (no optimizer state) before reading tensors."""
+    import contextlib
+
+    from megappo.models.checkpoint import load_trainable
+
+    dims = dims_from_hf(TINY_CONFIGS["llama"])
+    _ckpt(tmp_path, dims)  # what save_model writes: no "with_optimizer"
+    model = types.SimpleNamespace(dims=dims, has_value_head=False, role="actor",
+                                  ps=types.SimpleNamespace(active=contextlib.nullcontext))
+    with pytest.raises(ModelConfigError, match="holds weights only, no optimizer state to resume from. Fix: resume "
+                                               "from a trainer checkpoint"):
+        load_trainable(types.SimpleNamespace(model=model), str(tmp_path))
