@@ -452,7 +452,11 @@ def make_plan(cfg: Config, world_size: int, *, gpu_mem_gib: float = 80.0, hf_con
     engine_args = None
     if cfg.rollout.engine == "sglang":
         engine_args = _engine_args(cfg)
-        check_engine_layout(actor, engine_args[0], world_size)
+        # sync_mode=distributed: the engine runs on GPUs of its own, beside the trainer's world
+        check_engine_layout(actor, engine_args[0], world_size if cfg.rollout.sync_mode != "distributed" else
+                            engine_args[0])
+        if cfg.rollout.sync_mode == "distributed":
+            engine_args = None
 
     candidates = []
     stages = [("all", 0)] if p.pp == 1 else [("first", 0), ("last", p.pp - 1)]
@@ -516,6 +520,9 @@ def format_plan(plan: Plan) -> str:
                      f"GiB = {e.kv_tokens} tokens ({e.kv_tokens // plan.seq} sequences of {plan.seq})")
     elif plan.engine_name == "hf":
         lines.append(f"{'engine':<10}  hf engine: on the host (CPU memory), no GPU memory")
+    elif plan.engine_name == "sglang":
+        lines.append(f"{'engine':<10}  sglang, sync_mode=distributed: on GPUs of its own beside the trainer's "
+                     f"(rollout.sglang.tp_size of them), not planned here")
     lines.append(f"{'reserve':<10}{'':>9}{'':>9}{'':>8}{'':>11}{'':>13}{g(plan.reserve):>8}   CUDA context, NCCL, "
                  f"allocator slack" + (", SGLang graphs" if plan.engine else ""))
     peak = plan.peak_activation

@@ -167,6 +167,25 @@ def test_engine_fraction_range_is_consistent():
     assert "sglang tp=4" in text and "fits:" in text
 
 
+def test_distributed_sync_keeps_the_engine_off_the_trainer_gpus():
+    """sync_mode=distributed: SGLang runs on GPUs of its own, so no trainer GPU carries its pool;
+    its tp size is checked against the heads only, not against the trainer's world."""
+    cfg = dict(parallel={"tp": 4, "sequence_parallel": True, "use_distributed_optimizer": True},
+               data={"max_prompt_length": 512, "train_batch_size": 8})
+    colocated = make_plan(recipe(rollout={"engine": "sglang", "sglang": {"tp_size": 4}}, **cfg), world_size=4)
+    separate = make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "sglang": {"tp_size": 4}},
+                                **cfg), world_size=4)
+    assert colocated.engine is not None and separate.engine is None
+    assert separate.total < colocated.total
+    assert "sync_mode=distributed: on GPUs of its own" in format_plan(separate)
+    two = make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "sglang": {"tp_size": 2}},
+                           parallel={"tp": 1}), world_size=1)
+    assert two.engine is None
+    with pytest.raises(ModelConfigError, match="does not split"):
+        make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "sglang": {"tp_size": 8}}),
+                  world_size=8)
+
+
 def test_does_not_fit_names_knobs():
     plan = make_plan(recipe(parallel={"tp": 2}, actor={"ppo_mini_batch_size": 32, "micro_batch_size": 4},
                             critic={"ppo_mini_batch_size": 32, "micro_batch_size": 4},
