@@ -160,15 +160,18 @@ class SGLangEngine:
         self.engine.flush_cache()
 
     def _while_engine_calls(self, method: str, send, **kwargs) -> None:
-        """Run the engine's blocking receive call on a thread while this thread sends its half."""
+        """Call the engine's blocking receive method while a thread sends this side's half.
+
+        The engine call stays on this thread (sglang.Engine drives its asyncio loop from the
+        thread that created it); the broadcast runs on the helper thread."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megappo-sync")
-        receiving = self._pool.submit(self._call, method, **kwargs)
+        sending = self._pool.submit(send)
+        self._call(method, **kwargs)
         try:
-            send()
+            sending.result()
         except Exception as e:
             raise WeightSyncError(f"sending weights to the sglang engine failed in {method}: {e}") from e
-        receiving.result()
 
     def _open_update_group(self) -> None:
         port, world_size = free_port(), 1 + self.tp_size
