@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python benchmarks/ppo_step.py                 # batch 8 x 32 new tokens
     OMP_NUM_THREADS=1 python benchmarks/ppo_step.py --sweep         # response 32/128/512 x batch 8/32
     OMP_NUM_THREADS=1 python benchmarks/ppo_step.py --megappo-tp 2  # megappo on 2 gloo ranks (TP=2)
+    OMP_NUM_THREADS=1 python benchmarks/ppo_step.py --megappo-dp 2 --trl-threads 2  # both sides on 2 cores
 
 The configuration (both sides): a tiny Llama-architecture policy built from one config
 (random init); the critic, the reference and the reward model are built from the same
@@ -16,7 +17,9 @@ tokenizer has no EOS; TRL's `stop_token=None`), and TRL's pad id is outside the 
 vocabulary so a sampled token can never be taken for padding.
 
 What each side does per step:
-  * megappo (`python -m megappo.cli train RECIPE`, one process unless --megappo-tp 2):
+  * megappo (`python -m megappo.cli train RECIPE`, one process unless --megappo-tp/--megappo-dp
+    ask for tp x dp gloo ranks; at DP=2 the engine on rank 0 generates the whole batch and
+    every other pass and update is split over the two ranks):
     generation with the hf engine, actor log-probs (recomputed), reference log-probs,
     critic values, reward-model scores, advantages, critic update, actor update, weight
     sync into the engine with fingerprint verification (the recipe defaults);
@@ -137,8 +140,9 @@ def prepare(args, work: str, batch: int, response_length: int) -> dict:
 
 # -- megappo side ---------------------------------------------------------------------------
 
-def megappo_recipe(spec: dict, out: str, tp: int, old_logprob: str = "recompute") -> dict:
-    b, mb = spec["batch"], spec["micro_batch"]
+def megappo_recipe(spec: dict, out: str, tp: int, old_logprob: str = "recompute", dp: int = 1) -> dict:
+    """`dp` ranks each take 1/dp of every pass: micro-batches are per rank, so they shrink by dp."""
+    b, mb = spec["batch"], max(1, spec["micro_batch"] // dp)
     trained = {"ppo_mini_batch_size": b, "micro_batch_size": mb, "ppo_epochs": 1, "cliprange_value": VF_CLIP,
                "optim": {"lr": LR, "weight_decay": 0.0}}
     return {
@@ -147,8 +151,8 @@ def megappo_recipe(spec: dict, out: str, tp: int, old_logprob: str = "recompute"
         "actor": {"ppo_mini_batch_size": b, "micro_batch_size": mb, "ppo_epochs": 1, "clip_ratio": CLIP,
                   "old_logprob": old_logprob, "optim": {"lr": LR, "weight_decay": 0.0}},
         "critic": {"path": spec["value"], **trained},
-        "ref": {"micro_batch_size": b},
-        "reward": {"model_path": spec["reward"], "micro_batch_size": b},
+        "ref": {"micro_batch_size": b // dp},
+        "reward": {"model_path": spec["reward"], "micro_batch_size": b // dp},
         "algorithm": {"adv_estimator": "gae", "gamma": GAMMA, "lam": LAM, "use_kl_in_reward": True,
                       "kl_penalty": "k1", "kl_ctrl": {"type": "fixed", "kl_coef": KL_COEF}},
         "rollout": {"n": 1, "temperature": 1.0, "max_new_tokens": spec["response_length"]},
@@ -161,7 +165,7 @@ def megappo_recipe(spec: dict, out: str, tp: int, old_logprob: str = "recompute"
 
 
 def run_megappo(spec: dict, tp: int, threads: int, profile: str | None = None, repo: str = REPO,
-                old_logprob: str = "recompute") -> list[dict]:
+                old_logprob: str = "recompute", dp: int = 1) -> list[dict]:
     """Steps 2.. of a `megappo train` run: [{'step': s, 'gen': s, ..., 'tokens': n}, ...].
     `repo`: the megappo checkout to run (another one gives before/after numbers). With
     `profile`, prints the profile instead (see profile_worker) and returns []."""
@@ -170,10 +174,10 @@ def run_megappo(spec: dict, tp: int, threads: int, profile: str | None = None, r
     out = tempfile.mkdtemp(prefix="megappo_", dir=spec["root"])
     recipe = os.path.join(out, "recipe.yaml")
     with open(recipe, "w") as f:
-        yaml.safe_dump(megappo_recipe(spec, out, tp, old_logprob), f)
+        yaml.safe_dump(megappo_recipe(spec, out, tp, old_logprob, dp), f)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=repo)
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "megappo.cli", "train", recipe]
+    cmd = [sys.executable, "-m", "megappo.cli", "train", recipe, "--world-size", str(tp * dp)]
     if profile:  # torch.profiler over steps 3.. in one process (see profile_worker)
         cmd = [sys.executable, os.path.abspath(__file__), "--profile-worker", recipe, "--profile", profile]
     proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
@@ -359,11 +363,11 @@ def summary(steps: list[dict], spec: dict) -> dict:
 def print_comparison(results: dict[str, list[dict]], spec: dict) -> None:
     print(f"\nbatch {spec['batch']} x (prompt {spec['prompt_length']} + response {spec['response_length']}) tokens; "
           f"medians of {', '.join(f'{len(v)} timed steps of {k}' for k, v in results.items())}")
-    print(f"{'trainer':28s} {'s/step':>8s} {'min-max':>13s} {'gen tok/s':>10s} {'proc tok/s':>11s}")
+    print(f"{'trainer':36s} {'s/step':>8s} {'min-max':>13s} {'gen tok/s':>10s} {'proc tok/s':>11s}")
     sums = {}
     for name, steps in results.items():
         s = sums[name] = summary(steps, spec)
-        print(f"{name:28s} {s['step']:8.3f} {s['spread'][0]:6.2f}-{s['spread'][1]:<6.2f} {s['gen_tps']:10.1f} "
+        print(f"{name:36s} {s['step']:8.3f} {s['spread'][0]:6.2f}-{s['spread'][1]:<6.2f} {s['gen_tps']:10.1f} "
               f"{s['proc_tps']:11.1f}")
     first, *others = list(sums)
     for other in others:
@@ -392,15 +396,19 @@ def print_breakdown(name: str, steps: list[dict]) -> None:
 def compare(args, work: str, batch: int, response_length: int, trl_python: str | None, rounds: int,
             breakdown: bool) -> dict:
     spec = prepare(args, work, batch, response_length)
-    sides = [(f"megappo (tp={args.megappo_tp})", lambda: run_megappo(spec, args.megappo_tp, args.threads))]
+    tp, dp = args.megappo_tp, args.megappo_dp
+    layout = f"tp={tp}" + (f" dp={dp}" if dp > 1 else "")
+    sides = [(f"megappo ({layout})", lambda: run_megappo(spec, tp, args.threads, dp=dp))]
     if args.megappo_bypass:
-        sides.append((f"megappo bypass (tp={args.megappo_tp})",
-                       lambda: run_megappo(spec, args.megappo_tp, args.threads, old_logprob="bypass")))
+        sides.append((f"megappo bypass ({layout})",
+                      lambda: run_megappo(spec, tp, args.threads, old_logprob="bypass", dp=dp)))
     if args.baseline_repo:
-        sides.append((f"megappo baseline (tp={args.megappo_tp})",
-                      lambda: run_megappo(spec, args.megappo_tp, args.threads, repo=args.baseline_repo)))
+        sides.append((f"megappo baseline ({layout})",
+                      lambda: run_megappo(spec, tp, args.threads, repo=args.baseline_repo, dp=dp)))
     if trl_python:
-        sides.append(("TRL 1.12.0 PPOTrainer", lambda: run_trl(spec, trl_python, args.threads)))
+        trl_threads = args.trl_threads or args.threads
+        sides.append((f"TRL 1.12.0 PPOTrainer ({trl_threads} thread{'s' if trl_threads > 1 else ''})",
+                      lambda: run_trl(spec, trl_python, trl_threads)))
     results: dict[str, list[dict]] = {name: [] for name, _ in sides}
     for r in range(rounds):
         for name, fn in sides[r % len(sides):] + sides[:r % len(sides)]:  # rotate which side goes first
@@ -435,6 +443,9 @@ def main():
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
                    help="torch threads per process, both sides")
     p.add_argument("--megappo-tp", type=int, default=1, help="1: one process; 2: two gloo ranks (TP=2)")
+    p.add_argument("--megappo-dp", type=int, default=1, help="data-parallel ranks of megappo (x tp processes)")
+    p.add_argument("--trl-threads", type=int, default=None,
+                   help="torch threads of the TRL process (default: --threads); e.g. 2 against --megappo-dp 2")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--trl-python", default=None, help=f"interpreter with trl==1.12.0 (default {DEFAULT_TRL_PYTHON})")
     p.add_argument("--no-trl", action="store_true", help="megappo only")
