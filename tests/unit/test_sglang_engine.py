@@ -36,3 +36,25 @@ def test_sglang_generates_and_syncs_weights(tmp_path):
         assert torch.equal(fps["model.embed_tokens.weight"], engine.fingerprint_of(new["model.embed_tokens.weight"]))
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="sync_mode=distributed needs a trainer GPU and an engine GPU")
+def test_sglang_distributed_sync(tmp_path):
+    """The trainer on GPU 0 broadcasts over NCCL to SGLang on GPU 1 (rollout.sync_mode=distributed)."""
+    model = build_hf_model(TINY_CONFIGS["llama"], seed=0)
+    model.save_pretrained(tmp_path)
+    torch.cuda.set_device(0)
+    engine = build_engine("sglang", model_path=str(tmp_path), pad_token_id=0, dtype="float32",
+                          sync_mode="distributed", engine_args={"max_total_tokens": 4096, "base_gpu_id": 1})
+    try:
+        for shift in (0.01, 0.02):  # the second update reuses the group
+            new = {k: (v + shift).cuda() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+            engine.update_weights([list(new.items())[:5], list(new.items())[5:]])
+            fps = engine.fingerprints(["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"])
+            for name, fp in fps.items():
+                assert torch.equal(fp, engine.fingerprint_of(new[name].cpu())), name
+        batch = engine.generate([[5, 6, 7]], SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=0))
+        assert batch.response_ids.shape == (1, 4)
+    finally:
+        engine.shutdown()
