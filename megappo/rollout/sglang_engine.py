@@ -89,13 +89,19 @@ class SGLangEngine:
             os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         else:
             os.environ.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
-        sgl = _import_sglang()
         args = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
                     dtype=dtype, skip_tokenizer_init=True)
         if sync_mode == "distributed":
             # the trainer's ranks on this node hold GPUs [0, local world size); the engine takes the next ones
             args["base_gpu_id"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         args.update(engine_args)
+        first, gpus = args.get("base_gpu_id", 0), torch.cuda.device_count()
+        if sync_mode == "distributed" and first + self.tp_size > gpus:
+            raise ValueError(
+                f"rollout.sync_mode=distributed puts SGLang on GPUs {first}..{first + self.tp_size - 1}, after the "
+                f"trainer's, but this node has {gpus} GPU(s). Fix: start fewer trainer ranks per node (torchrun "
+                f"--nproc-per-node), lower rollout.sglang.tp_size, or use rollout.sync_mode=tensor (colocated).")
+        sgl = _import_sglang()
         with outside_torchrun_store():
             self.engine = sgl.Engine(**args)
 

@@ -58,3 +58,14 @@ def test_sglang_distributed_sync(tmp_path):
         assert batch.response_ids.shape == (1, 4)
     finally:
         engine.shutdown()
+
+
+def test_distributed_sync_needs_engine_gpus_and_one_replica(monkeypatch):
+    """Both refusals come before SGLang is imported, so they hold on any machine."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(ValueError, match=r"SGLang on GPUs 8..9, after the trainer's, but this node has 8 GPU\(s\). "
+                                         r"Fix: start fewer trainer ranks per node"):
+        build_engine("sglang", model_path="x", pad_token_id=0, sync_mode="distributed", engine_args={"tp_size": 2})
+    with pytest.raises(ValueError, match="Fix: leave rollout.sglang.dp_size and pp_size at 1"):
+        build_engine("sglang", model_path="x", pad_token_id=0, sync_mode="distributed", engine_args={"dp_size": 2})
