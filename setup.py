@@ -32,7 +32,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
         "ray": ["ray"],
         "data": ["pyarrow", "reasoning-gym==0.1.25"],  # Parquet datasets, procedural tasks
-        "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "tensorboard"],
+        "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "tensorboard", "wandb"],
     },
     entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
 )

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from typing import Iterable, Mapping
 
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
@@ -58,7 +59,11 @@ class MetricLogger:
                 import wandb
             except ImportError as e:
                 raise ImportError("logging.sinks wandb needs the wandb package: pip install wandb") from e
-            self._wandb = wandb.init(project=project, name=run_name, config=dict(config or {}), dir=run_dir)
+            # one W&B run per megappo run: its id is kept in the run directory, so a resumed run appends to it.
+            # Steps replayed after the checkpoint were logged before the stop; W&B keeps those (a bit-exact
+            # resume recomputes the same values) and warns about the repeats.
+            self._wandb = wandb.init(project=project, name=run_name, config=dict(config or {}), dir=run_dir,
+                                     id=_wandb_run_id(run_dir), resume="allow")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items()}
@@ -83,6 +88,15 @@ class MetricLogger:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def _wandb_run_id(run_dir: str) -> str:
+    path = os.path.join(run_dir, "wandb_run_id")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(uuid.uuid4().hex[:16])
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _truncate_after(path: str, step: int) -> None:

@@ -38,6 +38,27 @@ def test_tensorboard_sink_and_resume(tmp_path):
     assert got == [(1, 0.1), (2, 0.2), (3, 0.9)]
 
 
+def test_wandb_sink_keeps_one_run_across_resume(tmp_path, monkeypatch):
+    """Offline W&B: the resumed logger reopens the same run id; the records hold the logged values."""
+    pytest.importorskip("wandb", reason="the wandb sink needs the wandb package (in .[test])")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = MetricLogger(str(tmp_path), ["wandb"], run_name="demo", config={"seed": 7})
+    for step in (1, 2, 3):
+        log.log(step, {"actor/pg_loss": 0.125 * step})
+    log.close()
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    log = MetricLogger(str(tmp_path), ["wandb"], run_name="demo", resume_step=2)  # resumed from step 2
+    for step in (3, 4):
+        log.log(step, {"actor/pg_loss": 0.125 * step, "critic/vf_loss": 9.5})
+    log.close()
+    runs = sorted(p for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-"))
+    assert len(runs) == 2 and all(p.name.endswith("-" + run_id) for p in runs), runs
+    first, second = (next(p.glob("run-*.wandb")).read_bytes() for p in runs)
+    assert b"actor/pg_loss" in first and b"0.375" in first and b"critic/vf_loss" not in first
+    assert b"critic/vf_loss" in second and b"0.5" in second
+
+
 def test_unknown_sink():
     with pytest.raises(ValueError, match="unknown logging sink\\(s\\) \\['mlflow'\\]"):
         MetricLogger("/tmp/x", ["mlflow"])
