@@ -1,0 +1,716 @@
+#!/usr/bin/env python
+"""GPU measurements for megappo: actor MFU, rollout generation, weight sync (one process).
+
+    python benchmarks/gpu.py [--sections mfu,gen,sync] [--sizes 1b,8b] [--json PATH] [--smoke]
+
+Runs on one GPU (NCCL, cuda) as a world of one process (TP=PP=DP=1); without CUDA it runs
+on cpu with gloo and megappo's CPU compatibility layer. Every section measures a baseline
+in the same run and prints a table; `--json PATH` gets the config and every row (rewritten
+after each section, so a run cut short keeps what it finished). Rows that need a package
+that is not installed (Transformer Engine, SGLang) or CUDA say `skipped: <why>`; a row
+that fails says `error: <why>` (traceback on stderr) and the run goes on.
+
+Sections (sizes: Llama-architecture configs with random weights, `SIZES` below):
+
+mfu   The actor on Megatron-Core (megappo's `build_model`, local layer spec, and the
+      Transformer Engine spec when transformer_engine imports), `--micro-batches` sequences of
+      `--seq-len` tokens (micro-batch 1) per call, after `--warmup` calls, median of `--steps`:
+        forward      PolicyWorker.log_probs (the old-log-prob pass: log-probs + entropy)
+        fwd+bwd      megappo's forward path (models.forward.run_micro_batches) with the actor's
+                     loss (vocab-parallel log-probs + entropy, clipped policy loss), gradients
+                     only, no optimizer
+        update       PolicyWorker.update: the same plus Megatron DDP (fp32 grad buffer) and
+                     Megatron's Adam with fp32 main params; skipped when those 16 bytes per
+                     parameter do not fit in free memory (8B on 80 GB)
+      A row that runs out of memory is retried at half the sequence length, down to
+      `--min-seq-len`; the row shows the length it ran at.
+      Model FLOPs per token, with N = all parameters except the input embedding table (a
+      lookup; the LM head counts), L layers, H hidden size, T sequence length:
+        training (fwd+bwd, update)   6 N + 12 L H T
+        forward only                 2 N +  4 L H T
+      (the standard count, as PaLM's MFU: the attention term counts the full T x T score
+      matrix although causal masking needs half; activation recomputation is not counted).
+      TFLOP/s = FLOPs per token x tokens/s. MFU = TFLOP/s / peak, against the device's dense
+      bf16 spec peak (`PEAK_TFLOPS`, or `--peak-tflops`) and against the baseline: a plain
+      torch bf16 matmul of 8192^3 measured in this run (what the device achieves).
+gen   Rollout generation with random weights: megappo's hf engine (`HFEngine`) vs the baseline,
+      transformers' `model.generate` with the same model, batch, lengths and sampling
+      (temperature 1, no top-k/top-p, no early stop); SGLangEngine when sglang imports.
+sync  The weight bridge (`WeightBridge`) from the Megatron actor into the hf engine on the
+      same device (colocated), with and without fingerprint verification, vs the baseline: a
+      device-to-device `copy_` of the same bytes into the same engine tensors; SGLangEngine
+      (sync_mode=tensor) when sglang imports. Timed with a device synchronize on both sides.
+
+`--smoke`: tiny sizes, fp32, short lengths; every section end to end in well under a minute
+on a CPU (tests/e2e/test_gpu_bench_smoke.py), or as a first check on a GPU machine.
+benchmarks/GPU.md has the commands for a GPU session.
+
+This script does not know about PPO's algorithm or configs: it times megappo's pieces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                 max_positions: int = 8192) -> dict[str, Any]:
+    """HF config.json content of a Llama-architecture model (untied embeddings)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02}
+
+
+SIZES = {
+    "1b": llama_config(2048, 16, 16, 8, 8192, 128256),
+    "8b": llama_config(4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B's dims (RoPE scaling left out)
+    "tiny": llama_config(64, 2, 4, 2, 128, 512, max_positions=256),
+}
+
+#: dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device name; the first match wins,
+#: so the specific names come before the family name.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.0),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+
+#: settings of a full run and of --smoke; a flag given on the command line wins over both
+DEFAULTS = dict(sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
+                micro_batches=4, warmup=2, steps=5, repeats=3, matmul_n=8192, gen_batch=64, gen_prompt_len=128,
+                gen_new_tokens=256, bucket_mb=512)
+SMOKE = dict(sizes="tiny", gen_size="tiny", dtype="float32", seq_len=64, min_seq_len=64, prompt_len=16,
+             micro_batches=2, warmup=1, steps=2, repeats=2, matmul_n=256, gen_batch=4, gen_prompt_len=8,
+             gen_new_tokens=8, bucket_mb=1)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of a section's table (and of the JSON)."""
+
+    section: str
+    what: str
+    status: str = "ok"  # "ok", "skipped: <why>" or "error: <why>"
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    gpu_only: bool = False  # needs CUDA and a GPU package (TE, SGLang): skipped on CPU
+    baseline: bool = False
+
+
+@dataclasses.dataclass
+class Bench:
+    """What every section reads: the resolved settings, the device, the parallel state."""
+
+    settings: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    ps: Any = None  # megappo ParallelState (world of one), for the sections that build Megatron models
+    peak_tflops: float | None = None
+    matmul_tflops: float | None = None  # the mfu section's baseline, once measured
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype_name(self) -> str:
+        return {v: k for k, v in DTYPES.items()}[self.dtype]
+
+
+# --------------------------------------------------------------------------- helpers
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def median_seconds(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls after `warmup`, synchronized on both sides."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def unavailable(package: str, device: torch.device) -> str | None:
+    """Why a GPU-only row cannot run here, or None when it can."""
+    if importlib.util.find_spec(package) is None:
+        return f"skipped: {package} not installed"
+    if device.type != "cuda":
+        return "skipped: needs CUDA"
+    return None
+
+
+def guarded(section: str, what: str, measure: Callable[[], dict[str, Any]], **row_fields) -> Row:
+    """Row(values=measure()), or an error row (traceback on stderr) when it raises."""
+    try:
+        return Row(section, what, values=measure(), **row_fields)
+    except Exception as e:  # one failed row must not cost the rest of a timed GPU session
+        traceback.print_exc()
+        message = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        return Row(section, what, status=f"error: {type(e).__name__}: {message}", **row_fields)
+    finally:
+        free_memory()
+
+
+def hf_model(config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A randomly initialised HF CausalLM built directly on `device` (no host copy of 8B weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from megappo.models.hf_reference import hf_config_object
+
+    cfg = hf_config_object(config)
+    cfg.dtype = dtype
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return model.to(dtype).eval()
+
+
+# --------------------------------------------------------------------------- mfu
+
+def matmul_row(b: Bench) -> Row:
+    """The achievable peak: a plain torch matmul of matmul_n^3 in the run's dtype."""
+    n = b.settings.matmul_n
+
+    def measure():
+        x = torch.randn(n, n, device=b.device, dtype=b.dtype)
+        y = torch.randn(n, n, device=b.device, dtype=b.dtype)
+        calls = 20
+
+        def run():
+            for _ in range(calls):
+                torch.mm(x, y)
+
+        seconds = median_seconds(run, b.device, warmup=1, repeats=b.settings.steps) / calls
+        b.matmul_tflops = 2 * n**3 / seconds / 1e12
+        return {"seconds": seconds, "tflops": b.matmul_tflops,
+                "mfu_vs_spec": b.matmul_tflops / b.peak_tflops if b.peak_tflops else None, "mfu_vs_matmul": 1.0}
+
+    return guarded("mfu", f"torch.mm {n}^3 {b.dtype_name} (baseline)", measure, baseline=True)
+
+
+def matmul_params(model) -> int:
+    """N of the FLOP count: every parameter except the input embedding table (unless tied,
+    when that table is also the LM head)."""
+    total = embedding = 0
+    for name, _rule, param in model.named_parameters():
+        total += param.numel()
+        if name == "embedding.word_embeddings.weight":
+            embedding = param.numel()
+    return total if model.dims.tie_word_embeddings else total - embedding
+
+
+def ppo_experience(b: Bench, dims, seq_len: int):
+    """`micro_batches` random sequences [n, T] (prompt + response, no padding) and an
+    Experience with random old log-probs and advantages, on the device (the orchestrator
+    builds its batches on the host: see "Watch for" in benchmarks/GPU.md)."""
+    from megappo.workers import Experience, SeqBatch
+
+    n, prompt = b.settings.micro_batches, min(b.settings.prompt_len, seq_len // 4)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, dims.vocab_size, (n, seq_len), generator=gen)
+    response = seq_len - prompt
+    seqs = SeqBatch(input_ids=ids.to(b.device), attention_mask=torch.ones_like(ids, device=b.device),
+                    response_mask=torch.ones(n, response, dtype=torch.long, device=b.device), prompt_len=prompt)
+    return Experience(seqs=seqs, old_log_probs=(-2 * torch.rand(n, response, generator=gen)).to(b.device),
+                      advantages=torch.randn(n, response, generator=gen).to(b.device))
+
+
+def fwd_bwd_call(model, exp) -> Callable[[], None]:
+    """One pass of megappo's forward path with the actor's loss (as PolicyWorker.update builds
+    it, without the KL and entropy-bonus terms, which are off by default) and its backward."""
+    from megappo.models.forward import run_micro_batches
+    from megappo.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
+    from megappo.ppo.losses import global_counts, policy_loss
+
+    seqs, prompt = exp.seqs, exp.seqs.prompt_len
+    counts = global_counts(seqs.response_mask)
+    micro_batches = [{"input_ids": seqs.input_ids[i:i + 1], "attention_mask": seqs.attention_mask[i:i + 1],
+                      "response_mask": seqs.response_mask[i:i + 1], "old": exp.old_log_probs[i:i + 1],
+                      "adv": exp.advantages[i:i + 1]} for i in range(seqs.size)]
+
+    def on_output(logits, mb):  # [1, T, V_pad] (TP=1; these vocabularies need no padding rows)
+        log_probs, _entropy = vocab_parallel_log_probs_and_entropy(
+            logits[:, prompt - 1:-1].float(), mb["input_ids"][:, prompt:], model.ps.tp_group)
+        loss, _ = policy_loss(old_log_prob=mb["old"], log_prob=log_probs, advantages=mb["adv"],
+                              response_mask=mb["response_mask"], **counts)
+        return loss, None
+
+    def call():
+        for chunk in model.chunks:
+            chunk.zero_grad(set_to_none=True)
+        run_micro_batches(model, micro_batches, on_output, forward_only=False)
+
+    return call
+
+
+def throughput_row(b: Bench, what: str, dims, n_params: int, make_call, *, training: bool, **row_fields) -> Row:
+    """Tokens/s, TFLOP/s and MFU of `make_call(experience)()`; halves the sequence on OOM."""
+    flops_n, flops_attn = (6, 12) if training else (2, 4)
+
+    def measure():
+        seq_len = b.settings.seq_len
+        while True:
+            reset_peak(b.device)
+            try:
+                call = make_call(ppo_experience(b, dims, seq_len))
+                seconds = median_seconds(call, b.device, warmup=b.settings.warmup, repeats=b.settings.steps)
+                break
+            except torch.OutOfMemoryError:
+                if seq_len // 2 < b.settings.min_seq_len:
+                    raise
+            call = None
+            free_memory()
+            print(f"  {what}: out of memory at seq {seq_len}, retrying at {seq_len // 2}", flush=True)
+            seq_len //= 2
+        tokens = b.settings.micro_batches * seq_len
+        per_token = flops_n * n_params + flops_attn * dims.num_layers * dims.hidden_size * seq_len
+        tflops = per_token * tokens / seconds / 1e12
+        return {"seq_len": seq_len, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "tflops": tflops, "mfu_vs_spec": tflops / b.peak_tflops if b.peak_tflops else None,
+                "mfu_vs_matmul": tflops / b.matmul_tflops if b.matmul_tflops else None,
+                "peak_mem_gb": peak_gb(b.device)}
+
+    return guarded("mfu", what, measure, **row_fields)
+
+
+def update_memory_check(b: Bench, n_total: int) -> str | None:
+    """A skip reason when Megatron's fp32 grad buffer, main params and Adam states (16 bytes
+    per parameter on top of the bf16 weights) would not fit in the free device memory."""
+    if not b.cuda:
+        return None
+    need = 16 * n_total
+    free, _total = torch.cuda.mem_get_info(b.device)
+    if need > 0.8 * free:
+        return (f"skipped: fp32 grads + main params + Adam need {need / 1e9:.0f} GB, "
+                f"{free / 1e9:.0f} GB free")
+    return None
+
+
+def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
+    from megappo.models.builders import build_model
+    from megappo.models.hf_config import dims_from_hf
+    from megappo.models.training import OptimSettings, make_trainable
+    from megappo.workers import PolicyWorker
+
+    dims = dims_from_hf(SIZES[size])
+    label, gpu_only = f"{size} {spec}", spec == "te"
+    holder = {}
+
+    def build():
+        holder["model"] = build_model(dims, b.ps, dtype=b.dtype_name, layer_spec=spec)
+        return {}
+
+    built = guarded("mfu", f"{label} build", build, gpu_only=gpu_only)
+    if built.status != "ok":
+        return [built]
+    model = holder.pop("model")
+    n_params = matmul_params(model)
+    n_total = sum(p.numel() for _n, _r, p in model.named_parameters())
+    print(f"  {label}: {n_total:,} parameters, N = {n_params:,} in the FLOP count", flush=True)
+    reader = PolicyWorker(model, micro_batch_size=1)
+    rows = [
+        throughput_row(b, f"{label} forward (PolicyWorker.log_probs)", dims, n_params,
+                       lambda exp: lambda: reader.log_probs(exp.seqs, with_entropy=True),
+                       training=False, gpu_only=gpu_only),
+        throughput_row(b, f"{label} fwd+bwd (actor loss, no optimizer)", dims, n_params,
+                       lambda exp: fwd_bwd_call(model, exp), training=True, gpu_only=gpu_only),
+    ]
+    update = f"{label} update (PolicyWorker.update, DDP + Adam)"
+    why = update_memory_check(b, n_total)
+    if why:
+        rows.append(Row("mfu", update, status=why, gpu_only=gpu_only))
+        return rows
+    for chunk in model.chunks:
+        chunk.zero_grad(set_to_none=True)
+    holder = {}
+
+    def wrap():  # Megatron DDP around the chunks and Megatron's optimizer: once, after the rows above
+        holder["actor"] = PolicyWorker(model, micro_batch_size=1,
+                                       trainable=make_trainable(model, OptimSettings(lr=1e-7, total_steps=1000)))
+        return {}
+
+    wrapped = guarded("mfu", f"{update}: setup", wrap, gpu_only=gpu_only)
+    if wrapped.status != "ok":
+        rows.append(wrapped)
+        return rows
+    actor = holder.pop("actor")
+    update_args = dict(mini_batch_size=b.settings.micro_batches, epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                       clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
+                       kl_loss_coef=0.0, kl_loss_type="low_var_kl", seed=0)
+    rows.append(throughput_row(b, update, dims, n_params, lambda exp: lambda: actor.update(exp, **update_args),
+                               training=True, gpu_only=gpu_only))
+    return rows
+
+
+def bench_mfu(b: Bench) -> list[Row]:
+    rows = [matmul_row(b)]
+    for size in b.settings.sizes:
+        for spec in ("local", "te"):
+            why = None if spec == "local" else unavailable("transformer_engine", b.device)
+            if why:
+                rows.append(Row("mfu", f"{size} te (all rows)", status=why, gpu_only=True))
+                continue
+            rows.extend(actor_rows(b, size, spec))
+            free_memory()
+    return rows
+
+
+# --------------------------------------------------------------------------- gen
+
+def bench_gen(b: Bench) -> list[Row]:
+    from megappo.parallel import cpu_compat
+    from megappo.rollout.hf_engine import HFEngine
+    from megappo.types import SamplingParams
+
+    s = b.settings
+    config = SIZES[s.gen_size]
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, config["vocab_size"], (s.gen_batch, s.gen_prompt_len), generator=gen)
+    params = SamplingParams(temperature=1.0, max_new_tokens=s.gen_new_tokens, seed=0)
+    warm = SamplingParams(temperature=1.0, max_new_tokens=4, seed=0)
+    label = f"{s.gen_size}, {s.gen_batch} x {s.gen_prompt_len} prompt + {s.gen_new_tokens} new"
+    engine = HFEngine(hf_model(config, b.device, b.dtype), pad_token_id=0, device=b.device)
+    ids = prompts.to(b.device)
+
+    def hf_generate(new_tokens):
+        engine.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                              top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    def rate(run, count, warm_up):
+        def measure():
+            with cpu_compat.suspended():  # on CPU: the engine names no CUDA device (as the orchestrator does)
+                warm_up()
+                seconds = median_seconds(run, b.device, warmup=0, repeats=s.repeats)
+            return {"seconds": seconds, "tokens": count(), "tokens_per_s": count() / seconds}
+
+        return measure
+
+    last = {}
+
+    def engine_run():
+        last["batch"] = engine.generate(prompts.tolist(), params)
+
+    rows = [
+        guarded("gen", f"transformers generate, {label} (baseline)",
+                rate(lambda: hf_generate(s.gen_new_tokens), lambda: s.gen_batch * s.gen_new_tokens,
+                     lambda: hf_generate(4)), baseline=True),
+        guarded("gen", f"hf engine (megappo), {label}",
+                rate(engine_run, lambda: int(last["batch"].response_mask.sum()),
+                     lambda: engine.generate(prompts[:2].tolist(), warm))),
+    ]
+    why = unavailable("sglang", b.device)
+    if why:
+        rows.append(Row("gen", f"sglang engine (megappo), {label}", status=why, gpu_only=True))
+    else:
+        with tempfile.TemporaryDirectory(prefix="megappo-gpu-bench-") as tmp:
+            engine.model.save_pretrained(tmp)
+            engine.shutdown()
+            del engine
+            free_memory()
+            rows.append(guarded("gen", f"sglang engine (megappo), {label}",
+                                lambda: sglang_generate(b, tmp, prompts, params), gpu_only=True))
+    baseline = rows[0].values.get("tokens_per_s")
+    for row in rows:
+        if row.status == "ok" and baseline:
+            row.values["vs_baseline"] = row.values["tokens_per_s"] / baseline
+    return rows
+
+
+def sglang_generate(b: Bench, path: str, prompts: torch.Tensor, params) -> dict[str, Any]:
+    from megappo.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(path, pad_token_id=0, dtype=b.dtype_name, mem_fraction_static=0.6)
+    last = {}
+
+    def run():
+        last["batch"] = engine.generate(prompts.tolist(), params)
+
+    try:
+        seconds = median_seconds(run, b.device, warmup=1, repeats=b.settings.repeats)
+    finally:
+        engine.shutdown()
+    tokens = int(last["batch"].response_mask.sum())
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+# --------------------------------------------------------------------------- sync
+
+def sync_rows(b: Bench, size: str) -> list[Row]:
+    from megappo.models.builders import build_model
+    from megappo.models.hf_config import dims_from_hf
+    from megappo.rollout.bridge import WeightBridge
+    from megappo.rollout.hf_engine import HFEngine
+
+    s, config = b.settings, SIZES[size]
+    holder = {}
+
+    def build():
+        reset_peak(b.device)
+        # bf16 straight onto the device on both sides: no fp32 master copy, no host copy
+        holder["actor"] = build_model(dims_from_hf(config), b.ps, dtype=b.dtype_name)
+        holder["engine"] = HFEngine(hf_model(config, b.device, b.dtype), pad_token_id=0, device=b.device)
+        return {"peak_mem_gb": peak_gb(b.device)}
+
+    built = guarded("sync", f"{size} build actor + hf engine", build)
+    if built.status != "ok":
+        return [built]
+    actor, engine = holder.pop("actor"), holder.pop("engine")
+    spec = type(actor.chunks[0].decoder.layers[0].self_attention.core_attention).__name__
+    nbytes = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+
+    def copy_baseline():
+        targets = dict(engine.model.named_parameters())
+        sources = {n: t.detach().clone() for n, t in targets.items()}
+
+        @torch.no_grad()
+        def copy():
+            for name, target in targets.items():
+                target.copy_(sources[name])
+
+        seconds = median_seconds(copy, b.device, warmup=1, repeats=s.repeats)
+        copied = sum(t.numel() * t.element_size() for t in sources.values())
+        return {"seconds": seconds, "gb": copied / 1e9, "gb_per_s": copied / 1e9 / seconds}
+
+    def bridge_sync(target, verify: bool):
+        def measure():
+            reset_peak(b.device)
+            bridge = WeightBridge(actor, target, bucket_bytes=s.bucket_mb << 20, verify_every=1 if verify else 0)
+            last = {}
+
+            def sync():
+                last["stats"] = bridge.sync()
+
+            seconds = median_seconds(sync, b.device, warmup=1, repeats=s.repeats)
+            delivered = last["stats"].bytes
+            return {"seconds": seconds, "gb": delivered / 1e9, "gb_per_s": delivered / 1e9 / seconds,
+                    "tensors": last["stats"].tensors, "buckets": last["stats"].buckets,
+                    "peak_mem_gb": peak_gb(b.device)}
+
+        return measure
+
+    print(f"  {size}: {nbytes / 1e9:.2f} GB of HF tensors, actor core attention {spec}", flush=True)
+    rows = [
+        guarded("sync", f"{size} copy_ of the same bytes (baseline)", copy_baseline, baseline=True),
+        guarded("sync", f"{size} bridge -> hf engine", bridge_sync(engine, verify=False)),
+        guarded("sync", f"{size} bridge -> hf engine + verify", bridge_sync(engine, verify=True)),
+    ]
+    what = f"{size} bridge -> sglang engine (tensor) + verify"
+    why = unavailable("sglang", b.device)
+    if why:
+        rows.append(Row("sync", what, status=why, gpu_only=True))
+    else:
+        with tempfile.TemporaryDirectory(prefix="megappo-gpu-bench-") as tmp:
+            engine.model.save_pretrained(tmp)
+            engine.shutdown()
+            del engine
+            free_memory()
+            rows.append(guarded("sync", what, lambda: sglang_sync(b, tmp, bridge_sync), gpu_only=True))
+    baseline = rows[0].values.get("seconds")
+    for row in rows:
+        if row.status == "ok" and baseline:
+            row.values["vs_baseline"] = baseline / row.values["seconds"]
+    return rows
+
+
+def sglang_sync(b: Bench, path: str, bridge_sync) -> dict[str, Any]:
+    from megappo.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(path, pad_token_id=0, dtype=b.dtype_name, sync_mode="tensor", mem_fraction_static=0.4)
+    try:
+        return bridge_sync(engine, verify=True)()
+    finally:
+        engine.shutdown()
+
+
+def bench_sync(b: Bench) -> list[Row]:
+    rows = []
+    for size in b.settings.sizes:
+        rows.extend(sync_rows(b, size))
+        free_memory()
+    return rows
+
+
+# --------------------------------------------------------------------------- tables, config, main
+
+#: section -> (function, columns: (values key, header, format))
+SECTIONS = {
+    "mfu": (bench_mfu, (("seq_len", "seq", "{:d}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+                        ("seconds", "s/call", "{:.4f}"), ("tflops", "TFLOP/s", "{:.4g}"),
+                        ("mfu_vs_spec", "MFU spec", "{:.1%}"), ("mfu_vs_matmul", "vs matmul", "{:.1%}"),
+                        ("peak_mem_gb", "peak GB", "{:.1f}"))),
+    "gen": (bench_gen, (("tokens", "tokens", "{:d}"), ("seconds", "seconds", "{:.3f}"),
+                        ("tokens_per_s", "tokens/s", "{:.0f}"), ("vs_baseline", "vs base", "{:.2f}x"))),
+    "sync": (bench_sync, (("gb", "GB", "{:.4g}"), ("seconds", "seconds", "{:.4f}"), ("gb_per_s", "GB/s", "{:.4g}"),
+                          ("vs_baseline", "vs copy_", "{:.3f}x"), ("peak_mem_gb", "peak GB", "{:.1f}"))),
+}
+
+
+def print_table(section: str, rows: list[Row]) -> None:
+    columns = SECTIONS[section][1]
+    width = max(len(r.what) for r in rows) + 2
+    print(f"\n== {section}")
+    print(f"{'what':{width}s}" + "".join(f"{header:>11s}" for _key, header, _fmt in columns))
+    for row in rows:
+        if row.status != "ok":
+            print(f"{row.what:{width}s}  {row.status}")
+            continue
+        cells = []
+        for key, _header, fmt in columns:
+            value = row.values.get(key)
+            cells.append(f"{fmt.format(value) if value is not None else '-':>11s}")
+        print(f"{row.what:{width}s}" + "".join(cells))
+
+
+def device_peak(device: torch.device, override: float | None) -> tuple[float | None, str]:
+    if override:
+        return override, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "none (no GPU)"
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS:
+        if key in name:
+            return tflops, f"spec table ({key})"
+    return None, f"unknown device '{name}': pass --peak-tflops"
+
+
+def run_config(b: Bench, peak_source: str) -> dict[str, Any]:
+    import transformers
+
+    try:
+        from importlib.metadata import version
+
+        megatron = version("megatron-core")
+    except Exception:
+        megatron = None
+    device = {"type": b.device.type}
+    if b.cuda:
+        props = torch.cuda.get_device_properties(b.device)
+        device.update(name=props.name, memory_gb=props.total_memory / 1e9, cuda=torch.version.cuda,
+                      capability=f"{props.major}.{props.minor}")
+    else:
+        device.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return {"argv": sys.argv[1:], "settings": {k: v for k, v in vars(b.settings).items()},
+            "device": device, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "megatron_core": megatron,
+            "dtype": b.dtype_name, "peak_tflops": b.peak_tflops, "peak_source": peak_source,
+            "backend": b.ps.backend if b.ps is not None else None,
+            "sizes": {name: SIZES[name] for name in sorted(set(b.settings.sizes) | {b.settings.gen_size})}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sections", default="mfu,gen,sync", help=f"comma-separated, of {list(SECTIONS)}")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, short lengths (CI)")
+    p.add_argument("--json", help="write the config and every row here")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense peak, when not in PEAK_TFLOPS")
+    p.add_argument("--sizes", help=f"mfu and sync sizes, of {list(SIZES)} (default {DEFAULTS['sizes']})")
+    p.add_argument("--gen-size", choices=list(SIZES), help=f"gen's size (default {DEFAULTS['gen_size']})")
+    p.add_argument("--dtype", choices=list(DTYPES), help="parameters and engine (default bfloat16; fp32 in --smoke)")
+    for name, kind, text in (
+            ("seq-len", int, "mfu: tokens per sequence"), ("min-seq-len", int, "mfu: halve on OOM down to this"),
+            ("prompt-len", int, "mfu: prompt part of a sequence (loss on the rest)"),
+            ("micro-batches", int, "mfu: sequences per call (micro-batch 1)"),
+            ("warmup", int, "mfu: untimed calls"), ("steps", int, "mfu: timed calls"),
+            ("repeats", int, "gen, sync: timed repetitions"), ("matmul-n", int, "mfu baseline matmul size"),
+            ("gen-batch", int, "gen: prompts"), ("gen-prompt-len", int, "gen: prompt tokens"),
+            ("gen-new-tokens", int, "gen: new tokens"), ("bucket-mb", int, "sync: bridge bucket size")):
+        key = name.replace("-", "_")
+        p.add_argument(f"--{name}", type=kind, help=f"{text} (default {DEFAULTS[key]}; smoke {SMOKE[key]})")
+    args = p.parse_args(argv)
+    for key, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.sections = [s for s in args.sections.split(",") if s]
+    args.sizes = [s for s in args.sizes.split(",") if s]
+    for given, valid, flag in ((args.sections, SECTIONS, "--sections"), (args.sizes, SIZES, "--sizes")):
+        unknown = [x for x in given if x not in valid]
+        if unknown or not given:
+            p.error(f"{flag}: {f'unknown {unknown}' if unknown else 'none given'}; choose from {list(valid)}")
+    if args.prompt_len < 1 or args.min_seq_len < 2:
+        p.error("--prompt-len must be >= 1 and --min-seq-len >= 2")
+    return args
+
+
+def main(argv=None) -> int:
+    s = parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    b = Bench(settings=s, device=device, dtype=DTYPES[s.dtype])
+    b.peak_tflops, peak_source = device_peak(device, s.peak_tflops)
+    if {"mfu", "sync"} & set(s.sections):
+        from megappo.parallel.launch import ensure_ranks
+        from megappo.parallel.state import init_parallel
+
+        ensure_ranks(1)
+        b.ps = init_parallel(1, 1)  # NCCL + cuda on a GPU; gloo + the CPU compatibility layer otherwise
+        b.device = b.ps.device
+    results: dict[str, Any] = {"config": run_config(b, peak_source), "sections": {}, "section_seconds": {}}
+    print(json.dumps(results["config"], indent=1), flush=True)
+    for section in s.sections:
+        start = time.perf_counter()
+        print(f"\nrunning {section} ...", flush=True)
+        rows = SECTIONS[section][0](b)
+        elapsed = time.perf_counter() - start
+        print_table(section, rows)
+        print(f"({section}: {elapsed:.0f} s)", flush=True)
+        results["sections"][section] = [dataclasses.asdict(r) for r in rows]
+        results["section_seconds"][section] = elapsed
+        if s.json:
+            with open(s.json, "w") as f:
+                json.dump(results, f, indent=1)
+    if b.ps is not None:
+        from megappo.parallel.state import destroy_parallel
+
+        destroy_parallel()
+    failed = [r["what"] for rows in results["sections"].values() for r in rows if r["status"].startswith("error")]
+    if failed:
+        print(f"\n{len(failed)} row(s) failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""benchmarks/gpu.py --smoke end to end: every section runs and reports positive numbers.
+
+The GPU measurement script is run on a GPU machine only now and then; this keeps it from
+rotting in between. On a machine without CUDA the rows that need CUDA and a GPU package
+(Transformer Engine, SGLang) must say they were skipped, not fail.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: the number that says a row measured something, per section
+KEY_NUMBER = {"mfu": "tflops", "gen": "tokens_per_s", "sync": "gb_per_s"}
+
+
+def test_gpu_bench_smoke(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--smoke", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    results = json.loads(out.read_text())
+    assert results["config"]["settings"]["smoke"] is True
+    assert set(results["sections"]) == {"mfu", "gen", "sync"}
+    for section, rows in results["sections"].items():
+        assert not [r["what"] for r in rows if r["status"].startswith("error")], rows
+        measured = [r for r in rows if r["status"] == "ok"]
+        assert any(r["baseline"] for r in measured), f"{section}: no baseline row"
+        assert len(measured) >= 2, f"{section}: a baseline and at least one megappo row"
+        for row in measured:
+            assert row["values"][KEY_NUMBER[section]] > 0, row
+            assert row["values"]["seconds"] > 0, row
+        gpu_only = [r for r in rows if r["gpu_only"]]
+        assert gpu_only, f"{section}: expected a TE or SGLang row"
+        if not torch.cuda.is_available():
+            assert all(r["status"].startswith("skipped: ") for r in gpu_only), gpu_only
+    mfu = {r["what"]: r["values"] for r in results["sections"]["mfu"] if r["status"] == "ok"}
+    assert any("update (PolicyWorker.update" in what for what in mfu)
+    assert all(v["mfu_vs_matmul"] > 0 for v in mfu.values())
+    assert "== sync" in proc.stdout and "vs copy_" in proc.stdout
