@@ -246,18 +246,18 @@ def matmul_params(model) -> int:
 
 def ppo_experience(b: Bench, dims, seq_len: int):
     """`micro_batches` random sequences [n, T] (prompt + response, no padding) and an
-    Experience with random old log-probs and advantages, on the device (the orchestrator
-    builds its batches on the host: see "Watch for" in benchmarks/GPU.md)."""
+    Experience with random old log-probs and advantages, on the host, as the orchestrator
+    builds them (run_micro_batches moves each micro-batch to the device)."""
     from megappo.workers import Experience, SeqBatch
 
     n, prompt = b.settings.micro_batches, min(b.settings.prompt_len, seq_len // 4)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, dims.vocab_size, (n, seq_len), generator=gen)
     response = seq_len - prompt
-    seqs = SeqBatch(input_ids=ids.to(b.device), attention_mask=torch.ones_like(ids, device=b.device),
-                    response_mask=torch.ones(n, response, dtype=torch.long, device=b.device), prompt_len=prompt)
-    return Experience(seqs=seqs, old_log_probs=(-2 * torch.rand(n, response, generator=gen)).to(b.device),
-                      advantages=torch.randn(n, response, generator=gen).to(b.device))
+    seqs = SeqBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                    response_mask=torch.ones(n, response, dtype=torch.long), prompt_len=prompt)
+    return Experience(seqs=seqs, old_log_probs=-2 * torch.rand(n, response, generator=gen),
+                      advantages=torch.randn(n, response, generator=gen))
 
 
 def fwd_bwd_call(model, exp) -> Callable[[], None]:

@@ -76,7 +76,8 @@ def _micro_batches(seqs: SeqBatch, rows: slice | torch.Tensor, mb: int, extra: d
 
 
 def _gather_rows(model: MegatronModel, results: list[torch.Tensor]) -> torch.Tensor | None:
-    local = torch.cat(results) if results else None
+    """Rows of every DP replica, on rank 0's host (the orchestrator works on CPU tensors)."""
+    local = torch.cat(results).cpu() if results else None
     parts = gather_to_rank0(model.ps, local)
     return torch.cat(parts) if parts is not None else None
 

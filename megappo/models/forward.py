@@ -86,11 +86,11 @@ def run_micro_batches(
     value_head = model.has_value_head
 
     def forward_step(data_iterator, chunk):
-        mb = next(data_iterator)
-        input_ids = mb["input_ids"].to(device)
+        # the whole micro-batch moves to the model's device: on_output combines its tensors with the output
+        mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
+        input_ids = mb["input_ids"]
         attn = mb.get("attention_mask")
         if attn is not None:
-            attn = attn.to(device)
             mask = causal_padding_mask(attn)
             position_ids = position_ids_from_mask(attn)
         else:
