@@ -246,10 +246,12 @@ class SGLangEngine:
         self.engine.resume_memory_occupation()
 
     def shutdown(self) -> None:
-        if self._group is not None:
-            self._call("destroy_weights_update_group", group_name=UPDATE_GROUP)
-            dist.destroy_process_group(self._group)
+        try:
+            if self._group is not None:
+                self._call("destroy_weights_update_group", group_name=UPDATE_GROUP)
+                dist.destroy_process_group(self._group)
+        finally:
             self._group = None
-        if self._pool is not None:
-            self._pool.shutdown()
-        self.engine.shutdown()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self.engine.shutdown()

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import os
 import socket
+
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
