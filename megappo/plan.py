@@ -339,18 +339,19 @@ def _engine_args(cfg: Config) -> tuple[int, float]:
     return tp_size, float(frac)
 
 
-def check_engine_layout(d: ModelDims, tp_size: int, world_size: int) -> None:
-    """SGLang splits attention heads over its tp size and replicates KV heads when tp > groups."""
+def check_engine_layout(d: ModelDims, tp_size: int, world_size: int | None) -> None:
+    """SGLang splits attention heads over its tp size and replicates KV heads when tp > groups.
+    `world_size`: the GPUs the engine shares with the trainer; None when it has GPUs of its own."""
     def ok(t: int) -> bool:
         g = d.num_query_groups
         return d.num_heads % t == 0 and (g % t == 0 if t <= g else t % g == 0)
 
-    valid = [t for t in range(1, min(world_size, d.num_heads) + 1) if ok(t)]
+    valid = [t for t in range(1, min(world_size or d.num_heads, d.num_heads) + 1) if ok(t)]
     if not ok(tp_size):
         raise ModelConfigError(f"rollout.sglang.tp_size={tp_size} does not split num_attention_heads="
                                f"{d.num_heads} / num_key_value_heads={d.num_query_groups}. Fix: choose "
                                f"rollout.sglang.tp_size from {valid}.")
-    if tp_size > world_size:
+    if world_size is not None and tp_size > world_size:
         raise ModelConfigError(f"rollout.sglang.tp_size={tp_size} needs more GPUs than the world size {world_size}. "
                                f"Fix: choose rollout.sglang.tp_size from {valid}.")
 
@@ -452,10 +453,9 @@ def make_plan(cfg: Config, world_size: int, *, gpu_mem_gib: float = 80.0, hf_con
     engine_args = None
     if cfg.rollout.engine == "sglang":
         engine_args = _engine_args(cfg)
-        # sync_mode=distributed: the engine runs on GPUs of its own, beside the trainer's world
-        check_engine_layout(actor, engine_args[0], world_size if cfg.rollout.sync_mode != "distributed" else
-                            engine_args[0])
-        if cfg.rollout.sync_mode == "distributed":
+        separate = cfg.rollout.sync_mode == "distributed"  # the engine on GPUs of its own, beside the trainer's
+        check_engine_layout(actor, engine_args[0], None if separate else world_size)
+        if separate:
             engine_args = None
 
     candidates = []

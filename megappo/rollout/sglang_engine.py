@@ -165,8 +165,9 @@ class SGLangEngine:
                 self._call("end_weight_update")
         self.engine.flush_cache()
 
-    def _while_engine_calls(self, method: str, send, **kwargs) -> None:
-        """Call the engine's blocking receive method while a thread sends this side's half.
+    def _while_engine_calls(self, method: str, send, **kwargs):
+        """Call the engine's blocking receive method while a thread sends this side's half;
+        returns what `send` returns.
 
         The engine call stays on this thread (sglang.Engine drives its asyncio loop from the
         thread that created it); the broadcast runs on the helper thread."""
@@ -175,23 +176,18 @@ class SGLangEngine:
         sending = self._pool.submit(send)
         self._call(method, **kwargs)
         try:
-            sending.result()
+            return sending.result()
         except Exception as e:
             raise WeightSyncError(f"sending weights to the sglang engine failed in {method}: {e}") from e
 
     def _open_update_group(self) -> None:
         port, world_size = free_port(), 1 + self.tp_size
-        box = {}
-
-        def join():
-            box["group"] = open_update_group(master_address=self.update_address, master_port=port,
-                                             world_size=world_size, rank=0, group_name=UPDATE_GROUP,
-                                             backend=self.update_backend)
-
-        self._while_engine_calls("init_weights_update_group", join, master_address=self.update_address,
-                                 master_port=port, rank_offset=1, world_size=world_size, group_name=UPDATE_GROUP,
-                                 backend=self.update_backend)
-        self._group = box["group"]
+        self._group = self._while_engine_calls(
+            "init_weights_update_group",
+            lambda: open_update_group(master_address=self.update_address, master_port=port, world_size=world_size,
+                                      rank=0, group_name=UPDATE_GROUP, backend=self.update_backend),
+            master_address=self.update_address, master_port=port, rank_offset=1, world_size=world_size,
+            group_name=UPDATE_GROUP, backend=self.update_backend)
         self._flat = "load_format" in inspect.signature(self.engine.update_weights_from_distributed).parameters
 
     def _broadcast_bucket(self, bucket: Bucket) -> None:

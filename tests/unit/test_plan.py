@@ -184,6 +184,10 @@ def test_distributed_sync_keeps_the_engine_off_the_trainer_gpus():
     with pytest.raises(ModelConfigError, match="does not split"):
         make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "sglang": {"tp_size": 8}}),
                   world_size=8)
+    # the suggestions are not bounded by the trainer's world: the engine's GPUs are its own
+    with pytest.raises(ModelConfigError, match=r"choose rollout.sglang.tp_size from \[1, 2, 4, 28\]"):
+        make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "sglang": {"tp_size": 3}}),
+                  world_size=2)
 
 
 def test_does_not_fit_names_knobs():
