@@ -1,6 +1,7 @@
 """Metric sinks, resume truncation, progress line and the curves plot."""
 
 import json
+import time
 
 import pytest
 
@@ -54,9 +55,18 @@ def test_wandb_sink_keeps_one_run_across_resume(tmp_path, monkeypatch):
     log.close()
     runs = sorted(p for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-"))
     assert len(runs) == 2 and all(p.name.endswith("-" + run_id) for p in runs), runs
-    first, second = (next(p.glob("run-*.wandb")).read_bytes() for p in runs)
+    # W&B's service may still be writing a run's records when finish() returns (seen under load): wait for them
+    first, second = (_records(next(p.glob("run-*.wandb")), b"actor/pg_loss") for p in runs)
     assert b"actor/pg_loss" in first and b"0.375" in first and b"critic/vf_loss" not in first
     assert b"critic/vf_loss" in second and b"0.5" in second
+
+
+def _records(path, needle: bytes, timeout_s: float = 60.0) -> bytes:
+    """The bytes of a W&B record file once `needle` is in it (or after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while needle not in (data := path.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return data
 
 
 def test_unknown_sink():
