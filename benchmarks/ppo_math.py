@@ -11,7 +11,11 @@ Rows measured (median wall time of --repeats runs after one warm-up):
   * REINFORCE++ returns: the same scan vs verl's reverse loop;
   * full `compute_gae_advantage_return` (fast scan + whitening) vs loop + whitening;
   * policy loss forward + backward (token-mean, with dual-clip): `policy_loss` (closed
-    form) vs `policy_loss_reference` (verl's step-by-step form).
+    form) vs `policy_loss_reference` (verl's step-by-step form);
+  * log-probs + entropy from logits, forward + backward, at --logits-shape (the actor's
+    update at 8 sequences x 512 response tokens x 8192 vocabulary by default):
+    `vocab_parallel_log_probs_and_entropy` in cache-sized blocks (the default) vs the same
+    function in one block, i.e. one pass over the whole tensor.
 Each row also prints the largest difference between the two results. If a fast path is
 not faster, the table says so; nothing is tuned for the benchmark.
 """
@@ -66,6 +70,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--gamma", type=float, default=0.99)
     p.add_argument("--lam", type=float, default=0.95)
+    p.add_argument("--logits-shape", type=int, nargs=3, default=[8, 512, 8192], metavar=("B", "R", "V"))
     args = p.parse_args()
 
     import torch
@@ -74,6 +79,7 @@ def main():
         compute_gae_advantage_return, gae_fast, gae_reference, masked_discounted_scan,
         reinforce_plus_plus_returns_reference,
     )
+    from megappo.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
     from megappo.ppo.losses import policy_loss, policy_loss_reference
     from megappo.ppo.stats import masked_whiten
 
@@ -110,6 +116,23 @@ def main():
     row("policy loss forward + backward (token-mean)", pg(policy_loss), pg(policy_loss_reference),
         lambda a, b: max(abs(a[0].item() - b[0].item()), max_diff(a[1], b[1]),
                          *(abs(a[2][k].item() - b[2][k].item()) for k in a[2])))
+
+    lb, lr, lv = args.logits_shape
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(lb, lr + 1, lv, generator=gen) * 3  # response positions + the last prompt one
+    labels = torch.randint(0, lv, (lb, lr), generator=gen)
+    w_lp, w_ent = torch.randn(lb, lr, generator=gen), torch.randn(lb, lr, generator=gen)
+
+    def stats(block_elements):
+        def run():
+            x = logits.clone().requires_grad_()
+            lp, ent = vocab_parallel_log_probs_and_entropy(x[:, :-1], labels, block_elements=block_elements)
+            ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+            return lp, ent, x.grad
+        return run
+
+    row(f"log-probs+entropy fwd+bwd {lb}x{lr}x{lv}, blocks", stats(None), stats(1 << 62),
+        lambda a, b: max(max_diff(u, v) for u, v in zip(a, b)))
 
     print(f"B={B} T={L} ({int(mask.sum())} valid tokens), torch {torch.__version__}, "
           f"threads={torch.get_num_threads()}, median of {args.repeats} after a warm-up")

@@ -98,10 +98,12 @@ class PolicyWorker:
     def _response_logits(self, logits: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """[b, T, V_pad/tp] -> [b, R, V_pad/tp] scaled by 1/temperature, padding rows masked.
         Each step is skipped where it would not change a bit (temperature 1, a shard without
-        padding rows): each is a pass over the logits, and another in the backward."""
-        logits = logits[:, prompt_len - 1:-1].float()
+        padding rows): each is a pass over the logits, and another in the backward. bf16
+        logits stay bf16 unless scaled: the log-prob function reads them in float32 block by
+        block, and keeps them, not a float32 copy, for its backward."""
+        logits = logits[:, prompt_len - 1:-1]
         if self.temperature != 1.0:
-            logits = logits / self.temperature
+            logits = logits.float() / self.temperature
         if self._has_padding:
             logits = logits.masked_fill(self._padded_vocab, float("-inf"))
         return logits
