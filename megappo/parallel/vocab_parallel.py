@@ -84,6 +84,7 @@ class _VocabParallelStats(torch.autograd.Function):
         m, z, mean_s = stats
         log_probs = stats.new_empty((B, T)) if labels is not None else stats.new_empty(0)
         entropy = stats.new_empty((B, T)) if with_entropy else stats.new_empty(0)
+        has_neg_inf = []  # per block, for the entropy: checked once here, reused by the backward
         for bs, ts in _blocks(B, T, shard, budget):
             x = _block(logits, bs, ts)
             m[bs, ts] = _all_reduce(x.amax(dim=-1), dist.ReduceOp.MAX, group)
@@ -98,7 +99,8 @@ class _VocabParallelStats(torch.autograd.Function):
                 label_s = _all_reduce(torch.where(owned, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
                 log_probs[bs, ts] = label_s - log_z
             if with_entropy:
-                mean_s[bs, ts] = _all_reduce((p * _finite(s, p, x)).sum(-1), dist.ReduceOp.SUM, group)
+                has_neg_inf.append(bool((x.amin(dim=-1) == float("-inf")).any()))
+                mean_s[bs, ts] = _all_reduce((p * _finite(s, p, has_neg_inf[-1])).sum(-1), dist.ReduceOp.SUM, group)
                 entropy[bs, ts] = log_z - mean_s[bs, ts]
 
         # the backward recomputes each block's softmax from the logits and these [B, T] stats:
@@ -108,7 +110,7 @@ class _VocabParallelStats(torch.autograd.Function):
         # tensor of zeros: its backward pass over the logits is skipped (subtracting zeros
         # would not change a bit)
         ctx.set_materialize_grads(False)
-        ctx.group, ctx.with_entropy, ctx.budget = group, with_entropy, budget
+        ctx.group, ctx.with_entropy, ctx.budget, ctx.has_neg_inf = group, with_entropy, budget, has_neg_inf
         return log_probs, entropy
 
     @staticmethod
@@ -119,7 +121,7 @@ class _VocabParallelStats(torch.autograd.Function):
         use_lp = labels is not None and grad_log_probs is not None
         use_ent = ctx.with_entropy and grad_entropy is not None
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for bs, ts in _blocks(B, T, shard, ctx.budget):
+        for i, (bs, ts) in enumerate(_blocks(B, T, shard, ctx.budget)):
             x = _block(logits, bs, ts)
             s = x - m[bs, ts].unsqueeze(-1)
             p = s.exp()
@@ -131,7 +133,7 @@ class _VocabParallelStats(torch.autograd.Function):
                 local, owned = _local_labels(labels[bs, ts], rank, shard)
                 g_x.scatter_add_(-1, local.unsqueeze(-1), (g * owned.to(p.dtype)).unsqueeze(-1))
             if use_ent:
-                s_centred = _finite(s, p, x).sub_(mean_s[bs, ts].unsqueeze(-1))
+                s_centred = _finite(s, p, ctx.has_neg_inf[i]).sub_(mean_s[bs, ts].unsqueeze(-1))
                 g_x -= p * s_centred * grad_entropy[bs, ts].to(p.dtype).unsqueeze(-1)
             grad[bs, ts] = g_x  # in the logits' dtype
         return grad, None, None, None, None
@@ -153,12 +155,10 @@ def _local_labels(labels: torch.Tensor, rank: int, shard: int) -> tuple[torch.Te
     return torch.where(owned, local, torch.zeros_like(local)), owned
 
 
-def _finite(s: torch.Tensor, p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _finite(s: torch.Tensor, p: torch.Tensor, has_neg_inf: bool) -> torch.Tensor:
     """s with 0 where p = 0, if the block has -inf logits (so p * s is 0, not NaN); else s
     itself: where p = 0 and s is finite, p * s is +-0 either way, the sums do not change."""
-    if bool((x.amin(dim=-1) == float("-inf")).any()):
-        return torch.where(p > 0, s, 0.0)
-    return s
+    return torch.where(p > 0, s, 0.0) if has_neg_inf else s
 
 
 def _budget(logits: torch.Tensor, block_elements: int | None) -> int:
