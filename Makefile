@@ -6,7 +6,7 @@ PYTHON ?= python
 TORCH ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-unit test-dist
+.PHONY: install demo test test-unit test-dist test-sglang
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH)"
@@ -17,6 +17,13 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q tests
+	$(MAKE) test-sglang
+
+# The CPU SGLang lane: real SGLang 0.5.23 on CPU in its own virtualenv (built once, cached;
+# tests/sglang/setup_venv.sh), so SGLang's pins never touch the main environment.
+test-sglang:
+	venv="$$(PYTHON=$(PYTHON) bash tests/sglang/setup_venv.sh)" && \
+	PYTHONPATH=$(CURDIR) "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/sglang
 
 test-unit:
 	$(PYTHON) -m pytest -q tests/unit

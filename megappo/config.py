@@ -293,7 +293,7 @@ class AlgorithmConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(_Section):
-    engine: Literal["hf", "sglang"] = "hf"  # hf: transformers on CPU/GPU; sglang: SGLang on GPU
+    engine: Literal["hf", "sglang"] = "hf"  # hf: transformers (CPU default); sglang: SGLang (GPU; CPU too, docs/engines.md)
     n: int = 1  # samples per prompt
     temperature: float = 1.0  # sampling temperature (0: greedy)
     top_p: float = 1.0  # nucleus sampling
@@ -406,9 +406,6 @@ class Config(_Section):
         _require(self.critic.enable is not False or not self.algorithm.needs_critic,
                  "algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Fix: set critic.enable=null "
                  "(auto) or choose algorithm.adv_estimator=grpo/rloo/reinforce_plus_plus.")
-        _require(self.rollout.engine != "sglang" or self.model.path is not None,
-                 "rollout.engine=sglang loads the model from model.path, which is unset. Fix: give model.path "
-                 "(an HF directory), or use rollout.engine=hf with model.hf_config.")
         _require(not self.algorithm.grouped or n >= 2,
                  f"algorithm.adv_estimator={est} compares samples of the same prompt, but rollout.n={n}. "
                  f"Fix: set rollout.n >= 2 (e.g. rollout.n=8).")

@@ -272,7 +272,10 @@ def _build_engine(cfg: Config, hf_model, tokenizer):
 
             hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, use_safetensors=True)
         return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id)
-    assert cfg.model.path is not None, "Config.check: rollout.engine=sglang needs model.path"
-    return build_engine("sglang", model_path=cfg.model.path, pad_token_id=tokenizer.pad_token_id,
+    model_path = cfg.model.path
+    if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk
+        model_path = os.path.join(cfg.run.output_dir, "engine-init")
+        hf_model.save_pretrained(model_path)
+    return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
                         engine_args=cfg.rollout.sglang)

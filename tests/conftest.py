@@ -1,7 +1,12 @@
-"""GPU-only tests are marked `gpu` and skipped on machines without CUDA."""
+"""GPU-only tests are marked `gpu` and skipped on machines without CUDA. tests/sglang (the
+CPU SGLang lane, `make test-sglang`) runs in its own virtualenv and is left out elsewhere."""
+
+import importlib.util
 
 import pytest
 import torch
+
+collect_ignore = [] if importlib.util.find_spec("sglang") else ["sglang"]
 
 
 def pytest_collection_modifyitems(config, items):

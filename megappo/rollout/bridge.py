@@ -64,7 +64,7 @@ class WeightBridge:
                 if self.engine_dtype is not None:
                     tensor = tensor.to(self.engine_dtype)
                 if fingerprints is not None:
-                    fingerprints[name] = self.engine.fingerprint_of(tensor)
+                    fingerprints[name] = self.engine.fingerprint_of(name, tensor)
                 stats.tensors += 1
                 stats.bytes += tensor.numel() * tensor.element_size()
                 yield name, tensor

@@ -34,8 +34,8 @@ class RolloutEngine(Protocol):
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
         """Load full HF-named tensors, bucket by bucket, into the engine's model."""
 
-    def fingerprint_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The fingerprint the engine would report for `tensor` (trainer side)."""
+    def fingerprint_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The fingerprint the engine would report for weight `name` holding `tensor` (trainer side)."""
 
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Fingerprints of the engine's current weights, by HF name."""

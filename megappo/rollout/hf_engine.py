@@ -115,7 +115,7 @@ class HFEngine:
                     raise ValueError(f"'{name}': engine shape {tuple(target.shape)} != sent {tuple(tensor.shape)}")
                 target.copy_(tensor)
 
-    def fingerprint_of(self, tensor: torch.Tensor) -> torch.Tensor:
+    def fingerprint_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor_fingerprint(tensor.to(self.dtype))
 
     @torch.no_grad()

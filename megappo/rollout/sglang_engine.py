@@ -22,8 +22,25 @@ Weight updates (`sync_mode`):
           begin/end_weight_update.
   disk:   fallback; the buckets are written as an HF directory and loaded with
           `update_weights_from_disk`.
-Verification reads weights back with `get_weights_by_name` (which returns the first
-`truncate` elements), so fingerprints on both sides cover that prefix.
+Verification reads weights back with `get_weights_by_name`, which returns the first
+`truncate_size` ROWS of a weight (elements of a 1-D one) as floats, from the engine's first TP
+rank (a column-parallel weight's first shard), so the trainer side fingerprints the same row
+prefix (`readback_rows`). A model class without `get_weights_by_name` (Qwen2 in SGLang 0.5.23)
+answers None: that is a `WeightSyncError` naming `rollout.verify_every=0`.
+
+CPU: without CUDA the engine runs SGLang's CPU platform (`SGLANG_USE_CPU_ENGINE=1`, set here:
+torch_native attention, pytorch sampler), the weight-update group uses gloo, and
+`base_gpu_id` is not set. What differs from a GPU (docs/engines.md): `release_memory` only
+flushes the KV cache (SGLang's memory saver needs CUDA; on GPUs it is on by default for the
+colocated `tensor` mode), and `SamplingParams.seed` is not honoured (SGLang seeds a request
+only under deterministic inference, which its CPU attention backend refuses): sampling is not
+seed-reproducible, and the engine warns once.
+
+Crashes: SGLang's subprocess watchdog SIGQUITs this process when a scheduler or detokenizer
+dies, and SGLang's own handler then kills the whole process tree, the trainer included. The
+engine installs its own handler instead (SGLang's `custom_sigquit_handler`), which turns the
+signal into an `EngineCrashed` error raised from the engine call in flight, or from the next
+one.
 
 This module does not know about Megatron or PPO.
 """
@@ -32,8 +49,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import json
 import os
 import tempfile
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -45,8 +64,43 @@ from megappo.rollout.update_group import (
 )
 from megappo.types import RolloutBatch, SamplingParams
 
-FINGERPRINT_PREFIX = 100  # SGLang's get_weights_by_name truncate_size default
+FINGERPRINT_PREFIX = 100  # rows; SGLang's get_weights_by_name truncate_size default
 UPDATE_GROUP = "megappo_weight_update"
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+
+
+class EngineCrashed(RuntimeError):
+    """A process of the SGLang engine died; the engine cannot be used any more."""
+
+
+def sglang_engine_args(model_path: str | None, *, tp_size: int, mem_fraction_static: float, dtype: str, sync_mode: str,
+                user_args: dict[str, Any], cuda: bool, local_world_size: int) -> dict[str, Any]:
+    """The arguments megappo starts `sglang.Engine` with; `user_args` (rollout.sglang) win.
+
+    `enable_memory_saver`: on GPUs for the colocated `tensor` mode, so that release_memory()
+    frees the weights and KV cache during training (SGLang frees nothing without it).
+    `base_gpu_id`: for `distributed` on GPUs, the GPUs after the trainer's ranks on this node."""
+    args: dict[str, Any] = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
+                                dtype=dtype, skip_tokenizer_init=True)
+    if cuda and sync_mode == "tensor":
+        args["enable_memory_saver"] = True
+    if cuda and sync_mode == "distributed":
+        args["base_gpu_id"] = local_world_size
+    if not cuda:
+        args["device"] = "cpu"
+    args.update(user_args)
+    if not cuda and args.get("enable_memory_saver"):
+        raise ValueError("rollout.sglang.enable_memory_saver needs CUDA (SGLang's memory saver pins GPU memory). "
+                         "Fix: drop it on CPU; release_memory() then flushes the KV cache only.")
+    return args
+
+
+def _cpu_environment(tp_size: int) -> None:
+    """SGLang's CPU platform: its own switch, and one core per engine TP rank."""
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    if tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = os.cpu_count() or 1
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp_size))
 
 
 def _import_sglang():
@@ -62,13 +116,14 @@ def _import_sglang():
 
 class SGLangEngine:
     """`engine`: an already started `sglang.Engine` (or an object with its methods) instead of starting one.
-    `update_backend` / `update_address`: the weight-update group's backend and the address its
-    store listens on (sync_mode=distributed; the engine's workers run on this node)."""
+    `update_backend` / `update_address`: the weight-update group's backend (default nccl with
+    CUDA, gloo without) and the address its store listens on (sync_mode=distributed; the
+    engine's workers run on this node)."""
 
     def __init__(self, model_path: str | None, *, pad_token_id: int, tp_size: int = 1,
                  mem_fraction_static: float = 0.5, dtype: str = "bfloat16", sync_mode: str = "tensor",
                  logprob_mode: str = "tempered", engine_args: dict[str, Any] | None = None, engine: Any = None,
-                 update_backend: str = "nccl", update_address: str = "127.0.0.1"):
+                 update_backend: str | None = None, update_address: str = "127.0.0.1"):
         if sync_mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"rollout.sync_mode={sync_mode}: choose tensor, distributed or disk")
         engine_args = dict(engine_args or {})
@@ -78,10 +133,16 @@ class SGLangEngine:
         self.pad_token_id, self.sync_mode, self.logprob_mode = pad_token_id, sync_mode, logprob_mode
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
         self.tp_size = engine_args.get("tp_size", tp_size)
-        self.update_backend, self.update_address = update_backend, update_address
+        cuda = torch.cuda.is_available()
+        self.update_backend = update_backend or ("nccl" if cuda else "gloo")
+        self.update_address = update_address
         self._group: dist.ProcessGroup | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._flat = True  # flattened buckets, when the engine's update_weights_from_distributed takes load_format
+        self._crash: str | None = None
+        self._in_call = False
+        self._seed_warned = False
+        self._dims = _read_dims(model_path)
         if engine is not None:
             self.engine = engine
             return
@@ -89,21 +150,40 @@ class SGLangEngine:
             os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         else:
             os.environ.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
-        args = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
-                    dtype=dtype, skip_tokenizer_init=True)
-        if sync_mode == "distributed":
-            # the trainer's ranks on this node hold GPUs [0, local world size); the engine takes the next ones
-            args["base_gpu_id"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        args.update(engine_args)
-        first, gpus = args.get("base_gpu_id", 0), torch.cuda.device_count()
-        if sync_mode == "distributed" and first + self.tp_size > gpus:
-            raise ValueError(
-                f"rollout.sync_mode=distributed puts SGLang on GPUs {first}..{first + self.tp_size - 1}, after the "
-                f"trainer's, but this node has {gpus} GPU(s). Fix: start fewer trainer ranks per node (torchrun "
-                f"--nproc-per-node), lower rollout.sglang.tp_size, or use rollout.sync_mode=tensor (colocated).")
+        args = sglang_engine_args(
+            model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static, dtype=dtype, sync_mode=sync_mode,
+            user_args=engine_args, cuda=cuda, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if cuda:
+            first, gpus = args.get("base_gpu_id", 0), torch.cuda.device_count()
+            if sync_mode == "distributed" and first + self.tp_size > gpus:
+                raise ValueError(
+                    f"rollout.sync_mode=distributed puts SGLang on GPUs {first}..{first + self.tp_size - 1}, after the "
+                    f"trainer's, but this node has {gpus} GPU(s). Fix: start fewer trainer ranks per node (torchrun "
+                    f"--nproc-per-node), lower rollout.sglang.tp_size, or use rollout.sync_mode=tensor (colocated).")
+        else:
+            _cpu_environment(self.tp_size)
+        args.setdefault("custom_sigquit_handler", self._on_engine_death)
         sgl = _import_sglang()
         with outside_torchrun_store():
             self.engine = sgl.Engine(**args)
+
+    def _on_engine_death(self, signum, frame) -> None:
+        """SIGQUIT from SGLang's watchdog: a scheduler or detokenizer process died."""
+        self._crash = ("the sglang rollout engine crashed: one of its processes (scheduler or detokenizer) died; "
+                       "its log above says why. The engine cannot be used any more; rerun to resume from the "
+                       "last checkpoint.")
+        if self._in_call:
+            raise EngineCrashed(self._crash)
+
+    def _engine_call(self, method: str, *args, **kwargs):
+        """Call the sglang.Engine; a crash of its processes raises EngineCrashed, never hangs."""
+        if self._crash:
+            raise EngineCrashed(self._crash)
+        self._in_call = True
+        try:
+            return getattr(self.engine, method)(*args, **kwargs)
+        finally:
+            self._in_call = False
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         from megappo.rollout.engine import left_pad
@@ -114,10 +194,13 @@ class SGLangEngine:
             sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                   "max_new_tokens": params.max_new_tokens,
                   "stop_token_ids": sorted(set(params.stop_token_ids) | set(params.eos_token_ids)) or None}
-            if params.seed is not None:
-                sp["sampling_seed"] = params.seed + i
             sampling.append(sp)
-        outputs = self.engine.generate(input_ids=flat, sampling_params=sampling, return_logprob=True)
+        if params.seed is not None and not params.greedy and not self._seed_warned:
+            self._seed_warned = True
+            warnings.warn("rollout.engine=sglang does not honour the sampling seed (SGLang seeds a request only "
+                          "under deterministic inference, which needs a GPU attention backend): sampled rollouts "
+                          "are not reproducible run to run. Use rollout.engine=hf where that matters.", stacklevel=2)
+        outputs = self._engine_call("generate", input_ids=flat, sampling_params=sampling, return_logprob=True)
         width = max(len(o["output_ids"]) for o in outputs)
         n = len(flat)
         response = torch.full((n, width), self.pad_token_id, dtype=torch.long)
@@ -139,7 +222,7 @@ class SGLangEngine:
                             logprob_mode="untempered" if params.greedy else self.logprob_mode)
 
     def _call(self, method: str, *args, **kwargs):
-        result = getattr(self.engine, method)(*args, **kwargs)
+        result = self._engine_call(method, *args, **kwargs)
         if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
             raise WeightSyncError(f"sglang {method} failed: {result[1]}")
         return result
@@ -163,7 +246,7 @@ class SGLangEngine:
         finally:
             if staged:
                 self._call("end_weight_update")
-        self.engine.flush_cache()
+        self._engine_call("flush_cache")
 
     def _while_engine_calls(self, method: str, send, **kwargs):
         """Call the engine's blocking receive method while a thread sends this side's half;
@@ -219,29 +302,37 @@ class SGLangEngine:
             writer.close()
             self._call("update_weights_from_disk", model_path=tmp)
 
-    def fingerprint_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor_fingerprint(tensor.to(self.dtype).reshape(-1)[:FINGERPRINT_PREFIX])
+    def readback_rows(self, name: str, rows: int) -> int:
+        """How many leading rows of HF weight `name` (with `rows` rows) get_weights_by_name returns:
+        at engine TP > 1 a column-parallel weight comes from the first rank's shard only."""
+        if self.tp_size > 1 and any(part in name for part in _COLUMN_PARALLEL):
+            rows = _first_shard_rows(name, rows, self.tp_size, self._dims)
+        return min(FINGERPRINT_PREFIX, rows)
+
+    def fingerprint_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor_fingerprint(tensor.to(self.dtype)[: self.readback_rows(name, tensor.shape[0])])
 
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            try:
-                values = self.engine.get_weights_by_name(name, truncate_size=FINGERPRINT_PREFIX)
-            except Exception as e:  # SGLang cannot read back every architecture's weights
+            values = self._engine_call("get_weights_by_name", name, truncate_size=FINGERPRINT_PREFIX)
+            if values is None:  # SGLang logs why; e.g. Qwen2 has no get_weights_by_name in 0.5.23
                 raise WeightSyncError(
-                    f"sglang cannot read back '{name}' for verification ({e}); set rollout.verify_every=0 "
-                    "to sync without verification for this model."
-                ) from e
-            out[name] = tensor_fingerprint(torch.as_tensor(values, dtype=self.dtype).reshape(-1))
+                    f"sglang cannot read back '{name}' to verify the weight sync (its get_weights_by_name returned "
+                    "nothing for this model class). Fix: set rollout.verify_every=0 to sync without verification "
+                    "for this model; the per-step rollout/logprob_diff_max metric still compares engine and trainer.")
+            out[name] = tensor_fingerprint(torch.as_tensor(values, dtype=torch.float32).to(self.dtype))
         return out
 
     def release_memory(self) -> None:
-        self.engine.release_memory_occupation()
+        """GPU: frees the weights and KV cache (memory saver). CPU: flushes the KV cache only."""
+        self._engine_call("release_memory_occupation")
 
     def resume_memory(self) -> None:
-        self.engine.resume_memory_occupation()
+        self._engine_call("resume_memory_occupation")
 
-    def shutdown(self) -> None:
+    def close_update_group(self) -> None:
+        """Destroy the weight-update group (sync_mode=distributed) on both sides, if open."""
         try:
             if self._group is not None:
                 self._call("destroy_weights_update_group", group_name=UPDATE_GROUP)
@@ -250,4 +341,33 @@ class SGLangEngine:
             self._group = None
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
+                self._pool = None
+
+    def shutdown(self) -> None:
+        """Stop the engine and every process it started, also after a crash."""
+        try:
+            self.close_update_group()
+        finally:
             self.engine.shutdown()
+
+def _read_dims(model_path: str | None) -> dict[str, int]:
+    """The HF config numbers that decide the engine's first TP shard's rows."""
+    path = os.path.join(model_path or "", "config.json")
+    if not model_path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        cfg = json.load(f)
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim", "vocab_size")
+    return {k: cfg[k] for k in keys if isinstance(cfg.get(k), int)}
+
+
+def _first_shard_rows(name: str, rows: int, tp: int, dims: dict[str, int]) -> int:
+    """Rows of column-parallel weight `name` on SGLang's first TP rank (replicated KV heads when
+    there are fewer KV heads than ranks; the vocabulary padded to a multiple of 64 and split)."""
+    heads = dims.get("num_attention_heads", 1)
+    head_dim = dims.get("head_dim") or dims.get("hidden_size", rows) // heads
+    if "k_proj" in name or "v_proj" in name:
+        return max(1, dims.get("num_key_value_heads", heads) // tp) * head_dim
+    if "embed_tokens" in name or "lm_head" in name:
+        return min(rows, -(-rows // 64) * 64 // tp)
+    return rows // tp

@@ -72,7 +72,6 @@ CASES = {
     "model dir": (["model.hf_config=null", "model.path={tmp}"], "no config.json in '{tmp}'"),
     "tokenizer": (["model.tokenizer={tmp}/tok"], "tokenizer directory '{tmp}/tok' does not exist"),
     "builtin tokenizer": (["model.tokenizer=builtin:words"], "unknown built-in tokenizer 'builtin:words'"),
-    "sglang without model.path": (["rollout.engine=sglang"], "rollout.engine=sglang loads the model from model.path"),
     "critic vocab": (["critic.path={tmp}/critic"], "critic.path has vocab_size 32, the actor (model) 19"),
     "critic layout": (["critic.path={tmp}/critic3"], "critic.path as the critic: the parallel layout does not fit "
                                                      "the model: num_attention_heads=3 is not divisible by tp=2"),
