@@ -42,6 +42,11 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 TORCH_PROBE = "import torch; print(torch.__version__); print(torch.version.cuda or '')"
 
 
+def show(path: str) -> str:
+    rel = os.path.relpath(path, REPO)
+    return path if rel.startswith("..") else rel
+
+
 def say(msg: str) -> None:
     print(f"install: {msg}", flush=True)
 
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
     stamp = read_stamp(stamp_path)
     if stamp.get("key") == key and set(extras) <= set(stamp.get("extras", [])):
         say(f"up to date (torch {stamp.get('torch')}, {flavour.upper()}; extras {stamp.get('extras')}): nothing to "
-            f"do; delete {os.path.relpath(stamp_path, REPO)} to reinstall")
+            f"do; delete {show(stamp_path)} to reinstall")
         return 0
 
     version = install_torch(inst, args, flavour)
@@ -190,7 +195,7 @@ def main(argv=None) -> int:
         done = sorted(set(extras) | set(stamp.get("extras", []) if stamp.get("key") == key else []))
         json.dump({"key": key, "extras": done, "torch": version, "flavour": flavour}, f)
     os.replace(stamp_path + ".tmp", stamp_path)
-    say(f"megappo installed ({target}, torch {version} held by {os.path.relpath(constraints, REPO)}) "
+    say(f"megappo installed ({target}, torch {version} held by {show(constraints)}) "
         f"in {time.monotonic() - start:.0f} s")
     return 0
 
