@@ -89,15 +89,27 @@ def index_reachable(url: str, timeout: float) -> bool:
         return False
 
 
-def stamp_key(args, flavour: str, python: str) -> str:
+def interpreter(python: str) -> str:
+    """Which environment `python` is: its sys.executable and sys.prefix (a pyenv shim or a
+    `python` on PATH names different ones over time), and the executable's inode and mtime (a
+    virtual environment deleted and made again at the same path is a new one)."""
+    proc = subprocess.run([python, "-c", "import sys; print(sys.executable); print(sys.prefix)"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"install: error: the interpreter '{python}' does not run ({proc.stderr.strip()[-200:]}). "
+                         "Fix: make ... PYTHON=/path/to/python")
+    executable = proc.stdout.splitlines()[0]
+    try:
+        st = os.lstat(executable)
+        return f"{proc.stdout.strip()}:{st.st_ino}:{st.st_mtime_ns}"
+    except OSError:
+        return proc.stdout.strip()
+
+
+def stamp_key(args, flavour: str, where: str) -> str:
     h = hashlib.sha256()
     with open(os.path.join(REPO, "setup.py"), "rb") as f:
         h.update(f.read())
-    try:  # a virtual environment deleted and made again at the same path is a new install
-        st = os.lstat(python)
-        where = f"{os.path.abspath(python)}:{st.st_ino}:{st.st_mtime_ns}"
-    except OSError:
-        where = python
     h.update(f"\0{args.torch}\0{flavour}\0{where}\0{args.cpu_index}\0{args.cuda_index}".encode())
     return h.hexdigest()
 
@@ -171,7 +183,7 @@ def main(argv=None) -> int:
     flavour = decide_flavour(args.flavour)
     extras = sorted(e for e in (x.strip() for x in args.extras.split(",")) if e)
     stamp_path = os.path.join(args.stamp_dir, "install.json")
-    key = stamp_key(args, flavour, inst.python)
+    key = stamp_key(args, flavour, interpreter(inst.python))
     stamp = read_stamp(stamp_path)
     if stamp.get("key") == key and set(extras) <= set(stamp.get("extras", [])):
         say(f"up to date (torch {stamp.get('torch')}, {flavour.upper()}; extras {stamp.get('extras')}): nothing to "

@@ -26,7 +26,9 @@ if args and args[0].endswith(".py"):  # the Makefile runs tools/install.py with 
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(args) + "\n")
 state = os.environ["FAKE_STATE"]
-if args[:1] == ["-c"]:  # the torch probe: version, then CUDA version (empty for a CPU build)
+if args[:1] == ["-c"] and "sys.prefix" in args[1]:  # which environment this is
+    print(os.path.abspath(sys.argv[0])); print(os.path.dirname(os.path.abspath(sys.argv[0])))
+elif args[:1] == ["-c"]:  # the torch probe: version, then CUDA version (empty for a CPU build)
     torch = open(state).read().split() if os.path.exists(state) else []
     if not torch:
         sys.exit(1)
@@ -60,9 +62,9 @@ class Fake:
                         PATH=f"{self.bin}:/usr/bin:/bin")
         self.env.pop("MEGAPPO_TORCH", None)
 
-    def run(self, *args, cpu_index=UNREACHABLE, **env):
+    def run(self, *args, cpu_index=UNREACHABLE, python=None, **env):
         self.log.write_text("")
-        cmd = [sys.executable, SCRIPT, "--python", str(self.python), "--stamp-dir", str(self.stamps),
+        cmd = [sys.executable, SCRIPT, "--python", str(python or self.python), "--stamp-dir", str(self.stamps),
                "--cpu-index", cpu_index, "--probe-timeout", "2", *args]
         start = time.monotonic()
         proc = subprocess.run(cmd, env=dict(self.env, **env), cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -151,6 +153,12 @@ def test_rerun_skips_pip_until_something_changes(tmp_path):
     assert fake.pip_calls() == [] and "up to date" in out
     assert fake.run() and fake.pip_calls() == []  # `make demo` after `make test`: megappo is there
     fake.run("--torch", "torch==2.12.1")  # another torch spec: a new install
+    assert fake.pip_calls()
+    other = tmp_path / "venv2" / "python"  # another environment: a new install
+    other.parent.mkdir()
+    other.write_text(fake.python.read_text())
+    other.chmod(0o755)
+    fake.run(python=other)
     assert fake.pip_calls()
 
 
