@@ -110,7 +110,7 @@ def stamp_key(args, flavour: str, where: str) -> str:
     h = hashlib.sha256()
     with open(os.path.join(REPO, "setup.py"), "rb") as f:
         h.update(f.read())
-    h.update(f"\0{args.torch}\0{flavour}\0{where}\0{args.cpu_index}\0{args.cuda_index}".encode())
+    h.update(f"\0{args.torch}\0{args.flavour}:{flavour}\0{where}\0{args.cpu_index}\0{args.cuda_index}".encode())
     return h.hexdigest()
 
 
@@ -122,12 +122,26 @@ def read_stamp(path: str) -> dict:
         return {}
 
 
+def fallback(inst: Installer, args, req: list[str], why: str) -> str:
+    """The plain pin from pip's configured index (a mirror may hold the `+cpu` wheel)."""
+    if not inst.pip(*req):
+        raise SystemExit(f"install: error: could not install {args.torch} from {args.cpu_index} nor from the "
+                         "default index. Fix: check the network or pip's index settings (pip config list).")
+    return f"the default index (pip install {args.torch}; {args.cpu_index} {why})"
+
+
 def install_torch(inst: Installer, args, flavour: str) -> str | None:
     """Make sure a torch of the right flavour is installed; its version (None under --dry-run
-    when none is installed yet)."""
+    when none is installed yet). A CUDA build found on a machine without nvidia-smi is kept
+    (it runs on CPU too, and the environment may be meant for a GPU machine) unless
+    `--flavour cpu` asks for the CPU build; a CPU build on a GPU machine is always replaced."""
     have = inst.installed_torch()
     if have is not None and have[1] == (flavour == "cuda"):
         say(f"torch {have[0]} already installed ({'CUDA' if have[1] else 'CPU'} build): kept")
+        return have[0]
+    if have is not None and have[1] and args.flavour == "auto":
+        say(f"torch {have[0]} already installed (a CUDA build, no nvidia-smi here; it runs on CPU): kept. "
+            "MEGAPPO_TORCH=cpu replaces it with the CPU build")
         return have[0]
     req = [args.torch]
     if have is not None:  # the same version of the other build counts as installed: replace it
@@ -139,13 +153,12 @@ def install_torch(inst: Installer, args, flavour: str) -> str | None:
             inst.pip(*req, "--index-url", args.cpu_index)
             print(f"would run if that fails: {shlex.join([inst.python, '-m', 'pip', 'install', '-q', *req])}")
             source = f"PyTorch's CPU index {args.cpu_index}"
-        elif index_reachable(args.cpu_index, args.probe_timeout) and inst.pip(*req, "--index-url", args.cpu_index):
+        elif not index_reachable(args.cpu_index, args.probe_timeout):
+            source = fallback(inst, args, req, "was not reachable")
+        elif inst.pip(*req, "--index-url", args.cpu_index):
             source = f"PyTorch's CPU index {args.cpu_index}"
         else:
-            if not inst.pip(*req):
-                raise SystemExit(f"install: error: could not install {args.torch} from {args.cpu_index} nor from the "
-                                 "default index. Fix: check the network or pip's index settings (pip config list).")
-            source = f"the default index (pip install {args.torch}; {args.cpu_index} was not reachable)"
+            source = fallback(inst, args, req, "failed")
     else:
         extra = ("--index-url", args.cuda_index) if args.cuda_index else ()
         if not inst.pip(*req, *extra):
@@ -160,7 +173,8 @@ def install_torch(inst: Installer, args, flavour: str) -> str | None:
         raise SystemExit(f"install: error: torch does not import after installing {args.torch}.")
     if have[1] != (flavour == "cuda"):
         say(f"warning: the installed torch {have[0]} is a {'CUDA' if have[1] else 'CPU'} build on a "
-            f"{flavour.upper()} machine. Fix: MEGAPPO_TORCH=cpu|cuda and TORCH_INDEX to pick the build.")
+            f"{flavour.upper()} machine. Fix: pick the build with MEGAPPO_TORCH=cpu|cuda, and the index with "
+            "TORCH_CUDA_INDEX (make) or --cpu-index / --cuda-index (tools/install.py).")
     return have[0]
 
 

@@ -108,7 +108,8 @@ def test_cpu_machine_falls_back_to_the_plain_pin(tmp_path, cpu_index):
     assert fake.seconds < 30
     fake.stamps.joinpath("install.json").unlink()
     fake.state.unlink()
-    fake.run(cpu_index=cpu_index, FAKE_INDEX_PIP_FAILS="1")  # reachable, but pip fails there: the fallback
+    out = fake.run(cpu_index=cpu_index, FAKE_INDEX_PIP_FAILS="1")  # reachable, but pip fails there: the fallback
+    assert f"from the default index (pip install torch==2.13.0; {cpu_index} failed)" in out
     assert [c[:4] for c in fake.pip_calls()[:2]] == [["-q", "torch==2.13.0", "--index-url", cpu_index],
                                                      ["-q", "torch==2.13.0"]]
 
@@ -121,6 +122,16 @@ def test_dry_run_prints_the_index_first_then_the_fallback(tmp_path):
     assert lines[1].startswith("would run if that fails:") and lines[1].endswith("-m pip install -q torch==2.13.0")
     assert lines[2].endswith("-e .")
     assert fake.pip_calls() == [] and not (fake.stamps / "install.json").exists()
+
+
+def test_a_cuda_torch_on_a_cpu_machine_is_kept_unless_cpu_is_asked_for(tmp_path):
+    fake = Fake(tmp_path, torch="2.13.0 12.8")
+    out = fake.run()
+    assert "a CUDA build, no nvidia-smi here; it runs on CPU): kept" in out
+    assert fake.pip_calls() == [["-q", "-c", str(fake.stamps / "constraints.txt"), "-e", "."]]
+    fake.run("--flavour", "cpu")
+    assert fake.pip_calls()[0] == ["-q", "torch==2.13.0", "--force-reinstall"]  # the CPU index is unreachable
+    assert (fake.stamps / "constraints.txt").read_text() == "torch==2.13.0+cpu\n"
 
 
 def test_a_fitting_torch_is_kept(tmp_path):
