@@ -93,11 +93,15 @@ def interpreter(python: str) -> str:
     """Which environment `python` is: its sys.executable and sys.prefix (a pyenv shim or a
     `python` on PATH names different ones over time), and the executable's inode and mtime (a
     virtual environment deleted and made again at the same path is a new one)."""
-    proc = subprocess.run([python, "-c", "import sys; print(sys.executable); print(sys.prefix)"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"install: error: the interpreter '{python}' does not run ({proc.stderr.strip()[-200:]}). "
-                         "Fix: make ... PYTHON=/path/to/python")
+    try:
+        proc = subprocess.run([python, "-c", "import sys; print(sys.executable); print(sys.prefix)"],
+                              capture_output=True, text=True)
+        error = proc.stderr.strip()[-200:] if proc.returncode != 0 else ""
+    except OSError as e:
+        error = str(e)
+    if error:
+        raise SystemExit(f"install: error: the interpreter '{python}' does not run ({error}). Fix: name one that "
+                         "does: make ... PYTHON=/path/to/python, or tools/install.py --python /path/to/python.")
     executable = proc.stdout.splitlines()[0]
     try:
         st = os.lstat(executable)
@@ -205,10 +209,10 @@ def main(argv=None) -> int:
         return 0
 
     version = install_torch(inst, args, flavour)
-    os.makedirs(args.stamp_dir, exist_ok=True)
     constraints = os.path.join(args.stamp_dir, "constraints.txt")
     pin = f"torch=={version}" if version else args.torch
     if not args.dry_run:
+        os.makedirs(args.stamp_dir, exist_ok=True)
         with open(constraints, "w") as f:
             f.write(pin + "\n")
     target = "." + (f"[{','.join(extras)}]" if extras else "")

@@ -202,3 +202,10 @@ def test_make_demo_and_make_test(tmp_path):
     calls = run("test")
     assert ["-m", "pip", "install", "-q", "-c", str(fake.stamps / "constraints.txt"), "-e", ".[test]"] in calls
     assert calls[-1][:3] == ["-m", "pytest", "-q"]
+
+
+def test_an_interpreter_that_does_not_run_is_named(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, "--python", str(tmp_path / "nope"), "--stamp-dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"the interpreter '{tmp_path / 'nope'}' does not run" in proc.stderr and "PYTHON=" in proc.stderr
