@@ -1,21 +1,33 @@
 # The two quickstart commands: `make demo` (the main job: PPO on the CPU demo recipe)
-# and `make test` (the suite).
-# Each installs what it needs first. torch is pinned to the CPU build before anything
-# else so that no dependency can pull a CUDA torch on a CPU machine.
+# and `make test` (the suite). Each installs what it needs first through tools/install.py:
+# a CPU torch build on a CPU machine (PyTorch's CPU wheel index, else the plain pin), a
+# CUDA build where nvidia-smi exists, an installed torch of the right build kept as it is,
+# then megappo under a constraints file holding that torch. A stamp in .make/ makes a
+# rerun skip pip entirely; `rm -rf .make` forces a reinstall. docs/install.md explains it.
 PYTHON ?= python
 TORCH ?= torch==2.13.0
+# auto: cuda when nvidia-smi is on PATH, else cpu; or cpu / cuda
+MEGAPPO_TORCH ?= auto
+# the index for the CUDA build (empty: pip's default, PyPI's Linux wheel is the CUDA build)
+TORCH_CUDA_INDEX ?=
+STAMP_DIR ?= .make
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-unit test-dist test-sglang
+INSTALL = $(PYTHON) tools/install.py --python "$(PYTHON)" --torch "$(TORCH)" --flavour $(MEGAPPO_TORCH) \
+	--cuda-index "$(TORCH_CUDA_INDEX)" --stamp-dir "$(STAMP_DIR)"
+
+.PHONY: install install-test demo test test-unit test-dist test-sglang
 
 install:
-	$(PYTHON) -m pip install -q "$(TORCH)"
-	$(PYTHON) -m pip install -q -e ".[test]"
+	$(INSTALL)
+
+install-test:
+	$(INSTALL) --extras test
 
 demo: install
 	$(PYTHON) -m megappo.cli train recipes/demo-cpu.yaml
 
-test: install
+test: install-test
 	$(PYTHON) -m pytest -q tests
 	$(MAKE) test-sglang
 

@@ -1,6 +1,7 @@
 """megappo: a PPO trainer for language models on Megatron-Core.
 
-Install (CPU):  pip install torch==2.13.0 && pip install -e ".[test]"
+Install:  `make demo` / `make test` (tools/install.py; docs/install.md), or by hand
+Install (CPU):  pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && pip install -e ".[test]"
 Install (GPU):  pip install -e ".[gpu]"   (torch with CUDA already installed; apex from source)
 
 torch is deliberately left unpinned here: installing it first (the CPU build on a CPU

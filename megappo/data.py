@@ -19,6 +19,7 @@ This module does not know about models, engines or process groups.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -137,7 +138,8 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
 # -- built-in sources -----------------------------------------------------------------------
 
 def digit_successor_rows(size: int, seed: int) -> list[dict]:
-    """The CPU demo task: 'Next digit after 3?' -> '4' (9 -> 0). Random policy: ~1/11 reward."""
+    """The CPU demo task: after '3>' the answer is '4' (after '9>': '0'). What a random policy
+    scores on it is `random_policy_score`'s to say, not a number written here."""
     rng = random.Random(seed)
     rows = []
     for _ in range(size):
@@ -145,6 +147,39 @@ def digit_successor_rows(size: int, seed: int) -> list[dict]:
         rows.append({"data_source": "digit_successor", "prompt": f"{d}>",
                      "reward_model": {"style": "rule", "ground_truth": str((d + 1) % 10)}})
     return rows
+
+
+def random_policy_score(rows: Sequence[dict], reward_fn, tokenizer, max_new_tokens: int,
+                        vocab_size: int | None = None) -> float:
+    """The exact mean score of a policy that draws every response token uniformly from the
+    vocabulary (`vocab_size`, default the tokenizer's), stopping at EOS or after
+    `max_new_tokens`, scored like the trainer scores: `reward_fn(text, ground_truth, extra)` on
+    the response decoded without special tokens. Enumerates every response, so only for tiny
+    vocabularies and lengths (the demo: 19 tokens, 2 new tokens, 361 responses per prompt).
+    The demo docs quote this number; a unit test keeps them equal."""
+    vocab = vocab_size or len(tokenizer)
+    eos = tokenizer.eos_token_id
+    if vocab ** max_new_tokens > 1_000_000:
+        raise ValueError(f"{vocab}^{max_new_tokens} responses are too many to enumerate")
+    responses: list[tuple[list[int], float]] = []  # (token ids, probability)
+    frontier: list[list[int]] = [[]]
+    while frontier:
+        ids = frontier.pop()
+        if ids and (ids[-1] == eos or len(ids) == max_new_tokens):
+            responses.append((ids, float(vocab) ** -len(ids)))
+        else:
+            frontier.extend(ids + [t] for t in range(vocab))
+    texts = [(tokenizer.decode(ids, skip_special_tokens=True), p) for ids, p in responses]
+    def key(row):
+        return json.dumps([row["prompt"], (row.get("reward_model") or {}).get("ground_truth")], sort_keys=True)
+
+    distinct = {key(r): r for r in rows}
+    counts = collections.Counter(key(r) for r in rows)
+    total = 0.0
+    for k, row in distinct.items():  # each distinct prompt once, weighed by how often it occurs
+        gt, extra = (row.get("reward_model") or {}).get("ground_truth"), dict(row.get("extra_info") or {})
+        total += counts[k] * sum(p * reward_fn(text, gt, extra) for text, p in texts)
+    return total / len(rows)
 
 
 def reasoning_gym_rows(task: str, size: int, seed: int, **task_args) -> list[dict]:

@@ -25,8 +25,9 @@ def test_smoke_runs_and_decodes_like_transformers(tmp_path):
 
 
 def test_demo_recipe_learns(tmp_path):
-    """README's main job, shortened: PPO with critic+GAE at TP=2 goes from a random policy
-    (~0.05 reward) to >= 0.8 mean reward, writes metrics and the curves plot."""
+    """`make demo` (README's quickstart), shortened: PPO with critic+GAE at TP=2 goes from a
+    random policy (`megappo.data.random_policy_score`) to >= 0.8 mean reward, writes metrics
+    and the curves plot."""
     code, out = cli("train", "recipes/demo-cpu.yaml", f"run.output_dir={tmp_path}", "run.total_steps=100",
                     "logging.progress_bar=false")
     assert code == 0, out[-6000:]

@@ -3,8 +3,8 @@
 #
 # The lane runs the real SGLang 0.5.23 engine on CPU (SGLANG_USE_CPU_ENGINE=1) in a virtualenv of
 # its own, so that SGLang's pins (transformers 5.19.0, ...) never change the main environment.
-# - torch: the CPU build 2.13.0, from the public CPU wheel index, or the configured index where
-#   that cannot be reached; every later step runs under a constraint that keeps it.
+# - torch: the CPU build 2.13.0 through tools/install.py (PyPI's CPU wheel index, else the plain
+#   pin where that cannot be reached); every later step runs under a constraint that keeps it.
 # - everything else: tests/sglang/requirements-cpu.lock, exact versions, --no-deps.
 # - two stand-ins for CUDA-only pieces SGLang imports but never calls on CPU (docs/engines.md):
 #   tests/sglang/standins/sgl_kernel (its functions record the call and raise) is copied in, and
@@ -16,7 +16,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 python="${PYTHON:-python3}"
 torch_spec="torch==2.13.0"
-key=$(cat "$0" "$here/requirements-cpu.lock" "$here"/standins/sgl_kernel/*.py | sha256sum | cut -c1-12)
+key=$(cat "$0" "$here/../../tools/install.py" "$here/requirements-cpu.lock" "$here"/standins/sgl_kernel/*.py | sha256sum | cut -c1-12)
 venv="${MEGAPPO_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/megappo/sglang-cpu-$key}"
 if [ -f "$venv/.ready" ]; then echo "$venv"; exit 0; fi
 
@@ -25,15 +25,13 @@ log "building the CPU SGLang lane's virtualenv in $venv (once; about 2 minutes)"
 rm -rf "$venv"
 "$python" -m venv "$venv"
 py="$venv/bin/python"
-pip() { "$py" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v -E "is ignored: it is neither|^$" >&2 || true; }
+pip() {  # quiet unless it fails
+  local log; log=$(mktemp)
+  if ! "$py" -m pip --disable-pip-version-check -q "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi
+  rm -f "$log"
+}
 
-if timeout 20 "$py" -m pip --disable-pip-version-check -q install "$torch_spec" \
-     --index-url https://download.pytorch.org/whl/cpu >/dev/null 2>&1; then
-  log "torch: the CPU build from the public CPU wheel index"
-else
-  log "torch: the public CPU wheel index cannot be reached; $torch_spec from the configured index"
-  pip install "$torch_spec"
-fi
+"$python" "$here/../../tools/install.py" --python "$py" --torch "$torch_spec" --flavour cpu --torch-only >&2
 "$py" - <<'PY'
 import torch, sys
 if torch.version.cuda is not None:

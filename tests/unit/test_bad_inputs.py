@@ -1,4 +1,4 @@
-"""The bad-input catalogue (README, "Bad input and failures"), through `megappo train` itself.
+"""The bad-input catalogue (docs/bad-inputs.md), through `megappo train` itself.
 
 Each case here is refused before any rank starts: `megappo.cli.main(["train", RECIPE, ...])`
 in this process returns 2 after one `megappo: error: ...` line that says the fix, and the
@@ -166,7 +166,7 @@ def test_no_pickle_loading_in_megappo():
     """torch.load only with weights_only=True, no pickle / numpy-pickle loads, and HF models
     only from safetensors (or GGUF in tools/prepare_smollm2.py): a checkpoint or model
     directory from elsewhere cannot run code. (Megatron's own dist-checkpoint loading uses
-    torch.load with torch's weights_only default and torch DCP's pickled .metadata: see README.)"""
+    torch.load with torch's weights_only default and torch DCP's pickled .metadata: see docs/bad-inputs.md.)"""
     problems = []
     for path in sorted([*(REPO / "megappo").rglob("*.py"), *(REPO / "tools").rglob("*.py")]):
         for owner, attr, kw, line in _calls(path):
