@@ -141,6 +141,7 @@ def cmd_hardware(args) -> int:
 
     cfg = load_config(args.recipe, args.overrides, args.variant)
     hw, world = cfg.hardware, cfg.hardware_world_size
+    cfg.validate_world(world)
     print(f"MEGAPPO_DEVICE={hw.device}\nMEGAPPO_NODES={hw.nodes}\nMEGAPPO_GPUS_PER_NODE={world // hw.nodes}\n"
           f"MEGAPPO_WORLD_SIZE={world}\nMEGAPPO_GPU_MEMORY_GIB={hw.gpu_memory_gib:g}")
     return 0

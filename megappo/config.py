@@ -517,8 +517,9 @@ class Config(_Section):
         expected = self.hardware_world_size
         if self.hardware.device == "cpu" or world_size == expected:
             return None
+        ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
         return (f"{recipe} is sized for {expected} GPUs ({self.hardware.describe(expected)}: its hardware "
-                f"section) but this run has {world_size} ranks; its memory plan does not hold for them. Fix: launch "
+                f"section) but this run has {ranks}; its memory plan does not hold for them. Fix: launch "
                 f"{expected} ranks, or plan this world and set it: megappo plan {recipe} --world-size {world_size} "
                 f"(then hardware.nodes / hardware.gpus_per_node, or a --variant of the recipe).")
 
