@@ -98,3 +98,21 @@ def test_recipes_cover_the_algorithms():
     grpo = cfgs["llama3.1-8b-grpo-8gpu.yaml"]
     assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic and grpo.actor.use_kl_loss
     assert grpo.roles == ("actor", "ref")
+
+
+def test_docs_variant_table_is_the_planners():
+    """docs/planner.md lists every recipe's hardware and variants with the planned total per GPU."""
+    import re
+
+    with open(os.path.join(REPO, "docs", "planner.md")) as f:
+        text = f.read()
+    rows, recipe_name = {}, None
+    for m in re.finditer(r"^\|\s*([\w.-]*)\s*\|\s*(`([\w-]+)`|\(none\))\s*\|.*\|\s*([\d.]+) GiB \|$", text, re.M):
+        recipe_name = m.group(1) or recipe_name
+        rows[(recipe_name, m.group(3))] = float(m.group(4))
+    expected = {(os.path.basename(p)[:-5], v) for p in RECIPES if os.path.basename(p) in GPU_RECIPES
+                for v in [None, *load_config(p).variants]}
+    assert set(rows) == expected
+    for (name, variant), total in rows.items():
+        plan = make_plan(load_config(os.path.join(REPO, "recipes", name + ".yaml"), variant=variant))
+        assert round(plan.total / 2**30, 1) == total, (name, variant)
