@@ -513,9 +513,10 @@ class Config(_Section):
 
     def hardware_mismatch(self, world_size: int, recipe: str) -> Optional[str]:
         """A warning when a GPU run has another world size than its recipe's hardware, naming the fix;
-        None when they agree or on CPU (there the rank count changes the speed, not what fits)."""
+        None when they agree, when the recipe does not say (hardware.gpus_per_node unset), or on CPU
+        (there the rank count changes the speed, not what fits)."""
         expected = self.hardware_world_size
-        if self.hardware.device == "cpu" or world_size == expected:
+        if self.hardware.device == "cpu" or self.hardware.gpus_per_node is None or world_size == expected:
             return None
         ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
         return (f"{recipe} is sized for {expected} GPUs ({self.hardware.describe(expected)}: its hardware "
