@@ -1,7 +1,7 @@
 """`megappo` command line: train, plan, export, plot, smoke.
 
-  megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches tp*pp ranks itself
-                                                  unless run under torchrun)
+  megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches its ranks itself unless
+                                                  run under torchrun: a GPU recipe's hardware, else tp*pp)
   megappo export RUN_OR_CKPT HF_DIR [--role critic] a trainer checkpoint as an HF directory
   megappo plot RUN_DIR                            curves.png from metrics.jsonl
   megappo plan RECIPE.yaml [--variant NAME]       layout checks and a per-GPU memory estimate on the
@@ -83,13 +83,18 @@ def cmd_smoke(args) -> int:
 
 def cmd_train(args) -> int:
     from megappo.checkpointing import find_resume
-    from megappo.config import load_config
+    from megappo.config import ConfigError, load_config
     from megappo.parallel.launch import ensure_ranks
     from megappo.preflight import check_inputs
 
     cfg = load_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
-    # under torchrun the world is torchrun's; otherwise --world-size or one data-parallel replica
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or cfg.min_world_size
+    # under torchrun the world is torchrun's; otherwise --world-size, a GPU recipe's hardware, or one replica
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0))
+    if not world and cfg.hardware.nodes > 1:
+        raise ConfigError(f"{args.recipe} is sized for {cfg.hardware.describe(cfg.hardware_world_size)} (its "
+                          f"hardware section); megappo train starts ranks on this machine only. Fix: launch it with "
+                          f"tools/launch/slurm_multinode.sbatch, or pass --world-size N for this machine.")
+    world = world or cfg.launch_world_size
     mismatch = cfg.hardware_mismatch(world, args.recipe)
     if mismatch and os.environ.get("RANK", "0") == "0":
         print(f"megappo: warning: {mismatch}", file=sys.stderr, flush=True)
@@ -186,8 +191,8 @@ def main(argv=None) -> int:
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
     train.add_argument("--world-size", type=int, default=None,
-                       help="ranks to launch when not under torchrun (default: tp * pp, the lcm over roles "
-                            "with their own)")
+                       help="ranks to launch when not under torchrun (default: a GPU recipe's hardware.gpus_per_node, "
+                            "else tp * pp, the lcm over roles with their own)")
     train.add_argument("--variant", default=None, help="apply the recipe's variants.NAME overrides (other hardware)")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="check a recipe's layout and estimate per-GPU memory (no model is built)")

@@ -511,6 +511,13 @@ class Config(_Section):
         """Ranks of the recipe's hardware: nodes x gpus_per_node (gpus_per_node unset: min_world_size)."""
         return self.hardware.nodes * (self.hardware.gpus_per_node or self.min_world_size)
 
+    @property
+    def launch_world_size(self) -> int:
+        """Ranks `megappo train` starts itself (no torchrun, no --world-size): a GPU recipe's hardware
+        world when it names its GPUs, else one data-parallel replica (min_world_size)."""
+        named = self.hardware.device == "gpu" and self.hardware.gpus_per_node is not None
+        return self.hardware_world_size if named else self.min_world_size
+
     def hardware_mismatch(self, world_size: int, recipe: str) -> Optional[str]:
         """A warning when a GPU run has another world size than its recipe's hardware, naming the fix;
         None when they agree, when the recipe does not say (hardware.gpus_per_node unset), or on CPU

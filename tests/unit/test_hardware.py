@@ -92,3 +92,22 @@ def test_train_mismatch_warning_only_where_the_recipe_says():
     assert cfg(gpus_per_node=8).hardware_mismatch(8, "r.yaml") is None
     assert cfg().hardware_mismatch(4, "r.yaml") is None  # the recipe names no hardware
     assert cfg(device="cpu", gpus_per_node=2).hardware_mismatch(1, "r.yaml") is None
+
+
+def test_train_starts_a_gpu_recipes_hardware_itself(capsys, monkeypatch):
+    """Without torchrun and --world-size, `megappo train` starts the GPUs a GPU recipe names (not one
+    replica: the Qwen 7B recipe's TP=4 on its 8 GPUs is dp=2, which its memory plan counts on); a CPU
+    recipe, or one without hardware, starts one data-parallel replica as before; a recipe for several
+    nodes is refused with the launcher to use."""
+    from megappo import cli
+
+    assert load_config("recipes/qwen2.5-7b-ppo-8gpu.yaml").launch_world_size == 8
+    assert load_config("recipes/qwen2.5-7b-ppo-8gpu.yaml", variant="4gpu").launch_world_size == 4
+    assert load_config("recipes/demo-cpu.yaml", ["parallel.tp=1"]).launch_world_size == 1
+    assert config_from_dict({"model": TINY, "parallel": {"tp": 2}}).launch_world_size == 2
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["train", "recipes/llama3.3-70b-ppo-64gpu.yaml"]) == 2
+    assert capsys.readouterr().err == (
+        "megappo: error: recipes/llama3.3-70b-ppo-64gpu.yaml is sized for 8 nodes x 8 GPUs of 80 GiB (its hardware "
+        "section); megappo train starts ranks on this machine only. Fix: launch it with "
+        "tools/launch/slurm_multinode.sbatch, or pass --world-size N for this machine.\n")
