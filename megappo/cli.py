@@ -1,11 +1,13 @@
 """`megappo` command line: train, plan, export, plot, smoke.
 
-  megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches tp*pp ranks itself
-                                                  unless run under torchrun)
+  megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches its ranks itself unless
+                                                  run under torchrun: a GPU recipe's hardware, else tp*pp)
   megappo export RUN_OR_CKPT HF_DIR [--role critic] a trainer checkpoint as an HF directory
   megappo plot RUN_DIR                            curves.png from metrics.jsonl
-  megappo plan RECIPE.yaml --world-size N         layout checks and a per-GPU memory estimate
-               [--gpu-mem GiB] [key.sub=value ...]  (no model is built; exit 1 if it does not fit)
+  megappo plan RECIPE.yaml [--variant NAME]       layout checks and a per-GPU memory estimate on the
+               [--world-size N] [--gpu-mem GiB]   recipe's hardware (no model is built; exit 1 if it
+               [key.sub=value ...]                does not fit); docs/planner.md
+  megappo hardware RECIPE.yaml [...]              the recipe's hardware as shell variables (launchers)
   megappo smoke                                   2 gloo ranks: tiny Llama from config, HF ->
                                                   Megatron TP=2 -> HF with verification, and
                                                   greedy decoding checked against transformers
@@ -81,13 +83,21 @@ def cmd_smoke(args) -> int:
 
 def cmd_train(args) -> int:
     from megappo.checkpointing import find_resume
-    from megappo.config import load_config
+    from megappo.config import ConfigError, load_config
     from megappo.parallel.launch import ensure_ranks
     from megappo.preflight import check_inputs
 
-    cfg = load_config(args.recipe, args.overrides)  # every config error before any rank starts
-    # under torchrun the world is torchrun's; otherwise --world-size or one data-parallel replica
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or cfg.min_world_size
+    cfg = load_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
+    # under torchrun the world is torchrun's; otherwise --world-size, a GPU recipe's hardware, or one replica
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0))
+    if not world and cfg.hardware.nodes > 1:
+        raise ConfigError(f"{args.recipe} is sized for {cfg.hardware.describe(cfg.hardware_world_size)} (its "
+                          f"hardware section); megappo train starts ranks on this machine only. Fix: launch it with "
+                          f"tools/launch/slurm_multinode.sbatch, or pass --world-size N for this machine.")
+    world = world or cfg.launch_world_size
+    mismatch = cfg.hardware_mismatch(world, args.recipe)
+    if mismatch and os.environ.get("RANK", "0") == "0":
+        print(f"megappo: warning: {mismatch}", file=sys.stderr, flush=True)
     check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
     with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
         resume = find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
@@ -120,11 +130,26 @@ def cmd_plan(args) -> int:
     from megappo.config import load_config
     from megappo.plan import format_plan, make_plan
 
-    cfg = load_config(args.recipe, args.overrides)
-    plan = make_plan(cfg, args.world_size or cfg.min_world_size, gpu_mem_gib=args.gpu_mem,
-                     hf_config=args.hf_config, recipe=args.recipe)
+    cfg = load_config(args.recipe, args.overrides, args.variant)
+    plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe)
     print(format_plan(plan))
+    others = sorted(set(cfg.variants) - {args.variant})
+    if others:
+        print(f"variants of this recipe (other hardware): {', '.join(others)}; plan one with "
+              f"`megappo plan {args.recipe} --variant NAME`")
     return 0 if plan.fits else 1
+
+
+def cmd_hardware(args) -> int:
+    """The recipe's hardware as shell assignments, for tools/launch/ (`eval "$(megappo hardware ...)"`)."""
+    from megappo.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides, args.variant)
+    hw, world = cfg.hardware, cfg.hardware_world_size
+    cfg.validate_world(world)
+    print(f"MEGAPPO_DEVICE={hw.device}\nMEGAPPO_NODES={hw.nodes}\nMEGAPPO_GPUS_PER_NODE={world // hw.nodes}\n"
+          f"MEGAPPO_WORLD_SIZE={world}\nMEGAPPO_GPU_MEMORY_GIB={hw.gpu_memory_gib:g}")
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -166,18 +191,27 @@ def main(argv=None) -> int:
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
     train.add_argument("--world-size", type=int, default=None,
-                       help="ranks to launch when not under torchrun (default: tp * pp, the lcm over roles "
-                            "with their own)")
+                       help="ranks to launch when not under torchrun (default: a GPU recipe's hardware.gpus_per_node, "
+                            "else tp * pp, the lcm over roles with their own)")
+    train.add_argument("--variant", default=None, help="apply the recipe's variants.NAME overrides (other hardware)")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="check a recipe's layout and estimate per-GPU memory (no model is built)")
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")
     plan.add_argument("--world-size", type=int, default=None,
-                      help="GPUs (default: tp * pp, the lcm over roles with their own)")
-    plan.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default: 80)")
+                      help="GPUs (default: the recipe's hardware.nodes x hardware.gpus_per_node)")
+    plan.add_argument("--gpu-mem", type=float, default=None,
+                      help="GiB per GPU (default: the recipe's hardware.gpu_memory_gib)")
+    plan.add_argument("--variant", default=None, help="apply the recipe's variants.NAME overrides (other hardware)")
     plan.add_argument("--hf-config", default=None,
                       help="the model's config.json (or its directory) when model.path has none")
     plan.set_defaults(func=cmd_plan)
+    hardware = sub.add_parser("hardware", help="print a recipe's hardware as shell variables (for tools/launch/)")
+    hardware.add_argument("recipe")
+    hardware.add_argument("overrides", nargs="*", help="dotted overrides, e.g. hardware.gpus_per_node=4")
+    hardware.add_argument("--variant", default=None, help="apply the recipe's variants.NAME overrides")
+    hardware.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)  # train's: ignored
+    hardware.set_defaults(func=cmd_hardware)
     export = sub.add_parser("export", help="a trainer checkpoint's actor or critic as an HF directory")
     export.add_argument("checkpoint", help="a run directory, its checkpoints/ directory, or a step_NNNNNNNN directory")
     export.add_argument("out", help="the HF directory to write")

@@ -387,6 +387,39 @@ class RunConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class HardwareConfig(_Section):
+    """The machines a recipe is sized for. `megappo plan RECIPE` plans this world size and memory per
+    GPU, the launchers in tools/launch/ start this many ranks by default, and `megappo train` warns
+    when a GPU run is launched on another world size. With device=cpu a 'GPU' is one gloo rank and
+    its share of the host's memory. Other machines are `variants` of the recipe (docs/planner.md)."""
+
+    device: Literal["gpu", "cpu"] = "gpu"  # gpu: one rank per GPU (NCCL); cpu: gloo ranks on the host's cores
+    nodes: int = 1  # machines
+    gpus_per_node: Optional[int] = None  # ranks per machine, one per GPU; None: parallel.tp * parallel.pp (one replica)
+    gpu_memory_gib: float = 80.0  # memory of one GPU in GiB (device=cpu: host memory per rank)
+
+    def check(self) -> None:
+        _at_least(self, nodes=1, gpus_per_node=1)
+        _require(self.gpu_memory_gib > 0, f"{P}gpu_memory_gib={self.gpu_memory_gib} must be > 0 (GiB per GPU). "
+                                          f"Fix: e.g. {P}gpu_memory_gib=80.")
+        _require(self.nodes == 1 or self.gpus_per_node is not None,
+                 f"{P}nodes={self.nodes} needs {P}gpus_per_node (the ranks of each node). Fix: set "
+                 f"{P}gpus_per_node=8 (or your GPUs per node).")
+
+    def describe(self, world_size: int, memory_gib: Optional[float] = None) -> str:
+        """'1 node x 8 GPUs of 80 GiB' (cpu: ranks and host memory) for `world_size` ranks in all; a world
+        that is not nodes x ranks is '6 GPUs of 80 GiB'."""
+        unit = "GPU" if self.device == "gpu" else "rank"
+        memory = f"{self.gpu_memory_gib if memory_gib is None else memory_gib:g} GiB" + (
+            "" if self.device == "gpu" else " of host memory")
+        per_node, split = divmod(world_size, self.nodes)
+        if split or self.nodes == 1 and world_size == 1:
+            return f"{world_size} {unit}{'s' if world_size > 1 else ''} of {memory}"
+        return (f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {per_node} {unit}{'s' if per_node > 1 else ''} "
+                f"of {memory}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config(_Section):
     model: ModelConfig  # the SFT model (actor, ref and default critic init)
     parallel: ParallelConfig = _default(ParallelConfig)  # TP / PP / VPP layout of every role without its own
@@ -400,9 +433,17 @@ class Config(_Section):
     checkpoint: CheckpointConfig = _default(CheckpointConfig)  # trainer checkpoints and resume
     logging: LoggingConfig = _default(LoggingConfig)  # metric sinks and console
     run: RunConfig = _default(RunConfig)  # output directory, seed, length, validation cadence
+    hardware: HardwareConfig = _default(HardwareConfig)  # the machines this recipe is sized for (plan, launchers)
+    variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # other hardware: name -> overrides
 
     def check(self) -> None:
         est, n = self.algorithm.adv_estimator, self.rollout.n
+        for name, overrides in self.variants.items():
+            for override in overrides:
+                key = override.partition("=")[0].strip()
+                _require("=" in override and bool(key) and not key.startswith("variants"),
+                         f"variants.{name}: '{override}' is not a KEY=VALUE override of this recipe. Fix: write "
+                         f"it like hardware.gpus_per_node=4 or parallel.tp=2.")
         _require(self.critic.enable is not False or not self.algorithm.needs_critic,
                  "algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Fix: set critic.enable=null "
                  "(auto) or choose algorithm.adv_estimator=grpo/rloo/reinforce_plus_plus.")
@@ -461,6 +502,31 @@ class Config(_Section):
     def min_world_size(self) -> int:
         """The fewest ranks every role's layout fits: the lcm of their tp * pp (one DP replica each)."""
         return math.lcm(*(tp * pp for tp, pp, _ in map(self.layout, self.model_roles)))
+
+    @property
+    def hardware_world_size(self) -> int:
+        """Ranks of the recipe's hardware: nodes x gpus_per_node (gpus_per_node unset: min_world_size)."""
+        return self.hardware.nodes * (self.hardware.gpus_per_node or self.min_world_size)
+
+    @property
+    def launch_world_size(self) -> int:
+        """Ranks `megappo train` starts itself (no torchrun, no --world-size): a GPU recipe's hardware
+        world when it names its GPUs, else one data-parallel replica (min_world_size)."""
+        named = self.hardware.device == "gpu" and self.hardware.gpus_per_node is not None
+        return self.hardware_world_size if named else self.min_world_size
+
+    def hardware_mismatch(self, world_size: int, recipe: str) -> Optional[str]:
+        """A warning when a GPU run has another world size than its recipe's hardware, naming the fix;
+        None when they agree, when the recipe does not say (hardware.gpus_per_node unset), or on CPU
+        (there the rank count changes the speed, not what fits)."""
+        expected = self.hardware_world_size
+        if self.hardware.device == "cpu" or self.hardware.gpus_per_node is None or world_size == expected:
+            return None
+        ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+        return (f"{recipe} is sized for {expected} GPUs ({self.hardware.describe(expected)}: its hardware "
+                f"section) but this run has {ranks}; its memory plan does not hold for them. Fix: launch "
+                f"{expected} ranks, or plan this world and set it: megappo plan {recipe} --world-size {world_size} "
+                f"(then hardware.nodes / hardware.gpus_per_node, or a --variant of the recipe).")
 
     @property
     def model_roles(self) -> tuple[str, ...]:
@@ -698,8 +764,15 @@ def apply_override(data: dict, override: str) -> None:
                                   f"Fix: override the whole value instead.")
 
 
-def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML recipe (or start empty when `path` is None), apply `key.sub=value` overrides, build."""
+def load_config(path: str | None, overrides: Sequence[str] = (), variant: Optional[str] = None) -> Config:
+    """Read a YAML recipe (or start empty when `path` is None), apply `key.sub=value` overrides, build.
+    `variant`: first apply the recipe's `variants[variant]` overrides (other hardware), then `overrides`."""
+    if variant is not None:
+        variants = load_config(path).variants
+        if variant not in variants:
+            raise ConfigError(f"recipe '{path}' has no variant '{variant}'. Fix: choose one of {sorted(variants)} "
+                              f"(its variants: section), or leave out --variant.")
+        return load_config(path, [*variants[variant], *overrides])
     data: Any = {}
     if path is not None:
         try:

@@ -1,11 +1,16 @@
 """`megappo plan`: does a recipe's layout fit the model, and its memory the GPUs? No model is built.
 
-`make_plan(cfg, world_size, gpu_mem_gib=80.0, hf_config=None) -> Plan` checks the layout
+`make_plan(cfg, world_size=None, gpu_mem_gib=None, hf_config=None) -> Plan` checks the layout
 (`Config.validate_world` for the batch split over data-parallel replicas, `ModelDims.check_layout`
 for TP/PP/VPP against heads, query groups, FFN and layers, the SGLang engine's tp size against
 the heads) and estimates the memory of one GPU, role by role; `format_plan(plan)` prints it.
 Layout errors raise ConfigError / ModelConfigError naming the fix (the CLI exits 2); a plan that
 does not fit lists the knobs to turn (exit 1).
+
+The hardware comes from the recipe's `hardware` section (world size = nodes x gpus_per_node, memory
+= gpu_memory_gib) unless `world_size` / `gpu_mem_gib` are given (--world-size, --gpu-mem). With
+hardware.device=cpu a "GPU" is one gloo rank: its reserve is CPU_RESERVE_GIB (no CUDA context), and
+the `hf` rollout engine's copy of the model counts on rank 0.
 
 The architecture comes from, in order: `--hf-config FILE`, `model.hf_config`, `model.path/config.json`,
 or `KNOWN_MODELS[basename(model.path)]` (public config.json numbers of a few well-known models),
@@ -62,6 +67,7 @@ from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0  # per GPU: CUDA context, NCCL buffers, allocator slack
+CPU_RESERVE_GIB = 1.0  # per rank with hardware.device=cpu: the Python process with torch, Megatron and gloo
 ENGINE_RESERVE_GIB = 3.0  # per engine GPU, outside SGLang's static pool: CUDA graphs, sampling buffers
 SGLANG_DEFAULTS = {"tp_size": 1, "mem_fraction_static": 0.5}  # megappo.rollout.sglang_engine.SGLangEngine
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -264,6 +270,9 @@ class Plan:
     gpu_mem: float  # bytes
     reserve: float  # bytes on this GPU outside roles and the engine pool
     fixes: tuple[str, ...]  # knobs, when it does not fit
+    hardware: str = ""  # the machines planned and where they came from
+    device: str = "gpu"  # hardware.device
+    host_engine: float = 0.0  # bytes: the hf engine's model copy on this rank (device=cpu, rank 0)
 
     @property
     def peak_activation(self) -> RoleMemory:
@@ -277,7 +286,7 @@ class Plan:
     @property
     def total(self) -> float:
         engine = self.engine.pool if self.engine else 0.0
-        return self.static + self.peak_activation.activations + engine + self.reserve
+        return self.static + self.peak_activation.activations + engine + self.host_engine + self.reserve
 
     @property
     def fits(self) -> bool:
@@ -299,13 +308,18 @@ def _roles_at(cfg: Config, dims: dict[str, ModelDims], world_size: int, stage: s
     return out
 
 
+def fused_attention(cfg: Config) -> bool:
+    """TE's fused attention: layer_spec=te, or auto on a GPU (auto on CPU is Megatron's local layers)."""
+    return cfg.model.layer_spec == "te" or (cfg.model.layer_spec == "auto" and cfg.hardware.device == "gpu")
+
+
 def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, rank: int) -> RoleMemory:
     p, m = cfg.parallel, cfg.model
     tp, pp, vpp = cfg.layout(role)
     dp = world_size // (tp * pp)
     db = DTYPE_BYTES[m.dtype]
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    fused = m.layer_spec != "local"
+    fused = fused_attention(cfg)
     shard = dp if p.use_distributed_optimizer else 1
     value = role in ("critic", "reward")
     n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by)
@@ -429,12 +443,31 @@ def _bigger_layouts(d: ModelDims, tp: int, pp: int, world_size: int) -> str:
     return "; ".join(text for _, _, text in sorted(found)[:3])
 
 
-def make_plan(cfg: Config, world_size: int, *, gpu_mem_gib: float = 80.0, hf_config: Optional[str] = None,
-              recipe: str = "") -> Plan:
-    """Check the layout (raises ConfigError / ModelConfigError naming the fix) and estimate one GPU's memory."""
+def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Optional[float] = None,
+              hf_config: Optional[str] = None, recipe: str = "") -> Plan:
+    """Check the layout (raises ConfigError / ModelConfigError naming the fix) and estimate one GPU's memory.
+    `world_size` / `gpu_mem_gib`: None takes them from the recipe's hardware section."""
+    hw = cfg.hardware
+    world_source = "hardware.nodes x hardware.gpus_per_node"
+    if world_size is None:
+        world_size = cfg.hardware_world_size
+    else:
+        world_source = "--world-size"
+    mem_source = "hardware.gpu_memory_gib" if gpu_mem_gib is None else "--gpu-mem"
+    gpu_mem_gib = hw.gpu_memory_gib if gpu_mem_gib is None else gpu_mem_gib
     if gpu_mem_gib <= 0:
         raise ConfigError(f"--gpu-mem {gpu_mem_gib} must be > 0 (GiB per GPU). Fix: e.g. --gpu-mem 80.")
-    cfg.validate_world(world_size)
+    try:
+        cfg.validate_world(world_size)
+    except ConfigError as e:
+        if world_source == "--world-size":
+            raise
+        raise ConfigError(f"{e} (world size {world_size} = {world_source}: set hardware.gpus_per_node / hardware.nodes "
+                          f"to match, or pass --world-size)") from None
+    flags = [flag for flag in (world_source, mem_source) if flag.startswith("--")]
+    hardware = hw.describe(world_size, gpu_mem_gib) + (
+        f" ({' and '.join(flags)}; the rest from the recipe's hardware section)" if flags
+        else " (the recipe's hardware section)")
     p, m = cfg.parallel, cfg.model
     hf, source = resolve_hf_config(m.path, "model.path", inline=m.hf_config, override=hf_config)
     dims = {"actor": dims_from_hf(hf, m.arch)}
@@ -462,8 +495,11 @@ def make_plan(cfg: Config, world_size: int, *, gpu_mem_gib: float = 80.0, hf_con
     stages = [("all", 0)] if p.pp == 1 else [("first", 0), ("last", p.pp - 1)]
     for stage, rank in stages:
         roles = _roles_at(cfg, dims, world_size, stage, rank)
-        reserve = RESERVE_GIB * GIB
-        start = sum(r.weights + r.grads + r.master for r in roles) + reserve
+        reserve = (RESERVE_GIB if hw.device == "gpu" else CPU_RESERVE_GIB) * GIB
+        host_engine = 0.0
+        if hw.device == "cpu" and cfg.rollout.engine == "hf" and rank == 0:  # rank 0 runs the transformers model
+            host_engine = total_params(actor) * DTYPE_BYTES[m.dtype]
+        start = sum(r.weights + r.grads + r.master for r in roles) + reserve + host_engine
         later = sum(r.adam for r in roles) + max(r.activations for r in roles)
         engine = None
         # the engine takes global ranks [0, tp_size) of rank 0's node; Megatron orders ranks tp, dp, then pp
@@ -480,9 +516,10 @@ def make_plan(cfg: Config, world_size: int, *, gpu_mem_gib: float = 80.0, hf_con
         plan = Plan(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
                     padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by),
                     dp=dp, seq=seq, dtype=m.dtype, sequence_parallel=p.sequence_parallel,
-                    distributed_optimizer=p.use_distributed_optimizer, fused_attention=m.layer_spec != "local",
+                    distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
                     stage=stage, roles=tuple(roles), engine=engine, engine_name=cfg.rollout.engine,
-                    gpu_mem=gpu_mem, reserve=reserve, fixes=tuple(fixes))
+                    gpu_mem=gpu_mem, reserve=reserve, fixes=tuple(fixes), hardware=hardware,
+                    device=hw.device, host_engine=host_engine)
         candidates.append(plan)
     # the worst GPU: one that does not fit, else the largest total
     return max(candidates, key=lambda c: (not c.fits, c.total))
@@ -496,7 +533,9 @@ def format_plan(plan: Plan) -> str:
     d = plan.dims
     g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     on = lambda flag: "on" if flag else "off"  # noqa: E731
+    unit = "GPU" if plan.device == "gpu" else "rank"
     lines = [
+        f"hardware: {plan.hardware}",
         f"model: {d.arch}, {_count(total_params(d))} parameters, {d.num_layers} layers, hidden {d.hidden_size}, "
         f"{d.num_heads} heads / {d.num_query_groups} KV heads, vocab {d.vocab_size} (padded to {plan.padded_vocab} "
         f"at tp={plan.tp})",
@@ -506,8 +545,8 @@ def format_plan(plan: Plan) -> str:
         f"{on(plan.distributed_optimizer)}; attention {'fused (TE)' if plan.fused_attention else 'unfused (local)'}",
         f"sequence length {plan.seq} (data.max_prompt_length + rollout.max_new_tokens)",
         "",
-        f"memory per GPU (GiB), pipeline stage '{plan.stage}'" + (" (a GPU of the engine)" if plan.engine else "")
-        + ":",
+        f"memory per {unit} (GiB), pipeline stage '{plan.stage}'" + (" (a GPU of the engine)" if plan.engine else "")
+        + ("" if plan.device == "gpu" else " (hardware.device=cpu: host memory)") + ":",
         f"{'role':<10}{'params':>9}{'weights':>9}{'grads':>8}{'optimizer':>11}{'activations':>13}{'total':>8}",
     ]
     for r in plan.roles:
@@ -518,19 +557,23 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{'engine':<10}{'':>9}{g(e.weights):>9}{'':>8}{'':>11}{'':>13}{g(e.pool):>8}"
                      f"   sglang tp={e.tp_size}, pool {e.mem_fraction:g} x free; KV cache {g(max(0.0, e.kv_cache))} "
                      f"GiB = {e.kv_tokens} tokens ({e.kv_tokens // plan.seq} sequences of {plan.seq})")
+    elif plan.host_engine:
+        lines.append(f"{'engine':<10}{'':>9}{g(plan.host_engine):>9}{'':>8}{'':>11}{'':>13}{g(plan.host_engine):>8}"
+                     f"   hf engine on rank 0: a transformers copy of the model")
     elif plan.engine_name == "hf":
         lines.append(f"{'engine':<10}  hf engine: on the host (CPU memory), no GPU memory")
     elif plan.engine_name == "sglang":
         lines.append(f"{'engine':<10}  sglang, sync_mode=distributed: on GPUs of its own beside the trainer's "
                      f"(rollout.sglang.tp_size of them), not planned here")
-    lines.append(f"{'reserve':<10}{'':>9}{'':>9}{'':>8}{'':>11}{'':>13}{g(plan.reserve):>8}   CUDA context, NCCL, "
-                 f"allocator slack" + (", SGLang graphs" if plan.engine else ""))
+    lines.append(f"{'reserve':<10}{'':>9}{'':>9}{'':>8}{'':>11}{'':>13}{g(plan.reserve):>8}   " + (
+        "CUDA context, NCCL, allocator slack" + (", SGLang graphs" if plan.engine else "") if plan.device == "gpu"
+        else "the process: Python, torch, Megatron, gloo"))
     peak = plan.peak_activation
     lines += [
         "",
-        f"per GPU: weights+grads+optimizer {g(plan.static)} + activations {g(peak.activations)} (largest: "
+        f"per {unit}: weights+grads+optimizer {g(plan.static)} + activations {g(peak.activations)} (largest: "
         f"{peak.phase}; phases run one after another)" + (f" + engine {g(plan.engine.pool)}" if plan.engine else "")
-        + f" + reserve {g(plan.reserve)} = {g(plan.total)} GiB of {g(plan.gpu_mem)} GiB",
+        + (f" + hf engine {g(plan.host_engine)}" if plan.host_engine else "") + f" + reserve {g(plan.reserve)} = {g(plan.total)} GiB of {g(plan.gpu_mem)} GiB",
     ]
     if plan.fits:
         lines.append(f"fits: {g(plan.gpu_mem - plan.total)} GiB to spare")

@@ -2,26 +2,50 @@
 # megappo on one node: torchrun starts NPROC ranks of `megappo train` (one per GPU; on a CPU
 # machine, gloo ranks).
 #
-#   tools/launch/torchrun_1node.sh NPROC RECIPE.yaml [key.sub=value ...] [--world-size N]
-#   tools/launch/torchrun_1node.sh 8 recipes/qwen2.5-7b-ppo-8gpu.yaml run.output_dir=runs/q7b
+#   tools/launch/torchrun_1node.sh [NPROC] RECIPE.yaml [--variant NAME] [key.sub=value ...] [--world-size N]
+#   tools/launch/torchrun_1node.sh recipes/qwen2.5-7b-ppo-8gpu.yaml run.output_dir=runs/q7b
+#   tools/launch/torchrun_1node.sh recipes/qwen2.5-7b-ppo-8gpu.yaml --variant 4gpu
 #
-# Everything after the recipe goes to `megappo train` unchanged (dotted overrides). NPROC
-# must be a multiple of parallel.tp * parallel.pp; the rest is data parallelism. Check the
-# layout and the memory first: `megappo plan RECIPE.yaml --world-size NPROC`.
+# NPROC defaults to the recipe's hardware.gpus_per_node (`megappo hardware RECIPE ...` reads it, the
+# variant and overrides applied); a recipe sized for several nodes is refused without NPROC (use
+# tools/launch/slurm_multinode.sbatch). Everything after the recipe goes to `megappo train` unchanged;
+# an NPROC other than the recipe's hardware gets a warning from `megappo train` that names the fix.
+# NPROC must be a multiple of parallel.tp * parallel.pp; the rest is data parallelism. Check the
+# layout and the memory first: `megappo plan RECIPE.yaml [--variant NAME]` (docs/planner.md).
 # Rendezvous is torchrun's --standalone (a free local port), so several single-node runs can
 # share a machine. OMP_NUM_THREADS defaults to the cores per rank; set it to override.
 set -euo pipefail
 
-if [ "$#" -lt 2 ]; then
-    echo "usage: $0 NPROC RECIPE.yaml [key.sub=value ...]" >&2
+if [ "$#" -lt 1 ]; then
+    echo "usage: $0 [NPROC] RECIPE.yaml [--variant NAME] [key.sub=value ...]" >&2
     exit 2
 fi
-NPROC=$1
-RECIPE=$2
-shift 2
-case "$NPROC" in
-    ''|*[!0-9]*) echo "$0: NPROC must be a number of ranks, got '$NPROC'" >&2; exit 2 ;;
+NPROC=
+case "$1" in
+    *.yaml|*.yml) ;;
+    ''|*[!0-9]*) echo "$0: NPROC must be a number of ranks (or leave it out: the recipe's hardware), got '$1'" >&2
+                 exit 2 ;;
+    *) NPROC=$1; shift ;;
 esac
+if [ "$#" -lt 1 ]; then
+    echo "usage: $0 [NPROC] RECIPE.yaml [--variant NAME] [key.sub=value ...]" >&2
+    exit 2
+fi
+RECIPE=$1
+shift
+
+if [ -z "$NPROC" ]; then
+    # MEGAPPO_NODES, MEGAPPO_GPUS_PER_NODE, MEGAPPO_WORLD_SIZE, ... of the recipe (variant and overrides applied)
+    HARDWARE=$("${PYTHON:-python}" -m megappo.cli hardware "$RECIPE" "$@") || exit $?
+    eval "$HARDWARE"
+    if [ "$MEGAPPO_NODES" -gt 1 ]; then
+        echo "$0: $RECIPE is sized for $MEGAPPO_NODES nodes x $MEGAPPO_GPUS_PER_NODE GPUs (its hardware section)." \
+             "Fix: launch it with tools/launch/slurm_multinode.sbatch, or give NPROC to run it on this node" \
+             "(plan that first: megappo plan $RECIPE --world-size NPROC)." >&2
+        exit 2
+    fi
+    NPROC=$MEGAPPO_GPUS_PER_NODE
+fi
 
 CORES=$(nproc 2>/dev/null || echo 1)
 PER_RANK=$(( CORES / NPROC ))
