@@ -137,7 +137,8 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
 # -- built-in sources -----------------------------------------------------------------------
 
 def digit_successor_rows(size: int, seed: int) -> list[dict]:
-    """The CPU demo task: 'Next digit after 3?' -> '4' (9 -> 0). Random policy: ~1/11 reward."""
+    """The CPU demo task: '3>' -> '4' then EOS (9 -> 0); scored by rewards.digit_successor (a random
+    policy over the 19-token demo vocabulary: about 0.03)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(size):
