@@ -210,14 +210,23 @@ def run_reporting_errors(func, *args) -> int:
     try:
         return func(*args)
     except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
+        _end_progress_line()
         print(f"megappo: error: {e}", file=sys.stderr, flush=True)
         return 2
     except RuntimeError as e:
         failure = _run_failure(e)
+        _end_progress_line()
         if failure is None:
             raise
         print(f"megappo: error: {failure[0]}", file=sys.stderr, flush=True)
         return failure[1]
+
+
+def _end_progress_line() -> None:
+    """An error message starts on its own line, not after the live progress bar."""
+    metrics = sys.modules.get("megappo.metrics")  # not imported: no bar was drawn
+    if metrics:
+        metrics.end_live_line()
 
 
 def _run_failure(e: RuntimeError) -> tuple[RuntimeError, int] | None:
