@@ -68,6 +68,8 @@ def test_demo_recipe_learns(demo_run):
 def test_exported_demo_policy_answers_with_plain_transformers(demo_run, tmp_path):
     """`megappo export` writes a directory that transformers alone loads (model and the built-in
     tokenizer); greedy decoding answers each prompt with the next digit and stops (EOS)."""
+    code, out = cli("export", str(demo_run), str(tmp_path / "bad"), "--tp", "3")  # the fix names the flag
+    assert code == 2 and "Fix: choose --tp from [1, 2]" in out and "Traceback" not in out, out
     out_dir = tmp_path / "hf"
     code, out = cli("export", str(demo_run), str(out_dir))
     assert code == 0, out[-6000:]
