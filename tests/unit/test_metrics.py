@@ -141,3 +141,55 @@ def test_plot_tolerates_repeated_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "subplots", spy)
     plot_run(str(tmp_path))
     assert list(shown[0].lines[0].get_xdata()) == [1, 2, 3, 4]
+
+
+class _Stream:
+    """A stream that says whether it is a terminal and keeps what was written."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_on_a_terminal_is_one_line_rewritten(tmp_path, capsys):
+    from megappo.metrics import console
+
+    stream = _Stream(tty=True)
+    bar = Progress(total=4, stream=stream)
+    log = MetricLogger(str(tmp_path), ["console"], progress=bar)
+    for step in (1, 2):
+        log.log(step, {"critic/score/mean": 0.5})
+        bar.update(step)
+    console("saved checkpoint x")
+    bar.close()
+    assert "\n" not in stream.text[:-1] and stream.text.endswith("\n")  # the bar never took a new line
+    assert stream.text.count("\r[") >= 2 and "] 2/4 steps" in stream.text
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["step 1: critic/score/mean=0.5", "step 2: critic/score/mean=0.5",
+                                "saved checkpoint x"]  # no progress text in the step lines
+
+
+def test_progress_in_a_log_file_is_part_of_the_step_line(tmp_path, capsys):
+    stream = _Stream(tty=False)
+    bar = Progress(total=4, stream=stream)
+    log = MetricLogger(str(tmp_path), ["console"], progress=bar)
+    log.log(0, {"val/score/mean": 0.1})  # validation before training: no progress yet
+    for step in (1, 2):
+        log.log(step, {"critic/score/mean": 0.5})
+        bar.update(step)
+    bar.close()
+    assert stream.text == ""
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step 0: val/score/mean=0.1"
+    assert [line.split("  | ")[1].split("  ")[0] for line in lines[1:]] == ["1/4 steps", "2/4 steps"]
+    alone = _Stream(tty=False)  # without the console sink the bar's text is its own line per step
+    Progress(total=4, stream=alone).update(1)
+    assert alone.text.startswith("[######------------------] 1/4 steps") and alone.text.endswith("\n")
