@@ -56,8 +56,10 @@ class MetricLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError("logging.sinks tensorboard needs the tensorboard package: pip install tensorboard") from e
-            # a resumed run drops the events logged after its checkpoint, as metrics.jsonl does
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else 0)
+            # a resumed run drops the events logged after its checkpoint (all, on a fresh start), as
+            # metrics.jsonl does
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                     purge_step=resume_step + 1 if resume_step else 0)
         self._wandb = None
         if "wandb" in sinks:
             try:

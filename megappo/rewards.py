@@ -12,7 +12,7 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `math_boxed` | the content of the last `\\boxed{...}` equals the ground truth after light normalisation |
 | `exact_match` | the stripped response equals the stripped ground truth |
 | `reasoning_gym` | reasoning-gym's own scorer for the task in `extra["task"]` (entry in `extra["entry"]`) |
-| `digit_successor` | the CPU demo task: 1 when the response is the digit (d + 1) mod 10 and then EOS; 0.5 when it starts with that digit but does not stop there |
+| `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 
 This module does not know about tokenizers, models or process groups.
 """

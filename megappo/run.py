@@ -132,7 +132,8 @@ class Run:
         the built-in tokenizer's as HF files."""
         if self.cfg.model.path:
             return read_aux_files(self.cfg.model.path)
-        return builtin_tokenizer_files(self.tokenizer) if (self.cfg.model.tokenizer or "").startswith("builtin:") else {}
+        builtin = (self.cfg.model.tokenizer or "").startswith("builtin:")
+        return builtin_tokenizer_files(self.tokenizer) if builtin else {}
 
 
 def _trained(actor: PolicyWorker, critic: ValueWorker | None) -> dict:

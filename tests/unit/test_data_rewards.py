@@ -98,7 +98,8 @@ def test_reward_functions_by_hand():
     assert last_boxed("x \\boxed{\\frac{1}{2}} y") == "\\frac{1}{2}"
     assert math_boxed("$\\boxed{\\dfrac{1}{2}}$", "\\frac{1}{2}", {}) == 1.0
     assert math_boxed("no box", "1", {}) == 0.0
-    assert score_batch(["exact_match", "digit_successor"], [0.5, 1.0], ["4"], ["4"], [{"finish_reason": "stop"}]) == [1.5]
+    stopped = {"finish_reason": "stop"}
+    assert score_batch(["exact_match", "digit_successor"], [0.5, 1.0], ["4"], ["4"], [stopped]) == [1.5]
     with pytest.raises(ValueError, match="unknown reward function 'bleu'"):
         score_batch(["bleu"], None, ["x"], ["x"], [{}])
 
