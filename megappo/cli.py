@@ -160,7 +160,7 @@ def cmd_export(args) -> int:
     from megappo.parallel.launch import ensure_ranks
 
     ckpt = os.path.join(resolve_checkpoint(args.checkpoint), args.role)
-    ModelDims(**read_metadata(ckpt)["dims"]).check_layout(args.tp, args.pp)
+    ModelDims(**read_metadata(ckpt)["dims"]).check_layout(args.tp, args.pp, names=("--tp", "--pp"))
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp)
     from megappo.convert import megatron_to_hf
@@ -181,13 +181,26 @@ def cmd_plot(args) -> int:
     return 0
 
 
+#: where every recipe key is described (the help texts point there)
+CONFIG_REFERENCE = "docs/config.md"
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="megappo", description="PPO for language models on Megatron-Core")
+    from megappo import __version__
+
+    parser = argparse.ArgumentParser(prog="megappo", description="PPO for language models on Megatron-Core",
+                                     epilog=f"Recipe keys, their defaults and meaning: {CONFIG_REFERENCE}. "
+                                            "Help on a command: megappo COMMAND --help.")
+    parser.add_argument("--version", action="version", version=f"megappo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     smoke = sub.add_parser("smoke", help="CPU smoke job: tiny model, TP=2 conversion round trip, greedy decode")
     smoke.add_argument("--output-dir", default="runs/smoke")
     smoke.set_defaults(func=cmd_smoke)
-    train = sub.add_parser("train", help="run PPO from a recipe: megappo train RECIPE.yaml [key.sub=value ...]")
+    train = sub.add_parser("train", help="run PPO from a recipe: megappo train RECIPE.yaml [key.sub=value ...]",
+                           description="Run PPO (GRPO, ...) from a recipe, with dotted overrides; rerunning the same "
+                                       "command resumes from the latest checkpoint.",
+                           epilog=f"Every recipe key, its default and meaning: {CONFIG_REFERENCE}. "
+                                  "Example: megappo train recipes/demo-cpu.yaml run.total_steps=20")
     train.add_argument("recipe")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
     train.add_argument("--world-size", type=int, default=None,
@@ -244,14 +257,23 @@ def run_reporting_errors(func, *args) -> int:
     try:
         return func(*args)
     except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
+        _end_progress_line()
         print(f"megappo: error: {e}", file=sys.stderr, flush=True)
         return 2
     except RuntimeError as e:
         failure = _run_failure(e)
+        _end_progress_line()
         if failure is None:
             raise
         print(f"megappo: error: {failure[0]}", file=sys.stderr, flush=True)
         return failure[1]
+
+
+def _end_progress_line() -> None:
+    """An error message starts on its own line, not after the live progress bar."""
+    metrics = sys.modules.get("megappo.metrics")  # not imported: no bar was drawn
+    if metrics:
+        metrics.end_live_line()
 
 
 def _run_failure(e: RuntimeError) -> tuple[RuntimeError, int] | None:

@@ -154,7 +154,7 @@ def random_policy_score(rows: Sequence[dict], reward_fn, tokenizer, max_new_toke
     """The exact mean score of a policy that draws every response token uniformly from the
     vocabulary (`vocab_size`, default the tokenizer's), stopping at EOS or after
     `max_new_tokens`, scored like the trainer scores: `reward_fn(text, ground_truth, extra)` on
-    the response decoded without special tokens. Enumerates every response, so only for tiny
+    the response decoded without special tokens, with its finish reason in `extra`. Enumerates every response, so only for tiny
     vocabularies and lengths (the demo: 19 tokens, 2 new tokens, 361 responses per prompt).
     The demo docs quote this number; a unit test keeps them equal."""
     vocab = vocab_size or len(tokenizer)
@@ -169,7 +169,8 @@ def random_policy_score(rows: Sequence[dict], reward_fn, tokenizer, max_new_toke
             responses.append((ids, float(vocab) ** -len(ids)))
         else:
             frontier.extend(ids + [t] for t in range(vocab))
-    texts = [(tokenizer.decode(ids, skip_special_tokens=True), p) for ids, p in responses]
+    texts = [(tokenizer.decode(ids, skip_special_tokens=True), "stop" if ids[-1] == eos else "length", p)
+             for ids, p in responses]
     def key(row):
         return json.dumps([row["prompt"], (row.get("reward_model") or {}).get("ground_truth")], sort_keys=True)
 
@@ -178,7 +179,7 @@ def random_policy_score(rows: Sequence[dict], reward_fn, tokenizer, max_new_toke
     total = 0.0
     for k, row in distinct.items():  # each distinct prompt once, weighed by how often it occurs
         gt, extra = (row.get("reward_model") or {}).get("ground_truth"), dict(row.get("extra_info") or {})
-        total += counts[k] * sum(p * reward_fn(text, gt, extra) for text, p in texts)
+        total += counts[k] * sum(p * reward_fn(text, gt, dict(extra, finish_reason=reason)) for text, reason, p in texts)
     return total / len(rows)
 
 

@@ -2,10 +2,13 @@
 
 Metric names follow verl's namespaces (`actor/pg_loss`, `critic/vf_loss`,
 `critic/score/mean`, `timing_s/gen`, `perf/throughput`, ...). Only global rank 0 logs.
-`MetricLogger(run_dir, sinks)` writes one JSON object per step to `run_dir/metrics.jsonl`
-(appending, so a resumed run continues the same file) and to the other sinks; `Progress`
-prints a one-line bar with the ETA; `plot_run(run_dir)` draws reward, KL, entropy,
-response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
+`MetricLogger(run_dir, sinks, resume_step=N)` writes one JSON object per step to
+`run_dir/metrics.jsonl` and to the other sinks; on opening it keeps only the records of steps
+<= N (the checkpoint a run resumes from; none for a run that starts at step 0, even when an
+earlier attempt stopped before its first checkpoint), so every step is in the file once.
+`read_metrics` keeps the last record of a step should a file still hold repeats (one written
+before that rule). `Progress` is the bar with the ETA; `plot_run(run_dir)` draws reward, KL,
+entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
 
 This module does not know about models, PPO math or process groups.
 """
@@ -31,18 +34,21 @@ CONSOLE_KEYS = (
 
 class MetricLogger:
     def __init__(self, run_dir: str, sinks: Iterable[str] = ("console", "jsonl"), *, project: str = "megappo",
-                 run_name: str | None = None, config: Mapping | None = None, resume_step: int = 0):
+                 run_name: str | None = None, config: Mapping | None = None, resume_step: int = 0,
+                 progress: Progress | None = None):
         sinks = list(sinks)
         unknown = [s for s in sinks if s not in SINKS]
         if unknown:
             raise ValueError(f"unknown logging sink(s) {unknown}; choose from {list(SINKS)} (logging.sinks)")
-        self.run_dir, self.sinks = run_dir, sinks
+        self.run_dir, self.sinks, self.progress = run_dir, sinks, progress
+        if progress is not None and "console" in sinks:
+            progress.in_step_line = True
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = None
         if "jsonl" in sinks:
             path = os.path.join(run_dir, "metrics.jsonl")
-            if resume_step and os.path.exists(path):
-                _truncate_after(path, resume_step)  # a resumed run rewrites steps after its checkpoint
+            if os.path.exists(path):  # steps after the checkpoint (all, without one) are logged again
+                _truncate_after(path, resume_step)
             self._jsonl = open(path, "a")
         self._tb = None
         if "tensorboard" in sinks:
@@ -50,9 +56,10 @@ class MetricLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ImportError("logging.sinks tensorboard needs the tensorboard package: pip install tensorboard") from e
-            # a resumed run drops the events logged after its checkpoint, as metrics.jsonl does
+            # a resumed run drops the events logged after its checkpoint (all, on a fresh start), as
+            # metrics.jsonl does
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"),
-                                     purge_step=resume_step + 1 if resume_step else None)
+                                     purge_step=resume_step + 1 if resume_step else 0)
         self._wandb = None
         if "wandb" in sinks:
             try:
@@ -79,7 +86,11 @@ class MetricLogger:
             shown = " ".join(f"{k}={clean[k]:.4g}" for k in CONSOLE_KEYS if k in clean)
             skipped = [k for k in ("actor/skipped_steps", "critic/skipped_steps") if clean.get(k)]
             note = f" | SKIPPED updates ({', '.join(skipped)}): non-finite loss or gradients" if skipped else ""
-            print(f"step {step}: {shown}{note}", flush=True)
+            line = f"step {step}: {shown}{note}"
+            bar = self.progress
+            if bar is not None and bar.enabled and not bar.live and step > bar.start:
+                line += "  | " + bar.text(step, bar=False)  # no live bar: the step line has its text
+            console(line)
 
     def close(self) -> None:
         if self._jsonl:
@@ -100,29 +111,114 @@ def _wandb_run_id(run_dir: str) -> str:
 
 
 def _truncate_after(path: str, step: int) -> None:
+    """Keep the records of steps <= `step` (none for 0: a run from scratch logs step 0 again),
+    each once; written to a temporary file and renamed, so a kill leaves the old or the new file."""
+    keep = _last_per_step(_read_jsonl(path), upto=step if step else -1)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(tmp, path)
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    rows = []
     with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(keep)
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+    return [r for r in rows if isinstance(r, dict) and "step" in r]
+
+
+def _last_per_step(rows: list[dict], upto: float = math.inf) -> list[dict]:
+    """The last record of each step <= `upto`, by step."""
+    last = {r["step"]: r for r in rows if r["step"] <= upto}
+    return [last[s] for s in sorted(last)]
 
 
 class Progress:
-    """`[#####-----] 12/40 steps  1.9 s/step  ETA 53s` on one line (rank 0)."""
+    """`[#####-----] 12/40 steps  1.9 s/step  ETA 53s` (rank 0).
 
-    def __init__(self, total: int, start: int = 0, enabled: bool = True, width: int = 24):
+    On a terminal (the stream is a TTY) the bar is one line redrawn in place (`\\r`) below the
+    step lines; `console(text)` prints other lines above it. Elsewhere (a log file, a pipe) the
+    bar draws nothing: the step line of the console sink carries its text (`MetricLogger(...,
+    progress=)`), or, without that sink, the bar's text is printed as a line per step. Either
+    way a step is one line in a log.
+    """
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, width: int = 24, stream=None):
         self.total, self.done, self.enabled, self.width = total, start, enabled, width
-        self._t0, self._start = time.time(), start
+        self._t0, self.start = time.time(), start
+        self.stream = stream or sys.stderr
+        self.live = enabled and _isatty(self.stream)
+        self.in_step_line = False  # the console sink shows the text in its step lines
+        self._drawn: str | None = None
+
+    def text(self, step: int, bar: bool = True) -> str:
+        rate = (time.time() - self._t0) / max(step - self.start, 1)
+        left = rate * (self.total - step)
+        filled = int(self.width * step / max(self.total, 1))
+        head = f"[{'#' * filled}{'-' * (self.width - filled)}] " if bar else ""
+        return f"{head}{step}/{self.total} steps  {rate:.1f} s/step  ETA {_fmt_seconds(left)}"
 
     def update(self, step: int) -> str:
         self.done = step
-        rate = (time.time() - self._t0) / max(step - self._start, 1)
-        left = rate * (self.total - step)
-        filled = int(self.width * step / max(self.total, 1))
-        line = (f"[{'#' * filled}{'-' * (self.width - filled)}] {step}/{self.total} steps  "
-                f"{rate:.1f} s/step  ETA {_fmt_seconds(left)}")
-        if self.enabled:
-            print(line, file=sys.stderr, flush=True)
+        line = self.text(step)
+        if self.live:
+            self._draw(line)
+        elif self.enabled and not self.in_step_line:
+            print(line, file=self.stream, flush=True)
         return line
+
+    def _draw(self, line: str) -> None:
+        global _LIVE
+        self.stream.write(f"\r{line}\x1b[K")
+        self.stream.flush()
+        self._drawn, _LIVE = line, self
+
+    def clear(self) -> None:
+        """Erase the bar (a line printed next goes where it was)."""
+        if self._drawn is not None:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Leave the last bar on its line and end it, so later output starts on a new line."""
+        global _LIVE
+        if self._drawn is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+        self._drawn = None
+        if _LIVE is self:
+            _LIVE = None
+
+
+#: the bar drawn on the terminal now, if any (rank 0)
+_LIVE: Progress | None = None
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def console(text: str, file=None) -> None:
+    """Print a line (stdout by default) above the live progress bar, which is redrawn below it."""
+    bar = _LIVE
+    if bar is not None:
+        bar.clear()
+    print(text, file=file or sys.stdout, flush=True)
+    if bar is not None and bar._drawn is not None:
+        bar._draw(bar._drawn)
+
+
+def end_live_line() -> None:
+    """End the live bar's line (before an error message), leaving it as it was."""
+    if _LIVE is not None:
+        _LIVE.close()
 
 
 def _fmt_seconds(s: float) -> str:
@@ -145,8 +241,7 @@ def read_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}'; is it a megappo run directory (run.output_dir)?")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return _last_per_step(_read_jsonl(path))  # a restarted run's repeated steps: the last record counts
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:

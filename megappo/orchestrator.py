@@ -110,9 +110,9 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None) -> to
     scores = torch.zeros(batch.num_samples)
     if cfg.functions:
         texts = run.tokenizer.batch_decode(batch.response_ids * batch.response_mask, skip_special_tokens=True)
+        extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
         scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, texts,
-                                           [e.ground_truth for e in batch.examples],
-                                           [e.extra for e in batch.examples]))
+                                           [e.ground_truth for e in batch.examples], extras))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
     return scores

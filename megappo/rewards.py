@@ -1,7 +1,9 @@
 """Rule-based reward functions, chosen by name from an explicit registry.
 
 Every function has the signature `fn(response: str, ground_truth, extra: dict) -> float`
-and returns a score in [0, 1] (1 = correct). `score_batch(names, weights, ...)` combines
+and returns a score in [0, 1] (1 = correct). `response` is the decoded text without special
+tokens; `extra` is the row's `extra_info` plus `finish_reason`: "stop" when the response ended
+with an EOS / stop token, "length" when it ran into rollout.max_new_tokens. `score_batch(names, weights, ...)` combines
 several of them (weighted sum); the reward-model worker's scores are added by the trainer.
 
 | name | what it checks |
@@ -10,7 +12,7 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `math_boxed` | the content of the last `\\boxed{...}` equals the ground truth after light normalisation |
 | `exact_match` | the stripped response equals the stripped ground truth |
 | `reasoning_gym` | reasoning-gym's own scorer for the task in `extra["task"]` (entry in `extra["entry"]`) |
-| `digit_successor` | the CPU demo task: the first digit of the response is (d + 1) mod 10 for the digit d of the prompt |
+| `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 
 This module does not know about tokenizers, models or process groups.
 """
@@ -79,9 +81,16 @@ def reasoning_gym_score(response: str, ground_truth: Any, extra: dict) -> float:
     return float(reasoning_gym_scorer(extra["task"])(response, extra["entry"]))
 
 
+#: the demo's score for the right digit that is not followed by EOS (as a format score: the
+#: answer is there, but a user of the exported model would read junk after it)
+DIGIT_NOT_STOPPED = 0.5
+
+
 def digit_successor(response: str, ground_truth: Any, extra: dict) -> float:
-    digits = [c for c in response if c.isdigit()]
-    return 1.0 if digits and digits[0] == str(ground_truth) else 0.0
+    if not response.startswith(str(ground_truth)):
+        return 0.0
+    stopped = response == str(ground_truth) and extra.get("finish_reason", "stop") == "stop"
+    return 1.0 if stopped else DIGIT_NOT_STOPPED
 
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {

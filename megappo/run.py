@@ -23,7 +23,7 @@ import torch
 from megappo import checkpointing
 from megappo.config import Config
 from megappo.data import PromptSampler, build_prompts, builtin_rows, load_rows
-from megappo.metrics import MetricLogger, Progress
+from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
@@ -33,7 +33,7 @@ from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
-from megappo.tokenizer import check_vocab, load_tokenizer
+from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.workers import PolicyWorker, ValueWorker
 
 
@@ -100,12 +100,14 @@ class Run:
                                   keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step = step
         if self.ps.is_rank0:
-            print(f"saved checkpoint {path}", flush=True)
+            console(f"saved checkpoint {path}")  # above the progress bar
         return path
 
     def finish(self) -> None:
         """Collective: the final checkpoint (unless this step was just saved), the HF export if
         asked for, and close the logger."""
+        if self.progress:
+            self.progress.close()  # the last bar stays; what follows starts on a new line
         if self.last_saved_step != self.total_steps:
             self.save_checkpoint(self.total_steps)
         if self.cfg.checkpoint.save_hf_at_end:
@@ -126,7 +128,12 @@ class Run:
             print(f"exported HF model directories to {path}", flush=True)
 
     def _hf_files(self) -> dict:
-        return read_aux_files(self.cfg.model.path) if self.cfg.model.path else {}
+        """Tokenizer and generation files an exported model carries: the model directory's, or
+        the built-in tokenizer's as HF files."""
+        if self.cfg.model.path:
+            return read_aux_files(self.cfg.model.path)
+        builtin = (self.cfg.model.tokenizer or "").startswith("builtin:")
+        return builtin_tokenizer_files(self.tokenizer) if builtin else {}
 
 
 def _trained(actor: PolicyWorker, critic: ValueWorker | None) -> dict:
@@ -163,6 +170,8 @@ def create_run(cfg: Config) -> Run:
     dims = dims_from_hf(hf_config, cfg.model.arch)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     check_vocab(tokenizer, dims.vocab_size)
+    if not cfg.model.path:  # a model from config: exports name the tokenizer's special tokens
+        hf_config = {**special_token_ids(tokenizer), **hf_config}
 
     # prompts (rank 0 owns them)
     train_examples, val_examples, sampler, data_stats = [], [], None, {}
@@ -243,14 +252,16 @@ def create_run(cfg: Config) -> Run:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
         with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=2)
-        logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
-                              run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step)
         progress = Progress(total_steps, start=start_step, enabled=cfg.logging.progress_bar)
+        logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
+                              run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step,
+                              progress=progress)
         if resume:
             print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
-        print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)} "
-              f"(long prompts: {data_stats}) | steps={total_steps} | critic={'on' if critic else 'off'} "
-              f"ref={'on' if ref else 'off'} | estimator={cfg.algorithm.adv_estimator}", flush=True)
+        print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)}"
+              f"{_long_prompts_note(data_stats, cfg.data.max_prompt_length)} | steps={total_steps} | "
+              f"critic={'on' if critic else 'off'} ref={'on' if ref else 'off'} | "
+              f"estimator={cfg.algorithm.adv_estimator}", flush=True)
         if len(layouts) > 1:
             print("megappo: per-role layouts: " + ", ".join(
                 f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
@@ -261,6 +272,13 @@ def create_run(cfg: Config) -> Run:
                engine=engine, bridge=bridge, train_examples=train_examples, val_examples=val_examples,
                sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps,
                start_step=start_step, nan_skips=nan_skips, last_saved_step=start_step if resume else None)
+
+
+def _long_prompts_note(stats: dict[str, int], limit: int) -> str:
+    """' (4 truncated to data.max_prompt_length=512)', or '' when no prompt was too long."""
+    done = [f"{n} {what}" for what, n in (("skipped", stats.get("skipped_long", 0)),
+                                          ("truncated", stats.get("truncated_long", 0))) if n]
+    return f" ({', '.join(done)}: longer than data.max_prompt_length={limit})" if done else ""
 
 
 def _build_engine(cfg: Config, hf_model, tokenizer):

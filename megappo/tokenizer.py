@@ -4,13 +4,18 @@
 builds a character-level tokenizer over digits and a few symbols in memory, with
 <pad>=0, <eos>=1, <bos>=2 (no download, no files). The model's vocab must cover the
 tokenizer's (`check_vocab`). `check_tokenizer_spec(spec)` is the cheap check before any rank
-starts (a known built-in name, or an existing directory).
+starts (a known built-in name, or an existing directory). `builtin_tokenizer_files(tok)` are
+the files an exported model directory carries for a built-in tokenizer (tokenizer.json,
+tokenizer_config.json, special_tokens_map.json, generation_config.json), which
+`transformers.AutoTokenizer.from_pretrained` loads with the same ids; `special_token_ids(tok)`
+are the ids config.json names.
 
 This module does not know about models or training.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 from megappo.config import ConfigError
@@ -31,6 +36,30 @@ def char_tokenizer(alphabet: str):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
     fast.clean_up_tokenization_spaces = False
     return fast
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """{"bos_token_id", "eos_token_id", "pad_token_id"}: those the tokenizer has."""
+    ids = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def builtin_tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """A built-in tokenizer as the files of an HF model directory (name -> content).
+
+    tokenizer.json is the `tokenizers` library's own serialisation (character-level WordLevel
+    vocabulary, same ids); tokenizer_config.json names the generic fast tokenizer class and
+    the special tokens, so `AutoTokenizer.from_pretrained(dir)` needs no megappo code."""
+    special = {f"{name}_token": getattr(tokenizer, f"{name}_token") for name in ("bos", "eos", "pad")}
+    special = {k: v for k, v in special.items() if v is not None}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **special}
+
+    def dump(obj) -> bytes:
+        return (json.dumps(obj, indent=2) + "\n").encode()
+
+    return {"tokenizer.json": tokenizer.backend_tokenizer.to_str(pretty=True).encode(),
+            "tokenizer_config.json": dump(config), "special_tokens_map.json": dump(special),
+            "generation_config.json": dump(special_token_ids(tokenizer))}
 
 
 def _unknown_builtin(spec: str) -> ConfigError:

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main():
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
@@ -30,14 +30,24 @@ def main():
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args()
 
+    from megappo.cli import run_reporting_errors
+
+    # a user's mistake is one line naming the flag to fix and exit code 2, on every rank
+    return run_reporting_errors(convert, args)
+
+
+def convert(args) -> int:
     from megappo.convert import check_output_dir
-    from megappo.models.hf_config import dims_from_hf, load_hf_config
+    from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
     from megappo.models.weights import HFWeights
     from megappo.parallel.launch import ensure_ranks
 
     # every input check before any rank starts
+    if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
+        raise ModelConfigError(f"--hf-dir '{args.hf_dir}' has no config.json: not an HF model directory. Fix: pass "
+                               "--hf-dir a directory with config.json and *.safetensors (as save_pretrained writes).")
     dims = dims_from_hf(load_hf_config(args.hf_dir), args.arch)
-    dims.check_layout(args.tp, args.pp)
+    dims.check_layout(args.tp, args.pp, names=("--tp", "--pp"))
     HFWeights(args.hf_dir)
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp)
@@ -53,7 +63,8 @@ def main():
         if args.verify:
             print("verify: " + json.dumps(results))
     destroy_parallel()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main():
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
@@ -28,12 +28,27 @@ def main():
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args()
 
+    from megappo.cli import run_reporting_errors
+
+    # a user's mistake is one line naming the flag to fix and exit code 2, on every rank
+    return run_reporting_errors(convert, args)
+
+
+def convert(args) -> int:
+    from megappo.checkpointing import STATE_FILE
     from megappo.convert import check_output_dir
-    from megappo.models.checkpoint import read_metadata
-    from megappo.models.hf_config import ModelDims
+    from megappo.models.checkpoint import META_FILE, read_metadata
+    from megappo.models.hf_config import ModelConfigError, ModelDims
     from megappo.parallel.launch import ensure_ranks
 
-    ModelDims(**read_metadata(args.ckpt)["dims"]).check_layout(args.tp, args.pp)
+    if not os.path.isfile(os.path.join(args.ckpt, META_FILE)):
+        trainer = any(os.path.isfile(os.path.join(d, STATE_FILE)) for d in (args.ckpt, os.path.dirname(args.ckpt)))
+        hint = (f"it is a trainer checkpoint: pass --ckpt {os.path.join(args.ckpt, 'actor')} (or critic), or use "
+                f"`megappo export {args.ckpt} OUT`" if trainer else
+                "pass --ckpt a directory written by tools/convert_hf_to_megatron.py or a trainer checkpoint's "
+                "actor/ or critic/ directory")
+        raise ModelConfigError(f"--ckpt '{args.ckpt}' is not a megappo model checkpoint (no {META_FILE}). Fix: {hint}.")
+    ModelDims(**read_metadata(args.ckpt)["dims"]).check_layout(args.tp, args.pp, names=("--tp", "--pp"))
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp)
 
@@ -48,7 +63,8 @@ def main():
         if args.verify:
             print("verify: " + json.dumps(results))
     destroy_parallel()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -58,8 +58,10 @@ class ModelDims:
         multiple = divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def check_layout(self, tp: int, pp: int, vpp: int | None = None) -> None:
-        """Raise ModelConfigError when TP/PP (and VPP) do not divide this model."""
+    def check_layout(self, tp: int, pp: int, vpp: int | None = None,
+                     names: tuple[str, str] = ("parallel.tp", "parallel.pp")) -> None:
+        """Raise ModelConfigError when TP/PP (and VPP) do not divide this model; the fix names
+        the settings as `names` (the command-line tools: ("--tp", "--pp"))."""
         problems = []
         if self.num_heads % tp:
             problems.append(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}")
@@ -80,7 +82,7 @@ class ModelDims:
             valid_pp = [p for p in range(1, self.num_layers + 1) if self.num_layers % p == 0]
             raise ModelConfigError(
                 "the parallel layout does not fit the model: " + "; ".join(problems)
-                + f". Fix: choose parallel.tp from {valid_tp} and parallel.pp from {valid_pp}."
+                + f". Fix: choose {names[0]} from {valid_tp} and {names[1]} from {valid_pp}."
             )
 
 

@@ -162,18 +162,47 @@ class SGLangEngine:
                     f"--nproc-per-node), lower rollout.sglang.tp_size, or use rollout.sync_mode=tensor (colocated).")
         else:
             _cpu_environment(self.tp_size)
-        args.setdefault("custom_sigquit_handler", self._on_engine_death)
+        args.setdefault("custom_sigquit_handler", self._on_death_while_starting)
         sgl = _import_sglang()
         with outside_torchrun_store():
-            self.engine = sgl.Engine(**args)
+            self._in_call = True
+            try:
+                self.engine = sgl.Engine(**args)
+            finally:
+                self._in_call = False
+        self._watch_running_engine()
 
-    def _on_engine_death(self, signum, frame) -> None:
-        """SIGQUIT from SGLang's watchdog: a scheduler or detokenizer process died."""
-        self._crash = ("the sglang rollout engine crashed: one of its processes (scheduler or detokenizer) died; "
-                       "its log above says why. The engine cannot be used any more; rerun to resume from the "
-                       "last checkpoint.")
+    _CRASHED = ("the sglang rollout engine crashed: one of its processes (scheduler or detokenizer) died; its log "
+                "above says why. The engine cannot be used any more; rerun to resume from the last checkpoint.")
+
+    def _on_death_while_starting(self, signum, frame) -> None:
+        """SIGQUIT from an SGLang process that failed during start-up (SGLang's own handler
+        would kill this whole process tree)."""
+        self._crash = self._CRASHED
         if self._in_call:
             raise EngineCrashed(self._crash)
+
+    def _watch_running_engine(self) -> None:
+        """Once running, SGLang's tokenizer manager handles SIGQUIT in its event loop and kills the
+        process tree; replace that handler with one that stops the loop, so the engine call in
+        flight (or the next one) raises EngineCrashed."""
+        import signal
+        import threading
+
+        manager = getattr(self.engine, "tokenizer_manager", None)
+        if manager is None or threading.current_thread() is not threading.main_thread():
+            return
+        manager.auto_create_handle_loop()
+
+        def on_death():
+            self._crash = self._CRASHED
+            watchdog = getattr(manager, "_subprocess_watchdog", None)
+            if watchdog is not None:
+                watchdog.stop()
+            if self._in_call:
+                manager.event_loop.stop()
+
+        manager.event_loop.add_signal_handler(signal.SIGQUIT, on_death)
 
     def _engine_call(self, method: str, *args, **kwargs):
         """Call the sglang.Engine; a crash of its processes raises EngineCrashed, never hangs."""
@@ -182,6 +211,10 @@ class SGLangEngine:
         self._in_call = True
         try:
             return getattr(self.engine, method)(*args, **kwargs)
+        except Exception as e:
+            if self._crash:
+                raise EngineCrashed(self._crash) from e
+            raise
         finally:
             self._in_call = False
 

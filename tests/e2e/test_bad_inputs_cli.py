@@ -92,7 +92,7 @@ def test_non_finite_losses_are_skipped_counted_then_abort(tmp_path):
                         "data.long_prompt_policy=truncate", "reward.functions=[nan]", "run.max_nan_skips=1",
                         "checkpoint.save_every=1", f"run.output_dir={run}", fault="nan_reward")
     assert code == 1 and "Traceback" not in out, out[-4000:]
-    assert "prompts=16 (long prompts: {'skipped_long': 0, 'truncated_long': 4})" in out
+    assert "prompts=16 (4 truncated: longer than data.max_prompt_length=3) |" in out
     assert first_error(out) == ("megappo: error: 2 steps had non-finite losses or gradients (> run.max_nan_skips=1). "
                                 "Fix: lower actor.optim.lr / critic.optim.lr, look for NaN or inf in the rewards and "
                                 "data, or raise run.max_nan_skips.")

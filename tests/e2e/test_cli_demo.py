@@ -1,9 +1,12 @@
-"""The CLI as a user runs it: the smoke job, and the CPU PPO demo learning its task."""
+"""The CLI as a user runs it: the smoke job, the CPU PPO demo learning its task, and its
+trained policy exported and used with plain transformers."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,13 +27,21 @@ def test_smoke_runs_and_decodes_like_transformers(tmp_path):
     assert (tmp_path / "megatron_tp2" / "megappo_model.json").is_file()
 
 
-def test_demo_recipe_learns(tmp_path):
-    """`make demo` (README's quickstart), shortened: PPO with critic+GAE at TP=2 goes from a
-    random policy (`megappo.data.random_policy_score`) to >= 0.8 mean reward, writes metrics
-    and the curves plot."""
-    code, out = cli("train", "recipes/demo-cpu.yaml", f"run.output_dir={tmp_path}", "run.total_steps=100",
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The demo recipe trained once (100 steps), shared by the tests below."""
+    run_dir = tmp_path_factory.mktemp("demo")
+    code, out = cli("train", "recipes/demo-cpu.yaml", f"run.output_dir={run_dir}", "run.total_steps=100",
                     "logging.progress_bar=false")
     assert code == 0, out[-6000:]
+    return run_dir
+
+
+def test_demo_recipe_learns(demo_run):
+    """README's main job, shortened: PPO with critic+GAE at TP=2 goes from a random policy
+    (~0.03 reward) to >= 0.8 mean reward (the right digit, then EOS), writes metrics and the
+    curves plot."""
+    tmp_path = demo_run
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val_rows = [r for r in rows if "val/score/mean" in r]
     rows = [r for r in rows if "critic/score/mean" in r]  # training steps (step 0 is validation only)
@@ -52,6 +63,42 @@ def test_demo_recipe_learns(tmp_path):
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000050", "step_00000100"]
     for role in ("actor", "critic"):
         assert (ckpts / "step_00000100" / role / "megappo_model.json").is_file()
+
+
+def test_exported_demo_policy_answers_with_plain_transformers(demo_run, tmp_path):
+    """`megappo export` writes a directory that transformers alone loads (model and the built-in
+    tokenizer); greedy decoding answers each prompt with the next digit and stops (EOS)."""
+    code, out = cli("export", str(demo_run), str(tmp_path / "bad"), "--tp", "3")  # the fix names the flag
+    assert code == 2 and "Fix: choose --tp from [1, 2]" in out and "Traceback" not in out, out
+    out_dir = tmp_path / "hf"
+    code, out = cli("export", str(demo_run), str(out_dir))
+    assert code == 0, out[-6000:]
+    script = f"""
+import sys
+sys.modules["megappo"] = None  # plain transformers: importing megappo would fail
+import json, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained({str(out_dir)!r})
+model = AutoModelForCausalLM.from_pretrained({str(out_dir)!r}, dtype=torch.float32)
+answers = {{}}
+for d in range(10):
+    ids = tok(f"{{d}}>", return_tensors="pt").input_ids
+    gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    answers[d] = gen[0, ids.shape[1]:].tolist()
+print(json.dumps({{"answers": answers, "eos": tok.eos_token_id, "pad": tok.pad_token_id,
+                  "config_eos": model.config.eos_token_id, "gen_eos": model.generation_config.eos_token_id,
+                  "text": {{d: tok.decode(a, skip_special_tokens=True) for d, a in answers.items()}}}}))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["eos"] == got["config_eos"] == got["gen_eos"] == 1 and got["pad"] == 0
+    for d, ids in got["answers"].items():
+        assert got["text"][d] == str((int(d) + 1) % 10), got
+        assert len(ids) == 2 and ids[1] == got["eos"], f"'{d}>' -> {ids}: not one digit and EOS"
 
 
 def test_bad_recipe_stops_before_any_rank_starts(tmp_path):

@@ -110,3 +110,29 @@ def test_existing_output_is_not_overwritten(tmp_path):
     code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(tmp_path / "hf"), "--out",
                          str(tmp_path / "o"), check=False)
     assert code != 0 and "--overwrite" in out and (tmp_path / "o" / "keep.txt").exists()
+
+
+def test_user_errors_are_one_line_naming_the_flag(tmp_path):
+    """A mistake on the command line: one `megappo: error:` line that names the tool's flag (not the
+    recipe key), exit code 2, no traceback, nothing written."""
+    make_hf_dir(tmp_path / "hf", "llama")
+    cases = [
+        (("convert_hf_to_megatron.py", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")),
+         "--hf-dir '" + str(tmp_path / "nope") + "' has no config.json"),
+        (("convert_hf_to_megatron.py", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "o"), "--tp", "3"),
+         "Fix: choose --tp from [1, 2] and --pp from [1, 2, 4]."),
+        (("convert_megatron_to_hf.py", "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "o")),
+         "is not a megappo model checkpoint (no megappo_model.json). Fix: pass --ckpt a directory"),
+    ]
+    for args, message in cases:
+        code, out = run_tool(*args, check=False)
+        assert code == 2, out
+        assert out.startswith("megappo: error: ") and len(out.strip().splitlines()) == 1, out
+        assert message in out and "Traceback" not in out and "parallel.tp" not in out, out
+        assert not (tmp_path / "o").exists()
+    trainer_step = tmp_path / "run" / "checkpoints" / "step_00000002"  # a trainer checkpoint given as --ckpt
+    (trainer_step / "actor").mkdir(parents=True)
+    (trainer_step / "trainer_state.json").write_text("{}")
+    code, out = run_tool("convert_megatron_to_hf.py", "--ckpt", str(trainer_step), "--out", str(tmp_path / "o"),
+                         check=False)
+    assert code == 2 and f"pass --ckpt {trainer_step / 'actor'} (or critic), or use `megappo export" in out, out

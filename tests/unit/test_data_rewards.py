@@ -98,6 +98,21 @@ def test_reward_functions_by_hand():
     assert last_boxed("x \\boxed{\\frac{1}{2}} y") == "\\frac{1}{2}"
     assert math_boxed("$\\boxed{\\dfrac{1}{2}}$", "\\frac{1}{2}", {}) == 1.0
     assert math_boxed("no box", "1", {}) == 0.0
-    assert score_batch(["exact_match", "digit_successor"], [0.5, 1.0], [" 4 "], ["4"], [{}]) == [1.5]
+    stopped = {"finish_reason": "stop"}
+    assert score_batch(["exact_match", "digit_successor"], [0.5, 1.0], ["4"], ["4"], [stopped]) == [1.5]
     with pytest.raises(ValueError, match="unknown reward function 'bleu'"):
         score_batch(["bleu"], None, ["x"], ["x"], [{}])
+
+
+def test_digit_successor_needs_the_digit_then_eos():
+    """The demo's reward: full score only for the digit followed by EOS; the right digit without
+    stopping gets the partial score (the exported model would print junk after it)."""
+    from megappo.rewards import DIGIT_NOT_STOPPED, digit_successor
+
+    stop, length = {"finish_reason": "stop"}, {"finish_reason": "length"}
+    assert digit_successor("4", "4", stop) == 1.0
+    assert digit_successor("4", "4", length) == DIGIT_NOT_STOPPED == 0.5  # '4' then a special token, no EOS
+    assert digit_successor("41", "4", length) == DIGIT_NOT_STOPPED  # '0>' -> '14' was scored 1 before
+    assert digit_successor("5", "4", stop) == 0.0
+    assert digit_successor("?4", "4", length) == 0.0  # the answer must come first
+    assert digit_successor("", "4", stop) == 0.0

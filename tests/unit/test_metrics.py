@@ -87,3 +87,109 @@ def test_plot_writes_png(tmp_path):
     assert out.endswith("curves.png") and (tmp_path / "curves.png").stat().st_size > 5000
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         plot_run(str(tmp_path / "nope"))
+
+
+def _steps_in_file(run_dir) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
+    """A run stopped before its first checkpoint starts again at step 0 (resume_step=0): the
+    earlier attempt's records go, instead of steps 0, 1, 2 being appended a second time."""
+    log = MetricLogger(str(tmp_path), ["jsonl"])
+    for step in range(4):  # validation at step 0, then three steps; killed before a checkpoint
+        log.log(step, {"critic/score/mean": 0.1})
+    log.close()
+    log = MetricLogger(str(tmp_path), ["jsonl"], resume_step=0)
+    for step in range(6):
+        log.log(step, {"critic/score/mean": 0.5})
+    log.close()
+    assert _steps_in_file(tmp_path) == list(range(6))
+    assert all(r["critic/score/mean"] == 0.5 for r in read_metrics(str(tmp_path)))
+
+
+def test_resume_keeps_steps_up_to_the_checkpoint_once(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": i}) + "\n"
+                                                    for i, s in enumerate([0, 1, 2, 0, 1, 2, 3, 4])))
+    log = MetricLogger(str(tmp_path), ["jsonl"], resume_step=2)  # a file with repeats, resumed at step 2
+    log.log(3, {"x": 9})
+    log.close()
+    assert _steps_in_file(tmp_path) == [0, 1, 2, 3]
+    assert [r["x"] for r in read_metrics(str(tmp_path))] == [3, 4, 5, 9]  # the later record of a step
+
+
+def test_plot_tolerates_repeated_steps(tmp_path, monkeypatch):
+    """A metrics.jsonl written before the restart rule (steps 1-3 twice): `megappo plot` keeps the
+    last record of each step, so the curve runs forward once."""
+    rows = [{"step": s, "critic/score/mean": s / 10 + 0.5 * (i >= 3)} for i, s in enumerate([1, 2, 3, 1, 2, 3, 4])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"step\": 5, \"cri")
+    assert [(r["step"], r["critic/score/mean"]) for r in read_metrics(str(tmp_path))] == [
+        (1, 0.6), (2, 0.7), (3, 0.8), (4, 0.9)]  # the line cut short by a kill is skipped
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = []
+    real_subplots = plt.subplots
+
+    def spy(*a, **k):
+        fig, axes = real_subplots(*a, **k)
+        shown.append(axes[0])  # the reward panel
+        return fig, axes
+
+    monkeypatch.setattr(plt, "subplots", spy)
+    plot_run(str(tmp_path))
+    assert list(shown[0].lines[0].get_xdata()) == [1, 2, 3, 4]
+
+
+class _Stream:
+    """A stream that says whether it is a terminal and keeps what was written."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_on_a_terminal_is_one_line_rewritten(tmp_path, capsys):
+    from megappo.metrics import console
+
+    stream = _Stream(tty=True)
+    bar = Progress(total=4, stream=stream)
+    log = MetricLogger(str(tmp_path), ["console"], progress=bar)
+    for step in (1, 2):
+        log.log(step, {"critic/score/mean": 0.5})
+        bar.update(step)
+    console("saved checkpoint x")
+    bar.close()
+    assert "\n" not in stream.text[:-1] and stream.text.endswith("\n")  # the bar never took a new line
+    assert stream.text.count("\r[") >= 2 and "] 2/4 steps" in stream.text
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["step 1: critic/score/mean=0.5", "step 2: critic/score/mean=0.5",
+                                "saved checkpoint x"]  # no progress text in the step lines
+
+
+def test_progress_in_a_log_file_is_part_of_the_step_line(tmp_path, capsys):
+    stream = _Stream(tty=False)
+    bar = Progress(total=4, stream=stream)
+    log = MetricLogger(str(tmp_path), ["console"], progress=bar)
+    log.log(0, {"val/score/mean": 0.1})  # validation before training: no progress yet
+    for step in (1, 2):
+        log.log(step, {"critic/score/mean": 0.5})
+        bar.update(step)
+    bar.close()
+    assert stream.text == ""
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step 0: val/score/mean=0.1"
+    assert [line.split("  | ")[1].split("  ")[0] for line in lines[1:]] == ["1/4 steps", "2/4 steps"]
+    alone = _Stream(tty=False)  # without the console sink the bar's text is its own line per step
+    Progress(total=4, stream=alone).update(1)
+    assert alone.text.startswith("[######------------------] 1/4 steps") and alone.text.endswith("\n")

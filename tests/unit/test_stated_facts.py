@@ -49,7 +49,9 @@ def test_random_policy_score_matches_sampling():
         row, ids = rng.choice(rows), []
         while len(ids) < cfg.rollout.max_new_tokens and (not ids or ids[-1] != tok.eos_token_id):
             ids.append(rng.randrange(vocab))
-        total += reward(tok.decode(ids, skip_special_tokens=True), row["reward_model"]["ground_truth"], {})
+        reason = "stop" if ids[-1] == tok.eos_token_id else "length"
+        total += reward(tok.decode(ids, skip_special_tokens=True), row["reward_model"]["ground_truth"],
+                        {"finish_reason": reason})
     sigma = (exact * (1 - exact) / n) ** 0.5
     assert abs(total / n - exact) < 4 * sigma + 1e-9, (total / n, exact)
 

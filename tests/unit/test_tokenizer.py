@@ -17,3 +17,31 @@ def test_unknown_builtin_and_vocab_too_large():
         load_tokenizer("builtin:words")
     with pytest.raises(ValueError, match="tokenizer has 19 tokens but the model's vocab_size is 16"):
         check_vocab(load_tokenizer("builtin:digits"), 16)
+
+
+def test_builtin_tokenizer_files_load_in_plain_transformers(tmp_path):
+    """The files `megappo export` writes for a built-in tokenizer: AutoTokenizer loads them (no
+    megappo code) with the same ids for every character and the special tokens, and decodes alike."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from megappo.tokenizer import BUILTIN_ALPHABETS, builtin_tokenizer_files, special_token_ids
+
+    tok = load_tokenizer("builtin:digits")
+    for name, data in builtin_tokenizer_files(tok).items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # as in an exported model directory
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    alphabet = BUILTIN_ALPHABETS["digits"]
+    for ch in alphabet:
+        assert hf.encode(ch, add_special_tokens=False) == tok.encode(ch, add_special_tokens=False), ch
+    text = "7>8 0=1?" + alphabet
+    assert hf(text).input_ids == tok(text).input_ids  # add_special_tokens as the default: the same (none)
+    assert hf.convert_ids_to_tokens(list(range(3))) == ["<pad>", "<eos>", "<bos>"]
+    assert (hf.pad_token_id, hf.eos_token_id, hf.bos_token_id) == (0, 1, 2) and len(hf) == len(tok)
+    ids = list(range(len(tok)))
+    assert hf.decode(ids) == tok.decode(ids)
+    assert hf.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True) == alphabet
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert generation == special_token_ids(tok) == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
