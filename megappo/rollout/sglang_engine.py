@@ -189,10 +189,14 @@ class SGLangEngine:
         import signal
         import threading
 
-        manager = getattr(self.engine, "tokenizer_manager", None)
-        if manager is None or threading.current_thread() is not threading.main_thread():
+        manager, loop = getattr(self.engine, "tokenizer_manager", None), getattr(self.engine, "loop", None)
+        if manager is None or loop is None or threading.current_thread() is not threading.main_thread():
             return
-        manager.auto_create_handle_loop()
+
+        async def start_handle_loop():  # inside the engine's loop, so the manager adopts that loop
+            manager.auto_create_handle_loop()
+
+        loop.run_until_complete(start_handle_loop())
 
         def on_death():
             self._crash = self._CRASHED
@@ -200,9 +204,9 @@ class SGLangEngine:
             if watchdog is not None:
                 watchdog.stop()
             if self._in_call:
-                manager.event_loop.stop()
+                loop.stop()
 
-        manager.event_loop.add_signal_handler(signal.SIGQUIT, on_death)
+        loop.add_signal_handler(signal.SIGQUIT, on_death)
 
     def _engine_call(self, method: str, *args, **kwargs):
         """Call the sglang.Engine; a crash of its processes raises EngineCrashed, never hangs."""

@@ -60,6 +60,7 @@ CRASH = textwrap.dedent("""
     if __name__ == "__main__":
         eng = SGLangEngine(sys.argv[1], pad_token_id=0, dtype="float32", engine_args={"max_total_tokens": 2048})
         eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+        print("GENERATED", flush=True)
         for child in psutil.Process().children(recursive=True):
             if "scheduler" in " ".join(child.cmdline()) or "scheduler" in child.name():
                 child.kill()
