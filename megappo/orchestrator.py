@@ -112,7 +112,8 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None) -> to
         texts = run.tokenizer.batch_decode(batch.response_ids * batch.response_mask, skip_special_tokens=True)
         scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, texts,
                                            [e.ground_truth for e in batch.examples],
-                                           [e.extra for e in batch.examples]))
+                                           [e.extra for e in batch.examples],
+                                           [e.data_source for e in batch.examples]))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
     return scores
