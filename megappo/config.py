@@ -337,6 +337,7 @@ class DataConfig(_Section):
     prompt_key: str = "prompt"  # column holding the prompt (chat messages or text)
     max_prompt_length: int = 512  # in tokens
     long_prompt_policy: Literal["skip", "truncate", "error"] = "skip"  # for longer prompts
+    bad_row_policy: Literal["error", "warn", "skip"] = "error"  # rows with no prompt, unknown characters or no ground truth
     train_batch_size: int = 1024  # prompts per PPO step
     shuffle: bool = True  # reshuffle prompts every epoch
     seed: int = 1  # shuffling / generation seed

@@ -73,3 +73,26 @@ def check_vocab(tokenizer, model_vocab_size: int) -> None:
             "embedding would index out of range. Fix: use the model's own tokenizer (model.tokenizer) or a model "
             "with a larger vocabulary."
         )
+
+
+def unknown_token(tokenizer) -> str | None:
+    """The token that characters outside the tokenizer's vocabulary become, or None when every
+    text encodes without one (byte-level BPE: GPT-2, Llama 3, Qwen). The built-in character
+    tokenizers map unknown characters to <pad>."""
+    if getattr(tokenizer, "unk_token", None) is not None:
+        return tokenizer.unk_token
+    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    return getattr(model, "unk_token", None) or None
+
+
+def unknown_characters(tokenizer, texts: list[str]) -> list[str]:
+    """For each text, the characters the tokenizer encodes as its unknown token (`unknown_token`),
+    in order ('' when none). Needs a fast tokenizer for the character offsets; a slow one is
+    not checked (every text gives '')."""
+    unk = unknown_token(tokenizer)
+    if unk is None or not texts or not getattr(tokenizer, "is_fast", False):
+        return [""] * len(texts)
+    unk_id = tokenizer.convert_tokens_to_ids(unk)
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    return ["".join(text[a:b] for i, (a, b) in zip(ids, offsets) if i == unk_id)
+            for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"])]
