@@ -378,6 +378,10 @@ class LoggingConfig(_Section):
     project: str = "megappo"  # W&B / TensorBoard project
     run_name: Optional[str] = None  # None: the name of run.output_dir
     progress_bar: bool = True  # a live progress line on the console
+    samples: int = 1  # prompt/response/score examples shown per step (console) and kept (samples.jsonl); 0: none
+
+    def check(self) -> None:
+        _at_least(self, samples=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Metric names follow verl's namespaces (`actor/pg_loss`, `critic/vf_loss`,
 `critic/score/mean`, `timing_s/gen`, `perf/throughput`, ...). Only global rank 0 logs.
 `MetricLogger(run_dir, sinks)` writes one JSON object per step to `run_dir/metrics.jsonl`
-(appending, so a resumed run continues the same file) and to the other sinks; `Progress`
+(appending, so a resumed run continues the same file) and to the other sinks; a step's
+generation samples (`add_samples`, records from megappo.samples) are printed under its
+console line and appended to `run_dir/samples.jsonl` (with the jsonl sink); `Progress`
 prints a one-line bar with the ETA; `plot_run(run_dir)` draws reward, KL, entropy,
 response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
 
@@ -44,6 +46,10 @@ class MetricLogger:
             if resume_step and os.path.exists(path):
                 _truncate_after(path, resume_step)  # a resumed run rewrites steps after its checkpoint
             self._jsonl = open(path, "a")
+        self._samples_jsonl, self._samples = None, []
+        samples = os.path.join(run_dir, "samples.jsonl")
+        if os.path.exists(samples):
+            _truncate_after(samples, resume_step)  # a fresh run starts it empty, a resumed one at its checkpoint
         self._tb = None
         if "tensorboard" in sinks:
             try:
@@ -80,14 +86,51 @@ class MetricLogger:
             skipped = [k for k in ("actor/skipped_steps", "critic/skipped_steps") if clean.get(k)]
             note = f" | SKIPPED updates ({', '.join(skipped)}): non-finite loss or gradients" if skipped else ""
             print(f"step {step}: {shown}{note}", flush=True)
+        self._log_samples(step)
+
+    def add_samples(self, step: int, records: list[dict]) -> None:
+        """Generation samples of `step` (megappo.samples.pick_samples), logged with its metrics."""
+        self._samples = [dict(step=step, **r) for r in records]
+
+    def _log_samples(self, step: int) -> None:
+        records = [r for r in self._samples if r["step"] == step]
+        self._samples = [r for r in self._samples if r["step"] != step]
+        if "jsonl" in self.sinks and records:
+            if self._samples_jsonl is None:
+                self._samples_jsonl = open(os.path.join(self.run_dir, "samples.jsonl"), "a")
+            self._samples_jsonl.writelines(json.dumps(r) + "\n" for r in records)
+            self._samples_jsonl.flush()
+        if "console" in self.sinks:
+            for r in records:
+                print(format_sample(r), flush=True)
 
     def close(self) -> None:
+        if self._samples_jsonl:
+            self._samples_jsonl.close()
         if self._jsonl:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+PROMPT_CHARS, RESPONSE_CHARS = 60, 80  # console: the end of a sample's prompt, the start of its response
+
+
+def _clip(text: str, limit: int, keep_end: bool = False) -> str:
+    if len(text) <= limit:
+        return repr(text)
+    return repr("..." + text[-limit:]) if keep_end else repr(text[:limit] + "...")
+
+
+def format_sample(record: Mapping) -> str:
+    """`  sample: '3>' -> '4' | score 1 | truth '4' | stop`: one line, truncated (the end of the
+    prompt, where the question and the template's end are; the start of the response)."""
+    truth = "" if record.get("ground_truth") is None else f" | truth {_clip(str(record['ground_truth']), 30)}"
+    return (f"  sample: {_clip(record['prompt'], PROMPT_CHARS, keep_end=True)} -> "
+            f"{_clip(record['response'], RESPONSE_CHARS)} | score {record['score']:.4g}{truth} | "
+            f"{record['finish_reason']}")
 
 
 def _wandb_run_id(run_dir: str) -> str:
