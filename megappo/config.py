@@ -730,8 +730,15 @@ def config_from_dict(data: dict) -> Config:
     return _build(Config, data)
 
 
+#: the two sources of prompts: an override that sets one replaces the recipe's other
+_PROMPT_SOURCES = {"data.train_files": ("builtin", None), "data.builtin": ("train_files", [])}
+
+
 def apply_override(data: dict, override: str) -> None:
-    """Set `a.b.c=value` in the raw recipe `data`; the value is parsed as YAML. Unknown keys are errors."""
+    """Set `a.b.c=value` in the raw recipe `data`; the value is parsed as YAML. Unknown keys are errors.
+
+    `data.train_files=[...]` on a recipe with `data.builtin` (the demo's) trains on the files
+    instead, and `data.builtin=...` replaces the recipe's files: the later source wins."""
     key, sep, raw = override.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
@@ -757,6 +764,9 @@ def apply_override(data: dict, override: str) -> None:
             tp = typing.get_args(tp)[1] if tp is not Any else Any
         if depth == len(parts) - 1:
             node[part] = value
+            other, empty = _PROMPT_SOURCES.get(here, (None, None))
+            if other and value and node.get(other):
+                node[other] = empty
         else:
             if not (dataclasses.is_dataclass(tp) or tp is Any or typing.get_origin(tp) is dict):
                 raise ConfigError(f"override '{override}': '{here}' is a single value ({_type_name(tp)}), not a "
