@@ -11,6 +11,7 @@ This module does not know about models or training.
 
 from __future__ import annotations
 
+import json
 import os
 
 from megappo.config import ConfigError
@@ -77,12 +78,28 @@ def check_vocab(tokenizer, model_vocab_size: int) -> None:
 
 def unknown_token(tokenizer) -> str | None:
     """The token that characters outside the tokenizer's vocabulary become, or None when every
-    text encodes without one (byte-level BPE: GPT-2, Llama 3, Qwen). The built-in character
-    tokenizers map unknown characters to <pad>."""
+    text encodes without one (byte-level BPE such as GPT-2, Llama 3, Qwen, or BPE with byte
+    fallback, even when they name an unk_token). The built-in character tokenizers map unknown
+    characters to <pad>."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _bytes_always_encode(json.loads(backend.to_str())):
+        return None
     if getattr(tokenizer, "unk_token", None) is not None:
         return tokenizer.unk_token
-    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-    return getattr(model, "unk_token", None) or None
+    return getattr(getattr(backend, "model", None), "unk_token", None) or None
+
+
+def _bytes_always_encode(spec: dict) -> bool:
+    """A tokenizer.json whose model falls back to bytes or whose pre-tokenizer maps text to bytes."""
+    if (spec.get("model") or {}).get("byte_fallback"):
+        return True
+
+    def byte_level(node) -> bool:
+        if isinstance(node, dict):
+            return node.get("type") == "ByteLevel" or any(byte_level(v) for v in node.values())
+        return isinstance(node, list) and any(byte_level(v) for v in node)
+
+    return byte_level(spec.get("pre_tokenizer"))
 
 
 def unknown_characters(tokenizer, texts: list[str]) -> list[str]:

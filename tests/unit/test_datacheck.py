@@ -97,14 +97,31 @@ def test_fields_follow_the_reward_functions():
     assert check_rows([{"prompt": "1>"}], TOK, reward_functions=[]).problems == {}  # a reward model needs no truth
 
 
-class ByteLevel:
-    """A tokenizer with no unknown token (byte-level BPE, as Qwen / Llama 3): nothing is unknown."""
+def trained(model, pre_tokenizer, trainer, **special):
+    """A small HF fast tokenizer of the given kind, trained in memory (no download)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    unk_token = None
-    is_fast = True
-    backend_tokenizer = None
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizer
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 1234567890"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
-def test_tokenizer_without_unknown_token_is_not_checked_for_characters():
-    assert unknown_token(ByteLevel()) is None
-    assert unknown_characters(ByteLevel(), ["Whatever ü"]) == [""]
+def test_hf_tokenizers_with_and_without_an_unknown_token():
+    from tokenizers import models, pre_tokenizers, trainers
+
+    # byte-level BPE (GPT-2, Llama 3, Qwen) encodes every text, even though GPT-2 names an unk_token
+    gpt2_like = trained(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False),
+                        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+                        unk_token="<|endoftext|>", eos_token="<|endoftext|>")
+    assert unknown_token(gpt2_like) is None and unknown_characters(gpt2_like, ["héllo ü"]) == [""]
+    # WordPiece (BERT-like) has [UNK]: the word it replaces is reported
+    bert_like = trained(models.WordPiece(unk_token="[UNK]"), pre_tokenizers.Whitespace(),
+                        trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]", "[PAD]"]),
+                        unk_token="[UNK]", pad_token="[PAD]")
+    assert unknown_token(bert_like) == "[UNK]"
+    assert unknown_characters(bert_like, ["the fox", "the fox ü 7"]) == ["", "ü"]
+    report = check_rows([row("the fox ü 7", "7")], bert_like, reward_functions=["exact_match"])
+    assert report.problems["unknown_prompt_chars"].rows == [0] and "(encoded as '[UNK]'" in report.describe()
