@@ -8,8 +8,13 @@ the valid ones and a "did you mean"; every error is a `ConfigError` that names t
 says how to fix it. Numbers that depend on the world size are methods (`dp_size(world)`), and
 derived values are properties, never fields filled in later.
 
+A verl key megappo does not have (`actor_rollout_ref.actor.optim.lr`, `trainer.total_epochs`)
+is refused with megappo's name for it (the table is megappo.verl_keys); a recipe written in
+verl's layout gets every such key's translation in one error.
+
 Owns: the recipe schema, defaults, validation, (de)serialisation. Knows nothing about torch,
-models or processes: imports nothing from megappo, so recipes can be checked anywhere.
+models or processes: imports nothing from megappo but the verl key table (plain data), so
+recipes can be checked anywhere.
 The reference for every field is docs/config.md.
 """
 
@@ -26,6 +31,8 @@ import typing
 from typing import Any, Literal, Optional, Sequence, Union
 
 import yaml
+
+from megappo.verl_keys import verl_equivalent, verl_hint
 
 P = "{p}"  # placeholder for a section's dotted prefix in error templates, filled in as errors propagate
 
@@ -330,6 +337,7 @@ class DataConfig(_Section):
     prompt_key: str = "prompt"  # column holding the prompt (chat messages or text)
     max_prompt_length: int = 512  # in tokens
     long_prompt_policy: Literal["skip", "truncate", "error"] = "skip"  # for longer prompts
+    bad_row_policy: Literal["error", "warn", "skip"] = "error"  # rows with no prompt, unknown characters or no ground truth
     train_batch_size: int = 1024  # prompts per PPO step
     shuffle: bool = True  # reshuffle prompts every epoch
     seed: int = 1  # shuffling / generation seed
@@ -370,6 +378,10 @@ class LoggingConfig(_Section):
     project: str = "megappo"  # W&B / TensorBoard project
     run_name: Optional[str] = None  # None: the name of run.output_dir
     progress_bar: bool = True  # a live progress line on the console
+    samples: int = 1  # prompt/response/score examples shown per step (console) and kept (samples.jsonl); 0: none
+
+    def check(self) -> None:
+        _at_least(self, samples=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -693,6 +705,56 @@ def _unknown_key(key: Any, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown config key '{P}{key}'.{hint} Valid keys: {valid}.")
 
 
+def _is_key(path: str) -> bool:
+    """Whether dotted `path` names a field megappo has (any key inside a free-form mapping counts)."""
+    tp: Any = Config
+    for part in path.split("."):
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                return False
+            tp = _options(hints[part])[0]
+        elif tp is Any or typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1] if tp is not Any else Any
+        else:
+            return False
+    return True
+
+
+def _verl_keys(data: Any, cls: type = Config, prefix: str = "") -> list[tuple[str, Optional[str], Optional[str]]]:
+    """(dotted key, megappo's key, how megappo does it) for each key of the raw recipe `data` that
+    megappo lacks and verl has (megappo.verl_keys.verl_equivalent)."""
+    found = []
+    if not isinstance(data, dict):
+        return found
+    hints = _hints(cls)
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key in hints:
+            tp = _options(hints[key])[0]
+            if dataclasses.is_dataclass(tp):
+                found += _verl_keys(value, tp, f"{path}.")
+        else:
+            for leaf in _leaves(value, path):
+                hint = verl_equivalent(leaf, _is_key)
+                if hint:
+                    found.append((leaf, *hint))
+    return found
+
+
+def _leaves(value: Any, path: str) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(v, f"{path}.{k}")]
+    return [path]
+
+
+def _verl_error(found: list[tuple[str, Optional[str], Optional[str]]]) -> ConfigError:
+    lines = "\n".join(f"  {verl} -> {ours}" if ours else f"  {verl}: {how}" for verl, ours, how in found)
+    return ConfigError(f"the recipe uses {len(found)} verl key(s) that megappo names differently or does not have:\n"
+                       f"{lines}\nFix: rename (or remove) them as shown; every verl name is mapped in docs/config.md, "
+                       "'Coming from verl'.")
+
+
 def _build(cls: type, data: dict) -> Any:
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in data:
@@ -722,14 +784,24 @@ def config_from_dict(data: dict) -> Config:
     """A Config from plain data (a parsed recipe); raises ConfigError naming the key and the fix."""
     if not isinstance(data, dict):
         raise _not_a_mapping("a recipe", data)
+    verl = _verl_keys(data)
+    if verl:
+        raise _verl_error(verl)
     if data.get("model") is None:
         raise ConfigError("the recipe has no 'model' section. Fix: set model.path=/path/to/hf_model "
                           "(or model.hf_config).")
     return _build(Config, data)
 
 
+#: the two sources of prompts: an override that sets one replaces the recipe's other
+_PROMPT_SOURCES = {"data.train_files": ("builtin", None), "data.builtin": ("train_files", [])}
+
+
 def apply_override(data: dict, override: str) -> None:
-    """Set `a.b.c=value` in the raw recipe `data`; the value is parsed as YAML. Unknown keys are errors."""
+    """Set `a.b.c=value` in the raw recipe `data`; the value is parsed as YAML. Unknown keys are errors.
+
+    `data.train_files=[...]` on a recipe with `data.builtin` (the demo's) trains on the files
+    instead, and `data.builtin=...` replaces the recipe's files: the later source wins."""
     key, sep, raw = override.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
@@ -746,12 +818,18 @@ def apply_override(data: dict, override: str) -> None:
         if dataclasses.is_dataclass(tp):
             hints = _hints(tp)
             if part not in hints:
+                hint = verl_hint(key.strip(), raw.strip(), _is_key)
+                if hint:
+                    raise ConfigError(hint)
                 raise _unknown_key(part, list(hints)).at(here[:-len(part)])
             tp = _options(hints[part])[0]
         else:  # a free-form mapping (dict[str, X] field or inside one): any key
             tp = typing.get_args(tp)[1] if tp is not Any else Any
         if depth == len(parts) - 1:
             node[part] = value
+            other, empty = _PROMPT_SOURCES.get(here, (None, None))
+            if other and value and node.get(other):
+                node[other] = empty
         else:
             if not (dataclasses.is_dataclass(tp) or tp is Any or typing.get_origin(tp) is dict):
                 raise ConfigError(f"override '{override}': '{here}' is a single value ({_type_name(tp)}), not a "

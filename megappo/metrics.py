@@ -7,8 +7,10 @@ Metric names follow verl's namespaces (`actor/pg_loss`, `critic/vf_loss`,
 <= N (the checkpoint a run resumes from; none for a run that starts at step 0, even when an
 earlier attempt stopped before its first checkpoint), so every step is in the file once.
 `read_metrics` keeps the last record of a step should a file still hold repeats (one written
-before that rule). `Progress` is the bar with the ETA; `plot_run(run_dir)` draws reward, KL,
-entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
+before that rule). A step's generation samples (`add_samples`, records from
+megappo.samples) are printed under its console line and written to `run_dir/samples.jsonl`
+(with the jsonl sink), cut back on resume like metrics.jsonl. `Progress` is the bar with the
+ETA; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
 
 This module does not know about models, PPO math or process groups.
 """
@@ -50,6 +52,11 @@ class MetricLogger:
             if os.path.exists(path):  # steps after the checkpoint (all, without one) are logged again
                 _truncate_after(path, resume_step)
             self._jsonl = open(path, "a")
+        self._samples_jsonl, self._samples = None, []
+        samples = os.path.join(run_dir, "samples.jsonl")
+        if os.path.exists(samples):
+            # a fresh run starts it empty, a resumed one at its checkpoint
+            _truncate_after(samples, resume_step, one_per_step=False)
         self._tb = None
         if "tensorboard" in sinks:
             try:
@@ -91,14 +98,51 @@ class MetricLogger:
             if bar is not None and bar.enabled and not bar.live and step > bar.start:
                 line += "  | " + bar.text(step, bar=False)  # no live bar: the step line has its text
             console(line)
+        self._log_samples(step)
+
+    def add_samples(self, step: int, records: list[dict]) -> None:
+        """Generation samples of `step` (megappo.samples.pick_samples), logged with its metrics."""
+        self._samples = [dict(step=step, **r) for r in records]
+
+    def _log_samples(self, step: int) -> None:
+        records = [r for r in self._samples if r["step"] == step]
+        self._samples = [r for r in self._samples if r["step"] != step]
+        if "jsonl" in self.sinks and records:
+            if self._samples_jsonl is None:
+                self._samples_jsonl = open(os.path.join(self.run_dir, "samples.jsonl"), "a")
+            self._samples_jsonl.writelines(json.dumps(r) + "\n" for r in records)
+            self._samples_jsonl.flush()
+        if "console" in self.sinks:
+            for r in records:
+                console(format_sample(r))
 
     def close(self) -> None:
+        if self._samples_jsonl:
+            self._samples_jsonl.close()
         if self._jsonl:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+PROMPT_CHARS, RESPONSE_CHARS = 60, 80  # console: the end of a sample's prompt, the start of its response
+
+
+def _clip(text: str, limit: int, keep_end: bool = False) -> str:
+    if len(text) <= limit:
+        return repr(text)
+    return repr("..." + text[-limit:]) if keep_end else repr(text[:limit] + "...")
+
+
+def format_sample(record: Mapping) -> str:
+    """`  sample: '3>' -> '4' | score 1 | truth '4' | stop`: one line, truncated (the end of the
+    prompt, where the question and the template's end are; the start of the response)."""
+    truth = "" if record.get("ground_truth") is None else f" | truth {_clip(str(record['ground_truth']), 30)}"
+    return (f"  sample: {_clip(record['prompt'], PROMPT_CHARS, keep_end=True)} -> "
+            f"{_clip(record['response'], RESPONSE_CHARS)} | score {record['score']:.4g}{truth} | "
+            f"{record['finish_reason']}")
 
 
 def _wandb_run_id(run_dir: str) -> str:
@@ -110,10 +154,13 @@ def _wandb_run_id(run_dir: str) -> str:
         return f.read().strip()
 
 
-def _truncate_after(path: str, step: int) -> None:
+def _truncate_after(path: str, step: int, one_per_step: bool = True) -> None:
     """Keep the records of steps <= `step` (none for 0: a run from scratch logs step 0 again),
-    each once; written to a temporary file and renamed, so a kill leaves the old or the new file."""
-    keep = _last_per_step(_read_jsonl(path), upto=step if step else -1)
+    each step's last one only with `one_per_step` (metrics; samples keep all of a step's);
+    written to a temporary file and renamed, so a kill leaves the old or the new file."""
+    upto = step if step else -1
+    rows = _read_jsonl(path)
+    keep = _last_per_step(rows, upto=upto) if one_per_step else [r for r in rows if r["step"] <= upto]
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)

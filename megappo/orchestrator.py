@@ -24,6 +24,7 @@ from megappo.ppo.kl import apply_kl_penalty
 from megappo.rewards import score_batch
 from megappo.rollout.bridge import logprob_mismatch
 from megappo.run import Run
+from megappo.samples import pick_samples
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.workers import Experience, SeqBatch
 
@@ -63,6 +64,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                 scores = rewards(run, batch, rm_scores)
             exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
             m.update(rollout_metrics(batch, scores, exp, entropy))
+            run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
         exp = broadcast_from_rank0(exp)
     if run.critic:
         with timed(m, "update_critic"):
@@ -112,7 +114,8 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None) -> to
         texts = run.tokenizer.batch_decode(batch.response_ids * batch.response_mask, skip_special_tokens=True)
         extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
         scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, texts,
-                                           [e.ground_truth for e in batch.examples], extras))
+                                           [e.ground_truth for e in batch.examples], extras,
+                                           [e.data_source for e in batch.examples]))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
     return scores

@@ -14,13 +14,32 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `reasoning_gym` | reasoning-gym's own scorer for the task in `extra["task"]` (entry in `extra["entry"]`) |
 | `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 
+Your own function is named `path/to/file.py:function` (or `package.module:function`, imported
+from the working directory and sys.path) in `reward.functions`, like verl's
+`custom_reward_function`. It is called with megappo's arguments `(response, ground_truth,
+extra)`, or, when it takes `solution_str` (verl's `compute_score(data_source, solution_str,
+ground_truth, extra_info)`), with verl's by name, so a verl reward file works unchanged. It
+returns a number (or, as verl allows, a dict with a "score").
+
+`reads(name)` says which row fields a function needs (`reward_model.ground_truth`, or
+`extra_info.task` / `extra_info.entry` for reasoning-gym); the start-up data check
+(megappo.datacheck) counts the rows that lack them. A function of your own is taken to read
+the ground truth, as verl's reward manager always does.
+
 This module does not know about tokenizers, models or process groups.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import numbers
+import os
 import re
+import sys
 from typing import Any, Callable, Sequence
 
 from megappo.config import ConfigError
@@ -102,21 +121,101 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 }
 
 
+#: the row fields (dotted, in verl's layout) each built-in function reads
+READS: dict[str, tuple[str, ...]] = {
+    "gsm8k": ("reward_model.ground_truth",),
+    "math_boxed": ("reward_model.ground_truth",),
+    "exact_match": ("reward_model.ground_truth",),
+    "reasoning_gym": ("extra_info.task", "extra_info.entry"),
+    "digit_successor": ("reward_model.ground_truth",),
+}
+
+
+def reads(name: str) -> tuple[str, ...]:
+    """The row fields function `name` needs; your own functions read the ground truth (as in verl)."""
+    return READS.get(name, ("reward_model.ground_truth",))
+
+
 def get_reward_fn(name: str) -> RewardFn:
+    if ":" in name:
+        return _custom(name)
     if name not in REWARD_FUNCTIONS:
         guess = difflib.get_close_matches(name, list(REWARD_FUNCTIONS), n=1)
         hint = f" Did you mean '{guess[0]}'?" if guess else ""
         raise ConfigError(f"unknown reward function '{name}' in reward.functions.{hint} Fix: use names from "
-                          f"{sorted(REWARD_FUNCTIONS)}.")
+                          f"{sorted(REWARD_FUNCTIONS)}, or your own function as path/to/file.py:function.")
     return REWARD_FUNCTIONS[name]
 
 
+@functools.cache
+def _custom(name: str) -> RewardFn:
+    """`file.py:fn` or `package.module:fn` as a RewardFn (loaded once)."""
+    where, _, attr = name.rpartition(":")
+    fix = "Fix: write reward.functions=[path/to/file.py:function] (or package.module:function)."
+    if not where or not attr:
+        raise ConfigError(f"reward function '{name}' in reward.functions is not FILE.py:FUNCTION. {fix}")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise ConfigError(f"reward function '{name}': file '{where}' does not exist (relative paths start at "
+                              f"{os.getcwd()}). {fix}")
+        spec = importlib.util.spec_from_file_location(f"megappo_reward_{abs(hash(where))}", where)
+        module = importlib.util.module_from_spec(spec)
+        load = lambda: spec.loader.exec_module(module)  # noqa: E731
+    else:
+        module = None
+
+        def load():
+            nonlocal module
+            sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(where)
+            finally:
+                sys.path.remove(os.getcwd())
+    try:
+        load()
+    except ImportError as e:
+        raise ConfigError(f"reward function '{name}': cannot import '{where}' ({e}). {fix}") from None
+    except Exception as e:  # the user's module failed while it was imported: show where, keep it short
+        raise ConfigError(f"reward function '{name}': importing '{where}' raised {type(e).__name__}: {e}. Fix: "
+                          "correct that file.") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ConfigError(f"reward function '{name}': '{where}' has no function '{attr}' (it has {found}). {fix}")
+    params = inspect.signature(fn).parameters
+    if "solution_str" in params:  # verl's compute_score(data_source, solution_str, ground_truth, extra_info)
+        def call(response, ground_truth, extra, data_source=None):
+            kw = dict(solution_str=response, ground_truth=ground_truth, data_source=data_source, extra_info=extra)
+            return fn(**{k: v for k, v in kw.items() if k in params})
+    else:
+        def call(response, ground_truth, extra, data_source=None):
+            return fn(response, ground_truth, extra)
+    call.custom = name
+    return call
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, dict) and "score" in value:  # verl lets compute_score return {"score": ..., ...}
+        value = value["score"]
+    if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
+        return float(value)
+    raise ConfigError(f"reward function '{name}' returned {value!r} ({type(value).__name__}), not a number. Fix: "
+                      "return a float (e.g. 1.0 for a correct response, 0.0 otherwise).")
+
+
 def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
-                ground_truths: Sequence[Any], extras: Sequence[dict]) -> list[float]:
+                ground_truths: Sequence[Any], extras: Sequence[dict],
+                data_sources: Sequence[str] | None = None) -> list[float]:
     """Weighted sum of the named functions' scores for each response."""
     fns = [get_reward_fn(n) for n in names]
     weights = list(weights) if weights is not None else [1.0] * len(fns)
     if len(weights) != len(fns):
         raise ValueError(f"reward.function_weights has {len(weights)} entries for {len(fns)} functions")
-    return [sum(w * fn(r, gt, ex) for w, fn in zip(weights, fns))
-            for r, gt, ex in zip(responses, ground_truths, extras)]
+    sources = data_sources if data_sources is not None else [None] * len(responses)
+    out = []
+    for r, gt, ex, src in zip(responses, ground_truths, extras, sources):
+        total = 0.0
+        for w, fn, name in zip(weights, fns, names):
+            total += w * (_number(name, fn(r, gt, ex, data_source=src)) if hasattr(fn, "custom") else fn(r, gt, ex))
+        out.append(total)
+    return out

@@ -23,6 +23,7 @@ import torch
 from megappo import checkpointing
 from megappo.config import Config
 from megappo.data import PromptSampler, build_prompts, builtin_rows, load_rows
+from megappo.datacheck import check_data
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
@@ -178,12 +179,17 @@ def create_run(cfg: Config) -> Run:
     if ps.is_rank0:
         d = cfg.data
         rows = builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args) if d.builtin else load_rows(d.train_files)
+        source = f"data.builtin={d.builtin}" if d.builtin else f"data.train_files {d.train_files}"
+        check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key, reward_functions=cfg.reward.functions)
+        rows = check_data(rows, tokenizer, source=source, **check)
         kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                   long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template)
         train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files), **kw)
         if d.val_files or d.builtin:
             val_rows = (builtin_rows(d.builtin, d.builtin_val_size, d.seed + 1, d.builtin_args) if d.builtin and not d.val_files
-                        else load_rows(d.val_files))
+                        else load_rows(d.val_files, "data.val_files"))
+            val_rows = check_data(val_rows, tokenizer, source=f"data.val_files {d.val_files}" if d.val_files
+                                  else f"data.builtin={d.builtin} (validation)", **check)
             val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
         sampler = PromptSampler(len(train_examples), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     from megappo.parallel.comm import broadcast_from_rank0

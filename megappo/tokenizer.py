@@ -102,3 +102,42 @@ def check_vocab(tokenizer, model_vocab_size: int) -> None:
             "embedding would index out of range. Fix: use the model's own tokenizer (model.tokenizer) or a model "
             "with a larger vocabulary."
         )
+
+
+def unknown_token(tokenizer) -> str | None:
+    """The token that characters outside the tokenizer's vocabulary become, or None when every
+    text encodes without one (byte-level BPE such as GPT-2, Llama 3, Qwen, or BPE with byte
+    fallback, even when they name an unk_token). The built-in character tokenizers map unknown
+    characters to <pad>."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _bytes_always_encode(json.loads(backend.to_str())):
+        return None
+    if getattr(tokenizer, "unk_token", None) is not None:
+        return tokenizer.unk_token
+    return getattr(getattr(backend, "model", None), "unk_token", None) or None
+
+
+def _bytes_always_encode(spec: dict) -> bool:
+    """A tokenizer.json whose model falls back to bytes or whose pre-tokenizer maps text to bytes."""
+    if (spec.get("model") or {}).get("byte_fallback"):
+        return True
+
+    def byte_level(node) -> bool:
+        if isinstance(node, dict):
+            return node.get("type") == "ByteLevel" or any(byte_level(v) for v in node.values())
+        return isinstance(node, list) and any(byte_level(v) for v in node)
+
+    return byte_level(spec.get("pre_tokenizer"))
+
+
+def unknown_characters(tokenizer, texts: list[str]) -> list[str]:
+    """For each text, the characters the tokenizer encodes as its unknown token (`unknown_token`),
+    in order ('' when none). Needs a fast tokenizer for the character offsets; a slow one is
+    not checked (every text gives '')."""
+    unk = unknown_token(tokenizer)
+    if unk is None or not texts or not getattr(tokenizer, "is_fast", False):
+        return [""] * len(texts)
+    unk_id = tokenizer.convert_tokens_to_ids(unk)
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    return ["".join(text[a:b] for i, (a, b) in zip(ids, offsets) if i == unk_id)
+            for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"])]

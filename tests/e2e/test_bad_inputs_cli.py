@@ -55,8 +55,9 @@ def test_row_without_prompt_on_two_ranks(tmp_path):
     rows[3] = {"question": "3>", "reward_model": {"ground_truth": "4"}}
     code, out = megappo(*SMALL, rows_file(tmp_path, rows), f"run.output_dir={tmp_path / 'run'}")
     assert code == 2, out[-4000:]
-    assert first_error(out).startswith(f"megappo: error: row 3 of ['{tmp_path}/train.jsonl'] has no 'prompt' "
-                                       "(keys: ['question', 'reward_model']). Fix: add a 'prompt'")
+    assert first_error(out) == f"megappo: error: data check of data.train_files ['{tmp_path}/train.jsonl'] (8 rows):"
+    assert ("  1 of 8 rows have no prompt in 'prompt'; e.g. row 3: keys ['question', 'reward_model'] "
+            "(data.prompt_key=question?). Fix: give every row a prompt") in out
     assert "megappo: rank 0 failed (exited with code 2); the other ranks were stopped." in out
     assert "Traceback" not in out and not (tmp_path / "run").exists()
 

@@ -1,0 +1,203 @@
+"""The start-up data check: rows that would train silently wrong, counted, then a policy.
+
+`check_rows(rows, tokenizer, ...)` looks at every row once (rank 0, before prompts are
+tokenized) and counts three problems:
+
+- no prompt: the prompt column is missing, empty, whitespace, or chat messages without text;
+  or it is neither text nor a list of {"role", "content"} messages;
+- unknown characters: characters of a prompt (or of a ground truth) that the tokenizer has no
+  token for and encodes as its unknown token (the built-in character tokenizers: <pad>), so the
+  model sees padding, or can never write the answer (megappo.tokenizer.unknown_characters);
+- missing reward fields: a field a configured reward function reads (megappo.rewards.reads,
+  e.g. `reward_model.ground_truth`) is absent or null, so every response scores 0; a close
+  spelling in the row (`reward_model.groundtruth`) is named.
+
+`apply_policy(report, policy)` then, per `data.bad_row_policy`: `error` (the default) raises a
+DataError listing each problem with counts, examples and its fix; `warn` prints the same and
+trains on the rows as they are (rows without a prompt are dropped: there is nothing to
+generate from); `skip` prints it and drops every row with a problem. A clean dataset prints
+nothing.
+
+This module does not know about models, engines or process groups.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+from typing import Any, Sequence
+
+from megappo.data import DataError
+from megappo.rewards import reads
+from megappo.tokenizer import unknown_characters, unknown_token
+
+POLICIES = ("error", "warn", "skip")
+EXAMPLES = 3  # rows quoted per problem
+
+
+@dataclasses.dataclass
+class Problem:
+    """Rows with one kind of problem: what it is, which rows, a few details, and the fix."""
+
+    what: str
+    fix: str
+    rows: list[int] = dataclasses.field(default_factory=list)
+    details: list[str] = dataclasses.field(default_factory=list)  # per example row, in order
+    chars: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # unknown char -> rows
+
+    def add(self, row: int, detail: str = "") -> None:
+        self.rows.append(row)
+        if len(self.details) < EXAMPLES and detail:
+            self.details.append(f"row {row}: {detail}")
+
+    def describe(self, total: int) -> str:
+        text = f"{len(self.rows)} of {_rows(total)} {self.what}"
+        if self.chars:
+            shown = ", ".join(f"{c!r} ({_rows(n)})" for c, n in self.chars.most_common(8))
+            more = f" and {len(self.chars) - 8} more" if len(self.chars) > 8 else ""
+            text += f": {len(self.chars)} distinct characters, {shown}{more}"
+        if self.details:
+            text += "; e.g. " + "; ".join(self.details)
+        return f"{text}. Fix: {self.fix}."
+
+
+@dataclasses.dataclass
+class DataReport:
+    source: str
+    total: int
+    problems: dict[str, Problem]  # name -> rows with that problem (only those found)
+
+    @property
+    def bad_rows(self) -> set[int]:
+        return {r for p in self.problems.values() for r in p.rows}
+
+    def describe(self) -> str:
+        lines = [f"data check of {self.source} ({self.total} rows):"]
+        lines += [f"  {p.describe(self.total)}" for p in self.problems.values()]
+        return "\n".join(lines)
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+#: columns that often hold the prompt when data.prompt_key is not 'prompt'
+PROMPT_COLUMNS = ("question", "problem", "query", "instruction", "input", "messages", "text")
+
+
+def prompt_text(prompt: Any) -> str | None:
+    """The text of a prompt (a string, or chat messages' contents joined); None if it is neither."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                 for m in prompt):
+        return "\n".join(m["content"] for m in prompt)
+    return None
+
+
+def _field(row: dict, dotted: str) -> Any:
+    node: Any = row
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _near_miss(row: dict, dotted: str) -> str:
+    """Where `dotted` is probably misspelled in `row`: 'reward_model has ['groundtruth']: did you mean ...'."""
+    *parents, leaf = dotted.split(".")
+    if parents and leaf in row:
+        return f"'{leaf}' is at the top level of the row, not under '{'.'.join(parents)}'"
+    parent = _field(row, ".".join(parents)) if parents else row
+    if isinstance(parent, dict):
+        guess = difflib.get_close_matches(leaf, [str(k) for k in parent], n=1, cutoff=0.6)
+        where = ".".join(parents) or "the row"
+        if guess:
+            return f"{where} has '{guess[0]}', not '{leaf}'"
+        return f"{where} has keys {sorted(map(str, parent))}"
+    if leaf in row or (parents and parents[0] not in row):
+        return f"the row has keys {sorted(map(str, row))}"
+    return f"{'.'.join(parents)} is {parent!r}"
+
+
+def check_rows(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
+               reward_functions: Sequence[str] = (), source: str = "dataset") -> DataReport:
+    """Count the rows without a prompt, with unknown characters, or without a field a reward reads."""
+    unk = unknown_token(tokenizer)
+    problems = {
+        "no_prompt": Problem(f"have no prompt in '{prompt_key}'",
+                             f"give every row a prompt (text, or chat messages [{{\"role\": \"user\", \"content\": "
+                             f"...}}]), or set data.prompt_key to the column that holds it"),
+        "unknown_prompt_chars": Problem(f"have prompt characters the tokenizer does not know (encoded as {unk!r}, so "
+                                        "the model sees that instead)",
+                                        "use a tokenizer that has them (model.tokenizer), or remove them from the "
+                                        "data"),
+        "unknown_answer_chars": Problem(f"have a ground truth with characters the tokenizer cannot write (encoded as "
+                                        f"{unk!r}), so no response can match it",
+                                        "use a tokenizer that has them (model.tokenizer), or change the ground truths"),
+    }
+    fields: dict[str, list[str]] = {}
+    for name in reward_functions:
+        for f in reads(name):
+            fields.setdefault(f, []).append(name)
+    for f, names in fields.items():
+        problems[f"missing:{f}"] = Problem(
+            f"lack {f}, which reward function(s) {names} read (every response would score 0)",
+            f"write it in every row (verl layout: " + ('{"reward_model": {"ground_truth": "..."}}'
+                                                      if f == "reward_model.ground_truth" else f) + ")")
+    texts, answers = [], []
+    for i, row in enumerate(rows):
+        text = prompt_text(row.get(prompt_key))
+        if text is None or not text.strip():
+            value = row.get(prompt_key, "<missing>")
+            column = next((c for c in PROMPT_COLUMNS if prompt_text(row.get(c))), None)
+            guess = f" (data.prompt_key={column}?)" if column and prompt_key not in row else ""
+            detail = (f"keys {sorted(map(str, row))}{guess}" if prompt_key not in row
+                      else f"{prompt_key}={value!r:.60}" + (" (neither text nor chat messages)" if text is None else ""))
+            problems["no_prompt"].add(i, detail)
+        texts.append(text or "")
+        for f in fields:
+            if _field(row, f) is None:
+                problems[f"missing:{f}"].add(i, _near_miss(row, f))
+        answers.append(_answer_text(_field(row, "reward_model.ground_truth")))
+    checked = [("unknown_prompt_chars", texts)]
+    if "reward_model.ground_truth" in fields:  # a ground truth no response can write
+        checked.append(("unknown_answer_chars", answers))
+    for kind, column in checked:
+        for i, chars in enumerate(unknown_characters(tokenizer, column)):
+            if chars:
+                problems[kind].add(i, f"{column[i]!r:.60}")
+                problems[kind].chars.update(set(chars))
+    return DataReport(source, len(rows), {k: p for k, p in problems.items() if p.rows})
+
+
+def _answer_text(gt: Any) -> str:
+    return gt if isinstance(gt, str) else ("" if gt is None else str(gt))
+
+
+def apply_policy(report: DataReport, policy: str, rows: Sequence[dict]) -> list[dict]:
+    """The rows to train on under `data.bad_row_policy=policy`; raises DataError for `error`."""
+    assert policy in POLICIES, policy
+    if not report.problems:
+        return list(rows)
+    text = report.describe()
+    if policy == "error":
+        raise DataError(f"{text}\nFix the rows as said, or set data.bad_row_policy=skip (drop these rows) or "
+                        "data.bad_row_policy=warn (train on them as they are).")
+    drop = report.bad_rows if policy == "skip" else set(report.problems.get("no_prompt", Problem("", "")).rows)
+    kept = [row for i, row in enumerate(rows) if i not in drop]
+    action = f"dropped {len(drop)} rows" if drop else "training on the rows as they are"
+    if policy == "warn" and drop:
+        action += " without a prompt, training on the others as they are"
+    print(f"megappo: warning: {text}\nmegappo: data.bad_row_policy={policy}: {action}.", flush=True)
+    if not kept:
+        raise DataError(f"no row of {report.source} is left to train on after data.bad_row_policy={policy}. Fix: "
+                        "correct the rows as said above.")
+    return kept
+
+
+def check_data(rows: Sequence[dict], tokenizer, *, policy: str, prompt_key: str, reward_functions: Sequence[str],
+               source: str) -> list[dict]:
+    """`check_rows` then `apply_policy`: the rows to train on."""
+    report = check_rows(rows, tokenizer, prompt_key=prompt_key, reward_functions=reward_functions, source=source)
+    return apply_policy(report, policy, rows)

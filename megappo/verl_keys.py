@@ -1,0 +1,132 @@
+"""verl's config keys and megappo's names for them: the hint an unknown key gets.
+
+megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
+`algorithm.adv_estimator`, `actor.ppo_mini_batch_size`, `critic.optim.lr`, ...), so those
+need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
+`verl_hint(path, is_key)` says what megappo calls such a key (`actor_rollout_ref.actor.optim.lr`
+-> `actor.optim.lr`), or how megappo does the same thing when it has no such key
+(`trainer.n_gpus_per_node` -> the launch's world size). Explicit entries come first; then the
+section prefixes below are swapped for megappo's, and the result is offered when it is a key
+megappo has (`is_key`, from megappo.config).
+
+This module is data and one lookup: it imports nothing and does not know the config schema.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+#: verl key -> megappo key, where the name differs beyond the section prefix
+RENAMED: dict[str, str] = {
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
+    "actor_rollout_ref.actor.optim.warmup_style": "actor.optim.lr_decay_style",
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor.optim.lr_decay_style",
+    "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size": "actor.micro_batch_size",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": "actor.parallel.tp",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": "actor.parallel.pp",
+    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size": "actor.parallel.vpp",
+    "actor_rollout_ref.actor.megatron.sequence_parallel": "parallel.sequence_parallel",
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer": "parallel.use_distributed_optimizer",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "ref.micro_batch_size",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": "ref.micro_batch_size",
+    "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": "ref.parallel.tp",
+    "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size": "ref.parallel.pp",
+    "actor_rollout_ref.rollout.name": "rollout.engine",
+    "actor_rollout_ref.rollout.response_length": "rollout.max_new_tokens",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": "rollout.val_temperature",
+    "actor_rollout_ref.rollout.val_kwargs.n": "rollout.val_n",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.sglang.mem_fraction_static",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    "critic.model.path": "critic.path",
+    "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size",
+    "critic.ppo_micro_batch_size": "critic.micro_batch_size",
+    "critic.optim.lr_warmup_steps": "critic.optim.warmup_steps",
+    "critic.optim.warmup_style": "critic.optim.lr_decay_style",
+    "critic.megatron.tensor_model_parallel_size": "critic.parallel.tp",
+    "critic.megatron.pipeline_model_parallel_size": "critic.parallel.pp",
+    "reward_model.model.path": "reward.model_path",
+    "reward_model.micro_batch_size_per_gpu": "reward.micro_batch_size",
+    "reward_model.micro_batch_size": "reward.micro_batch_size",
+    "data.max_response_length": "rollout.max_new_tokens",
+    "trainer.total_training_steps": "run.total_steps",
+    "trainer.save_freq": "checkpoint.save_every",
+    "trainer.test_freq": "run.val_every",
+    "trainer.default_local_dir": "checkpoint.dir",
+    "trainer.project_name": "logging.project",
+    "trainer.experiment_name": "logging.run_name",
+    "trainer.logger": "logging.sinks",
+    "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
+}
+
+#: verl key -> how megappo does it, where there is no one key to rename it to
+OTHERWISE: dict[str, str] = {
+    "trainer.n_gpus_per_node": "megappo takes the world size from the launch: `megappo train --world-size N` or "
+                               "`torchrun --nproc-per-node N -m megappo.cli train ...`",
+    "trainer.nnodes": "megappo takes the world size from the launch (torchrun --nnodes / launchers/)",
+    "trainer.device": "megappo uses CUDA when it is there, else the CPU (parallel.backend=auto)",
+    "reward_model.enable": "megappo uses a reward model when reward.model_path is set",
+    "custom_reward_function.path": "write reward.functions=[path/to/file.py:function_name]",
+    "custom_reward_function.name": "write reward.functions=[path/to/file.py:function_name]",
+    "data.truncation": "write data.long_prompt_policy=truncate (keeps a prompt's end, as verl's 'left'), error, or "
+                       "skip",
+    "trainer.resume_mode": "write checkpoint.resume=auto, must (a checkpoint is required) or off (verl's 'disable')",
+    "trainer.log_val_generations": "logging.samples=N shows N samples of every training step (console and "
+                                   "samples.jsonl)",
+    "data.val_batch_size": "megappo validates on all data.val_files prompts in one batch",
+    "data.filter_overlong_prompts": "write data.long_prompt_policy=skip (megappo's default)",
+    "data.return_raw_chat": "megappo renders the chat template itself (data.apply_chat_template)",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "write actor.optim.warmup_steps (a number of steps)",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "pass it to SGLang: rollout.sglang.tp_size",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "megappo has no activation recomputation switch",
+    "actor_rollout_ref.model.use_remove_padding": "megappo has no such switch (sequences are padded)",
+}
+
+#: verl section prefix -> megappo's, tried when the key is in neither table
+PREFIXES: dict[str, str] = {
+    "actor_rollout_ref.actor.": "actor.",
+    "actor_rollout_ref.rollout.": "rollout.",
+    "actor_rollout_ref.ref.": "ref.",
+    "actor_rollout_ref.model.": "model.",
+    "critic.model.": "critic.",
+    "reward_model.": "reward.",
+    "trainer.": "run.",
+}
+
+#: sections only verl has: a key under them is verl's even when no table names it
+SECTIONS = ("actor_rollout_ref", "trainer", "custom_reward_function", "reward_model")
+
+
+NO_EQUIVALENT = ("megappo has no such key; remove it (megappo's sections are model, parallel, actor, critic, ref, "
+                 "reward, algorithm, rollout, data, checkpoint, logging, run)")
+
+
+def verl_equivalent(path: str, is_key: Callable[[str], bool]) -> Optional[tuple[Optional[str], str]]:
+    """(megappo's key, None) for a renamed verl key `path` (dotted), (None, how megappo does it)
+    when it has no such key, or None when `path` is not verl's.
+
+    `is_key(dotted)` says whether megappo has a key; a prefix swap is offered only if it does.
+    """
+    if path in RENAMED:
+        return RENAMED[path], None
+    if path in OTHERWISE:
+        return None, OTHERWISE[path]
+    for verl, ours in PREFIXES.items():
+        if path.startswith(verl) and is_key(ours + path[len(verl):]):
+            return ours + path[len(verl):], None
+    if path.split(".")[0] in SECTIONS:
+        return None, NO_EQUIVALENT
+    return None
+
+
+def verl_hint(path: str, value: str, is_key: Callable[[str], bool]) -> Optional[str]:
+    """The error for an override `path=value` whose key is verl's; None when it is not."""
+    found = verl_equivalent(path, is_key)
+    if found is None:
+        return None
+    key, how = found
+    if key:
+        return f"unknown config key '{path}': that is verl's name; megappo's is '{key}'. Fix: write {key}={value}."
+    return (f"unknown config key '{path}': that is a verl key; {how}. Fix: remove it (docs/config.md, 'Coming from "
+            "verl', maps every verl name).")
