@@ -66,6 +66,7 @@ from megappo.types import RolloutBatch, SamplingParams
 
 FINGERPRINT_PREFIX = 100  # rows; SGLang's get_weights_by_name truncate_size default
 UPDATE_GROUP = "megappo_weight_update"
+CPU_MAX_TOTAL_TOKENS = 32768  # the KV cache's size on CPU unless rollout.sglang.max_total_tokens is set
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 
 
@@ -79,15 +80,17 @@ def sglang_engine_args(model_path: str | None, *, tp_size: int, mem_fraction_sta
 
     `enable_memory_saver`: on GPUs for the colocated `tensor` mode, so that release_memory()
     frees the weights and KV cache during training (SGLang frees nothing without it).
-    `base_gpu_id`: for `distributed` on GPUs, the GPUs after the trainer's ranks on this node."""
+    `base_gpu_id`: for `distributed` on GPUs, the GPUs after the trainer's ranks on this node.
+    CPU: `device=cpu` and a KV cache of `CPU_MAX_TOTAL_TOKENS` tokens unless
+    rollout.sglang.max_total_tokens says otherwise."""
     args: dict[str, Any] = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
                                 dtype=dtype, skip_tokenizer_init=True)
     if cuda and sync_mode == "tensor":
         args["enable_memory_saver"] = True
     if cuda and sync_mode == "distributed":
         args["base_gpu_id"] = local_world_size
-    if not cuda:
-        args["device"] = "cpu"
+    if not cuda:  # mem_fraction_static would size the KV cache from host RAM (GBs for a tiny model)
+        args.update(device="cpu", max_total_tokens=CPU_MAX_TOTAL_TOKENS)
     args.update(user_args)
     if not cuda and args.get("enable_memory_saver"):
         raise ValueError("rollout.sglang.enable_memory_saver needs CUDA (SGLang's memory saver pins GPU memory). "

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.rollout.engine import WeightSyncError
+from megappo.rollout.engine import WeightSyncError, compare_fingerprints
 from megappo.types import SamplingParams
 from tests.sglang.test_engine import PROMPTS, assert_close_logprobs, hf_model, start  # noqa: F401
 
@@ -25,6 +25,22 @@ def test_untempered_logprobs(tiny_llama_dir, hf_model):
         batch = eng.generate(PROMPTS, SamplingParams(n=2, temperature=0.6, max_new_tokens=8, logprob_mode="untempered"))
         assert batch.logprob_mode == "untempered"
         assert_close_logprobs(batch, hf_model, 1.0)
+    finally:
+        eng.shutdown()
+
+
+def test_engine_tp2_generates_and_verifies(tiny_llama_dir, hf_model):
+    """rollout.sglang.tp_size=2 on CPU (one core per engine rank): greedy tokens equal
+    transformers', and verification passes although SGLang reads column-parallel weights back
+    from its first rank's shard."""
+    eng = start(tiny_llama_dir, engine_args={"tp_size": 2})
+    try:
+        batch = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))
+        assert_close_logprobs(batch, hf_model, 1.0)
+        new = build_hf_model(TINY_CONFIGS["llama"], seed=11).state_dict()
+        eng.update_weights([list(new.items())])
+        expected = {name: eng.fingerprint_of(name, t) for name, t in new.items()}
+        assert compare_fingerprints(expected, eng.fingerprints(expected)) == []
     finally:
         eng.shutdown()
 

@@ -140,6 +140,9 @@ def test_engine_args_per_device():
     assert gpu_dist["base_gpu_id"] == 6 and "enable_memory_saver" not in gpu_dist
     cpu_dist = sglang_engine_args("m", sync_mode="distributed", cuda=False, **kw)
     assert "base_gpu_id" not in cpu_dist and "enable_memory_saver" not in cpu_dist and cpu_dist["device"] == "cpu"
+    assert cpu_dist["max_total_tokens"] == 32768 and "max_total_tokens" not in gpu_dist  # not GBs of host RAM
+    assert sglang_engine_args("m", sync_mode="tensor", cuda=False,
+                              **dict(kw, user_args={"max_total_tokens": 4096}))["max_total_tokens"] == 4096
     assert sglang_engine_args("m", sync_mode="tensor", cuda=True, **dict(kw, user_args={"enable_memory_saver": False}))[
         "enable_memory_saver"] is False  # rollout.sglang wins
     with pytest.raises(ValueError, match="enable_memory_saver needs CUDA"):

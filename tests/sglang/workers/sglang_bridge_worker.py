@@ -69,7 +69,7 @@ def main():
             if ps.rank == 0 else None
         for _ in range(2):  # the second sync reuses what the first set up (distributed: the update group)
             stats = WeightBridge(model, engine, bucket_bytes=64 << 10, verify_every=1).sync()
-            assert stats.verified and stats.buckets > 1
+            assert stats.verified and (stats.buckets > 1 or ps.rank != 0)
         box = [None]
         if ps.rank == 0:
             box = [engine.generate([[5, 17, 42, 9], [7, 3], [250, 251, 252, 1, 2]],
