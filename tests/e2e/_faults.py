@@ -6,6 +6,8 @@
   corrupt_sync  the hf engine adds 1 to the first element of the first tensor it loads
   stall_rank0   global rank 0 sleeps 600 s at the start of the first generation, while the
                 other ranks wait for the batch: a hung rank
+  slow_step2    global rank 0 sleeps 600 s at the start of step 2's generation: a step that
+                is still running when a signal comes
 
 The rest is the real CLI (megappo.cli.main): its launcher re-runs this script on every rank,
 so every rank injects the same fault.
@@ -51,6 +53,18 @@ def main() -> int:
                 return generate(run, step)
 
             orchestrator.generate = stalled
+    elif fault == "slow_step2":
+        if os.environ.get("RANK", "0") == "0":  # rank 0 of a launched world, or a world of one
+            from megappo import orchestrator
+
+            generate = orchestrator.generate
+
+            def slow(run, step):
+                if step == 2:
+                    time.sleep(600)
+                return generate(run, step)
+
+            orchestrator.generate = slow
     else:
         raise SystemExit(f"unknown fault {fault!r}")
     return cli.main(argv)
