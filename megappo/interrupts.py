@@ -84,6 +84,7 @@ def install(announce: bool) -> None:
 
 
 def _watch(reader: socket.socket, announce: bool) -> None:
+    acknowledged = False
     while True:
         try:
             data = reader.recv(64)
@@ -92,12 +93,22 @@ def _watch(reader: socket.socket, announce: bool) -> None:
         if not data:
             return
         for signum in data:
-            if signum in SIGNALS and _record(signum):
+            if signum not in SIGNALS:
+                continue
+            name = signal.Signals(signum).name
+            if _record(signum):
                 if announce:
-                    os.write(2, f"megappo: interrupted again ({signal.Signals(signum).name}): stopped at once, "
-                                "without a checkpoint of the step in progress; rerun the same command to resume "
-                                "from the latest checkpoint.\n".encode())
+                    _say(f"interrupted again ({name}): stopped at once, without a checkpoint of the step in "
+                         "progress; rerun the same command to continue from the latest checkpoint, if any.")
                 os._exit(exit_code(_request["signum"]))
+            if announce and not acknowledged:
+                _say(f"{name} received: stopping after the step in progress, with a checkpoint; send it again "
+                     "to stop at once.")
+                acknowledged = True
+
+
+def _say(line: str) -> None:
+    os.write(2, f"megappo: {line}\n".encode())  # not print: the main thread may hold sys.stderr's lock
 
 
 def uninstall() -> None:
@@ -134,6 +145,9 @@ class Forwarder:
         self._old: dict = {}
 
     def __enter__(self) -> "Forwarder":
+        import psutil
+
+        self._me = psutil.Process()
         self._old = {s: signal.signal(s, self._handle) for s in SIGNALS}
         return self
 
@@ -154,7 +168,7 @@ class Forwarder:
         import psutil
 
         self.signals.append(signum)
-        ranks = psutil.Process().children()
+        ranks = self._me.children()
         if not ranks:  # none started yet: nothing to forward to, the launcher stops
             raise KeyboardInterrupt
         for rank in ranks:

@@ -84,7 +84,8 @@ def _failed(e, signals) -> int:
     code = failure.exitcode
     if signals.stopped_at_once:
         print("megappo: interrupted again: the ranks were stopped at once, without a checkpoint of the step in "
-              "progress; rerun the same command to resume from the latest checkpoint.", file=sys.stderr, flush=True)
+              "progress; rerun the same command to continue from the latest checkpoint, if any.", file=sys.stderr,
+              flush=True)
         return signals.exit_code
     if code in INTERRUPTED_EXITS or (signals.exit_code and code < 0):  # rank 0 said what was saved
         return signals.exit_code or code

@@ -146,3 +146,15 @@ def test_a_second_ctrl_c_stops_a_world_of_one_at_once(tmp_path):
     assert code == 130, output[-6000:]
     assert elapsed < 15, elapsed
     assert "Traceback" not in output and "stopped at once" in output, output
+
+
+def test_a_signal_before_the_first_step_ended_has_nothing_to_save(tmp_path):
+    """Every rank is signalled as its setup ends: the ranks agree before step 1 and stop."""
+    out = str(tmp_path / "run")
+    proc = subprocess.run(command(out, fault="sigint_setup"), env=env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130, output[-6000:]
+    assert "interrupted before step 1 ended: nothing to save; rerun the same command to start again" in output
+    assert "Traceback" not in output and len(output.splitlines()) < 30, output
+    assert logged_steps(out) == [] and not os.path.exists(os.path.join(out, "checkpoints"))
