@@ -101,7 +101,9 @@ def cmd_train(args) -> int:
 
     from megappo import interrupts
 
-    interrupts.install(announce=int(os.environ.get("RANK", 0)) == 0)  # Ctrl-C / SIGTERM: stop at a step boundary
+    # Ctrl-C / SIGTERM: stop at a step boundary (torchrun's RANK and LOCAL_WORLD_SIZE, when it started this rank)
+    interrupts.install(announce=int(os.environ.get("RANK", 0)) == 0,
+                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     from megappo.metrics import plot_run
     from megappo.orchestrator import train
     from megappo.parallel.stage import stage

@@ -8,7 +8,9 @@ checkpoint (megappo.run). The same signal delivered twice within `REPEAT_WINDOW_
 once: SLURM signals every process of a job step and the launcher forwards its own copy. A
 later signal ends the process at once with one line at most (rank 0's), from a watcher thread
 woken by the signal's wakeup byte, so that it works even while the main thread is blocked in
-a collective, where Python signal handlers do not run.
+a collective, where Python signal handlers do not run. A SIGTERM that comes after another rank
+of the same launcher ended is torchrun stopping the survivors of a failure: it ends the process
+at once, as it would without these handlers.
 
 The launcher (`Forwarder`): the ranks run in their own sessions, so a terminal's Ctrl-C
 reaches only the launcher. The first signal is forwarded to the ranks; a second one kills
@@ -50,7 +52,7 @@ class Interrupted(Exception):
         return exit_code(self.signum)
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # the handler may run again inside itself
 _request = {"signum": 0, "at": 0.0}
 _installed: dict = {}
 
@@ -69,9 +71,10 @@ def _record(signum: int) -> bool:
         return time.monotonic() - _request["at"] > REPEAT_WINDOW_S
 
 
-def install(announce: bool) -> None:
+def install(announce: bool, local_ranks: int = 1) -> None:
     """Handle SIGINT and SIGTERM in this rank as described above (main thread only).
-    `announce`: this rank prints the line of an immediate stop (rank 0)."""
+    `announce`: this rank prints the acknowledgement and the line of an immediate stop (rank 0).
+    `local_ranks`: the ranks its launcher started (torchrun's LOCAL_WORLD_SIZE), see _peer_gone."""
     if _installed:
         return
     reader, writer = socket.socketpair()
@@ -80,10 +83,10 @@ def install(announce: bool) -> None:
     # the handler itself only records the first request; it runs when the main thread is free
     old = {s: signal.signal(s, lambda signum, frame: _record(signum) and None) for s in SIGNALS}
     _installed.update(old=old, old_fd=old_fd, sockets=(reader, writer))
-    threading.Thread(target=_watch, args=(reader, announce), name="megappo-interrupts", daemon=True).start()
+    threading.Thread(target=_watch, args=(reader, announce, local_ranks), name="megappo-interrupts", daemon=True).start()
 
 
-def _watch(reader: socket.socket, announce: bool) -> None:
+def _watch(reader: socket.socket, announce: bool, local_ranks: int) -> None:
     acknowledged = False
     while True:
         try:
@@ -96,6 +99,8 @@ def _watch(reader: socket.socket, announce: bool) -> None:
             if signum not in SIGNALS:
                 continue
             name = signal.Signals(signum).name
+            if signum == signal.SIGTERM and _peer_gone(local_ranks):
+                _die_by(signum)
             if _record(signum):
                 if announce:
                     _say(f"interrupted again ({name}): stopped at once, without a checkpoint of the step in "
@@ -105,6 +110,31 @@ def _watch(reader: socket.socket, announce: bool) -> None:
                 _say(f"{name} received: stopping after the step in progress, with a checkpoint; send it again "
                      "to stop at once.")
                 acknowledged = True
+
+
+def _peer_gone(local_ranks: int) -> bool:
+    """Whether a rank started by the same launcher has ended: then a SIGTERM is torchrun stopping
+    the others after that failure (its SIGTERM, 30 s before SIGKILL), not a request to save."""
+    if local_ranks <= 1:
+        return False
+    import psutil
+
+    try:
+        peers = psutil.Process(os.getppid()).children()
+        return sum(p.status() != psutil.STATUS_ZOMBIE for p in peers) < local_ranks
+    except psutil.Error:
+        return True  # the launcher itself is gone
+
+
+def _die_by(signum: int) -> None:
+    """End this process by `signum`'s default action, as if no handler were installed (from any
+    thread: Python lets only the main thread set handlers, libc does not)."""
+    import ctypes
+
+    ctypes.CDLL(None).signal(signum, 0)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(1)
+    os._exit(exit_code(signum))
 
 
 def _say(line: str) -> None:
