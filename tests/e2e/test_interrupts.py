@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,11 +57,12 @@ def metrics(out) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
 
 
-def interrupt(cmd, out, signals, *, after_step=2, group=True, timeout=400):
+def interrupt(cmd, out, signals, *, after_step=2, to="group", timeout=400):
     """Start `cmd` in its own session, wait until `after_step` is in metrics.jsonl, then send
     `signals` (a list of (signal, seconds to wait before it)) to its process group (as a
-    terminal does on Ctrl-C) or to the process alone (`group=False`, as `kill PID` does).
-    Returns (exit code, output, seconds from the last signal to the exit)."""
+    terminal does on Ctrl-C; the ranks have their own sessions), to the process alone
+    (`to="launcher"`, as `kill PID` does) or to every process it started (`to="all"`, as SLURM
+    signals a job step). Returns (exit code, output, seconds from the last signal to the exit)."""
     proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.time() + timeout
@@ -72,7 +74,12 @@ def interrupt(cmd, out, signals, *, after_step=2, group=True, timeout=400):
             time.sleep(0.05)
         for sig, wait in signals:
             time.sleep(wait)
-            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+            if to == "group":
+                os.killpg(proc.pid, sig)
+            else:
+                tree = psutil.Process(proc.pid)
+                for p in [tree, *(tree.children(recursive=True) if to == "all" else [])]:
+                    p.send_signal(sig)
         sent = time.time()
         output, _ = proc.communicate(timeout=timeout)
         return proc.returncode, output, time.time() - sent
@@ -120,7 +127,15 @@ def test_ctrl_c_saves_the_last_step_and_the_rerun_resumes_exactly(straight, tmp_
 def test_sigterm_to_the_launcher_alone(tmp_path):
     """SLURM or `kill PID` may signal only the launcher: it forwards the signal to its ranks."""
     out = str(tmp_path / "run")
-    code, output, _ = interrupt(command(out), out, [(signal.SIGTERM, 0)], group=False)
+    code, output, _ = interrupt(command(out), out, [(signal.SIGTERM, 0)], to="launcher")
+    check_graceful(code, output, out, 143)
+
+
+def test_sigterm_to_every_process_counts_once(tmp_path):
+    """SLURM signals every process of a job step: each rank gets SIGTERM from SLURM and again
+    from the launcher; the two are one request, not a second signal that stops at once."""
+    out = str(tmp_path / "run")
+    code, output, _ = interrupt(command(out), out, [(signal.SIGTERM, 0)], to="all")
     check_graceful(code, output, out, 143)
 
 
