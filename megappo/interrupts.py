@@ -4,8 +4,8 @@ this process's handlers for the two signals, the stop they request, and its exit
 A rank (`install()`): the first signal only records a request; the training loop asks the
 ranks whether any of them has one (`agree`, a collective all of them reach once per step,
 so no rank is left waiting in another collective) and stops at that step boundary with a
-checkpoint (megappo.run). The same signal delivered twice within `REPEAT_WINDOW_S` counts
-once: SLURM signals every process of a job step and the launcher forwards its own copy. A
+checkpoint (megappo.run). Signals within `REPEAT_WINDOW_S` of the first count as the same
+request: SLURM signals every process of a job step and the launcher forwards its own copy. A
 later signal ends the process at once with one line at most (rank 0's), from a watcher thread
 woken by the signal's wakeup byte, so that it works even while the main thread is blocked in
 a collective, where Python signal handlers do not run. A SIGTERM that comes after another rank
@@ -32,7 +32,7 @@ import threading
 import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-#: the same signal twice within this many seconds is one request (two senders), not a second one
+#: a signal within this many seconds of the first is the same request (two senders), not a second one
 REPEAT_WINDOW_S = 1.0
 
 
@@ -81,9 +81,11 @@ def install(announce: bool, local_ranks: int = 1) -> None:
     writer.setblocking(False)
     old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     # the handler itself only records the first request; it runs when the main thread is free
-    old = {s: signal.signal(s, lambda signum, frame: _record(signum) and None) for s in SIGNALS}
-    _installed.update(old=old, old_fd=old_fd, sockets=(reader, writer))
-    threading.Thread(target=_watch, args=(reader, announce, local_ranks), name="megappo-interrupts", daemon=True).start()
+    for s in SIGNALS:
+        signal.signal(s, lambda signum, frame: _record(signum) and None)
+    _installed.update(old_fd=old_fd, sockets=(reader, writer))
+    threading.Thread(target=_watch, args=(reader, announce, local_ranks), name="megappo-interrupts",
+                     daemon=True).start()
 
 
 def _watch(reader: socket.socket, announce: bool, local_ranks: int) -> None:

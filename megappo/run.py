@@ -113,7 +113,9 @@ class Run:
         if step == 0:
             message = "interrupted before step 1 ended: nothing to save; rerun the same command to start again"
         else:
-            rerun = "rerun the same command" + (" with checkpoint.resume=auto" * (self.cfg.checkpoint.resume == "off"))
+            rerun = "rerun the same command"
+            if self.cfg.checkpoint.resume == "off":  # which would refuse a directory with checkpoints
+                rerun += " with checkpoint.resume=auto"
             saved = (os.path.join(self.cfg.checkpoint_dir, checkpointing.step_dir_name(step))
                      if step == self.last_saved_step else self.save_checkpoint(step))
             message = f"interrupted at step {step}: checkpoint saved to {saved}; {rerun} to resume"
