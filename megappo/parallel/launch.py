@@ -72,6 +72,7 @@ def torchrun(argv: list[str]) -> int:
         except ChildFailedError as e:
             return _failed(e, signals)
         except KeyboardInterrupt:  # a signal before any rank was started
+            print("megappo: interrupted", file=sys.stderr, flush=True)
             return signals.exit_code or exit_code(signal.SIGINT)
         except SignalException as e:  # torchrun forwarded the signal to the ranks and stopped them
             return exit_code(e.sigval)

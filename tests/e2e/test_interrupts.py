@@ -173,3 +173,13 @@ def test_a_signal_before_the_first_step_ended_has_nothing_to_save(tmp_path):
     assert "interrupted before step 1 ended: nothing to save; rerun the same command to start again" in output
     assert "Traceback" not in output and len(output.splitlines()) < 30, output
     assert logged_steps(out) == [] and not os.path.exists(os.path.join(out, "checkpoints"))
+
+
+def test_ctrl_c_during_start_up(tmp_path):
+    """Ctrl-C while the command is still reading the recipe (no rank started): one line, 130."""
+    proc = subprocess.Popen(command(str(tmp_path / "run")), env=env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and output == "megappo: interrupted\n", (proc.returncode, output)
