@@ -107,6 +107,13 @@ def cmd_train(args) -> int:
               f"megappo export {cfg.run.output_dir} OUT_DIR", flush=True)
         return 0
     ensure_ranks(world)
+    import torch.distributed
+
+    from megappo import interrupts
+
+    # Ctrl-C / SIGTERM: stop at a step boundary (torchrun's RANK and LOCAL_WORLD_SIZE, when it started this rank)
+    interrupts.install(announce=int(os.environ.get("RANK", 0)) == 0,
+                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     from megappo.metrics import plot_run
     from megappo.orchestrator import train
     from megappo.parallel.stage import stage
@@ -116,7 +123,15 @@ def cmd_train(args) -> int:
     with stage("setup"):  # the stage a failed collective reports when no inner one is named
         run = create_run(cfg)
     with stage("train loop"):
-        history = train(run)
+        try:
+            history = train(run)
+        except interrupts.Interrupted as e:
+            if run.ps.is_rank0:
+                print(f"megappo: {e}", flush=True)
+            torch.distributed.barrier()  # no rank ends (and has the launcher stop the others) before that line
+            interrupts.uninstall()
+            destroy_parallel()
+            return e.exit_code
     if run.ps.is_rank0:
         png = plot_run(cfg.run.output_dir)
         last = history[-1] if history else {}
@@ -240,7 +255,12 @@ def main(argv=None) -> int:
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = getattr(args, "overrides", []) + extra  # overrides after an option: `R.yaml --world-size 8 k=v`
-    return run_reporting_errors(args.func, args)
+    try:
+        return run_reporting_errors(args.func, args)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop handles it (megappo.interrupts)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("megappo: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def run_reporting_errors(func, *args) -> int:

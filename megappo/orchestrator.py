@@ -187,6 +187,7 @@ def train(run: Run) -> list[dict[str, float]]:
         if run.ps.is_rank0:
             run.logger.log(run.start_step, val)
     for step in range(run.start_step + 1, run.total_steps + 1):
+        run.stop_if_interrupted(step - 1)  # Ctrl-C / SIGTERM: every rank stops here, the last step saved
         start = time.perf_counter()
         metrics = ppo_step(run, step)
         if run.cfg.run.val_every and step % run.cfg.run.val_every == 0:

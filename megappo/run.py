@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megappo import checkpointing
+from megappo import checkpointing, interrupts
 from megappo.config import Config
 from megappo.data import PromptSampler, build_prompts, builtin_rows, load_rows
 from megappo.datacheck import check_data
@@ -103,6 +103,26 @@ class Run:
         if self.ps.is_rank0:
             console(f"saved checkpoint {path}")  # above the progress bar
         return path
+
+    def stop_if_interrupted(self, step: int) -> None:
+        """Collective, at a step boundary: when a rank got SIGINT / SIGTERM (megappo.interrupts),
+        every rank saves a checkpoint of `step`, the last completed step (unless it is saved
+        already), closes the logger and raises Interrupted, whose message says how to resume."""
+        signum = interrupts.agree(self.ps.device)
+        if not signum:
+            return
+        if step == 0:
+            message = "interrupted before step 1 ended: nothing to save; rerun the same command to start again"
+        else:
+            rerun = "rerun the same command"
+            if self.cfg.checkpoint.resume == "off":  # which would refuse a directory with checkpoints
+                rerun += " with checkpoint.resume=auto"
+            saved = (os.path.join(self.cfg.checkpoint_dir, checkpointing.step_dir_name(step))
+                     if step == self.last_saved_step else self.save_checkpoint(step))
+            message = f"interrupted at step {step}: checkpoint saved to {saved}; {rerun} to resume"
+        if self.logger:
+            self.logger.close()
+        raise interrupts.Interrupted(signum, message)
 
     def finish(self) -> None:
         """Collective: the final checkpoint (unless this step was just saved), the HF export if

@@ -6,6 +6,10 @@
   corrupt_sync  the hf engine adds 1 to the first element of the first tensor it loads
   stall_rank0   global rank 0 sleeps 600 s at the start of the first generation, while the
                 other ranks wait for the batch: a hung rank
+  sigint_setup  every rank sends itself SIGINT when its setup (megappo.run.create_run) is done,
+                before the first step
+  slow_step2    global rank 0 sleeps 600 s at the start of step 2's generation: a step that
+                is still running when a signal comes
 
 The rest is the real CLI (megappo.cli.main): its launcher re-runs this script on every rank,
 so every rank injects the same fault.
@@ -51,6 +55,31 @@ def main() -> int:
                 return generate(run, step)
 
             orchestrator.generate = stalled
+    elif fault == "sigint_setup":
+        import signal
+
+        from megappo import run
+
+        create_run = run.create_run
+
+        def interrupted(cfg):
+            created = create_run(cfg)
+            os.kill(os.getpid(), signal.SIGINT)
+            return created
+
+        run.create_run = interrupted
+    elif fault == "slow_step2":
+        if os.environ.get("RANK", "0") == "0":  # rank 0 of a launched world, or a world of one
+            from megappo import orchestrator
+
+            generate = orchestrator.generate
+
+            def slow(run, step):
+                if step == 2:
+                    time.sleep(600)
+                return generate(run, step)
+
+            orchestrator.generate = slow
     else:
         raise SystemExit(f"unknown fault {fault!r}")
     return cli.main(argv)
