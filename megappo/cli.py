@@ -127,6 +127,9 @@ def cmd_train(args) -> int:
             history = train(run)
         except interrupts.Interrupted as e:
             if run.ps.is_rank0:
+                from megappo.metrics import end_live_line
+
+                end_live_line()  # the line goes below the progress bar, not onto it
                 print(f"megappo: {e}", flush=True)
             torch.distributed.barrier()  # no rank ends (and has the launcher stop the others) before that line
             interrupts.uninstall()
