@@ -304,10 +304,10 @@ def _run_failure(e: RuntimeError) -> tuple[RuntimeError, int] | None:
     explains, else None."""
     from megappo.parallel.launch import GAVE_UP_EXIT
     from megappo.parallel.stage import as_collective_error  # imported only now: these pull in torch
-    from megappo.rollout.engine import WeightSyncError
+    from megappo.rollout.engine import EngineCrashed, WeightSyncError
 
     orchestrator = sys.modules.get("megappo.orchestrator")  # never imported: `e` cannot be its error
-    if isinstance(e, WeightSyncError) or (orchestrator and isinstance(e, orchestrator.NonFiniteLossError)):
+    if isinstance(e, (WeightSyncError, EngineCrashed)) or (orchestrator and isinstance(e, orchestrator.NonFiniteLossError)):
         return e, 1
     collective = as_collective_error(e)
     return (collective, GAVE_UP_EXIT) if collective else None

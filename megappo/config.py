@@ -845,12 +845,6 @@ def apply_override(data: dict, override: str) -> None:
 def load_config(path: str | None, overrides: Sequence[str] = (), variant: Optional[str] = None) -> Config:
     """Read a YAML recipe (or start empty when `path` is None), apply `key.sub=value` overrides, build.
     `variant`: first apply the recipe's `variants[variant]` overrides (other hardware), then `overrides`."""
-    if variant is not None:
-        variants = load_config(path).variants
-        if variant not in variants:
-            raise ConfigError(f"recipe '{path}' has no variant '{variant}'. Fix: choose one of {sorted(variants)} "
-                              f"(its variants: section), or leave out --variant.")
-        return load_config(path, [*variants[variant], *overrides])
     data: Any = {}
     if path is not None:
         try:
@@ -867,6 +861,16 @@ def load_config(path: str | None, overrides: Sequence[str] = (), variant: Option
             data = {}
         if not isinstance(data, dict):
             raise _not_a_mapping(f"recipe '{path}'", data)
+    if variant is not None:  # the recipe's own overrides for other hardware go first (checked with the rest)
+        variants = data.get("variants") or {}
+        if not isinstance(variants, dict) or variant not in variants:
+            names = sorted(variants) if isinstance(variants, dict) else []
+            raise ConfigError(f"recipe '{path}' has no variant '{variant}'. Fix: choose one of {names} "
+                              f"(its variants: section), or leave out --variant.")
+        if not isinstance(variants[variant], list):
+            raise ConfigError(f"variants.{variant} in '{path}' must be a list of KEY=VALUE overrides. Fix: write "
+                              f"{variant}: [hardware.gpu_memory_gib=141, ...].")
+        overrides = [*variants[variant], *overrides]
     for override in overrides:
         apply_override(data, override)
     return config_from_dict(data)

@@ -5,7 +5,7 @@ megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
 need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
 `verl_hint(path, is_key)` says what megappo calls such a key (`actor_rollout_ref.actor.optim.lr`
 -> `actor.optim.lr`), or how megappo does the same thing when it has no such key
-(`trainer.n_gpus_per_node` -> the launch's world size). Explicit entries come first; then the
+(`trainer.device` -> CUDA when present). Explicit entries come first; then the
 section prefixes below are swapped for megappo's, and the result is offered when it is a key
 megappo has (`is_key`, from megappo.config).
 
@@ -51,6 +51,8 @@ RENAMED: dict[str, str] = {
     "reward_model.micro_batch_size": "reward.micro_batch_size",
     "data.max_response_length": "rollout.max_new_tokens",
     "trainer.total_training_steps": "run.total_steps",
+    "trainer.n_gpus_per_node": "hardware.gpus_per_node",
+    "trainer.nnodes": "hardware.nodes",
     "trainer.save_freq": "checkpoint.save_every",
     "trainer.test_freq": "run.val_every",
     "trainer.default_local_dir": "checkpoint.dir",
@@ -62,9 +64,6 @@ RENAMED: dict[str, str] = {
 
 #: verl key -> how megappo does it, where there is no one key to rename it to
 OTHERWISE: dict[str, str] = {
-    "trainer.n_gpus_per_node": "megappo takes the world size from the launch: `megappo train --world-size N` or "
-                               "`torchrun --nproc-per-node N -m megappo.cli train ...`",
-    "trainer.nnodes": "megappo takes the world size from the launch (torchrun --nnodes / launchers/)",
     "trainer.device": "megappo uses CUDA when it is there, else the CPU (parallel.backend=auto)",
     "reward_model.enable": "megappo uses a reward model when reward.model_path is set",
     "custom_reward_function.path": "write reward.functions=[path/to/file.py:function_name]",

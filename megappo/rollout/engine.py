@@ -27,6 +27,10 @@ class WeightSyncError(RuntimeError):
     """The engine's weights do not match what the trainer sent."""
 
 
+class EngineCrashed(RuntimeError):
+    """A process of the rollout engine died; the engine cannot be used any more."""
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample `params.n` responses per prompt (token ids, no padding)."""

@@ -37,10 +37,12 @@ only under deterministic inference, which its CPU attention backend refuses): sa
 seed-reproducible, and the engine warns once.
 
 Crashes: SGLang's subprocess watchdog SIGQUITs this process when a scheduler or detokenizer
-dies, and SGLang's own handler then kills the whole process tree, the trainer included. The
-engine installs its own handler instead (SGLang's `custom_sigquit_handler`), which turns the
-signal into an `EngineCrashed` error raised from the engine call in flight, or from the next
-one.
+dies, and SGLang's own handlers then kill the whole process tree, the trainer included. The
+engine replaces them (SGLang's `custom_sigquit_handler` while starting; once running, the
+tokenizer manager's event-loop SIGQUIT and SIGTERM handlers, so that SIGINT/SIGTERM stay
+megappo's: megappo.interrupts) and watches the engine's processes itself: a death stops the
+engine's event loop, and the call in flight (or the next one) raises `EngineCrashed`, an error
+`megappo train` reports in one line.
 
 This module does not know about Megatron or PPO.
 """
@@ -51,14 +53,17 @@ import concurrent.futures
 import inspect
 import json
 import os
+import signal
 import tempfile
+import threading
 import warnings
 from typing import Any, Iterable, Sequence
 
+import psutil
 import torch
 import torch.distributed as dist
 
-from megappo.rollout.engine import Bucket, WeightSyncError, tensor_fingerprint
+from megappo.rollout.engine import Bucket, EngineCrashed, WeightSyncError, tensor_fingerprint
 from megappo.rollout.update_group import (
     dtype_name, flatten_bucket, free_port, open_update_group, outside_torchrun_store,
 )
@@ -70,12 +75,8 @@ CPU_MAX_TOTAL_TOKENS = 32768  # the KV cache's size on CPU unless rollout.sglang
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 
 
-class EngineCrashed(RuntimeError):
-    """A process of the SGLang engine died; the engine cannot be used any more."""
-
-
-def sglang_engine_args(model_path: str | None, *, tp_size: int, mem_fraction_static: float, dtype: str, sync_mode: str,
-                user_args: dict[str, Any], cuda: bool, local_world_size: int) -> dict[str, Any]:
+def sglang_engine_args(model_path: str | None, *, tp_size: int, mem_fraction_static: float, dtype: str,
+                       sync_mode: str, user_args: dict[str, Any], cuda: bool, local_world_size: int) -> dict[str, Any]:
     """The arguments megappo starts `sglang.Engine` with; `user_args` (rollout.sglang) win.
 
     `enable_memory_saver`: on GPUs for the colocated `tensor` mode, so that release_memory()
@@ -111,8 +112,9 @@ def _import_sglang():
         import sglang
     except ImportError as e:
         raise ImportError(
-            "rollout.engine=sglang needs SGLang on a GPU machine: pip install -e '.[gpu]'. "
-            "On CPU use rollout.engine=hf."
+            "rollout.engine=sglang needs SGLang: pip install -e '.[gpu]' on a GPU machine. On CPU, run in the "
+            "virtualenv tests/sglang/setup_venv.sh builds (SGLang's CPU platform; docs/engines.md), or use "
+            "rollout.engine=hf."
         ) from e
     return sglang
 
@@ -167,13 +169,20 @@ class SGLangEngine:
             _cpu_environment(self.tp_size)
         args.setdefault("custom_sigquit_handler", self._on_death_while_starting)
         sgl = _import_sglang()
+        main_thread = threading.current_thread() is threading.main_thread()
+        saved = _signal_state() if main_thread else None
+        started_before = {p.pid for p in psutil.Process().children()}
         with outside_torchrun_store():
             self._in_call = True
             try:
                 self.engine = sgl.Engine(**args)
             finally:
                 self._in_call = False
-        self._watch_running_engine()
+        self._processes = [p for p in psutil.Process().children() if p.pid not in started_before]
+        self._stop_watching = threading.Event()
+        if main_thread:
+            self._take_back_signals(saved)
+        threading.Thread(target=self._watch, name="megappo-sglang-watch", daemon=True).start()
 
     _CRASHED = ("the sglang rollout engine crashed: one of its processes (scheduler or detokenizer) died; its log "
                 "above says why. The engine cannot be used any more; rerun to resume from the last checkpoint.")
@@ -185,31 +194,42 @@ class SGLangEngine:
         if self._in_call:
             raise EngineCrashed(self._crash)
 
-    def _watch_running_engine(self) -> None:
-        """Once running, SGLang's tokenizer manager handles SIGQUIT in its event loop and kills the
-        process tree; replace that handler with one that stops the loop, so the engine call in
-        flight (or the next one) raises EngineCrashed."""
-        import signal
-        import threading
-
+    def _take_back_signals(self, saved) -> None:
+        """SGLang's tokenizer manager installs SIGTERM and SIGQUIT handlers on its event loop (and
+        takes the process's signal wakeup fd) at its first request: SIGTERM would shut the engine
+        down behind the trainer's back (megappo's own Ctrl-C/SIGTERM handling, megappo.interrupts,
+        would never hear of it), SIGQUIT kills the whole process tree. Start that loop now, then
+        give SIGINT/SIGTERM and the wakeup fd back to what they were, and SIGQUIT to the engine."""
         manager, loop = getattr(self.engine, "tokenizer_manager", None), getattr(self.engine, "loop", None)
-        if manager is None or loop is None or threading.current_thread() is not threading.main_thread():
+        if manager is not None and loop is not None:
+            async def start_handle_loop():  # inside the engine's loop, so the manager adopts that loop
+                manager.auto_create_handle_loop()
+
+            loop.run_until_complete(start_handle_loop())
+            for sig in (signal.SIGTERM, signal.SIGQUIT):
+                loop.remove_signal_handler(sig)
+        handlers, wakeup_fd = saved
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(wakeup_fd)
+        signal.signal(signal.SIGQUIT, lambda signum, frame: self._note_death())
+
+    def _watch(self) -> None:
+        """Poll the engine's processes: one that ends while the engine runs is a crash."""
+        while not self._stop_watching.wait(0.5):
+            if any(_ended(p) for p in self._processes):
+                self._note_death()
+                return
+
+    def _note_death(self) -> None:
+        """A process of the engine died: the call in flight (its event loop is stopped) or the
+        next one raises EngineCrashed. Safe from any thread and from a signal handler."""
+        if self._crash or self._stop_watching.is_set():
             return
-
-        async def start_handle_loop():  # inside the engine's loop, so the manager adopts that loop
-            manager.auto_create_handle_loop()
-
-        loop.run_until_complete(start_handle_loop())
-
-        def on_death():
-            self._crash = self._CRASHED
-            watchdog = getattr(manager, "_subprocess_watchdog", None)
-            if watchdog is not None:
-                watchdog.stop()
-            if self._in_call:
-                loop.stop()
-
-        loop.add_signal_handler(signal.SIGQUIT, on_death)
+        self._crash = self._CRASHED
+        loop = getattr(self.engine, "loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
 
     def _engine_call(self, method: str, *args, **kwargs):
         """Call the sglang.Engine; a crash of its processes raises EngineCrashed, never hangs."""
@@ -355,12 +375,18 @@ class SGLangEngine:
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            values = self._engine_call("get_weights_by_name", name, truncate_size=FINGERPRINT_PREFIX)
+            try:
+                values = self._engine_call("get_weights_by_name", name, truncate_size=FINGERPRINT_PREFIX)
+                failure = "its get_weights_by_name returned nothing for this model class" if values is None else None
+            except EngineCrashed:
+                raise
+            except Exception as e:  # an SGLang version or model class that raises instead
+                values, failure = None, f"its get_weights_by_name failed: {e}"
             if values is None:  # SGLang logs why; e.g. Qwen2 has no get_weights_by_name in 0.5.23
                 raise WeightSyncError(
-                    f"sglang cannot read back '{name}' to verify the weight sync (its get_weights_by_name returned "
-                    "nothing for this model class). Fix: set rollout.verify_every=0 to sync without verification "
-                    "for this model; the per-step rollout/logprob_diff_max metric still compares engine and trainer.")
+                    f"sglang cannot read back '{name}' to verify the weight sync ({failure}). Fix: set "
+                    "rollout.verify_every=0 to sync without verification for this model; the per-step "
+                    "rollout/logprob_diff_max metric still compares engine and trainer.")
             out[name] = tensor_fingerprint(torch.as_tensor(values, dtype=torch.float32).to(self.dtype))
         return out
 
@@ -385,10 +411,28 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started, also after a crash."""
+        stop = getattr(self, "_stop_watching", None)
+        if stop is not None:
+            stop.set()  # its processes end now: no crash
         try:
             self.close_update_group()
         finally:
             self.engine.shutdown()
+
+def _ended(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _signal_state():
+    """The SIGINT/SIGTERM/SIGQUIT handlers and the signal wakeup fd, to restore after SGLang starts."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)}
+    wakeup_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup_fd)
+    return {sig: (h if h is not None else signal.SIG_DFL) for sig, h in handlers.items()}, wakeup_fd
+
 
 def _read_dims(model_path: str | None) -> dict[str, int]:
     """The HF config numbers that decide the engine's first TP shard's rows."""

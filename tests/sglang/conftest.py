@@ -28,5 +28,9 @@ def tiny_llama_dir(tmp_path_factory):
     from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    build_hf_model(TINY_CONFIGS["llama"], seed=0).save_pretrained(path)
+    model = build_hf_model(TINY_CONFIGS["llama"], seed=0)
+    # SGLang also stops at the model's own EOS ids (config.json, generation_config.json): none here,
+    # so that the tests' SamplingParams alone decide where a response ends, as with the hf engine
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
     return str(path)

@@ -9,16 +9,17 @@ from tests.e2e.test_cli_demo import cli
 
 def test_demo_learns_with_sglang(tmp_path):
     code, out = cli("train", "recipes/demo-cpu.yaml", "rollout.engine=sglang", "rollout.sglang.max_total_tokens=4096",
-                    "model.dtype=float32", f"run.output_dir={tmp_path}", "run.total_steps=60", "run.val_every=0",
+                    "model.dtype=float32", f"run.output_dir={tmp_path}", "run.total_steps=100", "run.val_every=0",
                     "checkpoint.save_every=0", "logging.progress_bar=false", timeout=1800)
     assert code == 0, out[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "critic/score/mean" in r]
-    assert len(rows) == 60
+    assert len(rows) == 100
     first = sum(r["critic/score/mean"] for r in rows[:5]) / 5
     last = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
     assert first <= 0.2, first
-    assert last >= 0.8, f"the demo did not learn with SGLang: mean reward over the last 10 steps {last:.2f}"
+    curve = [round(sum(r["critic/score/mean"] for r in rows[i:i + 10]) / 10, 2) for i in range(0, 100, 10)]
+    assert last >= 0.8, f"the demo did not learn with SGLang: 10-step means {curve}"
     worst = max(r["rollout/logprob_diff_max"] for r in rows)
     assert worst <= 1e-5, f"engine/trainer log-prob mismatch {worst:.2e} > 1e-5"
     assert (tmp_path / "engine-init" / "config.json").is_file()  # SGLang started from the initial weights on disk

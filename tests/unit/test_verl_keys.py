@@ -23,7 +23,7 @@ OVERRIDES = {  # a verl override -> the start of megappo's error
     "trainer.save_freq=10": "megappo's is 'checkpoint.save_every'",
     "data.max_response_length=512": "megappo's is 'rollout.max_new_tokens'",
     "critic.model.path=/c": "megappo's is 'critic.path'",
-    "trainer.n_gpus_per_node=8": "that is a verl key; megappo takes the world size from the launch",
+    "trainer.n_gpus_per_node=8": "megappo's is 'hardware.gpus_per_node'. Fix: write hardware.gpus_per_node=8.",
     "custom_reward_function.path=r.py": "write reward.functions=[path/to/file.py:function_name]",
     "actor_rollout_ref.model.use_fused_kernels=true": "that is a verl key; megappo has no such key; remove it",
 }
@@ -57,22 +57,23 @@ trainer: {total_epochs: 15, n_gpus_per_node: 8}
         config_from_dict(recipe)
     lines = str(e.value).splitlines()
     assert lines[0] == "the recipe uses 9 verl key(s) that megappo names differently or does not have:"
-    assert lines[1:9] == ["  data.max_response_length -> rollout.max_new_tokens",
+    assert lines[1:10] == ["  data.max_response_length -> rollout.max_new_tokens",
                           "  actor_rollout_ref.model.path -> model.path",
                           "  actor_rollout_ref.actor.optim.lr -> actor.optim.lr",
                           "  actor_rollout_ref.actor.ppo_mini_batch_size -> actor.ppo_mini_batch_size",
                           "  actor_rollout_ref.actor.use_kl_loss -> actor.use_kl_loss",
                           "  actor_rollout_ref.rollout.name -> rollout.engine",
                           "  actor_rollout_ref.rollout.n -> rollout.n",
-                          "  trainer.total_epochs -> run.total_epochs"]
-    assert lines[9].startswith("  trainer.n_gpus_per_node: megappo takes the world size from the launch")
+                          "  trainer.total_epochs -> run.total_epochs",
+                          "  trainer.n_gpus_per_node -> hardware.gpus_per_node"]
     assert lines[10].startswith("Fix: rename (or remove) them as shown")
-    # renamed as the error says, the recipe loads (the world size goes to the launch)
+    # renamed as the error says, the recipe loads
     fixed = {"model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"},
              "data": {"train_files": ["train.parquet"], "train_batch_size": 256},
              "rollout": {"max_new_tokens": 1024, "engine": "sglang", "n": 5},
              "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 64, "use_kl_loss": True},
-             "algorithm": {"adv_estimator": "grpo"}, "run": {"total_epochs": 15}}
+             "algorithm": {"adv_estimator": "grpo"}, "run": {"total_epochs": 15},
+             "hardware": {"gpus_per_node": 8}}
     assert config_from_dict(fixed).rollout.n == 5
 
 

@@ -27,20 +27,32 @@ from megappo.rollout.hf_engine import HFEngine
 from megappo.types import SamplingParams
 
 
+def corrupt_second_bucket(buckets):
+    """The buckets, with one element of the second bucket's first tensor changed."""
+    for i, bucket in enumerate(buckets):
+        if i == 1:
+            name, t = bucket[0]
+            t = t.clone()
+            t.view(-1)[0] += 1.0
+            bucket = [(name, t)] + bucket[1:]
+        yield bucket
+
+
+def perturb(model, ps, salt: str = "") -> None:
+    """Random noise on every Megatron weight, keyed by HF name: replicated tensors get the same
+    noise on every TP rank, and a tied output layer (last stage) the same as the embedding."""
+    with torch.no_grad():
+        for _name, rule, param in model.named_parameters():
+            shard = ps.tp_rank if rule.tp_dim is not None else 0
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{salt}{rule.hf[0]}/{shard}".encode()))
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+
+
 class CorruptingEngine(HFEngine):
     """The real hf engine, with one element of one tensor flipped on the way in."""
 
     def update_weights(self, buckets):
-        def corrupt(buckets):
-            for i, bucket in enumerate(buckets):
-                if i == 1:
-                    name, t = bucket[0]
-                    t = t.clone()
-                    t.view(-1)[0] += 1.0
-                    bucket = [(name, t)] + bucket[1:]
-                yield bucket
-
-        super().update_weights(corrupt(buckets))
+        super().update_weights(corrupt_second_bucket(buckets))
 
 
 def megatron_log_probs(model, ids, mask, prompt_len):
@@ -63,13 +75,7 @@ def check(ps, family):
     dims = dims_from_hf(cfg)
     model = build_model(dims, ps, role="actor")
     load_hf_weights(model, build_hf_model(cfg, seed=5).state_dict())
-    with torch.no_grad():
-        for name, rule, param in model.named_parameters():
-            # replicated tensors get the same noise on every TP rank, and a tied output layer
-            # (last stage) the same as the embedding (first stage): keyed by HF name
-            shard = ps.tp_rank if rule.tp_dim is not None else 0
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{rule.hf[0]}/{shard}".encode()))
-            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    perturb(model, ps)
     engine = HFEngine(build_hf_model(cfg, seed=99), pad_token_id=0) if ps.rank == 0 else None
     bridge = WeightBridge(model, engine, bucket_bytes=64 << 10, verify_every=1)
     stats = bridge.sync()

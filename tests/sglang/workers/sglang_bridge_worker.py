@@ -10,9 +10,7 @@ tensor), and the engine's sampled-token log-probs must equal the Megatron actor'
 """
 
 import sys
-import zlib
 
-import torch
 import torch.distributed as dist
 
 from megappo.models.builders import build_model
@@ -26,31 +24,14 @@ from megappo.rollout.sglang_engine import SGLangEngine
 from megappo.types import SamplingParams
 
 sys.path.insert(0, __file__.rsplit("/", 3)[0] + "/distributed/workers")
-from bridge_worker import megatron_log_probs  # noqa: E402
+from bridge_worker import corrupt_second_bucket, megatron_log_probs, perturb  # noqa: E402
 
 
 class CorruptingSGLangEngine(SGLangEngine):
     """The real SGLang engine, with one element of the second bucket's first tensor changed on the way in."""
 
     def update_weights(self, buckets):
-        def corrupt(buckets):
-            for i, bucket in enumerate(buckets):
-                if i == 1:
-                    name, t = bucket[0]
-                    t = t.clone()
-                    t.view(-1)[0] += 1.0
-                    bucket = [(name, t)] + bucket[1:]
-                yield bucket
-
-        super().update_weights(corrupt(buckets))
-
-
-def perturb(model, ps, salt):
-    with torch.no_grad():
-        for _name, rule, param in model.named_parameters():
-            shard = ps.tp_rank if rule.tp_dim is not None else 0
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{salt}/{rule.hf[0]}/{shard}".encode()))
-            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+        super().update_weights(corrupt_second_bucket(buckets))
 
 
 def main():
@@ -64,7 +45,7 @@ def main():
         sgl = SGLangEngine(model_dir, pad_token_id=0, dtype="float32",
                            engine_args={"max_total_tokens": 2048, "random_seed": 0}).engine
     for mode in modes:
-        perturb(model, ps, mode)
+        perturb(model, ps, salt=f"{mode}/")
         engine = SGLangEngine(model_dir, pad_token_id=0, dtype="float32", sync_mode=mode, engine=sgl) \
             if ps.rank == 0 else None
         for _ in range(2):  # the second sync reuses what the first set up (distributed: the update group)
