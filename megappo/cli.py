@@ -96,7 +96,8 @@ def cmd_train(args) -> int:
                           f"tools/launch/slurm_multinode.sbatch, or pass --world-size N for this machine.")
     world = world or cfg.launch_world_size
     mismatch = cfg.hardware_mismatch(world, args.recipe)
-    if mismatch and os.environ.get("RANK", "0") == "0":
+    relaunching = "WORLD_SIZE" not in os.environ and world > 1  # ensure_ranks starts the ranks: rank 0 says it
+    if mismatch and os.environ.get("RANK", "0") == "0" and not relaunching:
         print(f"megappo: warning: {mismatch}", file=sys.stderr, flush=True)
     check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
     with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once

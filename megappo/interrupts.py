@@ -140,7 +140,10 @@ def _die_by(signum: int) -> None:
 
 
 def _say(line: str) -> None:
-    os.write(2, f"megappo: {line}\n".encode())  # not print: the main thread may hold sys.stderr's lock
+    # not print: the main thread may hold sys.stderr's lock; on a terminal, clear the live progress
+    # bar's line first (it has no newline), so the message does not run on after it
+    start = "\r\x1b[K" if os.isatty(2) else ""
+    os.write(2, f"{start}megappo: {line}\n".encode())
 
 
 def uninstall() -> None:
