@@ -199,9 +199,12 @@ def test_make_demo_and_make_test(tmp_path):
     assert ["-m", "pip", "install", "-q", "-c", str(fake.stamps / "constraints.txt"), "-e", "."] in calls
     assert calls[-1] == ["-m", "megappo.cli", "train", "recipes/demo-cpu.yaml"]
     assert not any(c[:2] == ["-m", "pip"] for c in run("demo"))
+    make.append("SGLANG_LANE=")  # the SGLang lane builds a real virtualenv: its own tests (tests/sglang)
     calls = run("test")
     assert ["-m", "pip", "install", "-q", "-c", str(fake.stamps / "constraints.txt"), "-e", ".[test]"] in calls
     assert calls[-1][:3] == ["-m", "pytest", "-q"]
+    lane = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "test-sglang" in lane.stdout  # a plain `make test` ends with the lane
 
 
 def test_an_interpreter_that_does_not_run_is_named(tmp_path):

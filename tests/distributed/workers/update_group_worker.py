@@ -16,7 +16,10 @@ corrupted transfer is detected; an engine-side failure raises WeightSyncError.
 """
 
 import datetime
+import json
 import multiprocessing as mp
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,12 @@ ENGINE_TP = 2
 
 
 # ---- the engine side: one process per engine TP rank ----
+
+# rows of the tiny Llama's column-parallel weights on SGLang's first rank at engine TP=2 (4 heads
+# of 16, 2 KV heads, FFN 128, vocabulary 300 padded to 320); the others are whole there
+FIRST_RANK_ROWS = {"q_proj": 32, "k_proj": 16, "v_proj": 16, "gate_proj": 64, "up_proj": 64, "embed_tokens": 160,
+                   "lm_head": 160}
+
 
 def join_group(master_address, master_port, rank, world_size, group_name, backend):
     """As SGLang's init_custom_process_group: TCP rendezvous (rank 0, the trainer, hosts the store),
@@ -92,7 +101,11 @@ def engine_worker(tp_rank, default_port, conn):
             conn.send((False, "injected load failure") if fail_next else (True, "ok"))
             fail_next = False
         elif cmd == "get":
-            conn.send(weights[kw["name"]].reshape(-1)[:kw["truncate_size"]].tolist())
+            # as SGLang: the first `truncate_size` rows (elements of a 1-D weight) that its first TP
+            # rank holds, as float lists
+            w = weights[kw["name"]]
+            rows = next((n for part, n in FIRST_RANK_ROWS.items() if part in kw["name"]), w.shape[0])
+            conn.send(w.float()[:min(rows, kw["truncate_size"])].tolist())
         elif cmd == "dump":
             conn.send(weights)
         elif cmd == "corrupt":
@@ -194,9 +207,12 @@ def main():
     cfg = TINY_CONFIGS["llama"]
     model = build_model(dims_from_hf(cfg), ps, role="actor")
     load_hf_weights(model, build_hf_model(cfg, seed=5).state_dict())
+    model_dir = tempfile.mkdtemp(prefix="megappo-update-group-")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)  # the engine's read-back knows the model's dims from it
     for label, cls in (("flattened", EngineStandIn), ("per-tensor", PerTensorStandIn)):
         stand_in = cls()
-        engine = SGLangEngine(None, pad_token_id=0, dtype="float32", sync_mode="distributed", engine=stand_in,
+        engine = SGLangEngine(model_dir, pad_token_id=0, dtype="float32", sync_mode="distributed", engine=stand_in,
                               engine_args={"tp_size": ENGINE_TP}, update_backend="gloo")
         bridge = WeightBridge(model, engine, bucket_bytes=64 << 10, verify_every=1)
         stats = bridge.sync()
