@@ -149,12 +149,23 @@ class Run:
             print(f"exported HF model directories to {path}", flush=True)
 
     def _hf_files(self) -> dict:
-        """Tokenizer and generation files an exported model carries: the model directory's, or
-        the built-in tokenizer's as HF files."""
-        if self.cfg.model.path:
-            return read_aux_files(self.cfg.model.path)
-        builtin = (self.cfg.model.tokenizer or "").startswith("builtin:")
-        return builtin_tokenizer_files(self.tokenizer) if builtin else {}
+        return export_files(self.cfg.model, self.tokenizer)
+
+
+def export_files(model_cfg, tokenizer) -> dict[str, bytes]:
+    """Tokenizer and generation files an exported model carries: the model directory's, then
+    those of `model.tokenizer` when it names another source (a directory's tokenizer files, or
+    the built-in tokenizer's as HF files), which win."""
+    files = read_aux_files(model_cfg.path) if model_cfg.path else {}
+    source = model_cfg.tokenizer
+    if source and source.startswith("builtin:"):
+        files.update(builtin_tokenizer_files(tokenizer))
+    elif source and source != model_cfg.path and os.path.isdir(source):
+        own = read_aux_files(source)
+        if "generation_config.json" in files:  # generation settings belong to the model
+            own.pop("generation_config.json", None)
+        files.update(own)
+    return files
 
 
 def _trained(actor: PolicyWorker, critic: ValueWorker | None) -> dict:

@@ -45,3 +45,25 @@ def test_builtin_tokenizer_files_load_in_plain_transformers(tmp_path):
     assert hf.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True) == alphabet
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     assert generation == special_token_ids(tok) == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+def test_export_carries_the_tokenizer_from_where_the_run_took_it(tmp_path):
+    """A model built from model.hf_config with an HF tokenizer directory exports that directory's
+    tokenizer files; a model directory's files come along, a separate tokenizer's win."""
+    from types import SimpleNamespace
+
+    from megappo.run import export_files
+
+    tok_dir, model_dir = tmp_path / "tok", tmp_path / "model"
+    tok_dir.mkdir()
+    model_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text("tok")
+    (tok_dir / "generation_config.json").write_text("tok-gen")
+    (model_dir / "tokenizer.json").write_text("model-tok")
+    (model_dir / "generation_config.json").write_text("model-gen")
+    assert export_files(SimpleNamespace(path=None, tokenizer=str(tok_dir)), None) == {
+        "tokenizer.json": b"tok", "generation_config.json": b"tok-gen"}
+    assert export_files(SimpleNamespace(path=str(model_dir), tokenizer=None), None) == {
+        "tokenizer.json": b"model-tok", "generation_config.json": b"model-gen"}
+    assert export_files(SimpleNamespace(path=str(model_dir), tokenizer=str(tok_dir)), None) == {
+        "tokenizer.json": b"tok", "generation_config.json": b"model-gen"}
