@@ -202,8 +202,11 @@ def create_run(cfg: Config) -> Run:
     dims = dims_from_hf(hf_config, cfg.model.arch)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     check_vocab(tokenizer, dims.vocab_size)
-    if not cfg.model.path:  # a model from config: exports name the tokenizer's special tokens
+    if not cfg.model.path:  # a model from config: exports and SGLang's copy name the tokenizer's special tokens
         hf_config = {**special_token_ids(tokenizer), **hf_config}
+        for key in special_token_ids(tokenizer):  # (SGLang also stops at the config's eos_token_id)
+            setattr(hf_model.config, key, hf_config[key])
+            setattr(hf_model.generation_config, key, hf_config[key])
 
     # prompts (rank 0 owns them)
     train_examples, val_examples, sampler, data_stats = [], [], None, {}

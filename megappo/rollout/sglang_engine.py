@@ -145,7 +145,7 @@ class SGLangEngine:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._flat = True  # flattened buckets, when the engine's update_weights_from_distributed takes load_format
         self._crash: str | None = None
-        self._in_call = False
+        self._starting = False
         self._seed_warned = False
         self._dims = _read_dims(model_path)
         if engine is not None:
@@ -173,11 +173,11 @@ class SGLangEngine:
         saved = _signal_state() if main_thread else None
         started_before = {p.pid for p in psutil.Process().children()}
         with outside_torchrun_store():
-            self._in_call = True
+            self._starting = True
             try:
                 self.engine = sgl.Engine(**args)
             finally:
-                self._in_call = False
+                self._starting = False
         self._processes = [p for p in psutil.Process().children() if p.pid not in started_before]
         self._stop_watching = threading.Event()
         if main_thread:
@@ -191,7 +191,7 @@ class SGLangEngine:
         """SIGQUIT from an SGLang process that failed during start-up (SGLang's own handler
         would kill this whole process tree)."""
         self._crash = self._CRASHED
-        if self._in_call:
+        if self._starting:
             raise EngineCrashed(self._crash)
 
     def _take_back_signals(self, saved) -> None:
@@ -235,26 +235,21 @@ class SGLangEngine:
         """Call the sglang.Engine; a crash of its processes raises EngineCrashed, never hangs."""
         if self._crash:
             raise EngineCrashed(self._crash)
-        self._in_call = True
         try:
             return getattr(self.engine, method)(*args, **kwargs)
-        except Exception as e:
+        except Exception as e:  # e.g. the event loop _note_death stopped
             if self._crash:
                 raise EngineCrashed(self._crash) from e
             raise
-        finally:
-            self._in_call = False
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         from megappo.rollout.engine import left_pad
 
         flat = [list(p) for p in prompts for _ in range(params.n)]
-        sampling = []
-        for i in range(len(flat)):
-            sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                  "max_new_tokens": params.max_new_tokens,
-                  "stop_token_ids": sorted(set(params.stop_token_ids) | set(params.eos_token_ids)) or None}
-            sampling.append(sp)
+        sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+              "max_new_tokens": params.max_new_tokens,
+              "stop_token_ids": sorted(set(params.stop_token_ids) | set(params.eos_token_ids)) or None}
+        sampling = [dict(sp) for _ in flat]
         if params.seed is not None and not params.greedy and not self._seed_warned:
             self._seed_warned = True
             warnings.warn("rollout.engine=sglang does not honour the sampling seed (SGLang seeds a request only "

@@ -24,4 +24,7 @@ def test_demo_learns_with_sglang(tmp_path):
     assert max(curve) >= 0.8, f"the demo did not learn with SGLang: 10-step means {curve}"
     worst = max(r["rollout/logprob_diff_max"] for r in rows)
     assert worst <= 1e-5, f"engine/trainer log-prob mismatch {worst:.2e} > 1e-5"
-    assert (tmp_path / "engine-init" / "config.json").is_file()  # SGLang started from the initial weights on disk
+    # SGLang started from the initial weights on disk, with the tokenizer's EOS (1), not LlamaConfig's
+    # default (2, the built-in tokenizer's <bos>), since SGLang also stops at the config's EOS
+    init = json.loads((tmp_path / "engine-init" / "config.json").read_text())
+    assert (init["eos_token_id"], init["bos_token_id"], init["pad_token_id"]) == (1, 2, 0)
