@@ -335,6 +335,7 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     from megappo.models.builders import build_model
     from megappo.models.hf_config import dims_from_hf
     from megappo.models.training import OptimSettings, make_trainable
+    from megappo.parallel.packing import MicroBatching
     from megappo.workers import PolicyWorker
 
     dims = dims_from_hf(SIZES[size])
@@ -352,7 +353,7 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     n_params = matmul_params(model)
     n_total = sum(p.numel() for _n, _r, p in model.named_parameters())
     print(f"  {label}: {n_total:,} parameters, N = {n_params:,} in the FLOP count", flush=True)
-    reader = PolicyWorker(model, micro_batch_size=1)
+    reader = PolicyWorker(model, batching=MicroBatching(packed=False, micro_batch_size=1))
     rows = [
         throughput_row(b, f"{label} forward (PolicyWorker.log_probs)", dims, n_params,
                        lambda exp: lambda: reader.log_probs(exp.seqs, with_entropy=True),
@@ -370,7 +371,7 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     holder = {}
 
     def wrap():  # Megatron DDP around the chunks and Megatron's optimizer: once, after the rows above
-        holder["actor"] = PolicyWorker(model, micro_batch_size=1,
+        holder["actor"] = PolicyWorker(model, batching=MicroBatching(packed=False, micro_batch_size=1),
                                        trainable=make_trainable(model, OptimSettings(lr=1e-7, total_steps=1000)))
         return {}
 

@@ -166,14 +166,16 @@ class OptimConfig(_Section):
 
 
 def _check_trained_role(role: Any) -> None:
-    _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1)
+    _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1, max_tokens_per_micro_batch=1)
     _require(role.grad_clip > 0, f"{P}grad_clip={role.grad_clip} must be > 0. Fix: e.g. {P}grad_clip=1.0.")
 
 
 @dataclasses.dataclass(frozen=True)
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences), as in verl
-    micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel replica
+    micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel replica (without packing)
+    packing: bool = True  # pack sequences without padding into token-budget micro-batches (verl: use_remove_padding + use_dynamic_bsz)
+    max_tokens_per_micro_batch: Optional[int] = None  # packing: tokens per micro-batch on one replica; None: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens) (verl: ppo_max_token_len_per_gpu)
     ppo_epochs: int = 1  # passes over each step's experience
     clip_ratio: float = 0.2  # PPO clip epsilon: ratio in [1 - eps_low, 1 + eps_high]
     clip_ratio_low: Optional[float] = None  # eps_low; None: clip_ratio
@@ -217,7 +219,9 @@ class CriticConfig(_Section):
     enable: Optional[bool] = None  # None: on exactly when the estimator needs values (gae)
     path: Optional[str] = None  # HF directory to initialise from; None: model.path (value head is new)
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
-    micro_batch_size: int = 4  # sequences per forward/backward on one replica
+    micro_batch_size: int = 4  # sequences per forward/backward on one replica (without packing)
+    packing: bool = True  # pack sequences without padding into token-budget micro-batches (verl: use_remove_padding + use_dynamic_bsz)
+    max_tokens_per_micro_batch: Optional[int] = None  # packing: tokens per micro-batch on one replica; None: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens) (verl: ppo_max_token_len_per_gpu)
     ppo_epochs: int = 1  # passes over each step's experience
     cliprange_value: float = 0.5  # value clip around the old values
     grad_clip: float = 1.0  # global gradient-norm clip
@@ -233,10 +237,12 @@ class CriticConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class RefConfig(_Section):
     micro_batch_size: Optional[int] = None  # sequences per forward on one replica; None: actor's
+    packing: Optional[bool] = None  # as actor.packing; None: actor's
+    max_tokens_per_micro_batch: Optional[int] = None  # as actor.max_tokens_per_micro_batch; None: actor's
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
     def check(self) -> None:
-        _at_least(self, micro_batch_size=1)
+        _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,11 +251,13 @@ class RewardConfig(_Section):
     function_weights: Optional[list[float]] = None  # one weight per function; None: all 1.0
     model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
     model_weight: float = 1.0  # weight of the reward model's score in the sum
-    micro_batch_size: int = 4  # reward-model sequences per forward on one replica
+    micro_batch_size: int = 4  # reward-model sequences per forward on one replica (without packing)
+    packing: bool = True  # pack sequences without padding into token-budget micro-batches (verl: use_remove_padding + use_dynamic_bsz)
+    max_tokens_per_micro_batch: Optional[int] = None  # packing: tokens per micro-batch on one replica; None: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens) (verl: ppo_max_token_len_per_gpu)
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
     def check(self) -> None:
-        _at_least(self, micro_batch_size=1)
+        _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1)
         n_w, n_f = len(self.function_weights or ()), len(self.functions)
         _require(self.function_weights is None or n_w == n_f,
                  f"{P}function_weights has {n_w} entries for {n_f} {P}functions. Fix: give one weight per function "
@@ -469,12 +477,18 @@ class Config(_Section):
             _require(not self.parallel.sequence_parallel or tp > 1,
                      f"parallel.sequence_parallel needs tp > 1 for every role, but {role}'s tp is 1. Fix: set "
                      f"{role}.parallel.tp >= 2 or parallel.sequence_parallel=false.")
+            budget, longest = self.max_tokens_per_micro_batch(role), self.max_sequence_length
+            key = f"{'actor' if role == 'ref' and not self.ref.max_tokens_per_micro_batch else role}.max_tokens_per_micro_batch"
+            _require(not self.packs(role) or budget >= longest,
+                     f"{key}={budget} is smaller than the longest sequence, data.max_prompt_length + "
+                     f"rollout.max_new_tokens = {longest}: such a sequence would fit no micro-batch. Fix: set "
+                     f"{key} >= {longest} (or lower the lengths).")
         for role in ("actor", "critic") if self.use_critic else ("actor",):
             mini, micro = getattr(self, role).ppo_mini_batch_size, getattr(self, role).micro_batch_size
             _require(self.data.train_batch_size % mini == 0,
                      f"data.train_batch_size={self.data.train_batch_size} is not divisible by "
                      f"{role}.ppo_mini_batch_size={mini}. Fix: make {role}.ppo_mini_batch_size a divisor of it.")
-            _require(mini * n % micro == 0,
+            _require(getattr(self, role).packing or mini * n % micro == 0,
                      f"{role}: a mini-batch of {mini * n} sequences ({role}.ppo_mini_batch_size={mini} x rollout.n="
                      f"{n}) is not divisible by {role}.micro_batch_size={micro}. Fix: pick a micro_batch_size that "
                      f"divides {mini * n}.")
@@ -497,6 +511,25 @@ class Config(_Section):
     @property
     def ref_micro_batch_size(self) -> int:
         return self.ref.micro_batch_size or self.actor.micro_batch_size
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest prompt + response a pass can see."""
+        return self.data.max_prompt_length + self.rollout.max_new_tokens
+
+    def packs(self, role: Literal["actor", "critic", "ref", "reward"]) -> bool:
+        """Whether a role's passes pack sequences (megappo.parallel.packing)."""
+        if role == "ref":
+            return self.actor.packing if self.ref.packing is None else self.ref.packing
+        return getattr(self, role).packing
+
+    def max_tokens_per_micro_batch(self, role: Literal["actor", "critic", "ref", "reward"]) -> int:
+        """A role's packed micro-batch budget: its own, else (ref) the actor's, else micro-batch x longest sequence."""
+        if role == "ref":
+            own = self.ref.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch
+            return own or self.ref_micro_batch_size * self.max_sequence_length
+        section = getattr(self, role)
+        return section.max_tokens_per_micro_batch or section.micro_batch_size * self.max_sequence_length
 
     @property
     def checkpoint_dir(self) -> str:
@@ -576,7 +609,7 @@ class Config(_Section):
         for role, micro, what, seqs in splits:
             rtp, rpp, _ = self.layout(role)
             dp = world_size // (rtp * rpp)
-            _require(seqs % (dp * micro) == 0,
+            _require(self.packs(role) or seqs % (dp * micro) == 0,
                      f"{role}: {what} of {seqs} sequences does not split over dp={dp} replicas in micro-batches of "
                      f"{micro}. Fix: make {role}.micro_batch_size x {dp} divide {seqs} (or change the batch sizes or "
                      f"the world size).")

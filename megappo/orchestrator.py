@@ -26,7 +26,7 @@ from megappo.rollout.bridge import logprob_mismatch
 from megappo.run import Run
 from megappo.samples import pick_samples
 from megappo.types import RolloutBatch, SamplingParams
-from megappo.workers import Experience, SeqBatch
+from megappo.workers import Experience, SeqBatch, pass_metrics
 
 
 class NonFiniteLossError(RuntimeError):
@@ -73,6 +73,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         m.update(run.actor.update(exp, **run.actor_update_args(step)))
     with timed(m, "weight_sync"):
         m.update(run.bridge.sync().metrics())
+    m.update(pass_metrics([run.actor, run.ref, run.critic, run.reward_model]))
     return m
 
 
@@ -165,6 +166,7 @@ def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> di
         "critic/score/min": scores.min().item(),
         "critic/advantages/mean": exp.advantages[mask].mean().item(),
         "response_length/mean": lengths.mean().item(),
+        "perf/total_num_tokens": float(batch.prompt_mask.sum() + batch.response_mask.sum()),
         "response_length/clip_ratio": sum(r == "length" for r in batch.finish_reasons) / batch.num_samples,
     }
     if entropy is not None:
@@ -195,8 +197,8 @@ def train(run: Run) -> list[dict[str, float]]:
                 metrics.update(validate(run))
         if run.ps.is_rank0:
             metrics["timing_s/step"] = time.perf_counter() - start
-            tokens = metrics.get("response_length/mean", 0) * run.cfg.data.train_batch_size * run.cfg.rollout.n
-            metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / run.ps.world_size
+            # verl's: prompt + response tokens of the batch per second per rank
+            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / metrics["timing_s/step"] / run.ps.world_size
             skipped = metrics.get("actor/skipped_steps", 0) + metrics.get("critic/skipped_steps", 0)
             run.nan_skips += int(skipped > 0)
             run.logger.log(step, metrics)

@@ -35,6 +35,7 @@ from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
+from megappo.parallel.packing import MicroBatching
 from megappo.workers import PolicyWorker, ValueWorker
 
 
@@ -253,25 +254,32 @@ def create_run(cfg: Config) -> Run:
         return m
 
     actor_model = model("actor")
-    actor = PolicyWorker(actor_model, micro_batch_size=cfg.actor.micro_batch_size,
+    def batching(role: str) -> MicroBatching:
+        tp, pp, vpp = cfg.layout(role)
+        micro = cfg.ref_micro_batch_size if role == "ref" else getattr(cfg, role).micro_batch_size
+        return MicroBatching(packed=cfg.packs(role), max_tokens=cfg.max_tokens_per_micro_batch(role),
+                             micro_batch_size=micro, micro_batch_multiple=pp if vpp else 1,
+                             multiple=tp if p.sequence_parallel else 1)
+
+    actor = PolicyWorker(actor_model, batching=batching("actor"),
                          temperature=cfg.rollout.temperature or 1.0,
                          trainable=make_trainable(actor_model, _optim(cfg.actor, total_steps,
                                                                       cfg.updates_per_step("actor"),
                                                                       p.use_distributed_optimizer)))
     ref = None
     if cfg.needs_ref:
-        ref = PolicyWorker(model("ref"), micro_batch_size=cfg.ref_micro_batch_size,
+        ref = PolicyWorker(model("ref"), batching=batching("ref"),
                            temperature=cfg.rollout.temperature or 1.0)
     critic = None
     if cfg.use_critic:
         critic_model = model("critic", cfg.critic.path or weights)
-        critic = ValueWorker(critic_model, micro_batch_size=cfg.critic.micro_batch_size,
+        critic = ValueWorker(critic_model, batching=batching("critic"),
                              trainable=make_trainable(critic_model, _optim(cfg.critic, total_steps,
                                                                            cfg.updates_per_step("critic"),
                                                                            p.use_distributed_optimizer)))
     reward_model = None
     if cfg.reward.model_path:
-        reward_model = ValueWorker(model("reward", cfg.reward.model_path), micro_batch_size=cfg.reward.micro_batch_size)
+        reward_model = ValueWorker(model("reward", cfg.reward.model_path), batching=batching("reward"))
 
     engine = None
     if ps.is_rank0:

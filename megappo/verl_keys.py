@@ -39,6 +39,9 @@ RENAMED: dict[str, str] = {
     "actor_rollout_ref.rollout.val_kwargs.n": "rollout.val_n",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.sglang.mem_fraction_static",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "ref.max_tokens_per_micro_batch",
+    "critic.ppo_max_token_len_per_gpu": "critic.max_tokens_per_micro_batch",
     "critic.model.path": "critic.path",
     "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size",
     "critic.ppo_micro_batch_size": "critic.micro_batch_size",
@@ -79,7 +82,10 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "write actor.optim.warmup_steps (a number of steps)",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "pass it to SGLang: rollout.sglang.tp_size",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "megappo has no activation recomputation switch",
-    "actor_rollout_ref.model.use_remove_padding": "megappo has no such switch (sequences are padded)",
+    "actor_rollout_ref.model.use_remove_padding": "megappo packs sequences without padding by default "
+                                                  "(actor.packing, critic.packing, ...; false pads them)",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "with actor.packing (the default) micro-batches are sized by "
+                                               "actor.max_tokens_per_micro_batch",
 }
 
 #: verl section prefix -> megappo's, tried when the key is in neither table

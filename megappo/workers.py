@@ -22,7 +22,8 @@ import torch
 from megappo.models.builders import MegatronModel
 from megappo.models.forward import run_micro_batches
 from megappo.models.training import Trainable, train_step
-from megappo.parallel.comm import dp_shard, gather_to_rank0
+from megappo.parallel.comm import gather_to_rank0
+from megappo.parallel.packing import MicroBatching, PassCounter, Select, micro_batch_tensors
 from megappo.parallel.vocab_parallel import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megappo.ppo import losses as ppo_losses
 from megappo.ppo.kl import kl_penalty
@@ -60,74 +61,110 @@ class Experience:
     rollout_is_weights: torch.Tensor | None = None
 
 
-def _micro_batches(seqs: SeqBatch, rows: slice | torch.Tensor, mb: int, extra: dict[str, torch.Tensor | None]
-                   ) -> list[dict[str, torch.Tensor]]:
-    ids, attn, resp = seqs.input_ids[rows], seqs.attention_mask[rows], seqs.response_mask[rows]
-    n = ids.shape[0]
-    if n % mb:
-        raise ValueError(f"{n} sequences per replica do not split into micro-batches of {mb}; "
-                         "choose a micro_batch_size that divides the per-replica batch")
-    out = []
-    for i in range(0, n, mb):
-        d = {"input_ids": ids[i:i + mb], "attention_mask": attn[i:i + mb], "response_mask": resp[i:i + mb]}
-        d.update({k: v[rows][i:i + mb] for k, v in extra.items() if v is not None})
-        out.append(d)
-    return out
+class _Passes:
+    """What every role shares: splitting a pass into micro-batches (packed or padded, per its
+    MicroBatching) and collecting per-row results on rank 0."""
+
+    model: MegatronModel
+    batching: MicroBatching
+    counter: PassCounter
+
+    def _split(self, seqs: SeqBatch, rows: torch.Tensor | None, select: Select,
+               per_row: dict[str, torch.Tensor | None]) -> list[dict[str, torch.Tensor]]:
+        """This replica's micro-batches of `rows` (None: all) of `seqs`; their 'rows' are global ids."""
+        rows = torch.arange(seqs.size) if rows is None else rows
+        attn = seqs.attention_mask[rows]
+        plan = self.batching.plan(attn, seqs.prompt_len, self.model.ps.dp)
+        self.counter.add(plan)
+        mbs = micro_batch_tensors(plan, self.model.ps.dp_rank, seqs.input_ids[rows], attn, seqs.prompt_len,
+                                  select=select, per_row={"response_mask": seqs.response_mask[rows],
+                                                          **{k: v[rows] for k, v in per_row.items() if v is not None}})
+        for mb in mbs:
+            mb["rows"] = rows[mb["rows"]]
+        return mbs
+
+    def _gather(self, mbs: list[dict[str, torch.Tensor]], results: list[torch.Tensor], n: int) -> torch.Tensor | None:
+        """Per-micro-batch results [m, ...] of every replica -> [n, ...] in row order, on rank 0."""
+        local = (torch.cat([mb["rows"] for mb in mbs]), torch.cat(results).cpu()) if results else None
+        parts = [p for p in gather_to_rank0(self.model.ps, local) or () if p is not None]
+        if not parts:
+            return None
+        rows, values = torch.cat([r for r, _ in parts]), torch.cat([v for _, v in parts])
+        out = values.new_zeros((n, *values.shape[1:]))
+        out[rows] = values
+        return out
 
 
-def _gather_rows(model: MegatronModel, results: list[torch.Tensor]) -> torch.Tensor | None:
-    """Rows of every DP replica, on rank 0's host (the orchestrator works on CPU tensors)."""
-    local = torch.cat(results).cpu() if results else None
-    parts = gather_to_rank0(model.ps, local)
-    return torch.cat(parts) if parts is not None else None
+def pass_metrics(workers: list["_Passes | None"]) -> dict[str, float]:
+    """`perf/...` of every pass since the last call (all roles, all DP replicas): the fraction of
+    the token positions the models ran over that were padding, real tokens per micro-batch, and
+    the number of micro-batches."""
+    taken = [w.counter.take() for w in workers if w is not None]
+    real, computed = sum(t.real_tokens for t in taken), sum(t.computed_tokens for t in taken)
+    count = sum(t.micro_batches for t in taken)
+    if not count:
+        return {}
+    return {"perf/padding_ratio": 1 - real / computed, "perf/tokens_per_micro_batch": real / count,
+            "perf/micro_batches": float(count)}
 
 
-class PolicyWorker:
+def _placed(values: torch.Tensor, mb: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+    """[K] selected outputs -> [m, width] at the micro-batch's 'place' (0 elsewhere); differentiable."""
+    out = values.new_zeros((len(mb["rows"]), width))
+    return out.index_put((mb["place"][0], mb["place"][1]), values)
+
+
+def _labels(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[1, K] the token that each selected position predicts (the next one)."""
+    sel = mb["select"]
+    return mb["input_ids"][sel[1], sel[0] + 1][None]
+
+
+class PolicyWorker(_Passes):
     """Actor (trainable) or reference (frozen): log-probs of response tokens, and updates."""
 
-    def __init__(self, model: MegatronModel, *, micro_batch_size: int, temperature: float = 1.0,
+    def __init__(self, model: MegatronModel, *, batching: MicroBatching, temperature: float = 1.0,
                  trainable: Trainable | None = None):
         self.model, self.trainable = model, trainable
-        self.micro_batch_size, self.temperature = micro_batch_size, temperature
+        self.batching, self.temperature, self.counter = batching, temperature, PassCounter()
         ps = model.ps
         per_tp = model.padded_vocab // ps.tp
         vocab_ids = torch.arange(ps.tp_rank * per_tp, (ps.tp_rank + 1) * per_tp, device=ps.device)
         self._padded_vocab = vocab_ids >= model.dims.vocab_size  # [V_pad/tp] True for padding rows
         self._has_padding = bool(self._padded_vocab.any())
 
-    def _response_logits(self, logits: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """[b, T, V_pad/tp] -> [b, R, V_pad/tp] scaled by 1/temperature, padding rows masked.
-        Each step is skipped where it would not change a bit (temperature 1, a shard without
-        padding rows): each is a pass over the logits, and another in the backward. bf16
-        logits stay bf16 unless scaled: the log-prob function reads them in float32 block by
-        block, and keeps them, not a float32 copy, for its backward."""
-        logits = logits[:, prompt_len - 1:-1]
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """[1, K, V_pad/tp] selected logits scaled by 1/temperature, padding rows masked. Each step
+        is skipped where it would not change a bit (temperature 1, a shard without padding rows):
+        each is a pass over the logits, and another in the backward. bf16 logits stay bf16 unless
+        scaled: the log-prob function reads them in float32 block by block, and keeps them, not a
+        float32 copy, for its backward."""
         if self.temperature != 1.0:
             logits = logits.float() / self.temperature
         if self._has_padding:
             logits = logits.masked_fill(self._padded_vocab, float("-inf"))
         return logits
 
-    def _token_stats(self, logits: torch.Tensor, mb: dict, prompt_len: int, entropy: bool):
-        logits = self._response_logits(logits, prompt_len)
-        labels = mb["input_ids"][:, prompt_len:]
+    def _token_stats(self, logits: torch.Tensor, mb: dict, entropy: bool):
+        """[1, K, V_pad/tp] -> ([m, R] log-probs, [m, R] entropy or None) of the micro-batch's rows."""
+        logits, labels = self._scaled(logits), _labels(mb)
+        width = mb["response_mask"].shape[1]
         if entropy:  # one pass over the shard for both
-            return vocab_parallel_log_probs_and_entropy(logits, labels, self.model.ps.tp_group)
-        return vocab_parallel_log_probs(logits, labels, self.model.ps.tp_group), None
+            lp, ent = vocab_parallel_log_probs_and_entropy(logits, labels, self.model.ps.tp_group)
+            return _placed(lp[0], mb, width), _placed(ent[0], mb, width)
+        return _placed(vocab_parallel_log_probs(logits, labels, self.model.ps.tp_group)[0], mb, width), None
 
     @torch.no_grad()
     def log_probs(self, seqs: SeqBatch, *, with_entropy: bool = False):
         """[N, R] log-probs (and [N, R] entropy) on rank 0; None elsewhere."""
-        rows = dp_shard(seqs.size, self.model.ps)
-        mbs = _micro_batches(seqs, rows, self.micro_batch_size, {})
+        mbs = self._split(seqs, None, "response", {})
 
         def on_output(logits, mb):
-            lp, ent = self._token_stats(logits, mb, seqs.prompt_len, with_entropy)
-            out = torch.stack([lp, ent]) if with_entropy else lp[None]
-            return logits.new_zeros(()), out * mb["response_mask"]
+            lp, ent = self._token_stats(logits, mb, with_entropy)
+            out = torch.stack([lp, ent], 1) if with_entropy else lp[:, None]
+            return logits.new_zeros(()), out * mb["response_mask"][:, None]
 
-        results = run_micro_batches(self.model, mbs, on_output, forward_only=True)
-        stacked = _gather_rows(self.model, [r.transpose(0, 1) for r in results])
+        stacked = self._gather(mbs, run_micro_batches(self.model, mbs, on_output, forward_only=True), seqs.size)
         if stacked is None:
             return (None, None) if with_entropy else None
         return (stacked[:, 0], stacked[:, 1]) if with_entropy else stacked[:, 0]
@@ -141,7 +178,7 @@ class PolicyWorker:
 
         def loss_for(counts):
             def on_output(logits, mb):
-                lp, ent = self._token_stats(logits, mb, exp.seqs.prompt_len, entropy=True)  # logged always
+                lp, ent = self._token_stats(logits, mb, entropy=True)  # logged always
                 mask = mb["response_mask"]
                 pg_loss, m = ppo_losses.policy_loss(
                     old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
@@ -168,42 +205,34 @@ class PolicyWorker:
 
         extra = {"old": exp.old_log_probs, "adv": exp.advantages, "ref": exp.ref_log_probs,
                  "isw": exp.rollout_is_weights}
-        return _ppo_updates(self.trainable, exp, extra, loss_for, prefix="actor", micro_batch_size=self.micro_batch_size,
-                            mini_batch_size=mini_batch_size, epochs=epochs, seed=seed)
+        return _ppo_updates(self, exp, extra, loss_for, prefix="actor", mini_batch_size=mini_batch_size,
+                            epochs=epochs, seed=seed)
 
 
-class ValueWorker:
+class ValueWorker(_Passes):
     """Critic (trainable) or reward model (frozen): [N, R] values / [N] scores."""
 
-    def __init__(self, model: MegatronModel, *, micro_batch_size: int, trainable: Trainable | None = None):
-        self.model, self.trainable, self.micro_batch_size = model, trainable, micro_batch_size
-
-    @staticmethod
-    def _response_values(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """[b, T] -> [b, R]: the value of the state before each response token (verl)."""
-        return values[:, prompt_len - 1:-1]
+    def __init__(self, model: MegatronModel, *, batching: MicroBatching, trainable: Trainable | None = None):
+        self.model, self.trainable, self.batching, self.counter = model, trainable, batching, PassCounter()
 
     @torch.no_grad()
     def values(self, seqs: SeqBatch) -> torch.Tensor | None:
-        rows = dp_shard(seqs.size, self.model.ps)
-        mbs = _micro_batches(seqs, rows, self.micro_batch_size, {})
+        """[N, R]: the value of the state before each response token (verl), on rank 0."""
+        mbs = self._split(seqs, None, "response", {})
+        width = seqs.response_mask.shape[1]
         results = run_micro_batches(
             self.model, mbs,
-            lambda v, mb: (v.new_zeros(()), self._response_values(v.float(), seqs.prompt_len) * mb["response_mask"]),
+            lambda v, mb: (v.new_zeros(()), _placed(v[0].float(), mb, width) * mb["response_mask"]),
             forward_only=True)
-        return _gather_rows(self.model, results)
+        return self._gather(mbs, results, seqs.size)
 
     @torch.no_grad()
     def scores(self, seqs: SeqBatch) -> torch.Tensor | None:
-        """[N] reward-model score: the value at each sequence's last response token."""
-        rows = dp_shard(seqs.size, self.model.ps)
-        mbs = _micro_batches(seqs, rows, self.micro_batch_size, {})
-
-        def on_output(v, mb):
-            last = seqs.prompt_len + (mb["response_mask"].sum(-1) - 1).clamp(min=0)  # [b] in the full sequence
-            return v.new_zeros(()), v.float().gather(1, last[:, None]).squeeze(1)
-
-        return _gather_rows(self.model, run_micro_batches(self.model, mbs, on_output, forward_only=True))
+        """[N] reward-model score: the value at each sequence's last response token, on rank 0."""
+        mbs = self._split(seqs, None, "last", {})
+        results = run_micro_batches(self.model, mbs, lambda v, mb: (v.new_zeros(()), _placed(v[0].float(), mb, 1)[:, 0]),
+                                    forward_only=True)
+        return self._gather(mbs, results, seqs.size)
 
     def update(self, exp: Experience, *, mini_batch_size: int, epochs: int, cliprange_value: float,
                loss_agg_mode: str, seed: int) -> dict[str, float]:
@@ -211,7 +240,7 @@ class ValueWorker:
 
         def loss_for(counts):
             def on_output(v, mb):
-                vpreds = self._response_values(v.float(), exp.seqs.prompt_len)
+                vpreds = _placed(v[0].float(), mb, mb["response_mask"].shape[1])
                 loss, clipfrac = ppo_losses.value_loss(
                     vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
                     cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, **counts)
@@ -219,22 +248,22 @@ class ValueWorker:
 
             return on_output
 
-        return _ppo_updates(self.trainable, exp, {"values": exp.values, "returns": exp.returns}, loss_for,
-                            prefix="critic", micro_batch_size=self.micro_batch_size,
+        return _ppo_updates(self, exp, {"values": exp.values, "returns": exp.returns}, loss_for, prefix="critic",
                             mini_batch_size=mini_batch_size, epochs=epochs, seed=seed)
 
 
-def _ppo_updates(trainable: Trainable, exp: Experience, extra: dict, loss_for, *, prefix: str,
-                 micro_batch_size: int, mini_batch_size: int, epochs: int, seed: int) -> dict[str, float]:
+def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, prefix: str,
+                 mini_batch_size: int, epochs: int, seed: int) -> dict[str, float]:
     """`epochs` passes over shuffled mini-batches (sequences), one optimizer step each. Every
     mini-batch's loss function is built by `loss_for(counts)` with that mini-batch's global
     token/sequence counts, so each DP replica and micro-batch computes its exact share."""
+    trainable = worker.trainable
     model = trainable.model
     metrics: dict[str, list[float]] = {}
     for epoch in range(epochs):
         for rows in _mini_batches(exp.seqs.size, mini_batch_size, model.ps.dp, seed + epoch):
             counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
-            mbs = _micro_batches(exp.seqs, rows[dp_shard(len(rows), model.ps)], micro_batch_size, extra)
+            mbs = worker._split(exp.seqs, rows, "response", extra)
             results, step = train_step(trainable, mbs, loss_for(counts))
             for r in results:  # parts of global-count losses: summed in _reduce_metrics
                 for k, v in r.items():

@@ -59,6 +59,7 @@ class MegatronModel:
     name_map: NameMap
     ps: ParallelState
     padded_vocab: int
+    uses_te: bool = False  # Transformer Engine layers (packed passes use the THD format)
 
     @property
     def has_value_head(self) -> bool:
@@ -67,7 +68,7 @@ class MegatronModel:
     def named_parameters(self) -> Iterator[tuple[str, TensorRule, torch.nn.Parameter]]:
         """(global Megatron name, rule, local shard) for every parameter on this rank."""
         for chunk in self.chunks:
-            module = _unwrap(chunk)
+            module = unwrap(chunk)
             # layers of a chunk are contiguous; layer_number is global and 1-based
             offset = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
             for local_name, param in module.named_parameters():
@@ -75,17 +76,22 @@ class MegatronModel:
                 yield name, self.name_map.rule(name), param
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module
     return module
 
 
+def _resolved_spec(kind: str) -> str:
+    if kind == "auto":
+        return "te" if torch.cuda.is_available() and _have_te() else "local"
+    return kind
+
+
 def _layer_spec(kind: str):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if kind == "auto":
-        kind = "te" if torch.cuda.is_available() and _have_te() else "local"
+    kind = _resolved_spec(kind)
     if kind == "te":
         if not _have_te():
             raise ModelConfigError(
@@ -173,4 +179,4 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
     name_map = name_map_for(dims, padded_vocab=padded_vocab, value_head=value_head,
                             value_head_bias=value_head_bias)
     return MegatronModel(role=role, dims=dims, config=config, chunks=chunks, name_map=name_map,
-                         ps=ps, padded_vocab=padded_vocab)
+                         ps=ps, padded_vocab=padded_vocab, uses_te=_resolved_spec(layer_spec) == "te")

@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megappo.models.builders import MegatronModel, _unwrap
+from megappo.models.builders import MegatronModel, unwrap
 from megappo.models.hf_config import ModelConfigError, ModelDims
 from megappo.parallel.state import in_layout
 
@@ -61,7 +61,7 @@ def check_compatible(model: MegatronModel, meta: dict, ckpt_dir: str) -> None:
 def _sharded_state(model: MegatronModel) -> dict:
     # Sharded tensors carry global keys and offsets, so the nesting below (one entry per
     # virtual stage) does not tie the files to this layout.
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model.chunks)}
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model.chunks)}
 
 
 # The distributed optimizer's default format is rejected by megatron-core 0.16.1's own
@@ -149,7 +149,7 @@ def load_trainable(trainable, ckpt_dir: str) -> dict:
 
 def _load_chunks(model: MegatronModel, loaded: dict) -> None:
     for i, chunk in enumerate(model.chunks):
-        _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
 
 
 def _inner_optimizers(optimizer) -> list:

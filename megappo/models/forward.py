@@ -2,27 +2,37 @@
 
 `run_micro_batches(model, micro_batches, on_output, forward_only=...)` feeds a list of
 micro-batches through `get_forward_backward_func()` (no pipelining, 1F1B, or interleaved
-VPP, as the layout decides), so every pass in megappo works at any PP size. On the last
-pipeline stage `on_output(output, micro_batch)` receives the model output, [b, T, V_pad/tp]
-logits for LM roles or [b, T] values for value-head roles, and returns (loss, result):
+VPP, as the layout decides), so every pass in megappo works at any PP size. A micro-batch
+is padded ([b, T] 'input_ids' with an 'attention_mask') or packed ([1, L] 'input_ids' with
+'cu_seqlens' and 'position_ids': megappo.parallel.packing); packed sequences attend only
+within themselves and start at position 0 (Megatron-Core's THD format with Transformer
+Engine; with the local layer spec, a block-diagonal causal mask and RoPE taken at each
+token's own position, as THD does). With 'select' [2, K] ((s, b) positions) only those
+positions reach the output layer: the LM head runs over K positions, not b x T. On the last
+pipeline stage `on_output(output, micro_batch)` receives the model output, [1, K, V_pad/tp]
+logits for LM roles or [1, K] values for value-head roles ([b, T, ...] without 'select'),
+and returns (loss, result):
 the loss is back-propagated as is (megappo's losses are already normalised by global
 counts, so Megatron's own division by the number of micro-batches is switched off with
 `calculate_per_token_loss`), the results are returned in micro-batch order on the last
 stage and are an empty list elsewhere.
 
-Shape legend: b micro-batch size, T sequence length (the same for every micro-batch of a
-call; the p2p buffers are sized from it), V_pad padded vocab, tp tensor-parallel size.
+Shape legend: b micro-batch size, T sequence length, L packed length (the shape is the same
+for every micro-batch of a call; the p2p buffers are sized from it), K selected positions,
+V_pad padded vocab, tp tensor-parallel size.
 
 This module does not know about PPO losses or data sources.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 
-from megappo.models.builders import MegatronModel
+from megappo.models.builders import MegatronModel, unwrap
+from megappo.parallel.packing import block_causal_mask
 from megappo.parallel.state import in_layout
 
 
@@ -88,18 +98,16 @@ def run_micro_batches(
     def forward_step(data_iterator, chunk):
         # the whole micro-batch moves to the model's device: on_output combines its tensors with the output
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
-        input_ids = mb["input_ids"]
-        attn = mb.get("attention_mask")
-        if attn is not None:
-            mask = causal_padding_mask(attn)
-            position_ids = position_ids_from_mask(attn)
-        else:
-            mask = None
-            position_ids = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
-        output = chunk(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+        inputs = _model_inputs(model, mb, b, t)
+        select = mb.get("select")
+        rope = _per_sequence_rope(chunk, mb["position_ids"] if "cu_seqlens" in mb and not model.uses_te else None)
+        with rope, _selected_outputs(chunk, select) as selected_early:
+            output = chunk(input_ids=mb["input_ids"], **inputs)
 
         def loss_func(output_tensor):
             out = output_tensor.squeeze(-1) if value_head else output_tensor
+            if select is not None and not selected_early:
+                out = out[select[1], select[0]][None]
             loss, result = on_output(out, mb)
             return loss, torch.ones((), dtype=torch.int, device=device), result
 
@@ -119,3 +127,62 @@ def run_micro_batches(
         forward_only=forward_only,
     )
     return list(results) if model.ps.is_last_stage else []
+
+
+def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: int) -> dict[str, Any]:
+    """position_ids, attention_mask and packed_seq_params of one micro-batch."""
+    if "cu_seqlens" in mb:  # packed: [1, L]
+        cu = mb["cu_seqlens"]
+        if model.uses_te:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            longest = int((cu[1:] - cu[:-1]).max())
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+            return {"position_ids": mb["position_ids"], "attention_mask": None, "packed_seq_params": params}
+        return {"position_ids": mb["position_ids"], "attention_mask": block_causal_mask(cu, t)}
+    attn = mb.get("attention_mask")
+    if attn is None:
+        return {"position_ids": torch.arange(t, device=model.ps.device).unsqueeze(0).expand(b, t),
+                "attention_mask": None}
+    return {"position_ids": position_ids_from_mask(attn), "attention_mask": causal_padding_mask(attn)}
+
+
+@contextlib.contextmanager
+def _selected_outputs(chunk: torch.nn.Module, select: torch.Tensor | None):
+    """Feed only the `select` [2, K] (s, b) positions of the final hidden states [s, b, h] to the
+    last stage's output layer (a forward pre-hook, removed on exit); yields whether it did.
+    Not under sequence parallelism (the hidden states are split over TP there): the caller
+    selects from the full output instead."""
+    module = unwrap(chunk)
+    layer = getattr(module, "output_layer", None) if getattr(module, "post_process", False) else None
+    if select is None or layer is None or getattr(layer, "sequence_parallel", False):
+        yield False
+        return
+
+    def only_selected(_, args, kwargs):
+        hidden = args[0]
+        return (hidden[select[0], select[1]].unsqueeze(1), *args[1:]), kwargs
+
+    handle = layer.register_forward_pre_hook(only_selected, with_kwargs=True)
+    try:
+        yield True
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _per_sequence_rope(chunk: torch.nn.Module, position_ids: torch.Tensor | None):
+    """RoPE at `position_ids` [1, L] (each packed sequence from 0) instead of 0..L-1: a forward
+    hook re-indexes the chunk's rotary table [L, 1, 1, d] (removed on exit). RoPE is
+    translation-invariant, so 0..L-1 would give the same attention in exact arithmetic; in
+    float32 the angles of late positions lose digits, so packed passes use each sequence's own."""
+    rotary = getattr(unwrap(chunk), "rotary_pos_emb", None)
+    if position_ids is None or rotary is None:
+        yield
+        return
+    handle = rotary.register_forward_hook(lambda _m, _a, table: table[position_ids[0]])
+    try:
+        yield
+    finally:
+        handle.remove()

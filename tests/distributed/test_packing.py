@@ -1,0 +1,24 @@
+"""Packed passes (token-budget micro-batches, no padding) equal padded ones and transformers run
+on each sequence alone, for every role's forward pass and for actor and critic updates under
+every loss_agg_mode, at TP2, PP2, DP2 and PP2xVPP2 (workers/packing_worker.py)."""
+
+import pytest
+
+from tests.distributed._launch import run_torchrun
+
+LAYOUTS = [
+    pytest.param(("2", "1"), id="tp2"),
+    pytest.param(("1", "2"), id="pp2"),
+    pytest.param(("1", "1"), id="dp2"),
+    pytest.param(("1", "2", "2"), id="pp2xvpp2"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_equals_padded_and_transformers(layout):
+    out = run_torchrun("packing_worker.py", 2, *layout, timeout=600)
+    assert "ALL OK" in out
+    for family in ("llama", "qwen2"):
+        for kind in ("packed", "padded"):
+            assert f"OK {family} {kind} forward = transformers per sequence" in out
+        assert f"OK {family} updates packed = padded, every loss_agg_mode" in out
