@@ -477,10 +477,12 @@ class Config(_Section):
             _require(not self.parallel.sequence_parallel or tp > 1,
                      f"parallel.sequence_parallel needs tp > 1 for every role, but {role}'s tp is 1. Fix: set "
                      f"{role}.parallel.tp >= 2 or parallel.sequence_parallel=false.")
-            budget, longest = self.max_tokens_per_micro_batch(role), self.max_sequence_length
+            own = self.ref.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch if role == "ref" else \
+                getattr(self, role).max_tokens_per_micro_batch
+            longest = self.max_sequence_length
             key = f"{'actor' if role == 'ref' and not self.ref.max_tokens_per_micro_batch else role}.max_tokens_per_micro_batch"
-            _require(not self.packs(role) or budget >= longest,
-                     f"{key}={budget} is smaller than the longest sequence, data.max_prompt_length + "
+            _require(not self.packs(role) or own is None or own >= longest,
+                     f"{key}={own} is smaller than the longest sequence, data.max_prompt_length + "
                      f"rollout.max_new_tokens = {longest}: such a sequence would fit no micro-batch. Fix: set "
                      f"{key} >= {longest} (or lower the lengths).")
         for role in ("actor", "critic") if self.use_critic else ("actor",):
@@ -523,13 +525,18 @@ class Config(_Section):
             return self.actor.packing if self.ref.packing is None else self.ref.packing
         return getattr(self, role).packing
 
-    def max_tokens_per_micro_batch(self, role: Literal["actor", "critic", "ref", "reward"]) -> int:
-        """A role's packed micro-batch budget: its own, else (ref) the actor's, else micro-batch x longest sequence."""
+    def max_tokens_per_micro_batch(self, role: Literal["actor", "critic", "ref", "reward"], *,
+                                   fused_attention: bool) -> int:
+        """A role's packed micro-batch budget: its own, else (ref) the actor's, else the largest whose
+        memory stays within the padded path's micro-batch (`micro_batch_size` sequences of the longest
+        length): that many tokens with fused attention (Transformer Engine), isqrt(micro_batch_size)
+        longest sequences without it (a block-diagonal mask takes [L, L] attention scores)."""
         if role == "ref":
             own = self.ref.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch
-            return own or self.ref_micro_batch_size * self.max_sequence_length
-        section = getattr(self, role)
-        return section.max_tokens_per_micro_batch or section.micro_batch_size * self.max_sequence_length
+            micro = self.ref_micro_batch_size
+        else:
+            own, micro = getattr(self, role).max_tokens_per_micro_batch, getattr(self, role).micro_batch_size
+        return own or (micro if fused_attention else math.isqrt(micro)) * self.max_sequence_length
 
     @property
     def checkpoint_dir(self) -> str:

@@ -313,13 +313,25 @@ def fused_attention(cfg: Config) -> bool:
     return cfg.model.layer_spec == "te" or (cfg.model.layer_spec == "auto" and cfg.hardware.device == "gpu")
 
 
+def _micro_batch_shape(cfg: Config, role: str, fused: bool) -> tuple[float, int]:
+    """(sequences, length) of a role's largest micro-batch in the memory model. Padded:
+    micro_batch_size sequences of the longest length. Packed: max_tokens_per_micro_batch tokens,
+    as one sequence of that length when attention is not fused (the block-diagonal mask
+    materialises [L, L] scores), else as budget / longest sequences of the longest length."""
+    seq = cfg.max_sequence_length
+    if not cfg.packs(role):
+        return (cfg.ref_micro_batch_size if role == "ref" else getattr(cfg, role).micro_batch_size), seq
+    budget = cfg.max_tokens_per_micro_batch(role, fused_attention=fused)
+    return (budget / seq, seq) if fused else (1, budget)
+
+
 def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, rank: int) -> RoleMemory:
     p, m = cfg.parallel, cfg.model
     tp, pp, vpp = cfg.layout(role)
     dp = world_size // (tp * pp)
     db = DTYPE_BYTES[m.dtype]
-    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     fused = fused_attention(cfg)
+    micro, seq = _micro_batch_shape(cfg, role, fused)
     shard = dp if p.use_distributed_optimizer else 1
     value = role in ("critic", "reward")
     n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by)
@@ -328,14 +340,14 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         d, seq=seq, micro=1, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by)
     if role in ("actor", "critic"):
         section = getattr(cfg, role)
-        micro = section.micro_batch_size
-        micro_batches = section.ppo_mini_batch_size * cfg.rollout.n // (dp * micro)
+        # sequences of the longest length per replica over those per micro-batch (packed: a lower bound)
+        micro_batches = max(1, int(section.ppo_mini_batch_size * cfg.rollout.n * cfg.max_sequence_length
+                                   // (dp * micro * seq)))
         layers = (d.num_layers if pp == 1 else
                   layers_in_flight(d.num_layers, pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches))
         act = layers * layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
         return RoleMemory(role, n, weights=n * db, grads=n * 4, master=n * 4 / shard if db < 4 else 0.0,
                           adam=n * 8 / shard, activations=act, phase=f"{role} update")
-    micro = cfg.ref_micro_batch_size if role == "ref" else cfg.reward.micro_batch_size
     act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
     return RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
                       phase=f"{role} forward")
@@ -415,7 +427,13 @@ def _fixes(cfg: Config, plan_roles: list[RoleMemory], engine: Optional[EngineMem
         cfg.ref_micro_batch_size if top.role == "ref" else cfg.reward.micro_batch_size)
     key = {"actor": "actor.micro_batch_size", "critic": "critic.micro_batch_size", "ref": "ref.micro_batch_size",
            "reward": "reward.micro_batch_size"}[top.role]
-    if micro > 1:
+    if cfg.packs(top.role):
+        budget = cfg.max_tokens_per_micro_batch(top.role, fused_attention=fused_attention(cfg))
+        if budget >= 2 * cfg.max_sequence_length:
+            by_size.append((top.activations / 2, f"set {top.role}.max_tokens_per_micro_batch={budget // 2} (now "
+                                                 f"{budget} tokens; the {top.phase} keeps "
+                                                 f"{top.activations / GIB:.1f} GiB of activations)"))
+    elif micro > 1:
         by_size.append((top.activations / 2, f"lower {key} (now {micro}; the {top.phase} keeps "
                                              f"{top.activations / GIB:.1f} GiB of activations)"))
     if p.vpp and top.role in ("actor", "critic"):

@@ -56,8 +56,10 @@ CASES = {
                          "num_hidden_layers=2 is not divisible by pp*vpp=2*2"),
     "world vs tp*pp": (["--world-size", "3"], "world size 3 is not a multiple of parallel.tp*parallel.pp = 2*1. "
                                               "Fix: launch a multiple of 2 ranks"),
-    "batch vs dp": (["--world-size", "4"], "actor: a mini-batch of 32 sequences does not split over dp=2 replicas "
-                                           "in micro-batches of 32"),
+    "batch vs dp": (["--world-size", "4", "actor.packing=false"],
+                    "actor: a mini-batch of 32 sequences does not split over dp=2 replicas in micro-batches of 32"),
+    "budget vs length": (["critic.max_tokens_per_micro_batch=3"],
+                         "critic.max_tokens_per_micro_batch=3 is smaller than the longest sequence"),
     "timeout": (["parallel.timeout_minutes=0"], "parallel.timeout_minutes=0.0 must be > 0"),
     "no data": (["data.builtin=null"], "data.train_files and data.builtin are both empty"),
     "missing dataset": ([*FILES, "data.train_files=[{tmp}/nope.jsonl]"],

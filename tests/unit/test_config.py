@@ -142,8 +142,8 @@ def test_bad_overrides(override, needle):
 
 def test_validate_world():
     cfg = build(parallel={"tp": 2, "pp": 2}, data={"train_batch_size": 16},
-                actor={"ppo_mini_batch_size": 8, "micro_batch_size": 2},
-                critic={"ppo_mini_batch_size": 8, "micro_batch_size": 1})
+                actor={"ppo_mini_batch_size": 8, "micro_batch_size": 2, "packing": False},
+                critic={"ppo_mini_batch_size": 8, "micro_batch_size": 1, "packing": False})
     assert cfg.dp_size(8) == 2 and cfg.dp_size(16) == 4
     with pytest.raises(ConfigError, match=r"world size 6 is not a multiple of parallel.tp\*parallel.pp = 2\*2. "
                                           r"Fix: launch a multiple of 4 ranks"):
@@ -151,17 +151,20 @@ def test_validate_world():
     with pytest.raises(ConfigError, match=r"actor: a mini-batch of 8 sequences does not split over dp=8 replicas "
                                           r"in micro-batches of 2. Fix: make actor.micro_batch_size x 8 divide 8"):
         cfg.validate_world(32)
+    # packed micro-batches are sized by tokens: any split over replicas is fine
+    config_from_dict({**cfg.to_dict(), "actor": {**cfg.to_dict()["actor"], "packing": True},
+                      "critic": {**cfg.to_dict()["critic"], "packing": True}}).validate_world(32)
     with pytest.raises(ConfigError, match="world size 0 must be >= 1"):
         cfg.validate_world(0)
     forward_only = build(data={"train_batch_size": 8}, actor={"ppo_mini_batch_size": 8, "micro_batch_size": 2,
                                                               "use_kl_loss": True},
-                         critic={"ppo_mini_batch_size": 8}, ref={"micro_batch_size": 8},
-                         reward={"model_path": "/rm", "micro_batch_size": 8})
+                         critic={"ppo_mini_batch_size": 8}, ref={"micro_batch_size": 8, "packing": False},
+                         reward={"model_path": "/rm", "micro_batch_size": 8, "packing": False})
     forward_only.validate_world(1)
     with pytest.raises(ConfigError, match="ref: the batch of 8 sequences does not split over dp=2 replicas"):
         forward_only.validate_world(2)
     with pytest.raises(ConfigError, match="reward: the batch of 8 sequences does not split over dp=2 replicas"):
-        config_from_dict({**forward_only.to_dict(), "ref": {}}).validate_world(2)
+        config_from_dict({**forward_only.to_dict(), "ref": {"packing": False}}).validate_world(2)
 
 
 def test_training_requirements_are_a_method():
@@ -213,7 +216,7 @@ GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}
      "data.train_batch_size=6 is not divisible by actor.ppo_mini_batch_size=4"),
     ({"data": {"train_batch_size": 8}, "actor": {"ppo_mini_batch_size": 8}, "critic": {"ppo_mini_batch_size": 3}},
      "not divisible by critic.ppo_mini_batch_size=3"),
-    ({**GRPO, "actor": {"ppo_mini_batch_size": 256, "micro_batch_size": 3}},
+    ({**GRPO, "actor": {"ppo_mini_batch_size": 256, "micro_batch_size": 3, "packing": False}},
      r"actor: a mini-batch of 1024 sequences \(actor.ppo_mini_batch_size=256 x rollout.n=4\) is not divisible by "
      r"actor.micro_batch_size=3"),
     ({"checkpoint": {"save_every": -1}}, "checkpoint.save_every=-1 must be >= 0"),
@@ -240,8 +243,8 @@ def test_per_role_layouts():
     with pytest.raises(ConfigError, match="sequence_parallel needs tp > 1 for every role, but critic's tp is 1"):
         build(parallel={"tp": 2, "sequence_parallel": True}, critic={"parallel": {"tp": 1}})
     # each role's batch split uses its own data-parallel size
-    small = dict(data={"train_batch_size": 8}, actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4},
-                 critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4})
+    small = dict(data={"train_batch_size": 8}, actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4, "packing": False},
+                 critic={"ppo_mini_batch_size": 8, "micro_batch_size": 4, "packing": False})
     build(parallel={"tp": 2}, **small).validate_world(4)  # dp=2: 8 = 2 x 4
     with pytest.raises(ConfigError, match="critic: a mini-batch of 8 sequences does not split over dp=4 replicas"):
         build(parallel={"tp": 2}, **{**small, "critic": {**small["critic"], "parallel": {"tp": 1}}}).validate_world(4)

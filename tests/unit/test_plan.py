@@ -112,7 +112,7 @@ def test_layout_errors_name_the_fix():
         make_plan(recipe(parallel={"tp": 4}), world_size=6)
     with pytest.raises(ConfigError, match=r"actor: a mini-batch of 8 sequences does not split over dp=4 replicas in "
                                           r"micro-batches of 4"):
-        make_plan(recipe(actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4}), world_size=4)
+        make_plan(recipe(actor={"ppo_mini_batch_size": 8, "micro_batch_size": 4, "packing": False}), world_size=4)
     sglang = {"engine": "sglang", "sglang": {"tp_size": 8}}
     with pytest.raises(ModelConfigError, match=r"rollout.sglang.tp_size=8 does not split num_attention_heads=28.*"
                                                r"Fix: choose rollout.sglang.tp_size from \[1, 2, 4\]"):
@@ -197,9 +197,13 @@ def test_does_not_fit_names_knobs():
     text = "\n".join(plan.fixes)
     assert "parallel.use_distributed_optimizer=true" in text
     assert "parallel.tp=4" in text  # a bigger layout that divides the model and the world
-    assert "lower actor.micro_batch_size (now 4" in text
+    assert "set actor.max_tokens_per_micro_batch=3072 (now 6144 tokens" in text  # packed: 4 x 1536 by default
     assert "parallel.sequence_parallel=true" in text
     assert "does NOT fit" in format_plan(plan)
+    padded = make_plan(recipe(parallel={"tp": 2}, actor={"ppo_mini_batch_size": 32, "micro_batch_size": 4, "packing": False},
+                              critic={"ppo_mini_batch_size": 32, "micro_batch_size": 4, "packing": False},
+                              data={"max_prompt_length": 512, "train_batch_size": 32}), world_size=8)
+    assert "lower actor.micro_batch_size (now 4" in "\n".join(padded.fixes)
 
 
 def test_cli_exit_codes(capsys):
