@@ -243,6 +243,9 @@ class RefConfig(_Section):
 class RewardConfig(_Section):
     functions: list[str] = dataclasses.field(default_factory=list)  # rule-based rewards (megappo.rewards)
     function_weights: Optional[list[float]] = None  # one weight per function; None: all 1.0
+    # rule functions logged, not trained on: critic/score/<name> and val/score/<name> are their mean
+    # scores (e.g. [reasoning_gym_exact], the exact answer, beside the partial-credit reasoning_gym)
+    metric_functions: list[str] = dataclasses.field(default_factory=list)
     model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
     model_weight: float = 1.0  # weight of the reward model's score in the sum
     micro_batch_size: int = 4  # reward-model sequences per forward on one replica

@@ -223,7 +223,8 @@ def create_run(cfg: Config) -> Run:
         d = cfg.data
         rows, val_rows = _prompt_rows(d)
         source = f"data.builtin={d.builtin}" if d.builtin else f"data.train_files {d.train_files}"
-        check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key, reward_functions=cfg.reward.functions)
+        check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key,
+                     reward_functions=[*cfg.reward.functions, *cfg.reward.metric_functions])
         rows = check_data(rows, tokenizer, source=source, **check)
         kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                   long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template)

@@ -59,7 +59,7 @@ def test_validation_rows_are_the_seed_plus_one_stream_without_training_prompts()
 
 
 def test_a_task_with_too_few_prompts_to_hold_out_is_refused():
-    # 2 one-digit terms, + or -: 200 distinct prompts, all in a training set of 2048
+    # 2 one-digit terms, + or -: 242 distinct prompts, all in a training set of 2048
     with pytest.raises(DataError, match="few distinct prompts.*Fix: lower data.builtin_size"):
         builtin_splits("reasoning_gym:basic_arithmetic", 2048, 8, 1, SMALL_ARITHMETIC)
 
