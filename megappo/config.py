@@ -335,7 +335,7 @@ class DataConfig(_Section):
     val_files: list[str] = dataclasses.field(default_factory=list)  # validation files
     builtin: Optional[str] = None  # a generated dataset instead of files, e.g. 'reasoning_gym:basic_arithmetic'
     builtin_size: int = 2048  # prompts generated for training
-    builtin_val_size: int = 64  # prompts generated for validation (when val_files is empty)
+    builtin_val_size: int = 64  # prompts generated for validation (when val_files is empty), none a training prompt
     builtin_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed to the generator (reasoning-gym config)
     prompt_key: str = "prompt"  # column holding the prompt (chat messages or text)
     max_prompt_length: int = 512  # in tokens
