@@ -60,6 +60,10 @@ def test_a_log_file_gets_one_line_per_step_and_no_dict(tmp_path):
     assert [line.split(":")[0] for line in step_lines(out)] == ["step 0", "step 1", "step 2", "step 3"]
     assert not [line for line in lines if line.startswith("[")], out  # no progress-bar lines besides them
     assert all(f"| {n}/3 steps" in line for n, line in zip((1, 2, 3), step_lines(out)[1:]))  # the ETA is kept
+    # the rate is the mean step time so far: not start-up, not the validation before step 1
+    times = [r["timing_s/step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "timing_s/step" in r]
+    for n, line in zip((1, 2, 3), step_lines(out)[1:]):
+        assert f"| {n}/3 steps  {sum(times[:n]) / n:.1f} s/step  ETA" in line, (line, times)
     start = next(line for line in lines if line.startswith("megappo: world="))
     assert "{" not in start and "prompts=640 | steps=3 |" in start, start  # no Python dict at start-up
 
