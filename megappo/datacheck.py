@@ -233,7 +233,7 @@ def warn_shared_prompts(train_rows: Sequence[dict], val_rows: Sequence[dict], *,
         return None
     examples = ", ".join(f"{t!r:.60}" for t in texts[:EXAMPLES])
     line = (f"megappo: warning: {len(shared)} of {_rows(len(val_rows))} of {val_source} ({len(texts)} distinct "
-            f"prompts) have a prompt that is also in {train_source}, so val/score is not a held-out measure; e.g. "
+            f"prompt{'s' if len(texts) != 1 else ''}) have a prompt that is also in {train_source}, so val/score is not a held-out measure; e.g. "
             f"{examples}. Fix: remove these prompts from {val_source} (or from the training data).")
     print(line, flush=True)
     return line

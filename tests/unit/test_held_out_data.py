@@ -98,3 +98,8 @@ def test_disjoint_files_print_nothing(tmp_path, capsys):
     val = load_rows([write_jsonl(tmp_path / "val.jsonl", ["3+3=", "2+2= "])])  # not exactly a training prompt
     assert warn_shared_prompts(train, val) is None
     assert capsys.readouterr().out == ""
+
+
+def test_one_shared_prompt_is_said_in_the_singular(capsys):
+    line = warn_shared_prompts([{"prompt": "1+1="}], [{"prompt": [{"role": "user", "content": "1+1="}]}])
+    assert line.startswith("megappo: warning: 1 of 1 row of data.val_files (1 distinct prompt) have")
