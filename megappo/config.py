@@ -249,6 +249,9 @@ class RefConfig(_Section):
 class RewardConfig(_Section):
     functions: list[str] = dataclasses.field(default_factory=list)  # rule-based rewards (megappo.rewards)
     function_weights: Optional[list[float]] = None  # one weight per function; None: all 1.0
+    # rule functions logged, not trained on: critic/score/<name> and val/score/<name> are their mean
+    # scores (e.g. [reasoning_gym_exact], the exact answer, beside the partial-credit reasoning_gym)
+    metric_functions: list[str] = dataclasses.field(default_factory=list)
     model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
     model_weight: float = 1.0  # weight of the reward model's score in the sum
     micro_batch_size: int = 4  # reward-model sequences per forward on one replica (without packing)
@@ -340,7 +343,7 @@ class DataConfig(_Section):
     val_files: list[str] = dataclasses.field(default_factory=list)  # validation files
     builtin: Optional[str] = None  # a generated dataset instead of files, e.g. 'reasoning_gym:basic_arithmetic'
     builtin_size: int = 2048  # prompts generated for training
-    builtin_val_size: int = 64  # prompts generated for validation (when val_files is empty)
+    builtin_val_size: int = 64  # prompts generated for validation (when val_files is empty), none a training prompt
     builtin_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed to the generator (reasoning-gym config)
     prompt_key: str = "prompt"  # column holding the prompt (chat messages or text)
     max_prompt_length: int = 512  # in tokens

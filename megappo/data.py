@@ -9,7 +9,8 @@ A row in verl's layout:
 `build_prompts(rows, tokenizer, ...)` renders the chat template, tokenizes, and applies the
 long-prompt policy (skip / truncate from the left / error), counting what it did.
 Built-in sources need no files: `reasoning_gym:<task>` (procedural tasks from the
-reasoning-gym package with their own scorers) and `digit_successor` (the CPU demo task).
+reasoning-gym package with their own scorers) and `digit_successor` (the CPU demo task);
+`builtin_splits` draws their training and validation rows, no validation prompt in training.
 
 `PromptSampler` yields global batches of example indices, reshuffled every epoch from
 (seed, epoch), with a cursor that checkpoints and resumes exactly.
@@ -24,7 +25,7 @@ import dataclasses
 import json
 import os
 import random
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 
 class DataError(ValueError):
@@ -184,6 +185,11 @@ def random_policy_score(rows: Sequence[dict], reward_fn, tokenizer, max_new_toke
 
 
 def reasoning_gym_rows(task: str, size: int, seed: int, **task_args) -> list[dict]:
+    return list(_reasoning_gym_stream(task, size, seed, task_args))
+
+
+def _reasoning_gym_stream(task: str, size: int, seed: int, task_args: dict) -> Iterator[dict]:
+    """The task's rows 0..size-1, made one at a time (row i depends on (seed, i) only)."""
     try:
         import reasoning_gym
     except ImportError:
@@ -194,15 +200,13 @@ def reasoning_gym_rows(task: str, size: int, seed: int, **task_args) -> list[dic
     except (TypeError, ValueError, KeyError, AssertionError) as e:
         raise DataError(f"reasoning-gym task '{task}' with data.builtin_args={task_args}: {e}. Fix: check the task "
                         "name and data.builtin_args against reasoning-gym's task list.") from None
-    rows = []
     for entry in dataset:
-        rows.append({
+        yield {
             "data_source": f"reasoning_gym/{task}",
             "prompt": [{"role": "user", "content": entry["question"] + " Give only the final answer."}],
             "reward_model": {"style": "rule", "ground_truth": entry["answer"]},
             "extra_info": {"task": task, "entry": entry},
-        })
-    return rows
+        }
 
 
 def reasoning_gym_scorer(task: str):
@@ -213,12 +217,60 @@ def reasoning_gym_scorer(task: str):
 
 def builtin_rows(spec: str, size: int, seed: int, args: dict | None = None) -> list[dict]:
     """data.builtin: 'digit_successor' or 'reasoning_gym:<task>' (options in data.builtin_args)."""
+    return list(_builtin_stream(spec, size, seed, args))
+
+
+def _builtin_stream(spec: str, size: int, seed: int, args: dict | None) -> Iterator[dict]:
     if spec == "digit_successor":
-        return digit_successor_rows(size, seed)
+        return iter(digit_successor_rows(size, seed))
     if spec.startswith("reasoning_gym:"):
-        return reasoning_gym_rows(spec.split(":", 1)[1], size, seed, **(args or {}))
+        return _reasoning_gym_stream(spec.split(":", 1)[1], size, seed, dict(args or {}))
     raise DataError(f"unknown data.builtin '{spec}'. Fix: set data.builtin=digit_successor or "
                     "data.builtin=reasoning_gym:<task>.")
+
+
+def prompt_identity(prompt: Any) -> str:
+    """A prompt's exact identity for duplicate checks: text, and chat messages that hold the
+    same text as one user message, compare equal; any other difference counts."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return json.dumps(messages, sort_keys=True, default=str)
+
+
+#: built-in sources with no prompt to hold out: every one of them is in a training set of any
+#: useful size, so their validation set is drawn like the training set and measures the fit
+NOT_HELD_OUT = {"digit_successor": "its 10 prompts ('0>' to '9>') are all in the training set"}
+
+#: candidates drawn for a held-out validation set, per validation row asked for
+VAL_DRAWS_PER_ROW = 64
+
+
+def builtin_splits(spec: str, train_size: int, val_size: int, seed: int, args: dict | None = None
+                   ) -> tuple[list[dict], list[dict]]:
+    """(training rows, validation rows) of a built-in source; no validation prompt is a training prompt.
+
+    The training rows are `builtin_rows(spec, train_size, seed)`. The validation rows are the
+    first `val_size` rows of the stream seeded `seed + 1` whose prompt (`prompt_identity`) is not
+    in the training set, so both depend on (spec, sizes, seed, args) only and a resumed run
+    rebuilds them exactly. A task with too few distinct prompts to fill the validation set after
+    `VAL_DRAWS_PER_ROW * val_size + train_size` draws is a DataError. Sources in `NOT_HELD_OUT`
+    have no prompt to hold out: their validation rows are `builtin_rows(spec, val_size, seed + 1)`.
+    """
+    train = builtin_rows(spec, train_size, seed, args)
+    if spec in NOT_HELD_OUT:
+        return train, builtin_rows(spec, val_size, seed + 1, args)
+    seen = {prompt_identity(r["prompt"]) for r in train}
+    draws = VAL_DRAWS_PER_ROW * val_size + train_size
+    val = []
+    for row in _builtin_stream(spec, draws, seed + 1, args):
+        if prompt_identity(row["prompt"]) not in seen:
+            val.append(row)
+            if len(val) == val_size:
+                return train, val
+    raise DataError(
+        f"data.builtin={spec} (data.builtin_args={dict(args or {})}): only {len(val)} of {draws} prompts drawn for "
+        f"validation are not in the training set ({train_size} rows), fewer than data.builtin_val_size={val_size}: "
+        "the task has few distinct prompts. Fix: lower data.builtin_size or data.builtin_val_size, or widen "
+        "data.builtin_args (more digits or terms).")
 
 
 # -- sampling ------------------------------------------------------------------------------

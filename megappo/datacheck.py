@@ -18,6 +18,10 @@ trains on the rows as they are (rows without a prompt are dropped: there is noth
 generate from); `skip` prints it and drops every row with a problem. A clean dataset prints
 nothing.
 
+`shared_prompts(train_rows, val_rows, ...)` finds the validation rows whose prompt is exactly a
+training prompt (megappo.data.prompt_identity); `warn_shared_prompts` prints them as one warning
+line with the count, a few examples and the fix (a validation score on them is not held out).
+
 This module does not know about models, engines or process groups.
 """
 
@@ -28,7 +32,7 @@ import dataclasses
 import difflib
 from typing import Any, Sequence
 
-from megappo.data import DataError
+from megappo.data import DataError, prompt_identity
 from megappo.rewards import reads
 from megappo.tokenizer import unknown_characters, unknown_token
 
@@ -201,3 +205,35 @@ def check_data(rows: Sequence[dict], tokenizer, *, policy: str, prompt_key: str,
     """`check_rows` then `apply_policy`: the rows to train on."""
     report = check_rows(rows, tokenizer, prompt_key=prompt_key, reward_functions=reward_functions, source=source)
     return apply_policy(report, policy, rows)
+
+
+def shared_prompts(train_rows: Sequence[dict], val_rows: Sequence[dict], *, prompt_key: str = "prompt"
+                   ) -> tuple[list[int], list[str]]:
+    """(validation row indices whose prompt is exactly a training prompt, those distinct prompts' texts in order)."""
+    seen = {prompt_identity(row[prompt_key]) for row in train_rows if row.get(prompt_key) not in (None, "", [])}
+    shared, texts, distinct = [], [], set()
+    for i, row in enumerate(val_rows):
+        prompt = row.get(prompt_key)
+        if prompt in (None, "", []):
+            continue
+        key = prompt_identity(prompt)
+        if key in seen:
+            shared.append(i)
+            if key not in distinct:
+                distinct.add(key)
+                texts.append(prompt_text(prompt) or key)
+    return shared, texts
+
+
+def warn_shared_prompts(train_rows: Sequence[dict], val_rows: Sequence[dict], *, prompt_key: str = "prompt",
+                        train_source: str = "the training data", val_source: str = "data.val_files") -> str | None:
+    """Print (and return) one warning line when validation rows repeat training prompts; None when none do."""
+    shared, texts = shared_prompts(train_rows, val_rows, prompt_key=prompt_key)
+    if not shared:
+        return None
+    examples = ", ".join(f"{t!r:.60}" for t in texts[:EXAMPLES])
+    line = (f"megappo: warning: {len(shared)} of {_rows(len(val_rows))} of {val_source} ({len(texts)} distinct "
+            f"prompt{'s' if len(texts) != 1 else ''}) have a prompt that is also in {train_source}, so val/score is not a held-out measure; e.g. "
+            f"{examples}. Fix: remove these prompts from {val_source} (or from the training data).")
+    print(line, flush=True)
+    return line

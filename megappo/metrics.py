@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import time
 import uuid
 from typing import Iterable, Mapping
 
@@ -187,6 +186,10 @@ def _last_per_step(rows: list[dict], upto: float = math.inf) -> list[dict]:
 class Progress:
     """`[#####-----] 12/40 steps  1.9 s/step  ETA 53s` (rank 0).
 
+    The rate is the mean of the step times given to `update(step, seconds)` (the loop's
+    `timing_s/step`), so start-up and the validation before the first step do not count;
+    before the first step time it shows `? s/step  ETA ?`.
+
     On a terminal (the stream is a TTY) the bar is one line redrawn in place (`\\r`) below the
     step lines; `console(text)` prints other lines above it. Elsewhere (a log file, a pipe) the
     bar draws nothing: the step line of the console sink carries its text (`MetricLogger(...,
@@ -196,20 +199,25 @@ class Progress:
 
     def __init__(self, total: int, start: int = 0, enabled: bool = True, width: int = 24, stream=None):
         self.total, self.done, self.enabled, self.width = total, start, enabled, width
-        self._t0, self.start = time.time(), start
+        self.start = start
+        self._step_seconds, self._timed_steps = 0.0, 0  # the steps timed so far and their total time
         self.stream = stream or sys.stderr
         self.live = enabled and _isatty(self.stream)
         self.in_step_line = False  # the console sink shows the text in its step lines
         self._drawn: str | None = None
 
     def text(self, step: int, bar: bool = True) -> str:
-        rate = (time.time() - self._t0) / max(step - self.start, 1)
+        rate = self._step_seconds / self._timed_steps if self._timed_steps else math.nan
         left = rate * (self.total - step)
         filled = int(self.width * step / max(self.total, 1))
         head = f"[{'#' * filled}{'-' * (self.width - filled)}] " if bar else ""
-        return f"{head}{step}/{self.total} steps  {rate:.1f} s/step  ETA {_fmt_seconds(left)}"
+        per_step = f"{rate:.1f}" if math.isfinite(rate) else "?"
+        return f"{head}{step}/{self.total} steps  {per_step} s/step  ETA {_fmt_seconds(left)}"
 
-    def update(self, step: int) -> str:
+    def update(self, step: int, seconds: float | None = None) -> str:
+        """Step `step` is done, in `seconds` (its own time: counted in the rate when given)."""
+        if seconds is not None:
+            self._step_seconds, self._timed_steps = self._step_seconds + seconds, self._timed_steps + 1
         self.done = step
         line = self.text(step)
         if self.live:

@@ -62,6 +62,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         if run.ps.is_rank0:
             with timed(m, "reward"):
                 scores = rewards(run, batch, rm_scores)
+                m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *responses(run, batch)))
             exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
             m.update(rollout_metrics(batch, scores, exp, entropy))
             run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
@@ -112,14 +113,34 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None) -> to
     cfg = run.cfg.reward
     scores = torch.zeros(batch.num_samples)
     if cfg.functions:
-        texts = run.tokenizer.batch_decode(batch.response_ids * batch.response_mask, skip_special_tokens=True)
-        extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
-        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, texts,
-                                           [e.ground_truth for e in batch.examples], extras,
-                                           [e.data_source for e in batch.examples]))
+        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, *responses(run, batch)))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
     return scores
+
+
+def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str]]:
+    """What a reward function reads of each response: (texts, ground truths, extras, data sources)."""
+    texts = run.tokenizer.batch_decode(batch.response_ids * batch.response_mask, skip_special_tokens=True)
+    extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
+    return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples])
+
+
+#: a response is fully correct when its score reaches this (1.0: a correct response under every
+#: built-in rule function; the tolerance absorbs the rounding of weighted sums)
+CORRECT_SCORE = 1.0 - 1e-6
+
+
+def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, ground_truths, extras,
+                  data_sources) -> dict[str, float]:
+    """`<prefix>/frac_correct`: the fraction of the [N] `scores` that are fully correct (>= 1.0);
+    `<prefix>/<name>`: the mean score of each function in reward.metric_functions (logged, not
+    trained on) on the same responses."""
+    out = {f"{prefix}/frac_correct": (scores >= CORRECT_SCORE).float().mean().item()}
+    for name in metric_functions:
+        values = score_batch([name], None, texts, ground_truths, extras, data_sources)
+        out[f"{prefix}/{name}"] = sum(values) / len(values)
+    return out
 
 
 def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,
@@ -201,8 +222,8 @@ def train(run: Run) -> list[dict[str, float]]:
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / metrics["timing_s/step"] / run.ps.world_size
             skipped = metrics.get("actor/skipped_steps", 0) + metrics.get("critic/skipped_steps", 0)
             run.nan_skips += int(skipped > 0)
+            run.progress.update(step, metrics["timing_s/step"])  # the ETA counts step times only
             run.logger.log(step, metrics)
-            run.progress.update(step)
             history.append(metrics)
         skips = run.nan_skips = broadcast_from_rank0(run.nan_skips)
         if skips > run.cfg.run.max_nan_skips:
@@ -226,5 +247,6 @@ def validate(run: Run) -> dict[str, float]:
     batch.examples = [run.val_examples[i] for i in batch.prompt_index.tolist()]
     scores = rewards(run, batch, None)
     return {"val/score/mean": scores.mean().item(),
+            **score_metrics("val/score", scores, run.cfg.reward.metric_functions, *responses(run, batch)),
             "val/response_length/mean": batch.response_mask.sum(-1).float().mean().item()}
 

@@ -30,7 +30,7 @@ def check_inputs(cfg: Config, world_size: int) -> None:
     check_models(cfg)
     check_files(cfg.data.train_files, "data.train_files")
     check_files(cfg.data.val_files, "data.val_files")
-    for name in cfg.reward.functions:
+    for name in [*cfg.reward.functions, *cfg.reward.metric_functions]:
         get_reward_fn(name)
     check_tokenizer_spec(cfg.model.tokenizer_path)
 

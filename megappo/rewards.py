@@ -11,7 +11,8 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `gsm8k` | the number after the last `#### ` equals the ground truth (commas and `$` ignored), as verl's GSM8K scorer in strict mode |
 | `math_boxed` | the content of the last `\\boxed{...}` equals the ground truth after light normalisation |
 | `exact_match` | the stripped response equals the stripped ground truth |
-| `reasoning_gym` | reasoning-gym's own scorer for the task in `extra["task"]` (entry in `extra["entry"]`) |
+| `reasoning_gym` | reasoning-gym's own scorer for the task in `extra["task"]` (entry in `extra["entry"]`): partial credit, 1 for the bare answer, answer length / response length for a response that contains it |
+| `reasoning_gym_exact` | exact answer: 1 when the response's final number (or, for an answer that is not a number, its final expression) equals the ground truth, else 0 (`final_answer_matches`) |
 | `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 
 Your own function is named `path/to/file.py:function` (or `package.module:function`, imported
@@ -32,6 +33,7 @@ This module does not know about tokenizers, models or process groups.
 from __future__ import annotations
 
 import difflib
+import fractions
 import functools
 import importlib
 import importlib.util
@@ -100,6 +102,47 @@ def reasoning_gym_score(response: str, ground_truth: Any, extra: dict) -> float:
     return float(reasoning_gym_scorer(extra["task"])(response, extra["entry"]))
 
 
+#: a number in a response: an optional sign (a '-' after a digit or ')' is an operator, not a
+#: sign), digits with optional thousands commas, an optional decimal part or '/denominator'
+_NUMBER = re.compile(r"(?:(?<![\w)\].])-)?(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+|/\d+)?")
+#: where a final expression starts: after the last '=', 'answer is' or 'answer:'
+_ANSWER_MARK = re.compile(r"=|answer is:?|answer:", re.IGNORECASE)
+
+
+def _as_number(text: str) -> fractions.Fraction | None:
+    try:
+        return fractions.Fraction(text.strip().replace(",", "").replace("$", "").rstrip("."))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _normalise_answer(text: str) -> str:
+    return re.sub(r"\s+", "", text).replace("**", "").strip("$").rstrip(".")
+
+
+def final_answer_matches(response: str, answer: Any) -> bool:
+    """Whether the response's final answer is `answer`, whatever text comes before it.
+
+    A numeric answer is compared with the last number of the response as an exact fraction
+    ("5 - 9 = -4" and "The answer is -4." match -4; "-4.0" and "1,000" are numbers; "12-5"
+    ends in 5, not -5). Any other answer is compared, spaces ignored, with the whole response,
+    the last \\boxed{...}, or the text after the last '=', 'answer is' or 'answer:' (to the end
+    of that line, without a final '.')."""
+    answer = str(answer).strip()
+    want = _as_number(answer)
+    if want is not None:
+        numbers = _NUMBER.findall(response)
+        return bool(numbers) and _as_number(numbers[-1]) == want
+    tail = _ANSWER_MARK.split(response)[-1].strip()
+    candidates = [response, last_boxed(response) or "", tail.splitlines()[0] if tail else ""]
+    return any(_normalise_answer(c) == _normalise_answer(answer) for c in candidates if c.strip())
+
+
+def reasoning_gym_exact(response: str, ground_truth: Any, extra: dict) -> float:
+    """1.0 when the final number or expression of the response is reasoning-gym's answer, else 0.0."""
+    return 1.0 if final_answer_matches(response, ground_truth) else 0.0
+
+
 #: the demo's score for the right digit that is not followed by EOS (as a format score: the
 #: answer is there, but a user of the exported model would read junk after it)
 DIGIT_NOT_STOPPED = 0.5
@@ -117,6 +160,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "math_boxed": math_boxed,
     "exact_match": exact_match,
     "reasoning_gym": reasoning_gym_score,
+    "reasoning_gym_exact": reasoning_gym_exact,
     "digit_successor": digit_successor,
 }
 
@@ -127,6 +171,7 @@ READS: dict[str, tuple[str, ...]] = {
     "math_boxed": ("reward_model.ground_truth",),
     "exact_match": ("reward_model.ground_truth",),
     "reasoning_gym": ("extra_info.task", "extra_info.entry"),
+    "reasoning_gym_exact": ("reward_model.ground_truth",),
     "digit_successor": ("reward_model.ground_truth",),
 }
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = ["train", "recipes/demo-cpu.yaml", "run.val_every=0", "logging.progress_bar=true"]
 
@@ -54,12 +56,24 @@ def step_lines(out: str) -> list[str]:
 
 
 def test_a_log_file_gets_one_line_per_step_and_no_dict(tmp_path):
-    code, out = cli(*DEMO, "run.total_steps=3", f"run.output_dir={tmp_path}")
+    # reward.metric_functions: the demo's own reward, logged again under its name
+    code, out = cli(*DEMO, "run.total_steps=3", f"run.output_dir={tmp_path}",
+                    "reward.metric_functions=[digit_successor]")
     assert code == 0, out[-4000:]
     lines = out.splitlines()
     assert [line.split(":")[0] for line in step_lines(out)] == ["step 0", "step 1", "step 2", "step 3"]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    for r in rows:
+        kind = "critic" if "critic/score/mean" in r else "val"
+        assert r[f"{kind}/score/digit_successor"] == pytest.approx(r[f"{kind}/score/mean"])
+        assert r[f"{kind}/score/frac_correct"] <= r[f"{kind}/score/mean"]  # scores are in [0, 1]
+    assert [r["step"] for r in rows if "val/score/mean" in r] == [0]
     assert not [line for line in lines if line.startswith("[")], out  # no progress-bar lines besides them
     assert all(f"| {n}/3 steps" in line for n, line in zip((1, 2, 3), step_lines(out)[1:]))  # the ETA is kept
+    # the rate is the mean step time so far: not start-up, not the validation before step 1
+    times = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
+    for n, line in zip((1, 2, 3), step_lines(out)[1:]):
+        assert f"| {n}/3 steps  {sum(times[:n]) / n:.1f} s/step  ETA" in line, (line, times)
     start = next(line for line in lines if line.startswith("megappo: world="))
     assert "{" not in start and "prompts=640 | steps=3 |" in start, start  # no Python dict at start-up
 

@@ -50,7 +50,12 @@ def test_own_data_doc_from_nothing_to_a_learning_run(tmp_path):
                           timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert "Traceback" not in out and "megappo: warning" not in out  # the doc's data passes the data check
+    assert "Traceback" not in out
+    # the doc's data passes the data check; its validation file is its 16 training questions, said in one
+    # line, the line the doc shows
+    warnings = [line for line in out.splitlines() if "megappo: warning" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("megappo: warning: 16 of 16 rows of data.val_files")
+    assert warnings[0] in text
     train = (tmp_path / "data" / "train.jsonl").read_text().splitlines()
     assert len(train) == 640 and "\n".join(train[:2]) in text  # the doc shows what the script writes
 
@@ -59,6 +64,8 @@ def test_own_data_doc_from_nothing_to_a_learning_run(tmp_path):
     steps = [r for r in rows if "critic/score/mean" in r]
     val = [r["val/score/mean"] for r in rows if "val/score/mean" in r]
     assert len(steps) == 40 and len(val) == 3  # before training, steps 20 and 40
+    assert all(0 <= r["critic/score/frac_correct"] <= 1 for r in steps)  # the fully correct responses
+    assert all("val/score/frac_correct" in r for r in rows if "val/score/mean" in r)
     first = sum(r["critic/score/mean"] for r in steps[:10]) / 10
     last = sum(r["critic/score/mean"] for r in steps[-10:]) / 10
     assert last >= first + 0.1, f"the reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"

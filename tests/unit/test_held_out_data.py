@@ -1,0 +1,105 @@
+"""Validation sets are held out: a built-in source's validation prompts are never training
+prompts (at the recipes' sizes, as megappo.run builds them); for your own files, validation
+rows that repeat a training prompt are reported at start-up."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from megappo.config import load_config
+from megappo.data import NOT_HELD_OUT, DataError, builtin_rows, builtin_splits, load_rows, prompt_identity
+from megappo.datacheck import shared_prompts, warn_shared_prompts
+from megappo.run import _prompt_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
+SMALL_ARITHMETIC = {"max_terms": 2, "max_digits": 1, "operators": ["+", "-"], "allow_parentheses": False,
+                    "allow_negation": False}
+
+
+def prompts(rows):
+    return {prompt_identity(r["prompt"]) for r in rows}
+
+
+def builtin_data():
+    """(name, data config) of every recipe with a built-in source, and the defaults of each source."""
+    out = []
+    for path in RECIPES:
+        d = load_config(path).data
+        if d.builtin:
+            out.append((os.path.basename(path), d))
+    demo = dict(out)["demo-cpu.yaml"]
+    for spec, args in [("reasoning_gym:basic_arithmetic", {}), ("reasoning_gym:chain_sum", {})]:
+        out.append((f"{spec} {args} at default sizes", type(demo)(builtin=spec, builtin_args=args)))
+    return out
+
+
+@pytest.mark.parametrize("name,d", builtin_data(), ids=lambda x: x if isinstance(x, str) else "")
+def test_builtin_validation_prompts_are_not_training_prompts(name, d):
+    train, val = _prompt_rows(d)  # what megappo.run trains and validates on
+    assert len(train) == d.builtin_size and len(val) == d.builtin_val_size
+    assert train == builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args)  # training rows as before
+    if d.builtin in NOT_HELD_OUT:
+        # digit_successor: the task is its 10 prompts, all in training; nothing is left to hold out
+        assert prompts(train) == prompts(val) == {prompt_identity(f"{i}>") for i in range(10)}
+        return
+    assert prompts(train) & prompts(val) == set()
+    assert _prompt_rows(d) == (train, val)  # the same rows again: a resumed run validates on the same set
+
+
+def test_validation_rows_are_the_seed_plus_one_stream_without_training_prompts():
+    spec = "reasoning_gym:basic_arithmetic"
+    train, val = builtin_splits(spec, 64, 8, 1, SMALL_ARITHMETIC)
+    stream = builtin_rows(spec, 200, 2, SMALL_ARITHMETIC)
+    assert val == [r for r in stream if prompt_identity(r["prompt"]) not in prompts(train)][:8]
+    # the defect: drawn independently from seed + 1, validation shared prompts with training
+    assert prompts(stream[:8]) & prompts(train)
+
+
+def test_a_task_with_too_few_prompts_to_hold_out_is_refused():
+    # 2 one-digit terms, + or -: 242 distinct prompts, all in a training set of 2048
+    with pytest.raises(DataError, match="few distinct prompts.*Fix: lower data.builtin_size"):
+        builtin_splits("reasoning_gym:basic_arithmetic", 2048, 8, 1, SMALL_ARITHMETIC)
+
+
+def write_jsonl(path, prompts_):
+    with open(path, "w") as f:
+        for p in prompts_:
+            f.write(json.dumps({"prompt": p, "reward_model": {"ground_truth": "1"}}) + "\n")
+    return str(path)
+
+
+def write_parquet(path, prompts_):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": p}],
+                                          "reward_model": {"ground_truth": "1"}} for p in prompts_]), str(path))
+    return str(path)
+
+
+def test_shared_prompts_of_your_files_are_reported_in_one_line(tmp_path, capsys):
+    train = load_rows([write_jsonl(tmp_path / "train.jsonl", ["1+1=", "2+2=", "3+3=", "4+4="])])
+    # validation in parquet as chat messages: '2+2=' twice and '4+4=' are the training prompts again
+    val_path = write_parquet(tmp_path / "val.parquet", ["2+2=", "5+5=", "2+2=", "4+4=", "6+6="])
+    val = load_rows([val_path], "data.val_files")
+    assert shared_prompts(train, val) == ([0, 2, 3], ["2+2=", "4+4="])
+    line = warn_shared_prompts(train, val, train_source="data.train_files [train.jsonl]",
+                               val_source=f"data.val_files [{val_path}]")
+    out = capsys.readouterr().out
+    assert out == line + "\n" and "\n" not in line
+    assert line.startswith("megappo: warning: 3 of 5 rows of data.val_files")
+    assert "(2 distinct prompts)" in line and "'2+2='" in line and "'4+4='" in line
+    assert "Fix: remove these prompts from data.val_files" in line
+
+
+def test_disjoint_files_print_nothing(tmp_path, capsys):
+    train = load_rows([write_jsonl(tmp_path / "train.jsonl", ["1+1=", "2+2="])])
+    val = load_rows([write_jsonl(tmp_path / "val.jsonl", ["3+3=", "2+2= "])])  # not exactly a training prompt
+    assert warn_shared_prompts(train, val) is None
+    assert capsys.readouterr().out == ""
+
+
+def test_one_shared_prompt_is_said_in_the_singular(capsys):
+    line = warn_shared_prompts([{"prompt": "1+1="}], [{"prompt": [{"role": "user", "content": "1+1="}]}])
+    assert line.startswith("megappo: warning: 1 of 1 row of data.val_files (1 distinct prompt) have")
