@@ -1,14 +1,16 @@
 """The four PPO roles on Megatron models: actor, reference, critic, reward model.
 
 Every method is a collective over all ranks (SPMD). Inputs are global batches that every
-rank holds (broadcast by the orchestrator); each DP replica takes its shard, runs it in
-micro-batches through the pipeline schedule (`megappo.models.forward` /
-`megappo.models.training`), and per-sample results come back to global rank 0 in batch
-order. Log-probs and entropy are computed from TP-sharded logits without gathering the
-vocabulary (`megappo.parallel.vocab_parallel`).
+rank holds (broadcast by the orchestrator); each role's MicroBatching (packed by a token
+budget, or padded: `megappo.parallel.packing`) decides which rows each DP replica runs in
+which micro-batch, the replica runs them through the pipeline schedule
+(`megappo.models.forward` / `megappo.models.training`), and per-sample results come back to
+global rank 0 in batch order. Only the positions whose output is used reach the LM head;
+log-probs and entropy are computed from TP-sharded logits without gathering the vocabulary
+(`megappo.parallel.vocab_parallel`).
 
-Shape legend: N samples in the global batch, n = N / dp on a replica, b micro-batch,
-P prompt length, R response length, T = P + R, V_pad/tp vocab shard.
+Shape legend: N samples in the global batch, m rows of a micro-batch, K selected positions
+of a micro-batch, P prompt length, R response length, T = P + R, V_pad/tp vocab shard.
 
 This module does not know about the rollout engine, rewards or the step's order.
 """
