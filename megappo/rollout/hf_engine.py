@@ -2,10 +2,9 @@
 
 Batched sampling over left-padded prompts with positions counted from the attention mask
 (as transformers' `generate` does), temperature / top-k / top-p, EOS and stop tokens, and
-the log-prob of every sampled token under the tempered or untempered
-distribution (`SamplingParams.logprob_mode`). Weights are updated in place from the
-bridge's buckets of HF-named tensors; tied embeddings are updated once through
-`model.embed_tokens.weight`.
+the log-prob of every sampled token under the tempered or untempered distribution
+(`SamplingParams.logprob_mode`). Weights are updated in place from the bridge's buckets of
+HF-named tensors; tied embeddings are updated once through `model.embed_tokens.weight`.
 
 No compute after EOS: each prompt is prefilled once, not once per sample (its n samples
 share the cache rows); a finished sample leaves the decode batch (its KV-cache rows are
