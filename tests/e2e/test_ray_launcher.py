@@ -9,6 +9,7 @@ bad input (exit 2, the fix named). Skipped where Ray is not installed (`pip inst
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +58,7 @@ def ray_address(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def train(*args):
