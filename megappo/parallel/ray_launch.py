@@ -50,6 +50,7 @@ class _Rank:
 
     def __init__(self):
         self.proc = None
+        self.reader = None  # the thread that collects the child's output lines
         self.lines: list[str] = []
 
     def where(self) -> tuple[str, str, list[str]]:
@@ -117,8 +118,8 @@ def _connect(address: str):
     import logging
     import socket
 
-    fix = (f"Fix: start one (`ray start --head` on this machine, then --ray-address auto), or pass the address of a "
-           f"running cluster's head, e.g. --ray-address HEAD_IP:6379.")
+    fix = ("Fix: start one (`ray start --head` on this machine, then --ray-address auto), or pass the address of a "
+           "running cluster's head, e.g. --ray-address HEAD_IP:6379.")
     host, _, port = address.rpartition(":")
     if host and port.isdigit() and "://" not in address:  # Ray itself retries an unreachable head for minutes
         try:
