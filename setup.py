@@ -31,9 +31,10 @@ setup(
     extras_require={
         # NVIDIA apex is built from source on GPU machines; never the PyPI package `apex`.
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
-        "ray": ["ray"],
+        "ray": ["ray>=2.10"],  # --launcher ray (megappo.parallel.ray_launch)
         "data": ["pyarrow", "reasoning-gym==0.1.25"],  # Parquet datasets, procedural tasks
-        "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "tensorboard", "wandb"],
+        "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "tensorboard", "wandb",
+                 "ray>=2.10"],  # tests/e2e/test_ray_launcher.py
     },
     entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
 )

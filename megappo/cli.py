@@ -90,10 +90,16 @@ def cmd_train(args) -> int:
     cfg = load_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
     # under torchrun the world is torchrun's; otherwise --world-size, a GPU recipe's hardware, or one replica
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 0))
+    on_ray = args.launcher == "ray" and "WORLD_SIZE" not in os.environ  # this is the driver: the ranks are actors
+    if args.ray_address and args.launcher != "ray":
+        raise ConfigError(f"--ray-address {args.ray_address} is for the Ray launcher. Fix: add --launcher ray.")
+    if not world and on_ray:  # a Ray cluster spans nodes: the recipe's whole hardware (one replica on CPU)
+        world = cfg.hardware_world_size if cfg.hardware.nodes > 1 else cfg.launch_world_size
     if not world and cfg.hardware.nodes > 1:
         raise ConfigError(f"{args.recipe} is sized for {cfg.hardware.describe(cfg.hardware_world_size)} (its "
                           f"hardware section); megappo train starts ranks on this machine only. Fix: launch it with "
-                          f"tools/launch/slurm_multinode.sbatch, or pass --world-size N for this machine.")
+                          f"tools/launch/slurm_multinode.sbatch or --launcher ray, or pass --world-size N for this "
+                          f"machine.")
     world = world or cfg.launch_world_size
     mismatch = cfg.hardware_mismatch(world, args.recipe)
     relaunching = "WORLD_SIZE" not in os.environ and world > 1  # ensure_ranks starts the ranks: rank 0 says it
@@ -107,6 +113,13 @@ def cmd_train(args) -> int:
               f"{cfg.run.total_steps}. Raise run.total_steps to train longer, or export the models: "
               f"megappo export {cfg.run.output_dir} OUT_DIR", flush=True)
         return 0
+    if on_ray:
+        from megappo.parallel.ray_launch import launch
+
+        variant = ["--variant", args.variant] if args.variant else []
+        return launch(["train", args.recipe, *args.overrides, *variant, "--world-size", str(world)], world,
+                      address=args.ray_address or os.environ.get("RAY_ADDRESS") or "auto",
+                      gpu=cfg.hardware.device != "cpu")
     ensure_ranks(world)
     import torch.distributed
 
@@ -226,6 +239,12 @@ def main(argv=None) -> int:
                        help="ranks to launch when not under torchrun (default: a GPU recipe's hardware.gpus_per_node, "
                             "else tp * pp, the lcm over roles with their own)")
     train.add_argument("--variant", default=None, help="apply the recipe's variants.NAME overrides (other hardware)")
+    train.add_argument("--launcher", choices=("torchrun", "ray"), default="torchrun",
+                       help="how the ranks start when not under torchrun: torchrun on this machine (default), or "
+                            "ray: Ray actors in a placement group on an existing Ray cluster (docs/launchers.md)")
+    train.add_argument("--ray-address", default=None,
+                       help="the Ray cluster for --launcher ray (default: $RAY_ADDRESS, else auto: the cluster "
+                            "started on this machine with `ray start --head`)")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="check a recipe's layout and estimate per-GPU memory (no model is built)")
     plan.add_argument("recipe")

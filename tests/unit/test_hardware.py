@@ -110,4 +110,4 @@ def test_train_starts_a_gpu_recipes_hardware_itself(capsys, monkeypatch):
     assert capsys.readouterr().err == (
         "megappo: error: recipes/llama3.3-70b-ppo-64gpu.yaml is sized for 8 nodes x 8 GPUs of 80 GiB (its hardware "
         "section); megappo train starts ranks on this machine only. Fix: launch it with "
-        "tools/launch/slurm_multinode.sbatch, or pass --world-size N for this machine.\n")
+        "tools/launch/slurm_multinode.sbatch or --launcher ray, or pass --world-size N for this machine.\n")

@@ -106,6 +106,23 @@ def test_slurm_rendezvous_on_first_node(tmp_path):
                              "rollout.sglang={tp_size: 4}", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1"]
 
 
+@pytest.mark.parametrize("gpus", [None, "0"])
+def test_slurm_cpu_recipe_takes_its_ranks_per_node_from_the_recipe(tmp_path, gpus):
+    """On a cluster without GPUs (`sbatch --gpus-per-node 0`, as tests/e2e/test_slurm.py runs it) the
+    CPU demo's gloo ranks per node are its hardware.gpus_per_node, not SLURM's GPU count (0)."""
+    stub(tmp_path, "scontrol", "echo n1")
+    stub(tmp_path, "srun", 'printf "%s\\n" "$@"')
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    job = {"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path),
+           **({"SLURM_GPUS_PER_NODE": gpus} if gpus else {})}
+    proc = subprocess.run(["bash", SLURM, recipe("demo-cpu.yaml")], capture_output=True, text=True, timeout=60,
+                          env={**e, "PYTHONPATH": REPO, "PATH": f"{tmp_path}{os.pathsep}{e['PATH']}", **job})
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    args = proc.stdout.splitlines()
+    assert args[0] == "megappo: 1 nodes x 2 GPUs = 2 ranks; rendezvous n1:29500"
+    assert args[args.index("--nproc-per-node") + 1] == "2"
+
+
 def test_slurm_needs_a_recipe():
     proc = run(SLURM)
     assert proc.returncode == 2 and "usage: sbatch" in proc.stderr
