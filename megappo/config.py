@@ -528,18 +528,15 @@ class Config(_Section):
             return self.actor.packing if self.ref.packing is None else self.ref.packing
         return getattr(self, role).packing
 
-    def max_tokens_per_micro_batch(self, role: Literal["actor", "critic", "ref", "reward"], *,
-                                   fused_attention: bool) -> int:
-        """A role's packed micro-batch budget: its own, else (ref) the actor's, else the largest whose
-        memory stays within the padded path's micro-batch (`micro_batch_size` sequences of the longest
-        length): that many tokens with fused attention (Transformer Engine), isqrt(micro_batch_size)
-        longest sequences without it (a block-diagonal mask takes [L, L] attention scores)."""
+    def max_tokens_per_micro_batch(self, role: Literal["actor", "critic", "ref", "reward"]) -> int:
+        """A role's packed micro-batch budget: its own, else (ref) the actor's, else the padded path's
+        micro-batch, `micro_batch_size` sequences of the longest length."""
         if role == "ref":
             own = self.ref.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch
             micro = self.ref_micro_batch_size
         else:
             own, micro = getattr(self, role).max_tokens_per_micro_batch, getattr(self, role).micro_batch_size
-        return own or (micro if fused_attention else math.isqrt(micro)) * self.max_sequence_length
+        return own or micro * self.max_sequence_length
 
     @property
     def checkpoint_dir(self) -> str:

@@ -313,16 +313,14 @@ def fused_attention(cfg: Config) -> bool:
     return cfg.model.layer_spec == "te" or (cfg.model.layer_spec == "auto" and cfg.hardware.device == "gpu")
 
 
-def _micro_batch_shape(cfg: Config, role: str, fused: bool) -> tuple[float, int]:
+def _micro_batch_shape(cfg: Config, role: str) -> tuple[float, int]:
     """(sequences, length) of a role's largest micro-batch in the memory model. Padded:
     micro_batch_size sequences of the longest length. Packed: max_tokens_per_micro_batch tokens,
-    as one sequence of that length when attention is not fused (the block-diagonal mask
-    materialises [L, L] scores), else as budget / longest sequences of the longest length."""
+    as budget / longest sequences of the longest length (its attention is per sequence)."""
     seq = cfg.max_sequence_length
     if not cfg.packs(role):
         return (cfg.ref_micro_batch_size if role == "ref" else getattr(cfg, role).micro_batch_size), seq
-    budget = cfg.max_tokens_per_micro_batch(role, fused_attention=fused)
-    return (budget / seq, seq) if fused else (1, budget)
+    return cfg.max_tokens_per_micro_batch(role) / seq, seq
 
 
 def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, rank: int) -> RoleMemory:
@@ -330,8 +328,9 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
     tp, pp, vpp = cfg.layout(role)
     dp = world_size // (tp * pp)
     db = DTYPE_BYTES[m.dtype]
-    fused = fused_attention(cfg)
-    micro, seq = _micro_batch_shape(cfg, role, fused)
+    # packed passes attend per sequence without [s, s] scores (TE, or SDPA in the local spec)
+    fused = fused_attention(cfg) or cfg.packs(role)
+    micro, seq = _micro_batch_shape(cfg, role)
     shard = dp if p.use_distributed_optimizer else 1
     value = role in ("critic", "reward")
     n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by)
@@ -428,7 +427,7 @@ def _fixes(cfg: Config, plan_roles: list[RoleMemory], engine: Optional[EngineMem
     key = {"actor": "actor.micro_batch_size", "critic": "critic.micro_batch_size", "ref": "ref.micro_batch_size",
            "reward": "reward.micro_batch_size"}[top.role]
     if cfg.packs(top.role):
-        budget = cfg.max_tokens_per_micro_batch(top.role, fused_attention=fused_attention(cfg))
+        budget = cfg.max_tokens_per_micro_batch(top.role)
         if budget >= 2 * cfg.max_sequence_length:
             by_size.append((top.activations / 2, f"set {top.role}.max_tokens_per_micro_batch={budget // 2} (now "
                                                  f"{budget} tokens; the {top.phase} keeps "

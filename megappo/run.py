@@ -268,7 +268,7 @@ def create_run(cfg: Config) -> Run:
     def batching(role: str) -> MicroBatching:
         tp, pp, vpp = cfg.layout(role)
         micro = cfg.ref_micro_batch_size if role == "ref" else getattr(cfg, role).micro_batch_size
-        budget = cfg.max_tokens_per_micro_batch(role, fused_attention=actor_model.uses_te)
+        budget = cfg.max_tokens_per_micro_batch(role)
         return MicroBatching(packed=cfg.packs(role), max_tokens=budget, micro_batch_size=micro,
                              micro_batch_multiple=pp if vpp else 1,
                              multiple=tp if p.sequence_parallel else 1)

@@ -59,7 +59,6 @@ class MegatronModel:
     name_map: NameMap
     ps: ParallelState
     padded_vocab: int
-    uses_te: bool = False  # Transformer Engine layers (packed passes use the THD format)
 
     @property
     def has_value_head(self) -> bool:
@@ -82,23 +81,23 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _resolved_spec(kind: str) -> str:
-    if kind == "auto":
-        return "te" if torch.cuda.is_available() and _have_te() else "local"
-    return kind
-
-
 def _layer_spec(kind: str):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    kind = _resolved_spec(kind)
+    if kind == "auto":
+        kind = "te" if torch.cuda.is_available() and _have_te() else "local"
     if kind == "te":
         if not _have_te():
             raise ModelConfigError(
                 "model.layer_spec=te needs transformer-engine; install the gpu extra or set model.layer_spec=local."
             )
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from megappo.models.packed_attention import PackedDotProductAttention
+
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    # the local spec's core attention, plus packed (THD) sequences: megappo.models.packed_attention
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def _have_te() -> bool:
@@ -179,4 +178,4 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
     name_map = name_map_for(dims, padded_vocab=padded_vocab, value_head=value_head,
                             value_head_bias=value_head_bias)
     return MegatronModel(role=role, dims=dims, config=config, chunks=chunks, name_map=name_map,
-                         ps=ps, padded_vocab=padded_vocab, uses_te=_resolved_spec(layer_spec) == "te")
+                         ps=ps, padded_vocab=padded_vocab)

@@ -5,9 +5,9 @@ micro-batches through `get_forward_backward_func()` (no pipelining, 1F1B, or int
 VPP, as the layout decides), so every pass in megappo works at any PP size. A micro-batch
 is padded ([b, T] 'input_ids' with an 'attention_mask') or packed ([1, L] 'input_ids' with
 'cu_seqlens' and 'position_ids': megappo.parallel.packing); packed sequences attend only
-within themselves and start at position 0 (Megatron-Core's THD format with Transformer
-Engine; with the local layer spec, a block-diagonal causal mask and RoPE taken at each
-token's own position, as THD does). With 'select' [2, K] ((s, b) positions) only those
+within themselves and start at position 0: Megatron-Core's THD format (PackedSeqParams with
+cumulative sequence lengths), read by Transformer Engine's attention on GPUs and by
+megappo.models.packed_attention (SDPA per sequence) in the local layer spec. With 'select' [2, K] ((s, b) positions) only those
 positions reach the output layer: the LM head runs over K positions, not b x T. On the last
 pipeline stage `on_output(output, micro_batch)` receives the model output, [1, K, V_pad/tp]
 logits for LM roles or [1, K] values for value-head roles ([b, T, ...] without 'select'),
@@ -32,7 +32,6 @@ from typing import Any, Callable
 import torch
 
 from megappo.models.builders import MegatronModel, unwrap
-from megappo.parallel.packing import block_causal_mask
 from megappo.parallel.state import in_layout
 
 
@@ -100,8 +99,7 @@ def run_micro_batches(
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         inputs = _model_inputs(model, mb, b, t)
         select = mb.get("select")
-        rope = _per_sequence_rope(chunk, mb["position_ids"] if "cu_seqlens" in mb and not model.uses_te else None)
-        with rope, _selected_outputs(chunk, select) as selected_early:
+        with _selected_outputs(chunk, select) as selected_early:
             output = chunk(input_ids=mb["input_ids"], **inputs)
 
         def loss_func(output_tensor):
@@ -132,15 +130,13 @@ def run_micro_batches(
 def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: int) -> dict[str, Any]:
     """position_ids, attention_mask and packed_seq_params of one micro-batch."""
     if "cu_seqlens" in mb:  # packed: [1, L]
-        cu = mb["cu_seqlens"]
-        if model.uses_te:
-            from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-            longest = int((cu[1:] - cu[:-1]).max())
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                     max_seqlen_q=longest, max_seqlen_kv=longest)
-            return {"position_ids": mb["position_ids"], "attention_mask": None, "packed_seq_params": params}
-        return {"position_ids": mb["position_ids"], "attention_mask": block_causal_mask(cu, t)}
+        cu = mb["cu_seqlens"]
+        longest = int((cu[1:] - cu[:-1]).max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        return {"position_ids": mb["position_ids"], "attention_mask": None, "packed_seq_params": params}
     attn = mb.get("attention_mask")
     if attn is None:
         return {"position_ids": torch.arange(t, device=model.ps.device).unsqueeze(0).expand(b, t),
@@ -170,19 +166,3 @@ def _selected_outputs(chunk: torch.nn.Module, select: torch.Tensor | None):
     finally:
         handle.remove()
 
-
-@contextlib.contextmanager
-def _per_sequence_rope(chunk: torch.nn.Module, position_ids: torch.Tensor | None):
-    """RoPE at `position_ids` [1, L] (each packed sequence from 0) instead of 0..L-1: a forward
-    hook re-indexes the chunk's rotary table [L, 1, 1, d] (removed on exit). RoPE is
-    translation-invariant, so 0..L-1 would give the same attention in exact arithmetic; in
-    float32 the angles of late positions lose digits, so packed passes use each sequence's own."""
-    rotary = getattr(unwrap(chunk), "rotary_pos_emb", None)
-    if position_ids is None or rotary is None:
-        yield
-        return
-    handle = rotary.register_forward_hook(lambda _m, _a, table: table[position_ids[0]])
-    try:
-        yield
-    finally:
-        handle.remove()

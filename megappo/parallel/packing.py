@@ -233,14 +233,6 @@ def _selection(response_starts: list[int], response_lens: list[int], select: Sel
     return s, torch.stack([rows, cols])
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """[n+1] segment bounds (the last = length) -> [1, 1, L, L] bool, True = masked: a token
-    attends to earlier tokens of its own segment only (Megatron's mask convention)."""
-    segment = torch.bucketize(torch.arange(length, device=cu_seqlens.device), cu_seqlens[1:].long(), right=True)
-    causal = torch.ones(length, length, dtype=torch.bool, device=cu_seqlens.device).triu(1)
-    return (causal | (segment[:, None] != segment[None, :]))[None, None]
-
-
 @dataclasses.dataclass(frozen=True)
 class MicroBatching:
     """How one role splits a pass into micro-batches: packed by a token budget, or padded."""

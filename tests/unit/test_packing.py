@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megappo.parallel.packing import (
-    MicroBatching, PassCounter, block_causal_mask, micro_batch_tensors, plan_packed, plan_padded, sequence_lengths,
+    MicroBatching, PassCounter, micro_batch_tensors, plan_packed, plan_padded, sequence_lengths,
 )
 
 
@@ -67,14 +67,6 @@ def test_sequence_lengths_keep_inner_masked_positions():
                          [0, 0, 1, 0, 0, 0, 0]])   # prompt 1, no response
     p, r = sequence_lengths(attn, prompt_len=3)
     assert p.tolist() == [2, 3, 1] and r.tolist() == [2, 3, 0]
-
-
-def test_block_causal_mask_matches_a_loop():
-    cu = torch.tensor([0, 3, 4, 8, 10], dtype=torch.int32)
-    mask = block_causal_mask(cu, 10)[0, 0]
-    segment = [next(j for j in range(4) if cu[j] <= q < cu[j + 1]) for q in range(10)]
-    for q, k in itertools.product(range(10), range(10)):
-        assert bool(mask[q, k]) == (k > q or segment[k] != segment[q])
 
 
 def test_packed_tensors_select_the_positions_before_each_response_token():
