@@ -83,10 +83,11 @@ def hf_weights(folder):
     return out
 
 
-def kill_rank1_after_checkpoint(cmd, out, mark, timeout=400):
-    """Start `cmd`, SIGKILL rank 1 (the launcher's child with RANK=1) once step 2's checkpoint is
-    complete, in step 3, and wait for the launcher. Returns (exit code, output). The output goes
-    to a file, not a pipe: a process left behind would hold a pipe open after the launcher ended."""
+def kill_rank1_after_checkpoint(cmd, out, mark, timeout=400, victim="rank 1"):
+    """Start `cmd`, SIGKILL rank 1 (the launcher's child with RANK=1), or the launcher itself
+    (`victim="launcher"`), once step 2's checkpoint is complete, in step 3, and wait for the
+    launcher. Returns (exit code, output). The output goes to a file, not a pipe: a process left
+    behind would hold a pipe open after the launcher ended."""
     log = os.path.join(os.path.dirname(out), os.path.basename(out) + ".log")
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, env=env(mark), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
@@ -102,7 +103,7 @@ def kill_rank1_after_checkpoint(cmd, out, mark, timeout=400):
         time.sleep(0.1)  # into step 3 (a step takes about 0.3 s)
         rank1 = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
         assert len(rank1) == 1, rank1
-        rank1[0].send_signal(signal.SIGKILL)
+        (psutil.Process(proc.pid) if victim == "launcher" else rank1[0]).send_signal(signal.SIGKILL)
         proc.wait(timeout=timeout)
         return proc.returncode, open(log).read()
     finally:
@@ -121,6 +122,21 @@ def test_a_killed_rank_leaves_no_process_of_the_run(tmp_path):
         while marked(mark) and time.time() < deadline:
             time.sleep(0.1)
         assert not marked(mark), "processes of the run left after the launcher exited:\n" + "\n".join(marked(mark))
+    finally:
+        kill_all(mark)
+
+
+def test_a_killed_launcher_leaves_no_process_of_the_run(tmp_path):
+    """The launcher itself is killed (nothing can clean up after it): its ranks notice (their
+    parent-death signal) and end with everything they started, instead of training on alone."""
+    out, mark = str(tmp_path / "run"), uuid.uuid4().hex
+    try:
+        code, output = kill_rank1_after_checkpoint(command(out, "run.total_steps=200"), out, mark, victim="launcher")
+        assert code == -signal.SIGKILL, output[-6000:]
+        deadline = time.time() + 10
+        while marked(mark) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not marked(mark), "processes of the run left after the launcher was killed:\n" + "\n".join(marked(mark))
     finally:
         kill_all(mark)
 
