@@ -4,7 +4,8 @@ demo (TP=2, every rank writes checkpoint shards) on 2 gloo ranks started by mega
 - Without restarts the run ends (exit 1, one line naming rank 1) and leaves no process behind:
   a checkpoint save starts a multiprocessing child in each rank (Megatron's results queue is a
   `multiprocessing.Manager`, spawned, with its resource tracker), which outlived a killed rank
-  until the launcher killed each rank's process group.
+  until the launcher killed each rank's process group. Nor does a SIGKILL of the launcher itself
+  (the ranks get SIGTERM from the kernel, PR_SET_PDEATHSIG, and end with their groups).
 - With `run.max_restarts=1` the launcher starts every rank again, they resume from the latest
   checkpoint, and the run ends with the metrics and weights of a run that was never killed
   (bitwise on CPU); the restart is logged (one line, and `restarts.jsonl` in the run dir).
