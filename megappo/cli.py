@@ -120,7 +120,9 @@ def cmd_train(args) -> int:
         return launch(["train", args.recipe, *args.overrides, *variant, "--world-size", str(world)], world,
                       address=args.ray_address or os.environ.get("RAY_ADDRESS") or "auto",
                       gpu=cfg.hardware.device != "cpu")
-    ensure_ranks(world)
+    # a rank that dies or a collective that times out: every rank starts again, resuming (megappo.parallel.launch)
+    ensure_ranks(world, max_restarts=cfg.run.max_restarts, restart_args=("checkpoint.resume=auto",),
+                 on_restart=lambda restart: _record_restart(cfg.run.output_dir, restart))
     import torch.distributed
 
     from megappo import interrupts
@@ -156,6 +158,16 @@ def cmd_train(args) -> int:
               f"metrics in {cfg.run.output_dir}/metrics.jsonl, curves in {png}", flush=True)
     destroy_parallel()
     return 0
+
+
+def _record_restart(run_dir: str, restart) -> None:
+    """One line of `run_dir/restarts.jsonl` per restart (a megappo.parallel.launch.Restart)."""
+    import dataclasses
+    import json
+
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "restarts.jsonl"), "a") as f:
+        f.write(json.dumps({**dataclasses.asdict(restart), "time": time.time()}) + "\n")
 
 
 def cmd_plan(args) -> int:

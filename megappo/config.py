@@ -404,9 +404,13 @@ class RunConfig(_Section):
     val_every: int = 0  # steps between validations; 0: none during training
     val_before_train: bool = False  # validate once before the first step
     max_nan_skips: int = 3  # abort after this many steps skipped for non-finite loss/grads
+    # restart every rank from the latest checkpoint, at most this often, after a rank died (kill -9, a crash,
+    # the OOM killer) or a collective timed out; never after bad input, a NaN abort or SIGINT/SIGTERM
+    # (megappo.parallel.launch; when `megappo train` starts its ranks, not under an outside torchrun)
+    max_restarts: int = 0
 
     def check(self) -> None:
-        _at_least(self, total_steps=1, total_epochs=1, val_every=0, max_nan_skips=0)
+        _at_least(self, total_steps=1, total_epochs=1, val_every=0, max_nan_skips=0, max_restarts=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,11 @@ later signal ends the process at once with one line at most (rank 0's), from a w
 woken by the signal's wakeup byte, so that it works even while the main thread is blocked in
 a collective, where Python signal handlers do not run. A SIGTERM that comes after another rank
 of the same launcher ended is torchrun stopping the survivors of a failure: it ends the process
-at once, as it would without these handlers.
+at once, as it would without these handlers. A rank started by a launcher asks the kernel for a
+SIGTERM when the launcher dies (PR_SET_PDEATHSIG, Linux); with the launcher gone (killed with
+SIGKILL: it could not stop anything) the rank ends at once with its process group, i.e. with the
+processes it started (the multiprocessing children of a checkpoint save), instead of training
+on without it.
 
 The launcher (`Forwarder`): the ranks run in their own sessions, so a terminal's Ctrl-C
 reaches only the launcher. The first signal is forwarded to the ranks; a second one kills
@@ -55,6 +59,7 @@ class Interrupted(Exception):
 _lock = threading.RLock()  # the handler may run again inside itself
 _request = {"signum": 0, "at": 0.0}
 _installed: dict = {}
+_launcher = {"pid": 0}  # the launcher that started this rank (install's local_ranks > 1), else 0
 
 
 def requested() -> int:
@@ -77,6 +82,9 @@ def install(announce: bool, local_ranks: int = 1) -> None:
     `local_ranks`: the ranks its launcher started (torchrun's LOCAL_WORLD_SIZE), see _peer_gone."""
     if _installed:
         return
+    _launcher["pid"] = os.getppid() if local_ranks > 1 else 0
+    if _launcher["pid"]:
+        _signal_on_parent_death(signal.SIGTERM)
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
@@ -101,6 +109,8 @@ def _watch(reader: socket.socket, announce: bool, local_ranks: int) -> None:
             if signum not in SIGNALS:
                 continue
             name = signal.Signals(signum).name
+            if signum == signal.SIGTERM and _launcher["pid"] and os.getppid() != _launcher["pid"]:
+                _die_with_group()  # the launcher died (PR_SET_PDEATHSIG)
             if signum == signal.SIGTERM and _peer_gone(local_ranks):
                 _die_by(signum)
             if _record(signum):
@@ -122,10 +132,31 @@ def _peer_gone(local_ranks: int) -> bool:
     import psutil
 
     try:
-        peers = psutil.Process(os.getppid()).children()
+        peers = psutil.Process(_launcher["pid"]).children()
         return sum(p.status() != psutil.STATUS_ZOMBIE for p in peers) < local_ranks
     except psutil.Error:
         return True  # the launcher itself is gone
+
+
+def _signal_on_parent_death(signum: int) -> None:
+    """Have the kernel send `signum` to this process when its parent (the launcher) ends (Linux)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    if os.getppid() != _launcher["pid"]:  # it ended before the request
+        os.kill(os.getpid(), signum)
+
+
+def _die_with_group() -> None:
+    """End this rank and the processes it started: its process group, when it leads one (torchrun
+    starts each rank in its own session), else this process alone."""
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _die_by(signum: int) -> None:

@@ -13,6 +13,20 @@ step boundary with a checkpoint; a second signal kills them) and the launcher ex
 its own (rank 0 says what was saved).
 One process needs no launcher: init_parallel starts a world of one.
 
+No process of a run outlives it: torchrun starts each rank in its own session (so its own
+process group), and whatever a rank starts stays in that group (the multiprocessing children of
+a checkpoint save: Megatron's results queue is a spawned `multiprocessing.Manager` with its
+resource tracker). torchrun reaps the ranks, not their children, so when an attempt ends, for
+any reason, the launcher kills the process group of every rank it started (`_RankGroups`).
+
+Restarts (`max_restarts`): an attempt that failed because a rank died (ended by a signal other
+than torchrun's SIGTERM: kill -9, a crash, the OOM killer) or because a collective timed out or
+lost its peer (GAVE_UP_EXIT) is run again on every rank, at most `max_restarts` times, with
+`restart_args` appended to the command (megappo.cli: resume from the latest checkpoint); each
+restart prints one line naming the rank and the cause and calls `on_restart`. A rank's own error
+(bad input, exit 2; a run that failed on the way, such as non-finite losses, exit 1; a bug) and
+a stop on SIGINT / SIGTERM end the run: rerunning would only repeat them, or undo the stop.
+
 This module does not know about models or configs.
 """
 
@@ -23,6 +37,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+from typing import Callable
 
 #: the exit code of a rank whose collective timed out or lost its peer (megappo.cli)
 GAVE_UP_EXIT = 3
@@ -30,7 +46,20 @@ GAVE_UP_EXIT = 3
 INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
-def ensure_ranks(n: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """What `on_restart` is told: the restart's number and the failure that caused it."""
+
+    restart: int  # 1 for the first restart
+    max_restarts: int
+    rank: int  # the rank whose failure ended the attempt
+    exitcode: int  # its exit code (> 0), or minus the signal that ended it
+    signal: str | None  # that signal's name, None for an exit code
+    cause: str  # e.g. "rank 1 failed (was ended by signal SIGKILL)"
+
+
+def ensure_ranks(n: int, *, max_restarts: int = 0, restart_args: tuple[str, ...] = (),
+                 on_restart: Callable[[Restart], None] | None = None) -> None:
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != n:
@@ -45,13 +74,41 @@ def ensure_ranks(n: int) -> None:
     main_spec = getattr(sys.modules["__main__"], "__spec__", None)
     # `python -m pkg.mod` must stay a module run so the package is importable in the ranks
     target = ["-m", main_spec.name] if main_spec is not None else [sys.argv[0]]
-    raise SystemExit(torchrun(["--standalone", "--nproc_per_node", str(n), *target, *sys.argv[1:]]))
+    raise SystemExit(torchrun(["--standalone", "--nproc_per_node", str(n), *target, *sys.argv[1:]],
+                              max_restarts=max_restarts, restart_args=restart_args, on_restart=on_restart))
 
 
-def torchrun(argv: list[str]) -> int:
+def torchrun(argv: list[str], *, max_restarts: int = 0, restart_args: tuple[str, ...] = (),
+             on_restart: Callable[[Restart], None] | None = None) -> int:
     """`torchrun ARGV` in this process; returns 0, or the exit code of the rank that failed (1 when
     a signal ended it), after one line that names that rank, or 128 + the signal that stopped
-    the ranks (SIGINT, SIGTERM)."""
+    the ranks (SIGINT, SIGTERM). A failure that restarts (see the module docstring) runs ARGV +
+    `restart_args` again, up to `max_restarts` times."""
+    restarts = 0
+    while True:
+        code, failure = _attempt(argv)
+        if failure is None:
+            return code
+        rank, exitcode = failure
+        cause = _describe(rank, exitcode)
+        if restarts >= max_restarts:
+            after = f" after {restarts} restart{'s' * (restarts != 1)}" if restarts else ""
+            print(f"megappo: {cause}; the other ranks were stopped{after}.", file=sys.stderr, flush=True)
+            return code
+        restarts += 1
+        print(f"megappo: {cause}; the other ranks were stopped; restart {restarts} of {max_restarts}: every rank "
+              "starts again from the latest checkpoint.", file=sys.stderr, flush=True)
+        if on_restart is not None:
+            on_restart(Restart(restarts, max_restarts, rank, exitcode,
+                               signal.Signals(-exitcode).name if exitcode < 0 else None, cause))
+        if restarts == 1:
+            argv = [*argv, *restart_args]
+
+
+def _attempt(argv: list[str]) -> tuple[int, tuple[int, int] | None]:
+    """One torchrun of ARGV: (exit code, (rank, its exit code) when a rank's death or a timed-out
+    collective ended it, so that a restart may help; None otherwise). Every process the ranks
+    started is gone when it returns."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
@@ -66,33 +123,83 @@ def torchrun(argv: list[str]) -> int:
     if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
         argv = ["--signals-to-handle", "SIGHUP,SIGQUIT", *argv]
     args = parse_args(argv)
-    with Forwarder() as signals:
+    with Forwarder() as signals, _RankGroups():
         try:
             run(args)
         except ChildFailedError as e:
             return _failed(e, signals)
         except KeyboardInterrupt:  # a signal before any rank was started
             print("megappo: interrupted", file=sys.stderr, flush=True)
-            return signals.exit_code or exit_code(signal.SIGINT)
+            return signals.exit_code or exit_code(signal.SIGINT), None
         except SignalException as e:  # torchrun forwarded the signal to the ranks and stopped them
-            return exit_code(e.sigval)
-    return 0
+            return exit_code(e.sigval), None
+    return 0, None
 
 
-def _failed(e, signals) -> int:
-    """The exit code of ranks that failed or stopped on a signal, after at most one line."""
+class _RankGroups:
+    """While entered, notes the ranks this process starts (its children: torchrun's worker
+    processes, each the leader of its own process group); on exit kills those groups, i.e.
+    whatever the ranks started and left behind (a rank killed with SIGKILL cannot clean up)."""
+
+    POLL_S = 0.05
+
+    def __enter__(self) -> "_RankGroups":
+        import psutil
+
+        self._me, self._groups, self._done = psutil.Process(), set(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="megappo-rank-groups", daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self._done.wait(self.POLL_S):
+            for child in self._me.children():
+                try:
+                    if os.getpgid(child.pid) == child.pid:  # a rank in its own group (torchrun's start_new_session)
+                        self._groups.add(child.pid)
+                except (ProcessLookupError, psutil.Error):
+                    pass
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        for group in self._groups:  # torchrun has reaped its ranks: a group left has only their children
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _failed(e, signals) -> tuple[int, tuple[int, int] | None]:
+    """The exit code of ranks that failed or stopped on a signal, and the failure a restart may
+    help (see _attempt); prints at most one line, when no restart is possible (torchrun prints
+    the failure's)."""
     rank, failure = min(e.failures.items(), key=lambda f: (_consequence(f[1].exitcode), f[1].timestamp, f[0]))
     code = failure.exitcode
     if signals.stopped_at_once:
         print("megappo: interrupted again: the ranks were stopped at once, without a checkpoint of the step in "
               "progress; rerun the same command to continue from the latest checkpoint, if any.", file=sys.stderr,
               flush=True)
-        return signals.exit_code
+        return signals.exit_code, None
     if code in INTERRUPTED_EXITS or (signals.exit_code and code < 0):  # rank 0 said what was saved
-        return signals.exit_code or code
-    how = f"exited with code {code}" if code > 0 else f"was ended by signal {failure.signal_name()}"
-    print(f"megappo: rank {rank} failed ({how}); the other ranks were stopped.", file=sys.stderr, flush=True)
-    return code if code > 0 else 1
+        return signals.exit_code or code, None
+    if _restartable(code):
+        return (code if code > 0 else 1), (rank, code)
+    print(f"megappo: {_describe(rank, code)}; the other ranks were stopped.", file=sys.stderr, flush=True)
+    return code if code > 0 else 1, None
+
+
+def _describe(rank: int, exitcode: int) -> str:
+    how = f"exited with code {exitcode}" if exitcode > 0 else f"was ended by signal {signal.Signals(-exitcode).name}"
+    return f"rank {rank} failed ({how})"
+
+
+def _restartable(exitcode: int) -> bool:
+    """Whether the failure that ended an attempt may go away on a restart: a rank that died (a
+    signal other than torchrun's SIGTERM to the survivors) or gave up on a collective."""
+    return exitcode == GAVE_UP_EXIT or (exitcode < 0 and -exitcode != signal.SIGTERM)
 
 
 def _consequence(exitcode: int) -> int:

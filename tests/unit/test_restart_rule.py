@@ -1,0 +1,80 @@
+"""Which failures of a launched run restart it (megappo.parallel.launch, run.max_restarts), and
+the supervisor loop around torchrun, with torchrun's attempts replaced by recorded outcomes.
+The real thing, a rank killed with SIGKILL and restarted, is tests/e2e/test_rank_death.py."""
+
+import signal
+import types
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from megappo.parallel import launch
+
+
+def child_failed(*exitcodes):
+    failures = {rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="/nonexistent")
+                for rank, code in enumerate(exitcodes)}
+    for rank, failure in failures.items():
+        failure.timestamp = rank  # rank 0 ended first
+    return ChildFailedError("megappo", failures)
+
+
+NO_SIGNAL = types.SimpleNamespace(stopped_at_once=False, exit_code=None)
+
+
+@pytest.mark.parametrize("exitcodes, expected", [
+    ((-15, -signal.SIGKILL), (1, (1, -9))),  # rank 1 killed with SIGKILL, torchrun stopped rank 0: restart
+    ((launch.GAVE_UP_EXIT, -signal.SIGSEGV), (1, (1, -11))),  # a crash; rank 0 gave up on its collective
+    ((launch.GAVE_UP_EXIT, -15), (3, (0, 3))),  # a collective timed out (a hung rank, stopped by torchrun)
+    ((1, -15), (1, None)),  # a rank's own failure (a NaN abort, a failed weight sync, a bug)
+    ((2, 2), (2, None)),  # bad input
+    ((130, 130), (130, None)),  # stopped on SIGINT sent to the ranks
+    ((143, -15), (143, None)),  # stopped on SIGTERM
+])
+def test_restart_rule(exitcodes, expected, capsys):
+    assert launch._failed(child_failed(*exitcodes), NO_SIGNAL) == expected
+    printed = capsys.readouterr().err
+    assert ("the other ranks were stopped" in printed) == (expected[1] is None and expected[0] not in (130, 143))
+
+
+def test_no_restart_after_a_signal_to_the_launcher():
+    """Ctrl-C at the launcher: the ranks it stopped do not restart, whatever their exit."""
+    interrupted = types.SimpleNamespace(stopped_at_once=False, exit_code=130)
+    assert launch._failed(child_failed(-signal.SIGINT, -signal.SIGINT), interrupted) == (130, None)
+    twice = types.SimpleNamespace(stopped_at_once=True, exit_code=130)
+    assert launch._failed(child_failed(-signal.SIGKILL, -signal.SIGKILL), twice) == (130, None)
+
+
+def test_restart_loop_appends_restart_args_once_and_reports_each_restart(monkeypatch, capsys):
+    outcomes = iter([(1, (1, -9)), (3, (0, launch.GAVE_UP_EXIT)), (0, None)])
+    seen = []
+    monkeypatch.setattr(launch, "_attempt", lambda argv: (seen.append(argv), next(outcomes))[1])
+    restarts = []
+    code = launch.torchrun(["-m", "x"], max_restarts=2, restart_args=("checkpoint.resume=auto",),
+                           on_restart=restarts.append)
+    assert code == 0
+    assert seen == [["-m", "x"], ["-m", "x", "checkpoint.resume=auto"], ["-m", "x", "checkpoint.resume=auto"]]
+    assert [(r.restart, r.max_restarts, r.rank, r.exitcode, r.signal) for r in restarts] == [
+        (1, 2, 1, -9, "SIGKILL"), (2, 2, 0, 3, None)]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "megappo: rank 1 failed (was ended by signal SIGKILL); the other ranks were stopped; restart 1 of 2: every "
+        "rank starts again from the latest checkpoint.",
+        "megappo: rank 0 failed (exited with code 3); the other ranks were stopped; restart 2 of 2: every rank "
+        "starts again from the latest checkpoint."]
+
+
+def test_restart_loop_gives_up_after_max_restarts(monkeypatch, capsys):
+    monkeypatch.setattr(launch, "_attempt", lambda argv: (1, (1, -9)))
+    restarts = []
+    assert launch.torchrun(["-m", "x"], max_restarts=1, on_restart=restarts.append) == 1
+    assert len(restarts) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "megappo: rank 1 failed (was ended by signal SIGKILL); the other ranks were stopped after 1 restart.")
+
+
+def test_restart_loop_never_restarts_a_run_that_may_not(monkeypatch):
+    monkeypatch.setattr(launch, "_attempt", lambda argv: (2, None))
+    restarts = []
+    assert launch.torchrun(["-m", "x"], max_restarts=5, on_restart=restarts.append) == 2
+    assert restarts == []
