@@ -81,10 +81,11 @@ def cmd_smoke(args) -> int:
     return 0 if same else 1
 
 
-def cmd_train(args) -> int:
+def _train_start_up(args):
+    """The recipe, the world size, whether this is a Ray driver, and the checkpoint to resume:
+    every check that can refuse the run before any rank starts."""
     from megappo.checkpointing import find_resume
     from megappo.config import ConfigError, load_config
-    from megappo.parallel.launch import ensure_ranks
     from megappo.preflight import check_inputs
 
     cfg = load_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
@@ -108,6 +109,16 @@ def cmd_train(args) -> int:
     check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
     with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
         resume = find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
+    return cfg, world, on_ray, resume
+
+
+def cmd_train(args) -> int:
+    from megappo import interrupts
+
+    with interrupts.held_during_start_up():  # Ctrl-C while torch is imported: raised after it
+        cfg, world, on_ray, resume = _train_start_up(args)
+    from megappo.parallel.launch import ensure_ranks
+
     if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
         print(f"nothing to do: {resume['path']} is at step {resume['step']} and run.total_steps="
               f"{cfg.run.total_steps}. Raise run.total_steps to train longer, or export the models: "

@@ -29,6 +29,7 @@ This module does not know about models, checkpoints or the training loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -60,6 +61,27 @@ _lock = threading.RLock()  # the handler may run again inside itself
 _request = {"signum": 0, "at": 0.0}
 _installed: dict = {}
 _launcher = {"pid": 0}  # the launcher that started this rank (install's local_ranks > 1), else 0
+
+
+@contextlib.contextmanager
+def held_during_start_up():
+    """SIGINT arriving inside the block is held and raised as KeyboardInterrupt when the block
+    ends (in Python code, where it unwinds cleanly). Start-up imports torch and other C++
+    extensions: a KeyboardInterrupt raised while C++ code is calling back into Python cannot
+    unwind through it, and the process aborts (`terminate called after throwing an instance of
+    'pybind11::error_already_set'`, exit -6) or dies by the signal (-2) instead of exiting 130."""
+    held: list[int] = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except ValueError:  # not the main thread: nothing to guard
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if held:
+        raise KeyboardInterrupt
 
 
 def requested() -> int:

@@ -4,8 +4,12 @@ once, a later one ends the process at once with 128 + the first signal and one l
 while the main thread is busy. The whole run: tests/e2e/test_interrupts.py."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,3 +50,17 @@ def test_uninstall_restores_the_default_handlers():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stdout + proc.stderr
+
+
+def test_sigint_during_start_up_is_raised_after_the_block():
+    """A Ctrl-C while start-up imports C++ extensions is held, then raised in Python code."""
+    from megappo import interrupts
+
+    reached_end = False
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.held_during_start_up():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here: it must not raise
+            reached_end = True
+    assert reached_end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
