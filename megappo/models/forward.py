@@ -7,12 +7,11 @@ is padded ([b, T] 'input_ids' with an 'attention_mask') or packed ([1, L] 'input
 'cu_seqlens' and 'position_ids': megappo.parallel.packing); packed sequences attend only
 within themselves and start at position 0: Megatron-Core's THD format (PackedSeqParams with
 cumulative sequence lengths), read by Transformer Engine's attention on GPUs and by
-megappo.models.packed_attention (SDPA per sequence) in the local layer spec. With 'select' [2, K] ((s, b) positions) only those
-positions reach the output layer: the LM head runs over K positions, not b x T. On the last
-pipeline stage `on_output(output, micro_batch)` receives the model output, [1, K, V_pad/tp]
-logits for LM roles or [1, K] values for value-head roles ([b, T, ...] without 'select'),
-and returns (loss, result):
-the loss is back-propagated as is (megappo's losses are already normalised by global
+megappo.models.packed_attention (SDPA per sequence) in the local layer spec. With 'select'
+[2, K] ((s, b) positions) only those positions reach the output layer: the LM head runs over
+K positions, not b x T. On the last pipeline stage `on_output(output, micro_batch)` receives
+the model output, [1, K, V_pad/tp] logits for LM roles or [1, K] values for value-head roles
+([b, T, ...] without 'select'), and returns (loss, result): the loss is back-propagated as is (megappo's losses are already normalised by global
 counts, so Megatron's own division by the number of micro-batches is switched off with
 `calculate_per_token_loss`), the results are returned in micro-batch order on the last
 stage and are an empty list elsewhere.
