@@ -484,10 +484,10 @@ class Config(_Section):
             _require(not self.parallel.sequence_parallel or tp > 1,
                      f"parallel.sequence_parallel needs tp > 1 for every role, but {role}'s tp is 1. Fix: set "
                      f"{role}.parallel.tp >= 2 or parallel.sequence_parallel=false.")
-            own = self.ref.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch if role == "ref" else \
-                getattr(self, role).max_tokens_per_micro_batch
-            longest = self.max_sequence_length
-            key = f"{'actor' if role == 'ref' and not self.ref.max_tokens_per_micro_batch else role}.max_tokens_per_micro_batch"
+            # the section whose max_tokens_per_micro_batch applies (ref: its own, else the actor's)
+            owner = "actor" if role == "ref" and not self.ref.max_tokens_per_micro_batch else role
+            own, longest = getattr(self, owner).max_tokens_per_micro_batch, self.max_sequence_length
+            key = f"{owner}.max_tokens_per_micro_batch"
             _require(not self.packs(role) or own is None or own >= longest,
                      f"{key}={own} is smaller than the longest sequence, data.max_prompt_length + "
                      f"rollout.max_new_tokens = {longest}: such a sequence would fit no micro-batch. Fix: set "
