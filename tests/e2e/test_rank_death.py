@@ -25,7 +25,8 @@ import uuid
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from tests.e2e._runs import hf_weights, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARK = "MEGAPPO_TEST_RUN"  # only this test reads it: a tag on every process of the run
@@ -69,19 +70,6 @@ def kill_all(mark: str) -> None:
     for line in marked(mark):
         with contextlib.suppress(OSError):
             os.kill(int(line.split()[0]), signal.SIGKILL)
-
-
-def metrics(run_dir):
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
-
-
-def hf_weights(folder):
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
 
 
 def kill_rank1_after_checkpoint(cmd, out, mark, timeout=400, victim="rank 1"):

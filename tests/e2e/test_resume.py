@@ -8,7 +8,6 @@ sharded), critic + GAE, a reference model with an adaptive KL coefficient in the
 """
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -19,7 +18,8 @@ import time
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from tests.e2e._runs import hf_weights, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["run.total_steps=4", "checkpoint.save_every=2", "checkpoint.save_hf_at_end=true", "run.val_every=2",
@@ -64,19 +64,6 @@ def kill_during_save(cmd, partial: str, timeout=400) -> None:
                 p.send_signal(signal.SIGKILL)
         proc.wait()
         time.sleep(0.5)
-
-
-def metrics(run_dir):
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
-
-
-def hf_weights(folder):
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
 
 
 @pytest.fixture(scope="module")
