@@ -61,8 +61,9 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     with timed(m, "adv"):  # rank 0 scores and computes advantages while the others wait for them
         if run.ps.is_rank0:
             with timed(m, "reward"):
-                scores = rewards(run, batch, rm_scores)
-                m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *responses(run, batch)))
+                read = responses(run, batch)  # decoded once for the rewards and the score metrics
+                scores = rewards(run, batch, rm_scores, read)
+                m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
             exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
             m.update(rollout_metrics(batch, scores, exp, entropy))
             run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
@@ -108,12 +109,13 @@ def to_seqs(batch: RolloutBatch) -> SeqBatch:
                     prompt_len=batch.prompt_ids.shape[1])
 
 
-def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None) -> torch.Tensor:
-    """[N] sequence scores: rule-based functions (on decoded text) plus the reward model."""
+def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read: tuple | None = None) -> torch.Tensor:
+    """[N] sequence scores: rule-based functions (on decoded text: `read`, else `responses` is
+    called) plus the reward model."""
     cfg = run.cfg.reward
     scores = torch.zeros(batch.num_samples)
     if cfg.functions:
-        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, *responses(run, batch)))
+        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, *(read or responses(run, batch))))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
     return scores
@@ -245,8 +247,9 @@ def validate(run: Run) -> dict[str, float]:
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed)
     batch = engine_generate(run, [e.prompt_ids for e in run.val_examples], params)  # one batch: small val sets
     batch.examples = [run.val_examples[i] for i in batch.prompt_index.tolist()]
-    scores = rewards(run, batch, None)
+    read = responses(run, batch)
+    scores = rewards(run, batch, None, read)
     return {"val/score/mean": scores.mean().item(),
-            **score_metrics("val/score", scores, run.cfg.reward.metric_functions, *responses(run, batch)),
+            **score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read),
             "val/response_length/mean": batch.response_mask.sum(-1).float().mean().item()}
 
