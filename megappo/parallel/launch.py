@@ -176,7 +176,7 @@ def _failed(e, signals) -> tuple[int, tuple[int, int] | None]:
     """The exit code of ranks that failed or stopped on a signal, and the failure a restart may
     help (see _attempt); prints at most one line, when no restart is possible (torchrun prints
     the failure's)."""
-    rank, failure = min(e.failures.items(), key=lambda f: (_consequence(f[1].exitcode), f[1].timestamp, f[0]))
+    rank, failure = min(e.failures.items(), key=lambda f: (failure_rank_order(f[1].exitcode), f[1].timestamp, f[0]))
     code = failure.exitcode
     if signals.stopped_at_once:
         print("megappo: interrupted again: the ranks were stopped at once, without a checkpoint of the step in "
@@ -202,7 +202,7 @@ def _restartable(exitcode: int) -> bool:
     return exitcode == GAVE_UP_EXIT or (exitcode < 0 and -exitcode != signal.SIGTERM)
 
 
-def _consequence(exitcode: int) -> int:
+def failure_rank_order(exitcode: int) -> int:
     """0 for a rank's own failure, 1 a signal that ended it, 2 a rank that gave up waiting for
     another or stopped on SIGINT / SIGTERM, 3 a rank torchrun stopped: the lowest is the cause."""
     if exitcode > 0:

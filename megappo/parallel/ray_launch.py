@@ -33,7 +33,7 @@ import time
 
 from megappo.config import ConfigError
 from megappo.interrupts import exit_code
-from megappo.parallel.launch import _consequence
+from megappo.parallel.launch import failure_rank_order
 
 #: how long the driver tries to reach the head of the cluster it was given
 CONNECT_TIMEOUT_S = 10.0
@@ -238,7 +238,7 @@ def _exit_code(failures: list[tuple[int, float, int]], signals: list[int]) -> in
         return exit_code(signals[0])  # rank 0 said what was saved
     if not failures:
         return 0
-    rank, _, code = min(failures, key=lambda f: (_consequence(f[2]), f[1], f[0]))
+    rank, _, code = min(failures, key=lambda f: (failure_rank_order(f[2]), f[1], f[0]))
     how = f"exited with code {code}" if code > 0 else f"was ended by signal {signal.Signals(-code).name}"
     print(f"megappo: rank {rank} failed ({how}); the other ranks were stopped.", file=sys.stderr, flush=True)
     return code if code > 0 else 1

@@ -149,9 +149,9 @@ def test_cli_reports_run_failures_in_one_line(rank3, capsys):
 def test_the_launcher_names_the_cause_not_the_first_exit():
     """Exit codes as torchrun reports them (a signal as its negative): a rank's own error, then
     a crash or OOM kill, then a rank that gave up waiting (3), then one torchrun stopped."""
-    from megappo.parallel.launch import _consequence
+    from megappo.parallel.launch import failure_rank_order
 
-    assert sorted([-15, 3, -9, 2, 1], key=_consequence) == [2, 1, -9, 3, -15]
+    assert sorted([-15, 3, -9, 2, 1], key=failure_rank_order) == [2, 1, -9, 3, -15]
 
 
 # -- item 7: nothing megappo loads can run code --------------------------------------------------
