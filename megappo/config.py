@@ -189,6 +189,7 @@ class ActorConfig(_Section):
     grad_clip: float = 1.0  # global gradient-norm clip
     old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"  # source of old log-probs
     is_truncate: float = 2.0  # is_correct: truncation of rollout importance weights
+    moe_routing: Literal["recompute", "replay"] = "recompute"  # MoE: replay: the actor's and reference's passes use the experts the rollout engine chose per token (routing replay); recompute: their own routers choose
     optim: OptimConfig = _default(OptimConfig)  # optimizer and LR schedule
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 

@@ -28,12 +28,14 @@ from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
+from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
+from megappo.rollout.routes import is_moe_arch
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
 from megappo.workers import PolicyWorker, ValueWorker
@@ -260,10 +262,15 @@ def create_run(cfg: Config) -> Run:
         m = build_model(role_dims, layouts[cfg.layout(role)], role=role, dtype=cfg.model.dtype,
                         layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                        sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init)
+                        sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init,
+                        **({"moe_enable_routing_replay": True} if replays and role in ("actor", "ref") else {}))
         load_hf_weights(m, source)
         return m
 
+    replays = cfg.actor.moe_routing == "replay"
+    if replays and not is_moe_arch(dims.arch):
+        raise ModelConfigError(f"actor.moe_routing=replay needs a Mixture-of-Experts actor; {dims.arch} is dense. "
+                          "Fix: set actor.moe_routing=recompute.")
     actor_model = model("actor")
     def batching(role: str) -> MicroBatching:
         tp, pp, vpp = cfg.layout(role)
@@ -274,14 +281,14 @@ def create_run(cfg: Config) -> Run:
                              multiple=tp if p.sequence_parallel else 1)
 
     actor = PolicyWorker(actor_model, batching=batching("actor"),
-                         temperature=cfg.rollout.temperature or 1.0,
+                         temperature=cfg.rollout.temperature or 1.0, routing=RouteReplay() if replays else None,
                          trainable=make_trainable(actor_model, _optim(cfg.actor, total_steps,
                                                                       cfg.updates_per_step("actor"),
                                                                       p.use_distributed_optimizer)))
     ref = None
     if cfg.needs_ref:
-        ref = PolicyWorker(model("ref"), batching=batching("ref"),
-                           temperature=cfg.rollout.temperature or 1.0)
+        ref = PolicyWorker(model("ref"), batching=batching("ref"), temperature=cfg.rollout.temperature or 1.0,
+                           routing=RouteReplay() if replays else None)
     critic = None
     if cfg.use_critic:
         critic_model = model("critic", cfg.critic.path or weights)
@@ -356,4 +363,5 @@ def _build_engine(cfg: Config, hf_model, tokenizer):
         hf_model.save_pretrained(model_path)
     return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
-                        engine_args=cfg.rollout.sglang)
+                        engine_args={**({"enable_return_routed_experts": True} if cfg.actor.moe_routing == "replay"
+                                         else {}), **cfg.rollout.sglang})
