@@ -81,22 +81,34 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _layer_spec(kind: str):
+def _layer_spec(kind: str, config, vp_stage: int | None):
+    """The layer spec (dense) or this virtual stage's block spec (MoE: dense and MoE layers
+    as `config.moe_layer_freq` says) for Megatron's local or Transformer Engine modules."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if kind == "auto":
         kind = "te" if torch.cuda.is_available() and _have_te() else "local"
+    moe = bool(config.num_moe_experts)
     if kind == "te":
         if not _have_te():
             raise ModelConfigError(
                 "model.layer_spec=te needs transformer-engine; install the gpu extra or set model.layer_spec=local."
             )
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        if moe:
+            return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megappo.models.packed_attention import PackedDotProductAttention
 
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if moe:
+        spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                vp_stage=vp_stage)
+        layers = spec.layer_specs
+    else:
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        layers = [spec]
     # the local spec's core attention, plus packed (THD) sequences: megappo.models.packed_attention
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec
 
 
@@ -148,10 +160,10 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
                                 **config_overrides)
     padded_vocab = dims.padded_vocab_size(ps.tp, make_vocab_size_divisible_by)
     value_head = role in VALUE_ROLES
-    spec = _layer_spec(layer_spec)
     chunks = []
     for vp_stage in range(ps.vpp or 1):
         vp = vp_stage if ps.vpp else None
+        spec = _layer_spec(layer_spec, config, vp)
         pre = mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         model = GPTModel(

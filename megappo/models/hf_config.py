@@ -26,6 +26,7 @@ class ModelConfigError(ValueError):
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -48,6 +49,7 @@ class ModelDims:
     tie_word_embeddings: bool
     initializer_range: float = 0.02
     rope_scaling_factor: float | None = None  # Llama-3.1 style scaling, None = off
+    qk_layernorm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head
 
     @property
     def family(self) -> str:
@@ -128,7 +130,8 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
     if arch is None:
         if not archs:
             model_type = cfg.get("model_type")
-            guess = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(model_type)
+            guess = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}.get(model_type)
             if guess is None:
                 raise ModelConfigError(
                     "HF config names no 'architectures'; set model.arch to one of "
@@ -154,9 +157,9 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
     theta, factor = _rope(cfg)
     family = SUPPORTED_ARCHS[arch]
     qkv_bias = True if family == "qwen2" else bool(cfg.get("attention_bias", False))
-    if family == "llama" and cfg.get("attention_bias"):
-        # Llama's attention_bias also adds an o_proj bias that Megatron's spec has no slot for.
-        raise ModelConfigError("Llama with attention_bias=True is not supported.")
+    if family in ("llama", "qwen3") and cfg.get("attention_bias"):
+        # Llama's (and Qwen3's) attention_bias also adds an o_proj bias that Megatron's spec has no slot for.
+        raise ModelConfigError(f"{arch} with attention_bias=True is not supported.")
     return ModelDims(
         arch=arch,
         num_layers=int(_get(cfg, "num_hidden_layers")),
@@ -173,6 +176,7 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         rope_scaling_factor=factor,
+        qk_layernorm=family == "qwen3",
     )
 
 
@@ -217,6 +221,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=dims.initializer_range,

@@ -30,6 +30,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
         "hidden_act": "silu", "initializer_range": 0.02,
     },
+    # head_dim 32 != hidden / heads = 16: exercises kv_channels; q/k norms over head_dim
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 300,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 32,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "hidden_act": "silu", "initializer_range": 0.02, "attention_bias": False,
+    },
 }
 
 

@@ -16,6 +16,7 @@ Megatron names (local layer spec; the TE spec's fused-norm names are accepted as
   decoder.layers.{i}.self_attention.linear_qkv.weight [(nq+2g)*d, H]  TP dim 0
   decoder.layers.{i}.self_attention.linear_qkv.bias   [(nq+2g)*d]     TP dim 0 (qwen2)
   decoder.layers.{i}.self_attention.linear_proj.weight [H, nq*d]      TP dim 1
+  decoder.layers.{i}.self_attention.{q,k}_layernorm.weight [d]        (qwen3)
   decoder.layers.{i}.pre_mlp_layernorm.weight         [H]
   decoder.layers.{i}.mlp.linear_fc1.weight            [2*F, H]        TP dim 0, gate|up per shard
   decoder.layers.{i}.mlp.linear_fc2.weight            [H, F]          TP dim 1
@@ -138,6 +139,10 @@ class NameMap:
                 yield self._qkv_rule(f"{m}.self_attention.linear_qkv.bias", h, "bias")
             yield TensorRule(f"{m}.self_attention.linear_proj.weight", (f"{h}.self_attn.o_proj.weight",),
                              _identity, _same, tp_dim=1)
+            if d.qk_layernorm:  # [d] each, replicated across TP
+                for meg, hf in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+                    yield TensorRule(f"{m}.self_attention.{meg}.weight", (f"{h}.self_attn.{hf}.weight",),
+                                     _identity, _same)
             yield TensorRule(f"{m}.pre_mlp_layernorm.weight", (f"{h}.post_attention_layernorm.weight",),
                              _identity, _same)
             yield self._fc1_rule(f"{m}.mlp.linear_fc1.weight", h)
@@ -240,6 +245,7 @@ def merge_tp_shards(shards: list[torch.Tensor], rule: TensorRule) -> torch.Tenso
 NAME_MAPS: dict[str, type[NameMap]] = {
     "LlamaForCausalLM": NameMap,
     "Qwen2ForCausalLM": NameMap,
+    "Qwen3ForCausalLM": NameMap,  # + q/k norms, which `ModelDims.qk_layernorm` carries
 }
 
 
