@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from megappo.models.hf_config import ModelConfigError, ModelDims, transformer_config
-from megappo.models.name_map import NameMap, TensorRule, global_layer_name, name_map_for
+from megappo.models.name_map import NameMap, TensorRule, global_param_name, name_map_for
 from megappo.parallel.state import ParallelState
 
 ROLES = ("actor", "ref", "critic", "reward")
@@ -65,13 +65,15 @@ class MegatronModel:
         return self.role in VALUE_ROLES
 
     def named_parameters(self) -> Iterator[tuple[str, TensorRule, torch.nn.Parameter]]:
-        """(global Megatron name, rule, local shard) for every parameter on this rank."""
+        """(global Megatron name, rule, local shard) for every parameter on this rank (global layer
+        numbers, and global expert numbers: this EP rank's experts are ep_rank * E/ep + k)."""
+        expert_offset = self.ps.ep_rank * (self.dims.num_experts // self.ps.ep)
         for chunk in self.chunks:
             module = unwrap(chunk)
             # layers of a chunk are contiguous; layer_number is global and 1-based
             offset = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
             for local_name, param in module.named_parameters():
-                name = global_layer_name(local_name, offset)
+                name = global_param_name(local_name, offset, expert_offset)
                 yield name, self.name_map.rule(name), param
 
 
@@ -112,6 +114,16 @@ def _layer_spec(kind: str, config, vp_stage: int | None):
     return spec
 
 
+def _moe_without_te_fix() -> None:
+    """megatron-core 0.16.1's router linear (moe_utils.RouterGatingLinearFunction) reads
+    `te_general_gemm`, which is only defined when Transformer Engine imports; without TE it
+    raises NameError. Define it as None, the value its code checks for (plain matmul path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def _have_te() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -147,7 +159,7 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
 
     if role not in ROLES:
         raise ValueError(f"unknown role '{role}'; roles: {ROLES}")
-    dims.check_layout(ps.tp, ps.pp, ps.vpp)
+    dims.check_layout(ps.tp, ps.pp, ps.vpp, ep=ps.ep)
     cpu = ps.device.type == "cpu"
     if config_overrides.get("sequence_parallel"):
         if cpu:
@@ -156,8 +168,10 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
         if role in VALUE_ROLES:
             raise ModelConfigError("parallel.sequence_parallel is not supported for critic/reward models yet; "
                                    "set it to false.")
-    config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=dtype, cpu=cpu,
+    config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, ep=ps.ep, dtype=dtype, cpu=cpu,
                                 **config_overrides)
+    if dims.is_moe:
+        _moe_without_te_fix()
     padded_vocab = dims.padded_vocab_size(ps.tp, make_vocab_size_divisible_by)
     value_head = role in VALUE_ROLES
     chunks = []
