@@ -2,7 +2,7 @@
 
 import pytest
 
-from megappo.models.hf_config import ModelConfigError, dims_from_hf
+from megappo.models.hf_config import ModelConfigError, dims_from_hf, transformer_config
 from megappo.models.hf_reference import TINY_CONFIGS, hf_config_object
 
 
@@ -13,6 +13,15 @@ def test_llama_and_qwen2_dims():
     qwen = dims_from_hf(TINY_CONFIGS["qwen2"])
     assert qwen.qkv_bias and qwen.tie_word_embeddings and qwen.rope_theta == 1e6
     assert qwen.padded_vocab_size(tp=2) == 512 and qwen.padded_vocab_size(tp=1, divisible_by=64) == 320
+
+
+def test_qwen3_dims_and_transformer_config():
+    qwen3 = dims_from_hf(TINY_CONFIGS["qwen3"])
+    assert qwen3.qk_layernorm and not qwen3.qkv_bias and qwen3.head_dim == 32 != 64 // 4
+    assert transformer_config(qwen3).qk_layernorm and transformer_config(qwen3).kv_channels == 32
+    assert not dims_from_hf(TINY_CONFIGS["llama"]).qk_layernorm
+    with pytest.raises(ModelConfigError, match="Qwen3ForCausalLM with attention_bias=True is not supported"):
+        dims_from_hf(dict(TINY_CONFIGS["qwen3"], attention_bias=True))
 
 
 def test_transformers_config_object_and_rope_parameters():

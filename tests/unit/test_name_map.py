@@ -32,6 +32,7 @@ def _random_hf_state(nmap, seed=0):
             f"{h}.self_attn.q_proj.bias": (qd,), f"{h}.self_attn.k_proj.bias": (kd,),
             f"{h}.self_attn.v_proj.bias": (kd,),
             f"{h}.self_attn.o_proj.weight": (d.hidden_size, qd),
+            f"{h}.self_attn.q_norm.weight": (d.head_dim,), f"{h}.self_attn.k_norm.weight": (d.head_dim,),
             f"{h}.mlp.gate_proj.weight": (d.ffn_hidden_size, d.hidden_size),
             f"{h}.mlp.up_proj.weight": (d.ffn_hidden_size, d.hidden_size),
             f"{h}.mlp.down_proj.weight": (d.hidden_size, d.ffn_hidden_size),
@@ -40,7 +41,7 @@ def _random_hf_state(nmap, seed=0):
     return {n: torch.randn(s, generator=gen) for n, s in shapes.items() if n in needed}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("value_head", [False, True])
 def test_round_trip_is_bit_exact(family, value_head):
     dims = dims_from_hf(TINY_CONFIGS[family])
@@ -126,4 +127,4 @@ def test_unknown_names_and_missing_tensors_are_clear():
 
 
 def test_registry_is_explicit():
-    assert set(NAME_MAPS) == {"LlamaForCausalLM", "Qwen2ForCausalLM"}
+    assert set(NAME_MAPS) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
