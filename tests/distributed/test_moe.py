@@ -2,7 +2,8 @@
 
 workers/moe_worker.py: logits equal transformers' (<= 1e-4), gradients equal transformers'
 (the EP=1 reference) after Megatron's data / expert-data-parallel sums, and the gather back
-to per-expert HF checkpoint names is bit-exact, at EP2 (2 ranks) and PP2xEP2 (4 ranks; TP>1
+to per-expert HF checkpoint names is bit-exact, and the router metrics (aux loss, expert load,
+tokens dropped) equal those of transformers' routers, at EP2 (2 ranks) and PP2xEP2 (4 ranks; TP>1
 with MoE needs sequence parallelism, which is GPU-only). workers/bridge_worker.py at EP2:
 a sync into the hf engine (transformers' fused experts) is bit-exact, fingerprints compare
 per checkpoint name, and the engine's log-probs equal the Megatron actor's.
@@ -22,7 +23,7 @@ def test_moe_matches_transformers(nproc, layout):
     assert "ALL OK" in out
     for family in FAMILIES:
         assert f"OK {family} logits left-padded" in out and f"OK {family} gather bit-exact" in out
-        assert out.count(f"OK {family} grads") == nproc
+        assert out.count(f"OK {family} grads") == nproc and f"OK {family} router metrics" in out
 
 
 def test_moe_bridge_sync_at_ep2():
