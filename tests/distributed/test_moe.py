@@ -32,3 +32,10 @@ def test_moe_bridge_sync_at_ep2():
     for family in FAMILIES:
         assert f"OK {family} sync bit-exact" in out and f"OK {family} logprob agreement" in out
         assert out.count(f"OK {family} corrupted bucket detected") == 2
+
+
+def test_moe_checkpoint_at_ep2(tmp_path):
+    # exact resume at EP2 (chained expert optimizer), weights resharded to EP1 bit for bit,
+    # and optimizer state across the EP1 / EP>1 boundary refused with the fix named
+    out = run_torchrun("checkpoint_worker.py", 2, str(tmp_path), "moe")
+    assert "OK moe: exact resume at ep=2; weights resharded to ep=1 bit-exact" in out and "ALL OK" in out
