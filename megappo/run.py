@@ -178,10 +178,11 @@ def _hf_source(cfg: Config):
     """(HF config dict, weights: a directory or an in-memory state dict, the HF model or None)."""
     if cfg.model.path:
         return load_hf_config(cfg.model.path), cfg.model.path, None
+    from megappo.models.hf_experts import checkpoint_state
     from megappo.models.hf_reference import build_hf_model
 
     hf = build_hf_model(cfg.model.hf_config, seed=cfg.model.seed_init)
-    return cfg.model.hf_config, hf.state_dict(), hf
+    return cfg.model.hf_config, checkpoint_state(hf), hf  # MoE: per-expert checkpoint names
 
 
 def _optim(section, total_steps: int, updates_per_step: int, use_dist_opt: bool) -> OptimSettings:
