@@ -20,7 +20,8 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   trained roles (actor, critic), Megatron's mixed-precision bookkeeping (its distributed-optimizer
   table): weights P x 2 (bf16/fp16) or 4 (fp32); gradients P x 4 (megappo reduces in fp32, a
   main_grad buffer that the distributed optimizer does not shard); fp32 master weights P x 4 (half
-  precision only) and Adam moments P x 8, both / d with parallel.use_distributed_optimizer.
+  precision only) and Adam moments P x 8, both / d with parallel.use_distributed_optimizer (a MoE
+  model's experts / (d / ep), their expert-data-parallel ranks).
   ref / reward model: weights only. P is the worst pipeline stage's share: layers / pp of each
   layer's matrices / tp (norms replicated; a MoE layer's experts / ep, its router replicated), plus
   the embedding / tp on the first stage and the
@@ -89,6 +90,16 @@ _LLAMA31_8B = {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_
                "num_attention_heads": 32, "num_key_value_heads": 8}
 _LLAMA33_70B = {**_LLAMA3, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                 "num_attention_heads": 64, "num_key_value_heads": 8}
+_QWEN3 = {"model_type": "qwen3", "hidden_act": "silu", "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+          "vocab_size": 151936, "tie_word_embeddings": False, "head_dim": 128, "rms_norm_eps": 1e-6,
+          "attention_bias": False}
+_QWEN3_8B = {**_QWEN3, "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8}
+_QWEN3_30B_A3B = {**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "router_aux_loss_coef": 0.001}
 _SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                  "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                  "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
@@ -104,6 +115,8 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Llama-3.1-8B": _LLAMA31_8B,
     "Llama-3.1-8B-Instruct": _LLAMA31_8B,
     "Llama-3.3-70B-Instruct": _LLAMA33_70B,
+    "Qwen3-8B": _QWEN3_8B,
+    "Qwen3-30B-A3B": _QWEN3_30B_A3B,
     "SmolLM2-135M": _SMOLLM2_135M,
     "SmolLM2-135M-Instruct": _SMOLLM2_135M,
 }
@@ -369,8 +382,12 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         layers = (d.num_layers if pp == 1 else
                   layers_in_flight(d.num_layers, pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches))
         act = layers * layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
-        return RoleMemory(role, n, weights=n * db, grads=n * 4, master=n * 4 / shard if db < 4 else 0.0,
-                          adam=n * 8 / shard, activations=act, phase=f"{role} update")
+        # the distributed optimizer shards expert parameters over the expert-data-parallel ranks (dp / ep)
+        ep = cfg.expert_parallel(role)
+        experts = d.num_layers // pp * _moe_share(d) * d.num_experts / ep * 3 * d.hidden_size * d.moe_ffn_hidden_size / tp
+        sharded = (n - experts) / shard + experts / (max(1, dp // ep) if p.use_distributed_optimizer else 1)
+        return RoleMemory(role, n, weights=n * db, grads=n * 4, master=sharded * 4 if db < 4 else 0.0,
+                          adam=sharded * 8, activations=act, phase=f"{role} update")
     act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
     return RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
                       phase=f"{role} forward")
