@@ -46,7 +46,8 @@ def check_models(cfg: Config) -> None:
     for role in cfg.model_roles:
         where, dims = sources[role]
         try:
-            dims.check_layout(*cfg.layout(role))
+            dims.check_layout(*cfg.layout(role), ep=cfg.expert_parallel(role),
+                              ep_name=f"{role}.parallel.ep" if getattr(cfg, role).parallel.ep else "parallel.ep")
         except ModelConfigError as e:
             own = " (its own layout: " + role + ".parallel)" if cfg.layout(role) != (
                 cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp) else ""

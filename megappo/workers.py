@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel
 from megappo.models.forward import run_micro_batches
+from megappo.models.moe_metrics import RouterStats
 from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import Trainable, train_step
 from megappo.parallel.comm import gather_to_rank0
@@ -233,8 +234,11 @@ class PolicyWorker(_Passes):
 
         extra = {"old": exp.old_log_probs, "adv": exp.advantages, "ref": exp.ref_log_probs,
                  "isw": exp.rollout_is_weights}
-        return _ppo_updates(self, exp, extra, loss_for, prefix="actor", mini_batch_size=mini_batch_size,
-                            epochs=epochs, seed=seed)
+        with RouterStats(self.model) as routers:  # MoE: load balance of the update's routing
+            out = _ppo_updates(self, exp, extra, loss_for, prefix="actor", mini_batch_size=mini_batch_size,
+                               epochs=epochs, seed=seed)
+        moe = routers.metrics("actor")  # collective
+        return {**out, **moe} if out else out
 
 
 class ValueWorker(_Passes):

@@ -168,6 +168,13 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
         if role in VALUE_ROLES:
             raise ModelConfigError("parallel.sequence_parallel is not supported for critic/reward models yet; "
                                    "set it to false.")
+    if dims.is_moe and ps.tp > 1 and not config_overrides.get("sequence_parallel"):
+        # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on.
+        raise ModelConfigError(
+            f"a mixture-of-experts model with tp={ps.tp} needs parallel.sequence_parallel=true (Megatron-Core "
+            "trains MoE layers under tensor parallelism only with sequence parallelism, which needs GPU norms). "
+            "Fix: set parallel.sequence_parallel=true on GPU, or use tp=1 and split the experts with parallel.ep."
+        )
     config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, ep=ps.ep, dtype=dtype, cpu=cpu,
                                 **config_overrides)
     if dims.is_moe:

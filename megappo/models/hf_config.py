@@ -64,6 +64,10 @@ class ModelDims:
     moe_layer_pattern: tuple[int, ...] = ()  # per layer: 1 = MoE MLP, 0 = dense MLP (ffn_hidden_size)
     moe_aux_loss_coef: float = 0.0  # HF router_aux_loss_coef: the load-balancing loss weight
 
+    def __post_init__(self):
+        # a tuple whatever it was read from (checkpoint metadata is JSON: a list)
+        object.__setattr__(self, "moe_layer_pattern", tuple(self.moe_layer_pattern))
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

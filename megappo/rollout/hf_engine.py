@@ -5,6 +5,7 @@ Batched sampling over left-padded prompts with positions counted from the attent
 the log-prob of every sampled token under the tempered or untempered distribution
 (`SamplingParams.logprob_mode`). Weights are updated in place from the bridge's buckets of
 HF-named tensors; tied embeddings are updated once through `model.embed_tokens.weight`.
+MoE models take per-expert checkpoint names, written into transformers' fused expert tensors.
 
 No compute after EOS: each prompt is prefilled once, not once per sample (its n samples
 share the cache rows); a finished sample leaves the decode batch (its KV-cache rows are
@@ -26,6 +27,7 @@ from typing import Iterable, Sequence
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from megappo.models.hf_experts import checkpoint_views
 from megappo.rollout.engine import Bucket, left_pad, tensor_fingerprint
 from megappo.rollout.routes import UNKNOWN, RouteRecorder
 from megappo.types import RolloutBatch, SamplingParams
@@ -101,8 +103,10 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.dtype = next(self.model.parameters()).dtype
-        self._params = dict(self.model.named_parameters())
-        self._params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
+        params = dict(self.model.named_parameters())
+        params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
+        # by checkpoint name: a MoE model's fused experts are per-expert views (megappo.models.hf_experts)
+        self._params = checkpoint_views(params, getattr(self.model.config, "model_type", ""))
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:

@@ -19,7 +19,7 @@ from megappo.plan import make_plan
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
 GPU_RECIPES = {"qwen2.5-7b-ppo-8gpu.yaml", "llama3.1-8b-grpo-8gpu.yaml", "qwen2.5-72b-ppo-64gpu.yaml",
-               "llama3.3-70b-ppo-64gpu.yaml"}
+               "llama3.3-70b-ppo-64gpu.yaml", "qwen3-8b-ppo-8gpu.yaml", "qwen3-30b-a3b-grpo-32gpu.yaml"}
 VARIANTS = [(path, name) for path in RECIPES for name in load_config(path).variants]
 
 

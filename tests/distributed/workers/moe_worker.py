@@ -9,7 +9,8 @@ rank); the reference is transformers' model on the whole batch. Built from confi
      transformers' parameter by parameter: dense grads summed over the data-parallel group,
      expert grads over the expert-data-parallel group (what Megatron's DDP reduces);
   3. gathering back to HF checkpoint names (experts over EP and TP) is bit-exact;
-  4. the MoE metrics: aux loss > 0 and per-layer expert load, no tokens dropped.
+  4. the router metrics (load-balancing loss, per-layer expert load, tokens dropped) reduced
+     over all ranks equal those computed from transformers' routers on the whole batch.
 Prints "OK <check>" lines; any failure raises.
 """
 
@@ -23,6 +24,7 @@ from megappo.models.forward import run_micro_batches
 from megappo.models.hf_config import dims_from_hf
 from megappo.models.hf_experts import checkpoint_state
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.models.moe_metrics import RouterStats
 from megappo.models.name_map import shard_for_tp
 from megappo.models.weights import iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import init_parallel
@@ -92,6 +94,19 @@ def check(ps, family, input_ids, attn):
         print(f"OK {family} grads tp={ps.tp} pp={ps.pp} ep={ps.ep} params_checked={checked} experts={experts}",
               flush=True)
 
+    # 4. router statistics over all ranks' rows equal those of transformers' routers
+    with RouterStats(model) as stats:
+        mbs = [{"input_ids": input_ids[mine][i:i + 2]} for i in range(0, ROWS, 2)]
+        run_micro_batches(model, mbs, lambda out, mb: (out.sum() * 0, None), forward_only=True)
+    got = stats.metrics("actor")
+    expect = hf_router_metrics(hf, input_ids, dims)
+    assert set(got) == set(expect), set(got) ^ set(expect)
+    for key, value in expect.items():
+        assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), f"{family} {key}: {got[key]} != {value}"
+    assert got["actor/moe_tokens_dropped"] == 0 and got["actor/moe_aux_loss"] > 0
+    if ps.rank == 0:
+        print(f"OK {family} router metrics {got}", flush=True)
+
     # 3. gather back to HF checkpoint names: bit-exact
     got = dict(iter_hf_tensors(model))
     if ps.rank == 0:
@@ -99,6 +114,27 @@ def check(ps, family, input_ids, attn):
         for k, v in hf_state.items():
             assert torch.equal(got[k], v), f"{family} gather {k} not bit-exact"
         print(f"OK {family} gather bit-exact tensors={len(got)}", flush=True)
+
+
+def hf_router_metrics(hf, input_ids, dims):
+    """RouterStats' metrics computed from transformers' routers on the whole batch."""
+    logits = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: logits.__setitem__(i, out[0]))
+             for i, layer in enumerate(hf.model.layers) if dims.moe_layer_pattern[i]]
+    with torch.no_grad():
+        hf(input_ids=input_ids)
+    for h in hooks:
+        h.remove()
+    E, k, out, aux = dims.num_experts, dims.moe_topk, {}, []
+    for i, lg in sorted(logits.items()):
+        probs = lg.float().softmax(-1)  # [T, E]
+        routed = torch.zeros(E).index_add_(0, probs.topk(k, -1).indices.flatten(), torch.ones(probs.shape[0] * k))
+        aux.append(float(E * ((routed / (probs.shape[0] * k)) * probs.mean(0)).sum()))
+        out[f"actor/moe_load_max_over_mean/layer_{i}"] = float(routed.max() / routed.mean())
+    out["actor/moe_aux_loss"] = sum(aux) / len(aux)
+    out["actor/moe_load_max_over_mean"] = max(v for key, v in out.items() if "/layer_" in key)
+    out["actor/moe_tokens_dropped"] = 0.0
+    return out
 
 
 def checkpoint_state_of_grads(hf):
