@@ -35,7 +35,6 @@ from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
-from megappo.rollout.routes import is_moe_arch
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
 from megappo.workers import PolicyWorker, ValueWorker
@@ -257,6 +256,8 @@ def create_run(cfg: Config) -> Run:
             layouts[layout_of(role)] = add_layout(ps, *cfg.layout(role), ep=cfg.expert_parallel(role),
                                                   seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
 
+    replays = cfg.actor.moe_routing == "replay"  # the actor's and reference's routers replay the engine's
+
     def model(role: str, source=weights) -> MegatronModel:
         # a critic or reward model from its own directory may have another size than the actor
         role_dims = dims_from_hf(load_hf_config(source)) if isinstance(source, str) else dims
@@ -271,10 +272,6 @@ def create_run(cfg: Config) -> Run:
         load_hf_weights(m, source)
         return m
 
-    replays = cfg.actor.moe_routing == "replay"
-    if replays and not is_moe_arch(dims.arch):
-        raise ModelConfigError(f"actor.moe_routing=replay needs a Mixture-of-Experts actor; {dims.arch} is dense. "
-                          "Fix: set actor.moe_routing=recompute.")
     actor_model = model("actor")
     def batching(role: str) -> MicroBatching:
         tp, pp, vpp = cfg.layout(role)

@@ -31,3 +31,36 @@ def test_moe_demo_learns_at_ep2(tmp_path):
     for role in ("actor", "critic"):
         meta = json.loads((tmp_path / "checkpoints" / "step_00000060" / role / "megappo_model.json").read_text())
         assert meta["expert_parallel"] == 2 and meta["dims"]["num_experts"] == 4
+
+
+def test_moe_demo_with_routing_replay(tmp_path):
+    """actor.moe_routing=replay: the engine's routes are recorded and replayed in every actor and
+    reference pass (KL loss on, so the reference runs); the trainer's recomputed log-probs of
+    the engine's tokens stay within float32 noise and the share of routes that replay changed
+    is logged."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-moe-cpu.yaml",
+                           f"run.output_dir={tmp_path}", "logging.progress_bar=false", "actor.moe_routing=replay",
+                           "actor.use_kl_loss=true", "run.total_steps=6", "run.val_every=0",
+                           "run.val_before_train=false"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "critic/score/mean" in r]
+    assert len(rows) == 6
+    for r in rows:
+        assert 0 <= r["rollout/moe_routes_differ_frac"] < 0.5
+        assert r["rollout/logprob_diff_max"] < 1e-5, r["rollout/logprob_diff_max"]
+        assert abs(r["actor/ppo_kl_first_micro_batch"]) < 1e-6
+
+
+def test_routing_replay_needs_an_moe_actor(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml",
+                           f"run.output_dir={tmp_path}", "actor.moe_routing=replay"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "actor.moe_routing=recompute" in out, out[-3000:]
