@@ -1,9 +1,10 @@
 """From a HuggingFace config to the numbers megappo's models need (no torch.distributed).
 
 `ModelDims` is the architecture-neutral description of a decoder (layers, heads, query
-groups, head dim, vocab and its TP padding, RoPE, norms, biases, tying). It is read from
+groups, head dim, vocab and its TP padding, RoPE, norms, biases, tying, and for MoE
+families the experts, top-k, router normalisation and the per-layer dense/MoE pattern). It is read from
 an HF `config.json` (a dict or a transformers config object) for the families in
-`SUPPORTED_ARCHS`, and validated against a TP x PP layout before any model is built.
+`SUPPORTED_ARCHS`, and validated against a TP x PP (x EP) layout before any model is built.
 `transformer_config(dims, ...)` turns it into a Megatron-Core `TransformerConfig`.
 
 This module does not know about process groups, weights or the name map.
@@ -37,7 +38,8 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
-    """Architecture numbers of a Llama/Qwen2-style decoder, independent of parallelism."""
+    """Architecture numbers of a Llama/Qwen-style decoder (dense or mixture-of-experts),
+    independent of parallelism."""
 
     arch: str  # HF architecture name, a key of SUPPORTED_ARCHS
     num_layers: int

@@ -1,7 +1,8 @@
 """Megatron <-> HF parameter names and transforms, per architecture (pure: torch only).
 
 One `TensorRule` per Megatron parameter says which HF tensors it comes from and how:
-QKV fused and interleaved per query group, gate/up fused into fc1, vocab rows padded to a
+QKV fused and interleaved per query group, gate/up fused into fc1 (per expert for MoE maps,
+`MoENameMap`, with global expert numbers and HF checkpoint names), vocab rows padded to a
 TP-divisible size, tied embeddings, and the value head of critic/reward models. Rules
 speak of *full* Megatron tensors (what a TP=1 model holds) with *global* layer numbers;
 `shard_for_tp` / `merge_tp_shards` move between a full tensor and its TP shards.

@@ -98,6 +98,11 @@ def test_recipes_cover_the_algorithms():
     grpo = cfgs["llama3.1-8b-grpo-8gpu.yaml"]
     assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic and grpo.actor.use_kl_loss
     assert grpo.roles == ("actor", "ref")
+    moe = cfgs["qwen3-30b-a3b-grpo-32gpu.yaml"]  # MoE: experts split over 8 GPUs, 16 per GPU
+    assert moe.parallel.ep == 8 and moe.algorithm.adv_estimator == "grpo"
+    plan = make_plan(moe)
+    assert plan.dims.num_experts == 128 and plan.ep == 8
+    assert cfgs["demo-moe-cpu.yaml"].parallel.ep == 2 and cfgs["qwen3-8b-ppo-8gpu.yaml"].use_critic
 
 
 def test_docs_variant_table_is_the_planners():
