@@ -119,12 +119,13 @@ class ParallelConfig(_Section):
     pp: int = 1  # pipeline-parallel size
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule); needs pp > 1
     sequence_parallel: bool = False  # Megatron sequence parallelism; needs tp > 1
+    ep: int = 1  # expert-parallel size (MoE models): the experts are split over ep data-parallel ranks
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
     timeout_minutes: float = 30.0  # a collective that waits longer ends the run with a message naming rank and stage
     use_distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks
 
     def check(self) -> None:
-        _at_least(self, tp=1, pp=1, vpp=1)
+        _at_least(self, tp=1, pp=1, vpp=1, ep=1)
         _require(self.timeout_minutes > 0, f"{P}timeout_minutes={self.timeout_minutes} must be > 0. Fix: e.g. "
                                            f"{P}timeout_minutes=30 (a float: 0.5 is 30 seconds).")
         _require(self.vpp is None or self.pp > 1,
@@ -140,9 +141,10 @@ class RoleParallelConfig(_Section):
     tp: Optional[int] = None  # tensor-parallel size of this role; None: parallel.tp
     pp: Optional[int] = None  # pipeline-parallel size of this role; None: parallel.pp
     vpp: Optional[int] = None  # virtual stages of this role; None: parallel.vpp when this role's pp is parallel.pp
+    ep: Optional[int] = None  # expert-parallel size of this role (MoE models); None: parallel.ep
 
     def check(self) -> None:
-        _at_least(self, tp=1, pp=1, vpp=1)
+        _at_least(self, tp=1, pp=1, vpp=1, ep=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +191,7 @@ class ActorConfig(_Section):
     grad_clip: float = 1.0  # global gradient-norm clip
     old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"  # source of old log-probs
     is_truncate: float = 2.0  # is_correct: truncation of rollout importance weights
+    moe_routing: Literal["recompute", "replay"] = "recompute"  # MoE: replay: the actor's and reference's passes use the experts the rollout engine chose per token (routing replay); recompute: their own routers choose
     optim: OptimConfig = _default(OptimConfig)  # optimizer and LR schedule
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
@@ -554,10 +557,16 @@ class Config(_Section):
         vpp = own.vpp if own.vpp is not None else (shared.vpp if pp == shared.pp else None)
         return tp, pp, vpp
 
+    def expert_parallel(self, role: Literal["actor", "critic", "ref", "reward"]) -> int:
+        """A role's expert-parallel size: its own `<role>.parallel.ep`, else `parallel.ep`."""
+        return getattr(self, role).parallel.ep or self.parallel.ep
+
     @property
     def min_world_size(self) -> int:
-        """The fewest ranks every role's layout fits: the lcm of their tp * pp (one DP replica each)."""
-        return math.lcm(*(tp * pp for tp, pp, _ in map(self.layout, self.model_roles)))
+        """The fewest ranks every role's layout fits: the lcm of their tp * pp * ep (ep data-parallel
+        replicas for expert parallelism, one otherwise)."""
+        return math.lcm(*(tp * pp * self.expert_parallel(role)
+                          for role in self.model_roles for tp, pp, _ in [self.layout(role)]))
 
     @property
     def hardware_world_size(self) -> int:
@@ -611,6 +620,11 @@ class Config(_Section):
             _require(world_size % (rtp * rpp) == 0,
                      f"world size {world_size} is not a multiple of {role}'s tp*pp = {rtp}*{rpp}. Fix: change "
                      f"{role}.parallel.tp/pp (or parallel.tp/pp) so that their product divides {world_size}.")
+            ep = self.expert_parallel(role)
+            _require((world_size // (rtp * rpp)) % ep == 0,
+                     f"{role}: expert parallelism ep={ep} must divide its data-parallel size world/(tp*pp) = "
+                     f"{world_size}/({rtp}*{rpp}) = {world_size // (rtp * rpp)}. Fix: launch a multiple of "
+                     f"{rtp * rpp * ep} ranks or change parallel.ep ({role}.parallel.ep).")
         batch = self.data.train_batch_size * self.rollout.n
         splits = [(role, getattr(self, role).micro_batch_size, "a mini-batch",
                    getattr(self, role).ppo_mini_batch_size * self.rollout.n)

@@ -85,12 +85,12 @@ def generate(run: Run, step: int) -> RolloutBatch:
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
-                            logprob_mode=cfg.logprob_mode)
+                            logprob_mode=cfg.logprob_mode, return_routes=run.cfg.actor.moe_routing == "replay")
     batch = engine_generate(run, [p.prompt_ids for p in prompts], params)
     batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
     if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
         greedy = engine_generate(run, [p.prompt_ids for p in prompts],
-                                 dataclasses.replace(params, n=1, temperature=0.0))
+                                 dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))
         greedy.examples = prompts
         batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
     return batch
@@ -106,7 +106,7 @@ def engine_generate(run: Run, prompt_ids: list[list[int]], params: SamplingParam
 def to_seqs(batch: RolloutBatch) -> SeqBatch:
     ids, mask = batch.sequences()
     return SeqBatch(input_ids=ids, attention_mask=mask, response_mask=batch.response_mask,
-                    prompt_len=batch.prompt_ids.shape[1])
+                    prompt_len=batch.prompt_ids.shape[1], routes=batch.routes)
 
 
 def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read: tuple | None = None) -> torch.Tensor:

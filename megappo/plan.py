@@ -20,9 +20,11 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   trained roles (actor, critic), Megatron's mixed-precision bookkeeping (its distributed-optimizer
   table): weights P x 2 (bf16/fp16) or 4 (fp32); gradients P x 4 (megappo reduces in fp32, a
   main_grad buffer that the distributed optimizer does not shard); fp32 master weights P x 4 (half
-  precision only) and Adam moments P x 8, both / d with parallel.use_distributed_optimizer.
+  precision only) and Adam moments P x 8, both / d with parallel.use_distributed_optimizer (a MoE
+  model's experts / (d / ep), their expert-data-parallel ranks).
   ref / reward model: weights only. P is the worst pipeline stage's share: layers / pp of each
-  layer's matrices / tp (norms replicated), plus the embedding / tp on the first stage and the
+  layer's matrices / tp (norms replicated; a MoE layer's experts / ep, its router replicated), plus
+  the embedding / tp on the first stage and the
   output layer / tp (a value head for critic and reward) on the last.
   activations, per transformer layer and micro-batch of b sequences of s = data.max_prompt_length
   + rollout.max_new_tokens tokens, no recomputation: Korthikanti et al. 2022 ("Reducing Activation
@@ -88,6 +90,16 @@ _LLAMA31_8B = {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_
                "num_attention_heads": 32, "num_key_value_heads": 8}
 _LLAMA33_70B = {**_LLAMA3, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                 "num_attention_heads": 64, "num_key_value_heads": 8}
+_QWEN3 = {"model_type": "qwen3", "hidden_act": "silu", "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+          "vocab_size": 151936, "tie_word_embeddings": False, "head_dim": 128, "rms_norm_eps": 1e-6,
+          "attention_bias": False}
+_QWEN3_8B = {**_QWEN3, "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8}
+_QWEN3_30B_A3B = {**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "router_aux_loss_coef": 0.001}
 _SMOLLM2_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                  "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                  "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
@@ -103,6 +115,8 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Llama-3.1-8B": _LLAMA31_8B,
     "Llama-3.1-8B-Instruct": _LLAMA31_8B,
     "Llama-3.3-70B-Instruct": _LLAMA33_70B,
+    "Qwen3-8B": _QWEN3_8B,
+    "Qwen3-30B-A3B": _QWEN3_30B_A3B,
     "SmolLM2-135M": _SMOLLM2_135M,
     "SmolLM2-135M-Instruct": _SMOLLM2_135M,
 }
@@ -145,23 +159,41 @@ def resolve_hf_config(path: Optional[str], key: str, *, inline: Optional[dict] =
 
 # -- parameters per GPU ---------------------------------------------------------------------------
 
-def layer_params(d: ModelDims, tp: int) -> float:
-    """Parameters of one decoder layer on one TP rank (matrices / tp; the two norms replicated)."""
+def _moe_share(d: ModelDims) -> float:
+    """The fraction of layers whose MLP is a mixture of experts (0 for a dense model)."""
+    return sum(d.moe_layer_pattern) / d.num_layers if d.is_moe else 0.0
+
+
+def layer_params(d: ModelDims, tp: int, ep: int = 1, *, active: bool = False) -> float:
+    """Parameters of one decoder layer on one TP (x EP) rank, averaged over dense and MoE layers
+    (matrices / tp; the two norms, q/k norms and the router replicated). A MoE layer holds
+    num_experts / ep experts of 3 * hidden * moe_ffn each; `active`: only the top-k experts
+    a token passes through (the parameters that set the FLOPs)."""
     q, kv = d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
     qkv = d.hidden_size * (q + 2 * kv) + ((q + 2 * kv) if d.qkv_bias else 0)
-    return (qkv + q * d.hidden_size + 3 * d.hidden_size * d.ffn_hidden_size) / tp + 2 * d.hidden_size
+    norms = 2 * d.hidden_size + (2 * d.head_dim if d.qk_layernorm else 0)
+    dense_mlp = 3 * d.hidden_size * d.ffn_hidden_size
+    share = _moe_share(d)
+    experts = d.moe_topk if active else d.num_experts / ep
+    moe_mlp = experts * 3 * d.hidden_size * d.moe_ffn_hidden_size
+    mlp = (1 - share) * dense_mlp / tp + share * (moe_mlp / tp + d.num_experts * d.hidden_size)
+    return (qkv + q * d.hidden_size) / tp + mlp + norms
 
 
-def total_params(d: ModelDims) -> int:
-    """Parameters of the HF model (unpadded vocab; a tied output layer counted once)."""
+def total_params(d: ModelDims, *, active: bool = False) -> int:
+    """Parameters of the HF model (unpadded vocab; a tied output layer counted once); `active`:
+    those one token uses (MoE: top-k experts per layer)."""
     emb = d.vocab_size * d.hidden_size
-    return int(d.num_layers * layer_params(d, 1) + emb * (1 if d.tie_word_embeddings else 2) + d.hidden_size)
+    return int(d.num_layers * layer_params(d, 1, active=active) + emb * (1 if d.tie_word_embeddings else 2)
+               + d.hidden_size)
 
 
-def stage_params(d: ModelDims, *, tp: int, pp: int, stage: str, value_head: bool, divisible_by: int) -> float:
-    """Parameters one GPU holds on pipeline `stage` ('all' for pp=1, 'first', 'last')."""
+def stage_params(d: ModelDims, *, tp: int, pp: int, stage: str, value_head: bool, divisible_by: int,
+                 ep: int = 1) -> float:
+    """Parameters one GPU holds on pipeline `stage` ('all' for pp=1, 'first', 'last'); MoE
+    layers hold experts / ep."""
     h, vpad = d.hidden_size, d.padded_vocab_size(tp, divisible_by)
-    n = d.num_layers // pp * layer_params(d, tp)
+    n = d.num_layers // pp * layer_params(d, tp, ep)
     if stage in ("all", "first"):
         n += vpad * h / tp  # word embeddings
     if stage in ("all", "last"):
@@ -181,7 +213,10 @@ def layer_activation_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, seque
     h, f = d.hidden_size, d.ffn_hidden_size
     q, kv = d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
     replicated = 4 * h  # two norm inputs, QKV input, FC1 input
-    split = q + 2 * kv + q + 3 * f  # Q, K, V, attention output, gate+up, SwiGLU output
+    # MoE layers: each token's k expert copies (dispatched input and output, gate+up, SwiGLU output)
+    share = _moe_share(d)
+    mlp = (1 - share) * 3 * f + share * d.moe_topk * (2 * h + 3 * d.moe_ffn_hidden_size)
+    split = q + 2 * kv + q + mlp  # Q, K, V, attention output, the MLP's
     tokens = seq * micro
     total = act_bytes * tokens * (replicated / (tp if sequence_parallel else 1) + split / tp)
     if not fused_attention:
@@ -273,6 +308,7 @@ class Plan:
     hardware: str = ""  # the machines planned and where they came from
     device: str = "gpu"  # hardware.device
     host_engine: float = 0.0  # bytes: the hf engine's model copy on this rank (device=cpu, rank 0)
+    ep: int = 1  # the actor's expert-parallel size (MoE)
 
     @property
     def peak_activation(self) -> RoleMemory:
@@ -333,7 +369,8 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
     micro, seq = _micro_batch_shape(cfg, role)
     shard = dp if p.use_distributed_optimizer else 1
     value = role in ("critic", "reward")
-    n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by)
+    n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by,
+                     ep=cfg.expert_parallel(role))
     per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
     logits = 0.0 if value or stage == "first" else logits_bytes(
         d, seq=seq, micro=1, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by)
@@ -345,8 +382,12 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         layers = (d.num_layers if pp == 1 else
                   layers_in_flight(d.num_layers, pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches))
         act = layers * layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
-        return RoleMemory(role, n, weights=n * db, grads=n * 4, master=n * 4 / shard if db < 4 else 0.0,
-                          adam=n * 8 / shard, activations=act, phase=f"{role} update")
+        # the distributed optimizer shards expert parameters over the expert-data-parallel ranks (dp / ep)
+        ep = cfg.expert_parallel(role)
+        experts = d.num_layers // pp * _moe_share(d) * d.num_experts / ep * 3 * d.hidden_size * d.moe_ffn_hidden_size / tp
+        sharded = (n - experts) / shard + experts / (max(1, dp // ep) if p.use_distributed_optimizer else 1)
+        return RoleMemory(role, n, weights=n * db, grads=n * 4, master=sharded * 4 if db < 4 else 0.0,
+                          adam=sharded * 8, activations=act, phase=f"{role} update")
     act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
     return RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
                       phase=f"{role} forward")
@@ -495,7 +536,7 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
     if cfg.reward.model_path:
         dims["reward"] = dims_from_hf(resolve_hf_config(cfg.reward.model_path, "reward.model_path")[0])
     for role in cfg.model_roles:
-        dims[role].check_layout(*cfg.layout(role))
+        dims[role].check_layout(*cfg.layout(role), ep=cfg.expert_parallel(role))
     actor = dims["actor"]
     dp = world_size // (p.tp * p.pp)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
@@ -531,6 +572,7 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
                                   kv_token_bytes=2 * kv_heads * actor.head_dim * actor.num_layers * db)
         fixes = _fixes(cfg, roles, engine, start, later, gpu_mem, world_size, actor, seq)
         plan = Plan(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
+                    ep=cfg.expert_parallel("actor"),
                     padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by),
                     dp=dp, seq=seq, dtype=m.dtype, sequence_parallel=p.sequence_parallel,
                     distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
@@ -553,12 +595,14 @@ def format_plan(plan: Plan) -> str:
     unit = "GPU" if plan.device == "gpu" else "rank"
     lines = [
         f"hardware: {plan.hardware}",
-        f"model: {d.arch}, {_count(total_params(d))} parameters, {d.num_layers} layers, hidden {d.hidden_size}, "
+        f"model: {d.arch}, {_count(total_params(d))} parameters"
+        + (f" ({_count(total_params(d, active=True))} active: {d.num_experts} experts, top-{d.moe_topk})"
+           if d.is_moe else "") + f", {d.num_layers} layers, hidden {d.hidden_size}, "
         f"{d.num_heads} heads / {d.num_query_groups} KV heads, vocab {d.vocab_size} (padded to {plan.padded_vocab} "
         f"at tp={plan.tp})",
         f"  from {plan.model}",
         f"layout: world {plan.world_size} = tp {plan.tp} x pp {plan.pp}" + (f" (vpp {plan.vpp})" if plan.vpp else "")
-        + f" x dp {plan.dp}; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
+        + f" x dp {plan.dp}" + (f" (experts: ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
         f"{on(plan.distributed_optimizer)}; attention {'fused (TE)' if plan.fused_attention else 'unfused (local)'}",
         f"sequence length {plan.seq} (data.max_prompt_length + rollout.max_new_tokens)",
         "",

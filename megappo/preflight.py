@@ -20,6 +20,7 @@ from __future__ import annotations
 from megappo.config import Config
 from megappo.data import check_files
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
+from megappo.rollout.routes import is_moe_arch
 from megappo.rewards import get_reward_fn
 from megappo.tokenizer import check_tokenizer_spec
 
@@ -38,6 +39,9 @@ def check_inputs(cfg: Config, world_size: int) -> None:
 def check_models(cfg: Config) -> None:
     """Every model the run builds splits over its role's layout and has the actor's vocabulary."""
     actor = dims_from_hf(cfg.model.hf_config or load_hf_config(cfg.model.path), cfg.model.arch)
+    if cfg.actor.moe_routing == "replay" and not (actor.is_moe and is_moe_arch(actor.arch)):
+        raise ModelConfigError(f"actor.moe_routing=replay needs a Mixture-of-Experts actor; {actor.arch} is dense. "
+                               "Fix: set actor.moe_routing=recompute.")
     sources = {"actor": ("model", actor), "ref": ("model", actor), "critic": ("model", actor)}
     if cfg.use_critic and cfg.critic.path:
         sources["critic"] = ("critic.path", dims_from_hf(load_hf_config(cfg.critic.path)))
@@ -46,7 +50,8 @@ def check_models(cfg: Config) -> None:
     for role in cfg.model_roles:
         where, dims = sources[role]
         try:
-            dims.check_layout(*cfg.layout(role))
+            dims.check_layout(*cfg.layout(role), ep=cfg.expert_parallel(role),
+                              ep_name=f"{role}.parallel.ep" if getattr(cfg, role).parallel.ep else "parallel.ep")
         except ModelConfigError as e:
             own = " (its own layout: " + role + ".parallel)" if cfg.layout(role) != (
                 cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp) else ""

@@ -28,6 +28,7 @@ from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
+from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.state import ParallelState, add_layout, init_parallel
@@ -178,10 +179,11 @@ def _hf_source(cfg: Config):
     """(HF config dict, weights: a directory or an in-memory state dict, the HF model or None)."""
     if cfg.model.path:
         return load_hf_config(cfg.model.path), cfg.model.path, None
+    from megappo.models.hf_experts import checkpoint_state
     from megappo.models.hf_reference import build_hf_model
 
     hf = build_hf_model(cfg.model.hf_config, seed=cfg.model.seed_init)
-    return cfg.model.hf_config, hf.state_dict(), hf
+    return cfg.model.hf_config, checkpoint_state(hf), hf  # MoE: per-expert checkpoint names
 
 
 def _optim(section, total_steps: int, updates_per_step: int, use_dist_opt: bool) -> OptimSettings:
@@ -203,7 +205,7 @@ def _prompt_rows(d) -> tuple[list[dict], list[dict] | None]:
 
 def create_run(cfg: Config) -> Run:
     p = cfg.parallel
-    ps = init_parallel(p.tp, p.pp, p.vpp, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
+    ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
         resume = checkpointing.find_resume(cfg)  # refusals come before any model is built
@@ -245,11 +247,16 @@ def create_run(cfg: Config) -> Run:
 
     # roles with their own TP/PP get their own Megatron groups over the same ranks (built in
     # the same order on every rank)
-    layouts = {ps.layout: ps}
+    def layout_of(role: str) -> tuple:
+        return cfg.layout(role) + (cfg.expert_parallel(role),)
+
+    layouts = {ps.layout + (ps.ep,): ps}
     for role in cfg.model_roles:
-        if cfg.layout(role) not in layouts:
-            layouts[cfg.layout(role)] = add_layout(ps, *cfg.layout(role), seed=cfg.run.seed,
-                                                   timeout_minutes=p.timeout_minutes)
+        if layout_of(role) not in layouts:
+            layouts[layout_of(role)] = add_layout(ps, *cfg.layout(role), ep=cfg.expert_parallel(role),
+                                                  seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
+
+    replays = cfg.actor.moe_routing == "replay"  # the actor's and reference's routers replay the engine's
 
     def model(role: str, source=weights) -> MegatronModel:
         # a critic or reward model from its own directory may have another size than the actor
@@ -257,10 +264,11 @@ def create_run(cfg: Config) -> Run:
         if role_dims.vocab_size != dims.vocab_size:
             raise ModelConfigError(f"the {role} model's vocab_size {role_dims.vocab_size} differs from the actor's "
                              f"{dims.vocab_size}; all roles must share the tokenizer.")
-        m = build_model(role_dims, layouts[cfg.layout(role)], role=role, dtype=cfg.model.dtype,
+        m = build_model(role_dims, layouts[layout_of(role)], role=role, dtype=cfg.model.dtype,
                         layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                        sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init)
+                        sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init,
+                        **({"moe_enable_routing_replay": True} if replays and role in ("actor", "ref") else {}))
         load_hf_weights(m, source)
         return m
 
@@ -274,14 +282,14 @@ def create_run(cfg: Config) -> Run:
                              multiple=tp if p.sequence_parallel else 1)
 
     actor = PolicyWorker(actor_model, batching=batching("actor"),
-                         temperature=cfg.rollout.temperature or 1.0,
+                         temperature=cfg.rollout.temperature or 1.0, routing=RouteReplay() if replays else None,
                          trainable=make_trainable(actor_model, _optim(cfg.actor, total_steps,
                                                                       cfg.updates_per_step("actor"),
                                                                       p.use_distributed_optimizer)))
     ref = None
     if cfg.needs_ref:
-        ref = PolicyWorker(model("ref"), batching=batching("ref"),
-                           temperature=cfg.rollout.temperature or 1.0)
+        ref = PolicyWorker(model("ref"), batching=batching("ref"), temperature=cfg.rollout.temperature or 1.0,
+                           routing=RouteReplay() if replays else None)
     critic = None
     if cfg.use_critic:
         critic_model = model("critic", cfg.critic.path or weights)
@@ -356,4 +364,5 @@ def _build_engine(cfg: Config, hf_model, tokenizer):
         hf_model.save_pretrained(model_path)
     return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
-                        engine_args=cfg.rollout.sglang)
+                        engine_args={**({"enable_return_routed_experts": True} if cfg.actor.moe_routing == "replay"
+                                         else {}), **cfg.rollout.sglang})

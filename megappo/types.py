@@ -32,6 +32,8 @@ class SamplingParams:
     #: distribution the tokens were drawn from before top-k/top-p, and what the trainer
     #: recomputes) or softmax(logits) ("untempered"). Greedy: always untempered.
     logprob_mode: LogprobMode = "tempered"
+    #: also return each token's routed experts (MoE models: `RolloutBatch.routes`, routing replay)
+    return_routes: bool = False
 
     def __post_init__(self):
         if self.n < 1 or self.max_new_tokens < 1:
@@ -58,6 +60,9 @@ class RolloutBatch:
     logprob_mode: LogprobMode = "tempered"
     examples: list | None = None  # the orchestrator's per-sample prompt records (ground truth, ...)
     reward_baselines: torch.Tensor | None = None  # [N] ReMax: reward of the prompt's greedy response
+    #: [N, P+R, L, k] int16 expert ids the engine routed each position to, per decoder layer, -1 where
+    #: unknown (megappo.rollout.routes); None unless SamplingParams.return_routes
+    routes: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:

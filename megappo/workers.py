@@ -20,9 +20,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel
 from megappo.models.forward import run_micro_batches
+from megappo.models.moe_metrics import RouterStats
+from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import Trainable, train_step
 from megappo.parallel.comm import gather_to_rank0
 from megappo.parallel.packing import MicroBatching, PassCounter, Select, micro_batch_tensors
@@ -30,6 +33,7 @@ from megappo.parallel.vocab_parallel import vocab_parallel_log_probs, vocab_para
 from megappo.ppo import losses as ppo_losses
 from megappo.ppo.kl import kl_penalty
 from megappo.ppo.stats import masked_mean
+from megappo.rollout.routes import fill_unknown
 
 
 @dataclasses.dataclass
@@ -40,6 +44,9 @@ class SeqBatch:
     attention_mask: torch.Tensor  # [N, T]
     response_mask: torch.Tensor  # [N, R]
     prompt_len: int
+    #: [N, T, L, k] int16 the rollout engine's expert ids per position and layer (-1: unknown), for
+    #: MoE routing replay (megappo.rollout.routes); None without a record
+    routes: torch.Tensor | None = None
 
     @property
     def response_ids(self) -> torch.Tensor:  # [N, R]
@@ -70,6 +77,8 @@ class _Passes:
     model: MegatronModel
     batching: MicroBatching
     counter: PassCounter
+    #: how this model's passes use the engine's routing records (MoE); None: they do not
+    routing: RouteReplay | None = None
 
     def _split(self, seqs: SeqBatch, rows: torch.Tensor | None, select: Select,
                per_row: dict[str, torch.Tensor | None]) -> list[dict[str, torch.Tensor]]:
@@ -78,9 +87,11 @@ class _Passes:
         attn = seqs.attention_mask[rows]
         plan = self.batching.plan(attn, seqs.prompt_len, self.model.ps.dp)
         self.counter.add(plan)
+        routes = fill_unknown(seqs.routes[rows]) if self.routing and seqs.routes is not None else None
         mbs = micro_batch_tensors(plan, self.model.ps.dp_rank, seqs.input_ids[rows], attn, seqs.prompt_len,
                                   select=select, per_row={"response_mask": seqs.response_mask[rows],
-                                                          **{k: v[rows] for k, v in per_row.items() if v is not None}})
+                                                          **{k: v[rows] for k, v in per_row.items() if v is not None}},
+                                  routes=routes)
         for mb in mbs:
             mb["rows"] = rows[mb["rows"]]
         return mbs
@@ -107,7 +118,22 @@ def pass_metrics(workers: list["_Passes | None"]) -> dict[str, float]:
     if not count:
         return {}
     return {"perf/padding_ratio": 1 - real / computed, "perf/tokens_per_micro_batch": real / count,
-            "perf/micro_batches": float(count)}
+            "perf/micro_batches": float(count), **_route_metrics([w for w in workers if w is not None])}
+
+
+def _route_metrics(workers: list["_Passes"]) -> dict[str, float]:
+    """`rollout/moe_routes_differ_frac`: of the engine's (token, layer) routes that the MoE models'
+    passes read since the last call, the fraction where the trainer's own top-k differs (summed
+    over all ranks: a collective when any model reads routes, which every rank agrees on)."""
+    routed = [w.routing for w in workers if w.routing is not None]
+    if not routed:
+        return {}
+    counts = torch.tensor([sum(r.differ for r in routed), sum(r.total for r in routed)], dtype=torch.float64,
+                          device=workers[0].model.ps.device)
+    for r in routed:
+        r.differ = r.total = 0
+    dist.all_reduce(counts)
+    return {"rollout/moe_routes_differ_frac": float(counts[0] / counts[1])} if counts[1] else {}
 
 
 def _placed(values: torch.Tensor, mb: dict[str, torch.Tensor], width: int) -> torch.Tensor:
@@ -126,8 +152,8 @@ class PolicyWorker(_Passes):
     """Actor (trainable) or reference (frozen): log-probs of response tokens, and updates."""
 
     def __init__(self, model: MegatronModel, *, batching: MicroBatching, temperature: float = 1.0,
-                 trainable: Trainable | None = None):
-        self.model, self.trainable = model, trainable
+                 trainable: Trainable | None = None, routing: RouteReplay | None = None):
+        self.model, self.trainable, self.routing = model, trainable, routing
         self.batching, self.temperature, self.counter = batching, temperature, PassCounter()
         ps = model.ps
         per_tp = model.padded_vocab // ps.tp
@@ -166,7 +192,8 @@ class PolicyWorker(_Passes):
             out = torch.stack([lp, ent], 1) if with_entropy else lp[:, None]
             return logits.new_zeros(()), out * mb["response_mask"][:, None]
 
-        stacked = self._gather(mbs, run_micro_batches(self.model, mbs, on_output, forward_only=True), seqs.size)
+        results = run_micro_batches(self.model, mbs, on_output, forward_only=True, routing=self.routing)
+        stacked = self._gather(mbs, results, seqs.size)
         if stacked is None:
             return (None, None) if with_entropy else None
         return (stacked[:, 0], stacked[:, 1]) if with_entropy else stacked[:, 0]
@@ -207,8 +234,11 @@ class PolicyWorker(_Passes):
 
         extra = {"old": exp.old_log_probs, "adv": exp.advantages, "ref": exp.ref_log_probs,
                  "isw": exp.rollout_is_weights}
-        return _ppo_updates(self, exp, extra, loss_for, prefix="actor", mini_batch_size=mini_batch_size,
-                            epochs=epochs, seed=seed)
+        with RouterStats(self.model) as routers:  # MoE: load balance of the update's routing
+            out = _ppo_updates(self, exp, extra, loss_for, prefix="actor", mini_batch_size=mini_batch_size,
+                               epochs=epochs, seed=seed)
+        moe = routers.metrics("actor")  # collective
+        return {**out, **moe} if out else out
 
 
 class ValueWorker(_Passes):
@@ -266,7 +296,7 @@ def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, pre
         for rows in _mini_batches(exp.seqs.size, mini_batch_size, model.ps.dp, seed + epoch):
             counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
             mbs = worker._split(exp.seqs, rows, "response", extra)
-            results, step = train_step(trainable, mbs, loss_for(counts))
+            results, step = train_step(trainable, mbs, loss_for(counts), routing=worker.routing)
             for r in results:  # parts of global-count losses: summed in _reduce_metrics
                 for k, v in r.items():
                     metrics.setdefault(k, []).append(v)

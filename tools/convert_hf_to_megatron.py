@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """HF model directory -> megappo Megatron checkpoint at a chosen TP/PP.
 
-    python tools/convert_hf_to_megatron.py --hf-dir HF --out CKPT --tp 2 --pp 2 [--role critic] [--verify]
+    python tools/convert_hf_to_megatron.py --hf-dir HF --out CKPT --tp 2 --pp 2 [--ep 2] [--role critic] [--verify]
 
-Starts tp*pp local ranks itself (or run it under torchrun with that many). The checkpoint
+Starts tp*pp*ep local ranks itself (or run it under torchrun with that many). The checkpoint
 is a Megatron-Core distributed checkpoint (loadable at any TP/PP) plus megappo_model.json
 and the HF config/tokenizer files. --verify reloads what was written and checks the round
 trip bit-exact and Megatron's logits against transformers'. Nothing is left at --out
@@ -24,6 +24,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); ranks = tp*pp*ep")
     p.add_argument("--role", default="actor", choices=["actor", "ref", "critic", "reward"])
     p.add_argument("--arch", default=None, help="registry key override (default: config.json architectures)")
     p.add_argument("--verify", action="store_true")
@@ -47,15 +48,15 @@ def convert(args) -> int:
         raise ModelConfigError(f"--hf-dir '{args.hf_dir}' has no config.json: not an HF model directory. Fix: pass "
                                "--hf-dir a directory with config.json and *.safetensors (as save_pretrained writes).")
     dims = dims_from_hf(load_hf_config(args.hf_dir), args.arch)
-    dims.check_layout(args.tp, args.pp, names=("--tp", "--pp"))
+    dims.check_layout(args.tp, args.pp, names=("--tp", "--pp"), ep=args.ep, ep_name="--ep")
     HFWeights(args.hf_dir)
     check_output_dir(args.out, args.overwrite)
-    ensure_ranks(args.tp * args.pp)
+    ensure_ranks(args.tp * args.pp * args.ep)
 
     from megappo.convert import hf_to_megatron
     from megappo.parallel.state import destroy_parallel, init_parallel
 
-    ps = init_parallel(args.tp, args.pp)
+    ps = init_parallel(args.tp, args.pp, ep=args.ep)
     results = hf_to_megatron(args.hf_dir, args.out, ps, role=args.role, verify=args.verify,
                              overwrite=args.overwrite, arch=args.arch)
     if ps.rank == 0:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """megappo Megatron checkpoint -> HF model directory (config, tokenizer files, safetensors).
 
-    python tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 2 --pp 2 [--verify]
+    python tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 2 --pp 2 [--ep 2] [--verify]
 
 Loads the checkpoint at the given TP/PP (any layout: Megatron's distributed checkpoints
 reshard on load), gathers TP shards and pipeline stages on rank 0 one tensor at a time, and
@@ -23,6 +23,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); ranks = tp*pp*ep")
     p.add_argument("--max-shard-gb", type=float, default=2.0)
     p.add_argument("--verify", action="store_true")
     p.add_argument("--overwrite", action="store_true")
@@ -48,14 +49,15 @@ def convert(args) -> int:
                 "pass --ckpt a directory written by tools/convert_hf_to_megatron.py or a trainer checkpoint's "
                 "actor/ or critic/ directory")
         raise ModelConfigError(f"--ckpt '{args.ckpt}' is not a megappo model checkpoint (no {META_FILE}). Fix: {hint}.")
-    ModelDims(**read_metadata(args.ckpt)["dims"]).check_layout(args.tp, args.pp, names=("--tp", "--pp"))
+    dims = ModelDims(**read_metadata(args.ckpt)["dims"])
+    dims.check_layout(args.tp, args.pp, names=("--tp", "--pp"), ep=args.ep, ep_name="--ep")
     check_output_dir(args.out, args.overwrite)
-    ensure_ranks(args.tp * args.pp)
+    ensure_ranks(args.tp * args.pp * args.ep)
 
     from megappo.convert import megatron_to_hf
     from megappo.parallel.state import destroy_parallel, init_parallel
 
-    ps = init_parallel(args.tp, args.pp)
+    ps = init_parallel(args.tp, args.pp, ep=args.ep)
     results = megatron_to_hf(args.ckpt, args.out, ps, verify=args.verify, overwrite=args.overwrite,
                              max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
     if ps.rank == 0:

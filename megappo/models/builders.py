@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from megappo.models.hf_config import ModelConfigError, ModelDims, transformer_config
-from megappo.models.name_map import NameMap, TensorRule, global_layer_name, name_map_for
+from megappo.models.name_map import NameMap, TensorRule, global_param_name, name_map_for
 from megappo.parallel.state import ParallelState
 
 ROLES = ("actor", "ref", "critic", "reward")
@@ -65,13 +65,15 @@ class MegatronModel:
         return self.role in VALUE_ROLES
 
     def named_parameters(self) -> Iterator[tuple[str, TensorRule, torch.nn.Parameter]]:
-        """(global Megatron name, rule, local shard) for every parameter on this rank."""
+        """(global Megatron name, rule, local shard) for every parameter on this rank (global layer
+        numbers, and global expert numbers: this EP rank's experts are ep_rank * E/ep + k)."""
+        expert_offset = self.ps.ep_rank * (self.dims.num_experts // self.ps.ep)
         for chunk in self.chunks:
             module = unwrap(chunk)
             # layers of a chunk are contiguous; layer_number is global and 1-based
             offset = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
             for local_name, param in module.named_parameters():
-                name = global_layer_name(local_name, offset)
+                name = global_param_name(local_name, offset, expert_offset)
                 yield name, self.name_map.rule(name), param
 
 
@@ -81,23 +83,45 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _layer_spec(kind: str):
+def _layer_spec(kind: str, config, vp_stage: int | None):
+    """The layer spec (dense) or this virtual stage's block spec (MoE: dense and MoE layers
+    as `config.moe_layer_freq` says) for Megatron's local or Transformer Engine modules."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if kind == "auto":
         kind = "te" if torch.cuda.is_available() and _have_te() else "local"
+    moe = bool(config.num_moe_experts)
     if kind == "te":
         if not _have_te():
             raise ModelConfigError(
                 "model.layer_spec=te needs transformer-engine; install the gpu extra or set model.layer_spec=local."
             )
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        if moe:
+            return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megappo.models.packed_attention import PackedDotProductAttention
 
-    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if moe:
+        spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                vp_stage=vp_stage)
+        layers = spec.layer_specs
+    else:
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        layers = [spec]
     # the local spec's core attention, plus packed (THD) sequences: megappo.models.packed_attention
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec
+
+
+def _moe_without_te_fix() -> None:
+    """megatron-core 0.16.1's router linear (moe_utils.RouterGatingLinearFunction) reads
+    `te_general_gemm`, which is only defined when Transformer Engine imports; without TE it
+    raises NameError. Define it as None, the value its code checks for (plain matmul path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _have_te() -> bool:
@@ -135,7 +159,7 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
 
     if role not in ROLES:
         raise ValueError(f"unknown role '{role}'; roles: {ROLES}")
-    dims.check_layout(ps.tp, ps.pp, ps.vpp)
+    dims.check_layout(ps.tp, ps.pp, ps.vpp, ep=ps.ep)
     cpu = ps.device.type == "cpu"
     if config_overrides.get("sequence_parallel"):
         if cpu:
@@ -144,14 +168,23 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
         if role in VALUE_ROLES:
             raise ModelConfigError("parallel.sequence_parallel is not supported for critic/reward models yet; "
                                    "set it to false.")
-    config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, dtype=dtype, cpu=cpu,
+    if dims.is_moe and ps.tp > 1 and not config_overrides.get("sequence_parallel"):
+        # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on.
+        raise ModelConfigError(
+            f"a mixture-of-experts model with tp={ps.tp} needs parallel.sequence_parallel=true (Megatron-Core "
+            "trains MoE layers under tensor parallelism only with sequence parallelism, which needs GPU norms). "
+            "Fix: set parallel.sequence_parallel=true on GPU, or use tp=1 and split the experts with parallel.ep."
+        )
+    config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, ep=ps.ep, dtype=dtype, cpu=cpu,
                                 **config_overrides)
+    if dims.is_moe:
+        _moe_without_te_fix()
     padded_vocab = dims.padded_vocab_size(ps.tp, make_vocab_size_divisible_by)
     value_head = role in VALUE_ROLES
-    spec = _layer_spec(layer_spec)
     chunks = []
     for vp_stage in range(ps.vpp or 1):
         vp = vp_stage if ps.vpp else None
+        spec = _layer_spec(layer_spec, config, vp)
         pre = mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         model = GPTModel(

@@ -94,6 +94,7 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
     dist_checkpointing.save(state, ckpt_dir)
     if model.ps.rank == 0:
         meta = {"format": "megappo-model-v1", "role": model.role, "with_optimizer": with_optimizer,
+                "expert_parallel": model.ps.ep,
                 "dims": dataclasses.asdict(model.dims), "hf_config": hf_config}
         with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
@@ -130,6 +131,15 @@ def load_trainable(trainable, ckpt_dir: str) -> dict:
         raise ModelConfigError(f"checkpoint '{ckpt_dir}' holds weights only, no optimizer state to resume from. Fix: "
                                "resume from a trainer checkpoint (<run.output_dir>/checkpoints/step_NNNNNNNN), or load "
                                "these weights as a model with load_model / an HF export.")
+    saved_ep = meta.get("expert_parallel", 1)
+    if model.dims.is_moe and (saved_ep > 1) != (model.ps.ep > 1):
+        # Megatron keeps expert optimizer state apart (a chained optimizer) only when ep > 1
+        raise ModelConfigError(
+            f"checkpoint '{ckpt_dir}' holds optimizer state saved at parallel.ep={saved_ep}; it resumes at any "
+            f"ep {'> 1' if saved_ep > 1 else '= 1'} but not at ep={model.ps.ep} (Megatron keeps expert optimizer "
+            f"state apart only when ep > 1). Fix: resume with parallel.ep {'> 1' if saved_ep > 1 else '= 1'}, or "
+            "load the weights alone (load_model / an HF export) and start a new optimizer."
+        )
     for opt in _inner_optimizers(trainable.optimizer):
         # a fresh distributed optimizer has no Adam state to load into yet
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:

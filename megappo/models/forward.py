@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from megappo.models.builders import MegatronModel, unwrap
+from megappo.models.routing_replay import RouteReplay, replayed_routes
 from megappo.parallel.state import in_layout
 
 
@@ -74,9 +75,12 @@ def run_micro_batches(
     on_output: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]],
     *,
     forward_only: bool,
+    routing: RouteReplay | None = None,
 ) -> list[Any]:
     """Run `micro_batches` (each with 'input_ids' [b, T] and optional 'attention_mask'
-    [b, T]) through the pipeline schedule; see the module docstring."""
+    [b, T]) through the pipeline schedule; see the module docstring. MoE routing records
+    ('routes', 'routes_known') are replayed or compared as `routing` says
+    (megappo.models.routing_replay)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -98,7 +102,8 @@ def run_micro_batches(
         mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
         inputs = _model_inputs(model, mb, b, t)
         select = mb.get("select")
-        with _selected_outputs(chunk, select) as selected_early:
+        routes, known = _routes_of_this_rank(model, mb)
+        with _selected_outputs(chunk, select) as selected_early, replayed_routes(chunk, routes, known, routing):
             output = chunk(input_ids=mb["input_ids"], **inputs)
 
         def loss_func(output_tensor):
@@ -141,6 +146,16 @@ def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: 
         return {"position_ids": torch.arange(t, device=model.ps.device).unsqueeze(0).expand(b, t),
                 "attention_mask": None}
     return {"position_ids": position_ids_from_mask(attn), "attention_mask": causal_padding_mask(attn)}
+
+
+def _routes_of_this_rank(model: MegatronModel, mb: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The micro-batch's routing record for the tokens this rank's routers see: all of them,
+    or this TP rank's share under sequence parallelism."""
+    routes, known = mb.get("routes"), mb.get("routes_known")
+    if routes is None or not model.config.sequence_parallel:
+        return routes, known
+    ps = model.ps
+    return routes.chunk(ps.tp)[ps.tp_rank], known.chunk(ps.tp)[ps.tp_rank]
 
 
 @contextlib.contextmanager

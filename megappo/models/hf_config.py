@@ -1,9 +1,10 @@
 """From a HuggingFace config to the numbers megappo's models need (no torch.distributed).
 
 `ModelDims` is the architecture-neutral description of a decoder (layers, heads, query
-groups, head dim, vocab and its TP padding, RoPE, norms, biases, tying). It is read from
+groups, head dim, vocab and its TP padding, RoPE, norms, biases, tying, and for MoE
+families the experts, top-k, router normalisation and the per-layer dense/MoE pattern). It is read from
 an HF `config.json` (a dict or a transformers config object) for the families in
-`SUPPORTED_ARCHS`, and validated against a TP x PP layout before any model is built.
+`SUPPORTED_ARCHS`, and validated against a TP x PP (x EP) layout before any model is built.
 `transformer_config(dims, ...)` turns it into a Megatron-Core `TransformerConfig`.
 
 This module does not know about process groups, weights or the name map.
@@ -26,12 +27,19 @@ class ModelConfigError(ValueError):
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+
+#: families whose MLPs are (some or all) mixtures of experts
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
-    """Architecture numbers of a Llama/Qwen2-style decoder, independent of parallelism."""
+    """Architecture numbers of a Llama/Qwen-style decoder (dense or mixture-of-experts),
+    independent of parallelism."""
 
     arch: str  # HF architecture name, a key of SUPPORTED_ARCHS
     num_layers: int
@@ -48,6 +56,23 @@ class ModelDims:
     tie_word_embeddings: bool
     initializer_range: float = 0.02
     rope_scaling_factor: float | None = None  # Llama-3.1 style scaling, None = off
+    qk_layernorm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head
+    # -- mixture of experts (num_experts == 0: a dense model) --
+    num_experts: int = 0  # routed experts per MoE layer (HF num_experts / num_local_experts)
+    moe_topk: int = 0  # experts per token (HF num_experts_per_tok)
+    moe_ffn_hidden_size: int = 0  # each expert's ffn size (HF moe_intermediate_size; Mixtral: intermediate_size)
+    #: True: the top-k probabilities are renormalised to sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob)
+    moe_norm_topk_prob: bool = False
+    moe_layer_pattern: tuple[int, ...] = ()  # per layer: 1 = MoE MLP, 0 = dense MLP (ffn_hidden_size)
+    moe_aux_loss_coef: float = 0.0  # HF router_aux_loss_coef: the load-balancing loss weight
+
+    def __post_init__(self):
+        # a tuple whatever it was read from (checkpoint metadata is JSON: a list)
+        object.__setattr__(self, "moe_layer_pattern", tuple(self.moe_layer_pattern))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def family(self) -> str:
@@ -59,10 +84,20 @@ class ModelDims:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def check_layout(self, tp: int, pp: int, vpp: int | None = None,
-                     names: tuple[str, str] = ("parallel.tp", "parallel.pp")) -> None:
-        """Raise ModelConfigError when TP/PP (and VPP) do not divide this model; the fix names
+                     names: tuple[str, str] = ("parallel.tp", "parallel.pp"), ep: int = 1,
+                     ep_name: str = "parallel.ep") -> None:
+        """Raise ModelConfigError when TP/PP (and VPP, EP) do not divide this model; the fix names
         the settings as `names` (the command-line tools: ("--tp", "--pp"))."""
         problems = []
+        if ep > 1 and not self.is_moe:
+            raise ModelConfigError(f"{ep_name}={ep} needs a mixture-of-experts model; {self.arch} is dense. "
+                                   f"Fix: set {ep_name}=1.")
+        if self.is_moe and self.num_experts % ep:
+            valid_ep = [e for e in range(1, self.num_experts + 1) if self.num_experts % e == 0]
+            raise ModelConfigError(f"num_experts={self.num_experts} is not divisible by {ep_name}={ep}. "
+                                   f"Fix: choose {ep_name} from {valid_ep}.")
+        if self.is_moe and self.moe_ffn_hidden_size % tp:
+            problems.append(f"moe_intermediate_size={self.moe_ffn_hidden_size} is not divisible by tp={tp}")
         if self.num_heads % tp:
             problems.append(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}")
         if self.num_query_groups % tp:
@@ -128,7 +163,8 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
     if arch is None:
         if not archs:
             model_type = cfg.get("model_type")
-            guess = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(model_type)
+            guess = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                     "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}.get(model_type)
             if guess is None:
                 raise ModelConfigError(
                     "HF config names no 'architectures'; set model.arch to one of "
@@ -154,10 +190,10 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
     theta, factor = _rope(cfg)
     family = SUPPORTED_ARCHS[arch]
     qkv_bias = True if family == "qwen2" else bool(cfg.get("attention_bias", False))
-    if family == "llama" and cfg.get("attention_bias"):
-        # Llama's attention_bias also adds an o_proj bias that Megatron's spec has no slot for.
-        raise ModelConfigError("Llama with attention_bias=True is not supported.")
-    return ModelDims(
+    if family in ("llama", "qwen3", "qwen3_moe", "mixtral") and cfg.get("attention_bias"):
+        # Llama's (and Qwen3's) attention_bias also adds an o_proj bias that Megatron's spec has no slot for.
+        raise ModelConfigError(f"{arch} with attention_bias=True is not supported.")
+    return ModelDims(**_moe_dims(cfg, family, int(_get(cfg, "num_hidden_layers"))),
         arch=arch,
         num_layers=int(_get(cfg, "num_hidden_layers")),
         hidden_size=hidden,
@@ -173,7 +209,37 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         rope_scaling_factor=factor,
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
     )
+
+
+def _moe_dims(cfg: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of ModelDims (empty for dense families)."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
+        raise ModelConfigError(f"sliding-window attention is not supported ({family}). Fix: set sliding_window "
+                               "to null (use_sliding_window=false) in config.json.")
+    if family == "mixtral":
+        experts = int(_get(cfg, "num_local_experts"))
+        ffn = int(_get(cfg, "intermediate_size"))
+        pattern = (1,) * num_layers
+        norm_topk = True  # softmax over the top-k logits
+    else:
+        experts = int(_get(cfg, "num_experts"))
+        ffn = int(_get(cfg, "moe_intermediate_size"))
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        # transformers' Qwen3MoeDecoderLayer: MoE iff not in mlp_only_layers and (i + 1) % step == 0
+        pattern = tuple(int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(num_layers))
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ModelConfigError("shared experts are not supported yet (shared_expert_intermediate_size).")
+    topk = int(_get(cfg, "num_experts_per_tok"))
+    if not 0 < topk <= experts:
+        raise ModelConfigError(f"num_experts_per_tok={topk} must be in [1, num_experts={experts}].")
+    return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=ffn, moe_norm_topk_prob=norm_topk,
+                moe_layer_pattern=pattern, moe_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0))
 
 
 def load_hf_config(path: str | os.PathLike) -> dict:
@@ -192,6 +258,7 @@ def transformer_config(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
     dtype: str = "float32",
     sequence_parallel: bool = False,
     cpu: bool = True,
@@ -202,7 +269,7 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    dims.check_layout(tp, pp, vpp)
+    dims.check_layout(tp, pp, vpp, ep=ep)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     kwargs = dict(
         num_layers=dims.num_layers,
@@ -217,6 +284,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=dims.initializer_range,
@@ -244,5 +312,32 @@ def transformer_config(
         batch_p2p_comm=not cpu,
         batch_p2p_sync=not cpu,
     )
+    if dims.is_moe:
+        kwargs.update(moe_settings(dims, ep=ep))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_settings(dims: ModelDims, *, ep: int = 1) -> dict[str, Any]:
+    """Megatron-Core MoE settings that route and weight tokens the way transformers does.
+
+    Router: softmax over all experts then top-k (Qwen3-MoE, norm_topk_prob=False: Megatron's
+    pre-softmax), or top-k logits then softmax (Mixtral, and Qwen3-MoE with norm_topk_prob: the
+    same as renormalising). No capacity, so no token is dropped and logits equal transformers'.
+    Load balancing: the Switch-style aux loss weighted by HF's router_aux_loss_coef.
+    """
+    aux = dims.moe_aux_loss_coef
+    return dict(
+        num_moe_experts=dims.num_experts,
+        moe_router_topk=dims.moe_topk,
+        moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+        moe_layer_freq=list(dims.moe_layer_pattern),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not dims.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
+        moe_expert_capacity_factor=None,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+    )

@@ -30,6 +30,31 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
         "hidden_act": "silu", "initializer_range": 0.02,
     },
+    # head_dim 32 != hidden / heads = 16: exercises kv_channels; q/k norms over head_dim
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 300,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "head_dim": 32,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "hidden_act": "silu", "initializer_range": 0.02, "attention_bias": False,
+    },
+    # 4 experts, top-2, softmax then top-k without renormalising; layer 1 is dense (mlp_only_layers)
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 300,
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+        "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], "router_aux_loss_coef": 0.001, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02, "attention_bias": False,
+    },
+    # every layer MoE, top-2 renormalised (softmax over the top-k logits)
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 300,
+        "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02, "sliding_window": None,
+    },
 }
 
 

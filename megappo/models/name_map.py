@@ -1,7 +1,8 @@
 """Megatron <-> HF parameter names and transforms, per architecture (pure: torch only).
 
 One `TensorRule` per Megatron parameter says which HF tensors it comes from and how:
-QKV fused and interleaved per query group, gate/up fused into fc1, vocab rows padded to a
+QKV fused and interleaved per query group, gate/up fused into fc1 (per expert for MoE maps,
+`MoENameMap`, with global expert numbers and HF checkpoint names), vocab rows padded to a
 TP-divisible size, tied embeddings, and the value head of critic/reward models. Rules
 speak of *full* Megatron tensors (what a TP=1 model holds) with *global* layer numbers;
 `shard_for_tp` / `merge_tp_shards` move between a full tensor and its TP shards.
@@ -16,6 +17,7 @@ Megatron names (local layer spec; the TE spec's fused-norm names are accepted as
   decoder.layers.{i}.self_attention.linear_qkv.weight [(nq+2g)*d, H]  TP dim 0
   decoder.layers.{i}.self_attention.linear_qkv.bias   [(nq+2g)*d]     TP dim 0 (qwen2)
   decoder.layers.{i}.self_attention.linear_proj.weight [H, nq*d]      TP dim 1
+  decoder.layers.{i}.self_attention.{q,k}_layernorm.weight [d]        (qwen3)
   decoder.layers.{i}.pre_mlp_layernorm.weight         [H]
   decoder.layers.{i}.mlp.linear_fc1.weight            [2*F, H]        TP dim 0, gate|up per shard
   decoder.layers.{i}.mlp.linear_fc2.weight            [H, F]          TP dim 1
@@ -56,6 +58,8 @@ class TensorRule:
     glu: bool = False  # fc1: each TP shard is [gate_k; up_k]
     #: HF name this tensor is exported as; False for a duplicate (tied output layer)
     export: bool = True
+    #: a routed expert's tensor: split over the expert-parallel group as well as TP
+    expert: bool = False
 
 
 def _identity(t: torch.Tensor) -> tuple[torch.Tensor]:
@@ -127,6 +131,11 @@ class NameMap:
         hf = (f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight")
         return TensorRule(megatron, hf, to_hf, from_hf, tp_dim=0, glu=True)
 
+    def _mlp_rules(self, layer: int, m: str, h: str) -> Iterable[TensorRule]:
+        """A dense SwiGLU MLP (MoE maps override this for their expert layers)."""
+        yield self._fc1_rule(f"{m}.mlp.linear_fc1.weight", h)
+        yield TensorRule(f"{m}.mlp.linear_fc2.weight", (f"{h}.mlp.down_proj.weight",), _identity, _same, tp_dim=1)
+
     def _build(self) -> Iterable[TensorRule]:
         d = self.dims
         yield self._vocab_rule("embedding.word_embeddings.weight", "model.embed_tokens.weight")
@@ -138,11 +147,13 @@ class NameMap:
                 yield self._qkv_rule(f"{m}.self_attention.linear_qkv.bias", h, "bias")
             yield TensorRule(f"{m}.self_attention.linear_proj.weight", (f"{h}.self_attn.o_proj.weight",),
                              _identity, _same, tp_dim=1)
+            if d.qk_layernorm:  # [d] each, replicated across TP
+                for meg, hf in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+                    yield TensorRule(f"{m}.self_attention.{meg}.weight", (f"{h}.self_attn.{hf}.weight",),
+                                     _identity, _same)
             yield TensorRule(f"{m}.pre_mlp_layernorm.weight", (f"{h}.post_attention_layernorm.weight",),
                              _identity, _same)
-            yield self._fc1_rule(f"{m}.mlp.linear_fc1.weight", h)
-            yield TensorRule(f"{m}.mlp.linear_fc2.weight", (f"{h}.mlp.down_proj.weight",),
-                             _identity, _same, tp_dim=1)
+            yield from self._mlp_rules(i, m, h)
         yield TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",), _identity, _same)
         if self.value_head:
             yield TensorRule("output_layer.weight", ("score.weight",), _identity, _same)
@@ -193,7 +204,46 @@ class NameMap:
         return {r.megatron: r.from_hf(*(hf[n] for n in r.hf)) for r in rules}
 
 
+class MoENameMap(NameMap):
+    """Mixture-of-experts layers: a router and per-expert SwiGLU MLPs, named per expert as HF
+    checkpoints (and SGLang) name them. `EXPERT` is the HF name of expert {j}'s tensors in
+    layer prefix {h} with {w} one of `PROJ` (gate, up, down); `ROUTER` the router's name.
+
+    Megatron (SequentialMLP, global expert index j; on EP rank r the local expert k is
+    global j = r * E/ep + k, see `global_param_name`):
+      decoder.layers.{i}.mlp.router.weight                              [E, H]
+      decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight [2*F_moe, H] TP dim 0, gate|up
+      decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight [H, F_moe]   TP dim 1
+    """
+
+    ROUTER = "{h}.mlp.gate.weight"
+    EXPERT = "{h}.mlp.experts.{j}.{w}.weight"
+    PROJ = ("gate_proj", "up_proj", "down_proj")
+
+    def _mlp_rules(self, layer: int, m: str, h: str) -> Iterable[TensorRule]:
+        if not self.dims.moe_layer_pattern[layer]:
+            yield from super()._mlp_rules(layer, m, h)
+            return
+        yield TensorRule(f"{m}.mlp.router.weight", (self.ROUTER.format(h=h),), _identity, _same)
+        gate, up, down = self.PROJ
+        for j in range(self.dims.num_experts):
+            e = f"{m}.mlp.experts.local_experts.{j}"
+            names = tuple(self.EXPERT.format(h=h, j=j, w=w) for w in (gate, up))
+            yield dataclasses.replace(self._fc1_rule(f"{e}.linear_fc1.weight", h), hf=names, expert=True)
+            yield TensorRule(f"{e}.linear_fc2.weight", (self.EXPERT.format(h=h, j=j, w=down),), _identity, _same,
+                             tp_dim=1, expert=True)
+
+
+class MixtralNameMap(MoENameMap):
+    """Mixtral's checkpoint names: block_sparse_moe, w1 (gate), w3 (up), w2 (down)."""
+
+    ROUTER = "{h}.block_sparse_moe.gate.weight"
+    EXPERT = "{h}.block_sparse_moe.experts.{j}.{w}.weight"
+    PROJ = ("w1", "w3", "w2")
+
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def canonical_name(name: str) -> str:
@@ -213,6 +263,16 @@ def global_layer_name(local_name: str, layer_offset: int) -> str:
     if not match:
         return name
     return f"decoder.layers.{int(match.group(1)) + layer_offset}." + name[match.end():]
+
+
+def global_param_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """`global_layer_name`, and local expert k -> global expert k + expert_offset (ep_rank * E/ep)."""
+    name = global_layer_name(local_name, layer_offset)
+    match = _LOCAL_EXPERT.search(name)
+    if not match or not expert_offset:
+        return name
+    return (name[: match.start()] + f".mlp.experts.local_experts.{int(match.group(1)) + expert_offset}."
+            + name[match.end():])
 
 
 def shard_for_tp(full: torch.Tensor, rule: TensorRule, tp_rank: int, tp: int) -> torch.Tensor:
@@ -240,6 +300,9 @@ def merge_tp_shards(shards: list[torch.Tensor], rule: TensorRule) -> torch.Tenso
 NAME_MAPS: dict[str, type[NameMap]] = {
     "LlamaForCausalLM": NameMap,
     "Qwen2ForCausalLM": NameMap,
+    "Qwen3ForCausalLM": NameMap,  # + q/k norms, which `ModelDims.qk_layernorm` carries
+    "Qwen3MoeForCausalLM": MoENameMap,
+    "MixtralForCausalLM": MixtralNameMap,
 }
 
 

@@ -26,6 +26,7 @@ import torch
 
 from megappo.models.builders import MegatronModel
 from megappo.models.forward import run_micro_batches
+from megappo.models.routing_replay import RouteReplay
 from megappo.parallel.state import in_layout
 
 
@@ -106,8 +107,11 @@ def train_step(
     trainable: Trainable,
     micro_batches: list[dict[str, torch.Tensor]],
     on_output: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]],
+    *,
+    routing: RouteReplay | None = None,
 ) -> tuple[list[Any], dict[str, float]]:
     """One optimizer step over `micro_batches`; returns (last-stage results, step metrics).
+    `routing`: how MoE routing records in the micro-batches are used (routing replay).
 
     A step whose gradient norm is not finite is skipped (no update) and reported with
     `skipped=1`; the caller counts and decides when to abort.
@@ -116,7 +120,7 @@ def train_step(
     for chunk in model.chunks:
         chunk.zero_grad_buffer()
     trainable.optimizer.zero_grad()
-    results = run_micro_batches(model, micro_batches, on_output, forward_only=False)
+    results = run_micro_batches(model, micro_batches, on_output, forward_only=False, routing=routing)
     grads_finite = _grads_finite(trainable)
     if grads_finite:
         success, grad_norm, _ = trainable.optimizer.step()

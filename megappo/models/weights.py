@@ -1,13 +1,13 @@
 """HF weights into sharded Megatron models, and full tensors back out of them.
 
 `load_hf_weights(model, source)`: each rank opens the safetensors files and reads only the
-HF tensors that its own pipeline stage needs, converts them through the name map, keeps
+HF tensors that its own pipeline stage (and, for MoE, its own experts) needs, converts them through the name map, keeps
 its TP shard and copies it into the parameter. Shapes are checked against the config
 first, so a checkpoint from another model stops with a clear message.
 
 `iter_full_params(model)`: a collective over the model's ranks that yields (global
 Megatron name, full tensor) on global rank 0, stage after stage, TP shards gathered on
-each stage. `iter_hf_tensors` adds the name-map transform (HF names, vocab unpadded,
+each stage, and routed experts gathered over the expert-parallel group. `iter_hf_tensors` adds the name-map transform (HF names, vocab unpadded,
 QKV/fc1 unfused). Nothing here holds more than one full tensor at a time.
 
 This module does not know about PPO, engines or checkpoints of the trainer.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel
 from megappo.models.hf_config import ModelConfigError
-from megappo.models.name_map import merge_tp_shards, shard_for_tp
+from megappo.models.name_map import global_param_name, merge_tp_shards, shard_for_tp
 from megappo.parallel.state import in_layout
 
 
@@ -122,37 +122,65 @@ def _full_shape(shape: torch.Size, tp_dim: int | None, tp: int) -> tuple[int, ..
 def iter_full_params(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: every rank of the model must run it to the end. Yields (global Megatron
     name, full tensor) on global rank `dst` (which must be the tp0/dp0 rank of stage 0);
-    other ranks yield nothing."""
+    other ranks yield nothing. Routed experts are gathered over the expert-parallel group as
+    well (its ranks are data-parallel ranks 0..ep-1): each local expert k of the dp0 rank is
+    followed by expert r * E/ep + k of every other EP rank r."""
     ps = model.ps
-    if ps.dp_rank != 0:
+    if ps.dp_rank >= ps.ep:  # a replica (data or expert-data parallel) of what ranks below hold
         return
-    local = [(n, r, p) for n, r, p in model.named_parameters() if r.export]
+    experts_only = ps.dp_rank != 0  # ep_rank > 0: contributes its experts, nothing else
+    local = [(n, r, p) for n, r, p in model.named_parameters() if r.export and (r.expert or not experts_only)]
     pp_ranks = dist.get_process_group_ranks(ps.pp_group)
     for stage in range(ps.pp):
+        if experts_only:
+            if ps.pp_rank == stage:
+                for _, rule, param in local:
+                    _gather_ep(_gather_tp(param.detach(), rule, ps), ps)
+            continue
         meta = None
         if ps.pp_rank == stage:
-            meta = [(n, _full_shape(p.shape, r.tp_dim, ps.tp), p.dtype) for n, r, p in local]
+            meta = [(n, _full_shape(p.shape, r.tp_dim, ps.tp), p.dtype) for n, r, p in local
+                    for n in _expert_names(n, r, model)]
         if ps.tp_rank == 0 and ps.pp > 1:
             box = [meta]
             dist.broadcast_object_list(box, src=pp_ranks[stage], group=ps.pp_group)
             meta = box[0]
         if ps.pp_rank != stage and ps.rank != dst:
             continue
-        params = {n: (r, p) for n, r, p in local} if ps.pp_rank == stage else {}
-        for name, shape, dtype in meta:
-            if ps.pp_rank == stage:
-                rule, param = params[name]
+        if ps.pp_rank == stage:
+            for name, rule, param in local:
                 full = _gather_tp(param.detach(), rule, ps)
+                fulls = _gather_ep(full, ps) if rule.expert else [full]
                 if ps.tp_rank != 0:
                     continue
-                if ps.rank == dst:
-                    yield name, full
-                else:
-                    dist.send(full.contiguous(), dst=dst)
-            else:
+                for global_name, tensor in zip(_expert_names(name, rule, model), fulls):
+                    if ps.rank == dst:
+                        yield global_name, tensor
+                    else:
+                        dist.send(tensor.contiguous(), dst=dst)
+        else:
+            for name, shape, dtype in meta:
                 buf = torch.empty(shape, dtype=dtype, device=ps.device)
                 dist.recv(buf, src=pp_ranks[stage])
                 yield name, buf
+
+
+def _expert_names(name: str, rule, model: MegatronModel) -> list[str]:
+    """[name], or for a routed expert of EP rank 0 the names of the same local expert on
+    every EP rank, in EP-rank order (`_gather_ep`'s order)."""
+    if not rule.expert or model.ps.ep == 1:
+        return [name]
+    per_rank = model.dims.num_experts // model.ps.ep
+    return [global_param_name(name, 0, r * per_rank) for r in range(model.ps.ep)]
+
+
+def _gather_ep(full: torch.Tensor, ps) -> list[torch.Tensor]:
+    """One local expert's tensor from every rank of the expert-parallel group, in EP-rank order."""
+    if ps.ep == 1:
+        return [full]
+    parts = [torch.empty_like(full) for _ in range(ps.ep)]
+    dist.all_gather(parts, full.contiguous(), group=ps.ep_group)
+    return parts
 
 
 def _gather_tp(shard: torch.Tensor, rule, ps) -> torch.Tensor:

@@ -12,6 +12,8 @@ on a GPU machine. Every patch below names the Megatron-Core functions that need 
 | 3 | a process-wide TorchFunctionMode maps `device="cuda"`/`cuda:N`/`N` to cpu and makes `Tensor.cuda()` return the tensor | `pipeline_parallel.schedules.forward_backward_*` (token counters), `optimizer.clip_grads`, `optimizer.grad_scaler`, `dist_checkpointing.exchange_utils`, `models.common.language_module.LanguageModule.setup_embeddings_and_output_layer` (`.cuda()`), `tensor_parallel.data.broadcast_data` |
 | 4 | a CPU-generator RNG tracker under Megatron's tracker names | `tensor_parallel.random.get_cuda_rng_tracker`, `model_parallel_cuda_manual_seed`, `CudaRNGStatesTracker.fork` (used by attention dropout and weight init) |
 | 5 | `Tensor.type()` reads `torch.cuda.FloatTensor` etc. for CPU tensors, inside the functions that compare it | `optimizer.distrib_optimizer.DistributedOptimizer.__init__` (its `_build_model_and_main_param_groups`), `optimizer.Float16OptimizerWithFloat16Params.__init__`, `optimizer.clip_grads.clip_grad_by_total_norm_fp32` |
+| 6 | `torch.cuda.Stream()` / `current_stream()` return one stand-in stream; `torch.cuda.stream(s)` is a null context; its events are already complete | `transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher` (its device-to-host side stream) |
+| 7 | `torch.distributed.all_to_all_single` takes split sizes given as CPU tensors (turned into lists); `_AllToAll.backward` runs under #3's mode (autograd does not carry torch-function modes into backward, and it allocates on `torch.cuda.current_device()`) | `tensor_parallel.mappings._AllToAll` called by the MoE all-to-all dispatcher, whose splits stay tensors on CPU (`moe_utils.maybe_move_tensor_to_cpu` turns only CUDA tensors into numpy) |
 
 This module does not know about megappo's models, configs or process groups.
 """
@@ -169,6 +171,56 @@ def _patch_tensor_type_strings() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32  # imported by name
 
 
+def _patch_all_to_all_splits() -> None:
+    import torch.distributed as dist
+
+    real = dist.all_to_all_single
+
+    @functools.wraps(real)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if torch.is_tensor(output_split_sizes):
+            output_split_sizes = output_split_sizes.tolist()
+        if torch.is_tensor(input_split_sizes):
+            input_split_sizes = input_split_sizes.tolist()
+        return real(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+
+    from megatron.core.tensor_parallel import mappings
+
+    backward = mappings._AllToAll.backward
+
+    def backward_on_cpu(ctx, *grad_output):
+        with _CudaToCpuMode():
+            return backward(ctx, *grad_output)
+
+    mappings._AllToAll.backward = staticmethod(backward_on_cpu)
+
+
+class _CpuStream:
+    """Patch 6: the one 'stream' of a CPU process (a class, so annotations such as
+    `torch.cuda.Stream | None` still work); waiting on it does nothing."""
+
+    _instance = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self  # an event on a synchronous stream: synchronize() is a no-op
+
+
+_CPU_STREAM = _CpuStream()
+
+
 def enable() -> bool:
     """Activate the CPU adaptations once per process. Returns True if they are active.
 
@@ -185,6 +237,10 @@ def enable() -> bool:
     _MODE.__enter__()
     _patch_rng_tracker()  # patch 4
     _patch_tensor_type_strings()  # patch 5
+    torch.cuda.Stream = _CpuStream  # patch 6
+    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    _patch_all_to_all_splits()  # patch 7
     _ENABLED = True
     return True
 

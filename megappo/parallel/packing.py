@@ -170,9 +170,12 @@ def _round_up(x: int, multiple: int) -> int:
 
 def micro_batch_tensors(plan: MicroBatchPlan, dp_rank: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         prompt_len: int, *, select: Select, per_row: dict[str, torch.Tensor | None],
-                        pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
+                        pad_id: int = 0, routes: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> list[dict[str, torch.Tensor]]:
     """One replica's micro-batches as model inputs; see the module docstring. `per_row` tensors
-    ([N, ...], None skipped) are indexed by each micro-batch's rows."""
+    ([N, ...], None skipped) are indexed by each micro-batch's rows. `routes`: ([N, T, L, k] expert
+    ids, [N, T, L] known) MoE routing records, laid out as 'routes' [t, L, k] and 'routes_known'
+    [t, L] in the order the routers see the micro-batch's t tokens (routing replay)."""
     p_len, r_len = sequence_lengths(attention_mask, prompt_len)
     if plan.packed and bool((p_len[[i for mb in plan.micro_batches(dp_rank) for i in mb]] < 1).any()):
         raise ValueError("a sequence has no prompt token; every prompt needs at least one token")
@@ -185,6 +188,8 @@ def micro_batch_tensors(plan: MicroBatchPlan, dp_rank: int, input_ids: torch.Ten
             mb = _padded(input_ids, attention_mask, prompt_len, p_len, r_len, idx, select)
         mb["rows"] = idx
         mb.update({k: v[idx] for k, v in per_row.items() if v is not None})
+        if routes is not None:
+            mb["routes"], mb["routes_known"] = _routes(plan, dp_rank, routes, prompt_len, p_len, r_len, rows)
         out.append(mb)
     return out
 
@@ -207,6 +212,21 @@ def _packed(input_ids, prompt_len, p_len, r_len, rows, length, select, pad_id) -
                               [int(r_len[i]) for i in rows], select)
     return {"input_ids": ids[None], "position_ids": pos[None], "cu_seqlens": cu,
             "select": torch.stack([s_idx, torch.zeros_like(s_idx)]), "place": place}
+
+
+def _routes(plan, dp_rank, routes, prompt_len, p_len, r_len, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row records -> the router's token order: the packed tokens in order (padding gets
+    experts 0..k-1, unknown), or [T, b] flattened s-major for a padded micro-batch."""
+    ids, known = routes
+    if not plan.packed:
+        idx = torch.tensor(rows, dtype=torch.long)
+        return (ids[idx].transpose(0, 1).reshape(-1, *ids.shape[2:]),
+                known[idx].transpose(0, 1).reshape(-1, *known.shape[2:]))
+    spans = [slice(prompt_len - int(p_len[i]), prompt_len + int(r_len[i])) for i in rows]
+    pad = plan.padded_lengths[dp_rank] - sum(s.stop - s.start for s in spans)
+    filler = torch.arange(ids.shape[-1], dtype=ids.dtype).expand(pad, *ids.shape[2:])
+    return (torch.cat([ids[i, s] for i, s in zip(rows, spans)] + [filler]),
+            torch.cat([known[i, s] for i, s in zip(rows, spans)] + [known.new_zeros((pad, *known.shape[2:]))]))
 
 
 def _padded(input_ids, attention_mask, prompt_len, p_len, r_len, idx, select) -> dict[str, torch.Tensor]:

@@ -7,8 +7,13 @@ calls Megatron-Core's `initialize_model_parallel`, seeds the model-parallel RNG 
 and returns a frozen `ParallelState`. Builders, the bridge and the workers take that object
 as an argument; nothing below this module calls Megatron's global getters for layout.
 
+Expert parallelism (`ep` > 1, MoE models): each expert-parallel group of `ep` ranks splits
+the experts; Megatron's expert tensor parallelism is the model's TP (its default), so an
+expert's TP shards live on the same ranks as the attention's, and experts are data-parallel
+over `dp // ep` ranks (Megatron's expert-data-parallel group).
+
 Roles may use different layouts over the same ranks (e.g. actor TP=2, critic PP=2):
-`add_layout(ps, tp, pp)` builds another set of Megatron groups and returns its own
+`add_layout(ps, tp, pp, ep=...)` builds another set of Megatron groups and returns its own
 `ParallelState`. Megatron-Core keeps its groups (and RNG tracker) in module globals that
 its schedules, DDP, optimizer and checkpointing read; each `ParallelState` holds a
 snapshot of those globals, and `with ps.active():` installs it for the block. The model
@@ -64,6 +69,10 @@ class ParallelState:
     pp_first_rank: int = 0
     #: rank (global) of the last stage in this rank's pipeline, with the same tp/dp rank
     pp_last_rank: int = 0
+    #: expert parallelism: experts are split over `ep` ranks of the data-parallel dimension
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = dataclasses.field(default=None, repr=False)
     #: Megatron-Core's module globals for this layout (groups, RNG tracker); see `active()`
     megatron_globals: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -85,6 +94,11 @@ class ParallelState:
         return self.tp, self.pp, self.vpp
 
     @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (Megatron's expert-data-parallel size)."""
+        return self.dp // self.ep
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -102,8 +116,8 @@ class ParallelState:
         return self.tp_rank == 0 and self.is_last_stage
 
 
-def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None) -> int:
-    """Validate a TP x PP layout against the world size; returns the DP size."""
+def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> int:
+    """Validate a TP x PP (x EP) layout against the world size; returns the DP size."""
     if tp < 1 or pp < 1:
         raise ParallelConfigError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1. Fix: e.g. "
                                   "parallel.tp=1.")
@@ -118,7 +132,16 @@ def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None) -> i
             f"parallel.vpp={vpp} needs parallel.pp >= 2 and vpp >= 1. Fix: set parallel.vpp=null "
             "to disable virtual pipeline stages."
         )
-    return world_size // (tp * pp)
+    dp = world_size // (tp * pp)
+    if ep < 1 or dp % ep:
+        # Megatron: expert TP = tp, so tp * ep * pp * expert_dp = world, i.e. ep divides dp
+        valid = [e for e in range(1, dp + 1) if dp % e == 0]
+        raise ParallelConfigError(
+            f"parallel.ep={ep} must divide the data-parallel size world/(tp*pp) = {world_size}/({tp}*{pp}) = {dp} "
+            f"(experts are split over data-parallel ranks). Fix: choose parallel.ep from {valid}, or launch "
+            f"{tp * pp * ep} x k processes."
+        )
+    return dp
 
 
 def _torchrun_env() -> tuple[int, int, int]:
@@ -160,6 +183,7 @@ def init_parallel(
     pp: int = 1,
     vpp: int | None = None,
     *,
+    ep: int = 1,
     backend: str = "auto",
     seed: int = 1234,
     timeout_minutes: float = 30.0,
@@ -172,7 +196,7 @@ def init_parallel(
     Safe to call once per process; call `destroy_parallel()` before calling it again.
     """
     rank, world, local = _torchrun_env()
-    check_layout(world, tp, pp, vpp)
+    check_layout(world, tp, pp, vpp, ep)
     cuda = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -201,31 +225,31 @@ def init_parallel(
     global _PRISTINE
     if _PRISTINE is None:
         _PRISTINE = _megatron_globals()
-    ps = _initialize_layout(tp, pp, vpp, seed=seed, timeout_minutes=timeout_minutes, backend=backend,
+    ps = _initialize_layout(tp, pp, vpp, ep, seed=seed, timeout_minutes=timeout_minutes, backend=backend,
                             device=device, env=(rank, world, local))
     stage.set_identity(ps.rank, ps.tp_rank, ps.pp_rank, ps.dp_rank, timeout_minutes)  # the shared layout names ranks
     return ps
 
 
-def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, seed: int = 1234,
+def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, ep: int = 1, seed: int = 1234,
                timeout_minutes: float = 30.0) -> ParallelState:
-    """Collective (every rank, same order): another TP x PP layout over the same ranks.
+    """Collective (every rank, same order): another TP x PP (x EP) layout over the same ranks.
 
     The layout that was active before the call stays active; use `with ps.active():`
     (megappo.models does) to run a model built for the new layout.
     """
     assert _PRISTINE is not None, "call init_parallel first"
-    check_layout(base.world_size, tp, pp, vpp)
+    check_layout(base.world_size, tp, pp, vpp, ep)
     saved = _megatron_globals()
     _install_globals(_PRISTINE)
     try:
-        return _initialize_layout(tp, pp, vpp, seed=seed, timeout_minutes=timeout_minutes, backend=base.backend,
+        return _initialize_layout(tp, pp, vpp, ep, seed=seed, timeout_minutes=timeout_minutes, backend=base.backend,
                                   device=base.device, env=(base.rank, base.world_size, base.local_rank))
     finally:
         _install_globals(saved)
 
 
-def _initialize_layout(tp, pp, vpp, *, seed, timeout_minutes, backend, device, env) -> ParallelState:
+def _initialize_layout(tp, pp, vpp, ep=1, *, seed, timeout_minutes, backend, device, env) -> ParallelState:
     """Megatron's groups and RNG tracker for one layout (installed as the global ones)."""
     from megatron.core import parallel_state as mps
     from megatron.core import tensor_parallel
@@ -235,13 +259,15 @@ def _initialize_layout(tp, pp, vpp, *, seed, timeout_minutes, backend, device, e
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
         distributed_timeout_minutes=timeout_minutes,
     )
     tp_rank = mps.get_tensor_model_parallel_rank()
+    ep_rank = mps.get_expert_model_parallel_rank()
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        cpu_compat.model_parallel_manual_seed(seed, tp_rank)
+        cpu_compat.model_parallel_manual_seed(seed, tp_rank, ep_rank, mps.get_expert_tensor_parallel_rank())
     pp_ranks = dist.get_process_group_ranks(mps.get_pipeline_model_parallel_group())
     return ParallelState(
         world_size=world,
@@ -262,6 +288,9 @@ def _initialize_layout(tp, pp, vpp, *, seed, timeout_minutes, backend, device, e
         mp_group=mps.get_model_parallel_group(),
         pp_first_rank=pp_ranks[0],
         pp_last_rank=pp_ranks[-1],
+        ep=ep,
+        ep_rank=ep_rank,
+        ep_group=mps.get_expert_model_parallel_group(),
         megatron_globals=_megatron_globals(),
     )
 

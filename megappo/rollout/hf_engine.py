@@ -5,6 +5,7 @@ Batched sampling over left-padded prompts with positions counted from the attent
 the log-prob of every sampled token under the tempered or untempered distribution
 (`SamplingParams.logprob_mode`). Weights are updated in place from the bridge's buckets of
 HF-named tensors; tied embeddings are updated once through `model.embed_tokens.weight`.
+MoE models take per-expert checkpoint names, written into transformers' fused expert tensors.
 
 No compute after EOS: each prompt is prefilled once, not once per sample (its n samples
 share the cache rows); a finished sample leaves the decode batch (its KV-cache rows are
@@ -20,12 +21,15 @@ This module does not know about Megatron or the bridge's gathering.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Sequence
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from megappo.models.hf_experts import checkpoint_views
 from megappo.rollout.engine import Bucket, left_pad, tensor_fingerprint
+from megappo.rollout.routes import UNKNOWN, RouteRecorder
 from megappo.types import RolloutBatch, SamplingParams
 
 
@@ -99,8 +103,10 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.dtype = next(self.model.parameters()).dtype
-        self._params = dict(self.model.named_parameters())
-        self._params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
+        params = dict(self.model.named_parameters())
+        params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
+        # by checkpoint name: a MoE model's fused experts are per-expert views (megappo.models.hf_experts)
+        self._params = checkpoint_views(params, getattr(self.model.config, "model_type", ""))
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
@@ -118,7 +124,14 @@ class HFEngine:
 
         ids, mask = unique_ids.to(dev), unique_mask.to(dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        recorder = self._route_recorder() if params.return_routes else contextlib.nullcontext()
+        with recorder:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        if params.return_routes:  # [N, P + R, L, k]: the prompt's, then one position per fed token
+            prompt_routes = recorder.take(*ids.shape).repeat_interleave(n, 0)
+            prompt_routes[~prompt_mask.bool()] = UNKNOWN
+            routes = torch.cat([prompt_routes, torch.full((num, width) + prompt_routes.shape[2:], UNKNOWN,
+                                                          dtype=prompt_routes.dtype)], dim=1)
         past, logits = out.past_key_values, out.logits[:, -1].float()  # [B, V]
         next_pos = positions[:, -1:] + 1  # [B, 1]
         if n > 1:
@@ -145,8 +158,11 @@ class HFEngine:
                 past.batch_select_indices(keep)
                 mask = _drop_shared_padding(mask, past)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=past, use_cache=True)
+            with recorder:
+                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                                 past_key_values=past, use_cache=True)
+            if params.return_routes:  # the route of response token `step`, fed now
+                routes[active.cpu(), unique_ids.shape[1] + step] = recorder.take(active.numel(), 1)[:, 0]
             past, logits = out.past_key_values, out.logits[:, -1].float()
             next_pos = next_pos + 1
         width = int(lengths.max())
@@ -160,7 +176,11 @@ class HFEngine:
             finish_reasons=["stop" if f else "length" for f in finished.tolist()],
             prompt_index=prompt_index,
             logprob_mode="untempered" if params.greedy else params.logprob_mode,
+            routes=routes[:, :unique_ids.shape[1] + width] if params.return_routes else None,
         )
+
+    def _route_recorder(self) -> RouteRecorder:
+        return RouteRecorder(self.model, type(self.model).__name__, getattr(self.model.config, "num_experts_per_tok", 0))
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Bucket]) -> None:

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.rollout.engine import Bucket, EngineCrashed, WeightSyncError, tensor_fingerprint
+from megappo.rollout.routes import UNKNOWN, decode_sglang_routes
 from megappo.rollout.update_group import (
     dtype_name, flatten_bucket, free_port, open_update_group, outside_torchrun_store,
 )
@@ -255,7 +256,8 @@ class SGLangEngine:
             warnings.warn("rollout.engine=sglang does not honour the sampling seed (SGLang seeds a request only "
                           "under deterministic inference, which needs a GPU attention backend): sampled rollouts "
                           "are not reproducible run to run. Use rollout.engine=hf where that matters.", stacklevel=2)
-        outputs = self._engine_call("generate", input_ids=flat, sampling_params=sampling, return_logprob=True)
+        extra = {"return_routed_experts": True} if params.return_routes else {}
+        outputs = self._engine_call("generate", input_ids=flat, sampling_params=sampling, return_logprob=True, **extra)
         width = max(len(o["output_ids"]) for o in outputs)
         n = len(flat)
         response = torch.full((n, width), self.pad_token_id, dtype=torch.long)
@@ -274,7 +276,28 @@ class SGLangEngine:
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response,
                             response_mask=mask, rollout_log_probs=logps, finish_reasons=reasons,
                             prompt_index=torch.arange(len(prompts)).repeat_interleave(params.n),
-                            logprob_mode="untempered" if params.greedy else self.logprob_mode)
+                            logprob_mode="untempered" if params.greedy else self.logprob_mode,
+                            routes=self._routes(outputs, flat, width) if params.return_routes else None)
+
+    def _routes(self, outputs: list[dict], flat: list[list[int]], width: int) -> torch.Tensor:
+        """[N, P + R, L, k] from each output's `routed_experts` (positions 0 .. len - 2 of prompt +
+        output; the last token is never run), the prompt left-aligned as in `left_pad`."""
+        layers, top_k = self._dims.get("num_hidden_layers"), self._dims.get("num_experts_per_tok")
+        if not layers or not top_k:
+            raise ValueError("routing replay needs num_hidden_layers and num_experts_per_tok in the model's "
+                             "config.json (an MoE model). Fix: set actor.moe_routing=recompute.")
+        longest = max(len(p) for p in flat)
+        routes = torch.full((len(flat), longest + width, layers, top_k), UNKNOWN, dtype=torch.int16)
+        for i, (out, prompt) in enumerate(zip(outputs, flat)):
+            encoded = out["meta_info"].get("routed_experts")
+            if encoded is None:
+                raise ValueError("SGLang returned no routed experts: the engine was started without "
+                                 "enable_return_routed_experts. Fix: set rollout.sglang.enable_return_routed_experts=true "
+                                 "(actor.moe_routing=replay sets it) or actor.moe_routing=recompute.")
+            ids = decode_sglang_routes(encoded, layers, top_k)
+            start = longest - len(prompt)
+            routes[i, start:start + ids.shape[0]] = ids
+        return routes
 
     def _call(self, method: str, *args, **kwargs):
         result = self._engine_call(method, *args, **kwargs)
@@ -436,7 +459,8 @@ def _read_dims(model_path: str | None) -> dict[str, int]:
         return {}
     with open(path) as f:
         cfg = json.load(f)
-    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim", "vocab_size")
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim", "vocab_size",
+            "num_hidden_layers", "num_experts_per_tok")
     return {k: cfg[k] for k in keys if isinstance(cfg.get(k), int)}
 
 

@@ -25,3 +25,11 @@ def test_megatron_matches_transformers(nproc, layout):
     for family in ("llama", "qwen2"):
         assert f"OK {family} grads" in out and f"OK {family} gather bit-exact" in out
         assert f"OK {family} critic values" in out
+
+
+@pytest.mark.parametrize("nproc,layout", [pytest.param(2, (2, 1), id="tp2"), pytest.param(2, (1, 2), id="pp2")])
+def test_qwen3_matches_transformers(nproc, layout):
+    # Qwen3: q/k RMSNorm over head_dim, head_dim (32) != hidden / heads (16), no qkv bias
+    out = run_torchrun("model_worker.py", nproc, *layout, "families=qwen3")
+    assert "ALL OK" in out
+    assert "OK qwen3 grads" in out and "OK qwen3 gather bit-exact" in out and "OK qwen3 critic values" in out

@@ -37,7 +37,7 @@ def make_hf_dir(path, family, seed=1):
     return state
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_round_trip_tp2xpp2_with_verify(tmp_path, family):
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
     state = make_hf_dir(hf_dir, family)
@@ -57,6 +57,27 @@ def test_round_trip_tp2xpp2_with_verify(tmp_path, family):
     assert json.loads((back / "config.json").read_text()) == TINY_CONFIGS[family]
     assert (back / "tokenizer_config.json").is_file()
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_moe_round_trip_at_ep2_with_verify(tmp_path):
+    # Qwen3-MoE: per-expert checkpoint names; EP=2 (each rank reads only its own experts), back at PP=2
+    from megappo.models.hf_experts import checkpoint_state
+
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
+    cfg = TINY_CONFIGS["qwen3_moe"]
+    state = checkpoint_state(build_hf_model(cfg, seed=1))
+    save_hf_dir(str(hf_dir), state, cfg, max_shard_bytes=200_000)
+    _, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--out", str(ckpt), "--ep", "2", "--verify")
+    verify = json.loads(out.split("verify: ")[1].splitlines()[0])
+    assert verify["tensors_bit_exact"] == len(state) and verify["max_abs_logit_diff"] <= 1e-4
+    _, out = run_tool("convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(back), "--pp", "2", "--verify")
+    written = {}
+    for f in back.glob("*.safetensors"):
+        written.update(load_file(str(f)))
+    assert set(written) == set(state) and all(torch.equal(written[k], state[k]) for k in state)
+    code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "o"),
+                         "--ep", "3", check=False)
+    assert code != 0 and "num_experts=4 is not divisible by --ep=3. Fix: choose --ep from [1, 2, 4]" in out
 
 
 def test_bad_layout_stops_before_any_rank_starts(tmp_path):

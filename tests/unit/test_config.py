@@ -275,3 +275,15 @@ def test_docs_cover_every_field():
     assert not missing, f"docs/config.md does not document {missing}"
     assert not [s for s in ("model", "parallel", "actor", "critic", "ref", "reward", "algorithm", "rollout", "data",
                             "checkpoint", "logging", "run") if f"`{s}`" not in text]
+
+
+def test_expert_parallel_per_role():
+    cfg = build(parallel={"ep": 2}, critic={"parallel": {"ep": 1}})
+    assert cfg.expert_parallel("actor") == 2 and cfg.expert_parallel("critic") == 1 and cfg.expert_parallel("ref") == 2
+    assert cfg.min_world_size == 2
+    cfg.validate_world(2)
+    with pytest.raises(ConfigError, match=r"actor: expert parallelism ep=2 must divide its data-parallel size "
+                                          r"world/\(tp\*pp\) = 2/\(2\*1\) = 1. Fix: launch a multiple of 4 ranks"):
+        build(parallel={"ep": 2, "tp": 2}).validate_world(2)
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        build(parallel={"ep": 0})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megappo.models.hf_config import ModelConfigError, dims_from_hf
+from megappo.models.hf_config import ModelConfigError, dims_from_hf, transformer_config
 from megappo.models.hf_reference import TINY_CONFIGS, hf_config_object
 
 
@@ -13,6 +13,15 @@ def test_llama_and_qwen2_dims():
     qwen = dims_from_hf(TINY_CONFIGS["qwen2"])
     assert qwen.qkv_bias and qwen.tie_word_embeddings and qwen.rope_theta == 1e6
     assert qwen.padded_vocab_size(tp=2) == 512 and qwen.padded_vocab_size(tp=1, divisible_by=64) == 320
+
+
+def test_qwen3_dims_and_transformer_config():
+    qwen3 = dims_from_hf(TINY_CONFIGS["qwen3"])
+    assert qwen3.qk_layernorm and not qwen3.qkv_bias and qwen3.head_dim == 32 != 64 // 4
+    assert transformer_config(qwen3).qk_layernorm and transformer_config(qwen3).kv_channels == 32
+    assert not dims_from_hf(TINY_CONFIGS["llama"]).qk_layernorm
+    with pytest.raises(ModelConfigError, match="Qwen3ForCausalLM with attention_bias=True is not supported"):
+        dims_from_hf(dict(TINY_CONFIGS["qwen3"], attention_bias=True))
 
 
 def test_transformers_config_object_and_rope_parameters():
@@ -60,3 +69,42 @@ def test_world_size_not_multiple_of_tp_pp():
     assert check_layout(8, 2, 2) == 2
     with pytest.raises(ParallelConfigError, match="world size 6 is not a multiple of tp\\*pp = 2\\*2"):
         check_layout(6, 2, 2)
+
+
+def test_moe_dims_per_family():
+    q = dims_from_hf(TINY_CONFIGS["qwen3_moe"])
+    assert (q.num_experts, q.moe_topk, q.moe_ffn_hidden_size, q.ffn_hidden_size) == (4, 2, 32, 96)
+    assert q.moe_layer_pattern == (1, 0, 1, 1) and not q.moe_norm_topk_prob and q.qk_layernorm
+    assert q.moe_aux_loss_coef == 0.001
+    step2 = dims_from_hf(dict(TINY_CONFIGS["qwen3_moe"], mlp_only_layers=[], decoder_sparse_step=2))
+    assert step2.moe_layer_pattern == (0, 1, 0, 1)  # transformers: MoE iff (i + 1) % step == 0
+    m = dims_from_hf(TINY_CONFIGS["mixtral"])
+    assert m.moe_layer_pattern == (1, 1, 1, 1) and m.moe_norm_topk_prob and not m.qk_layernorm
+    assert not dims_from_hf(TINY_CONFIGS["llama"]).is_moe
+
+
+def test_moe_router_settings():
+    # Qwen3-MoE without norm_topk_prob: softmax over all experts, then top-k (pre-softmax)
+    qc = transformer_config(dims_from_hf(TINY_CONFIGS["qwen3_moe"]))
+    assert qc.moe_router_pre_softmax and qc.moe_router_topk == 2 and qc.moe_layer_freq == [1, 0, 1, 1]
+    assert qc.moe_expert_capacity_factor is None and qc.moe_aux_loss_coeff == 0.001
+    assert qc.moe_router_load_balancing_type == "aux_loss" and qc.moe_token_dispatcher_type == "alltoall"
+    # Mixtral (and norm_topk_prob): softmax over the top-k logits == renormalised top-k
+    assert not transformer_config(dims_from_hf(TINY_CONFIGS["mixtral"])).moe_router_pre_softmax
+    normed = dims_from_hf(dict(TINY_CONFIGS["qwen3_moe"], norm_topk_prob=True))
+    assert not transformer_config(normed).moe_router_pre_softmax
+    # routing replay (issue 16 item 3) stays passable
+    assert transformer_config(normed, moe_enable_routing_replay=True).moe_enable_routing_replay
+
+
+def test_moe_layout_errors_name_the_fix():
+    q = dims_from_hf(TINY_CONFIGS["qwen3_moe"])
+    with pytest.raises(ModelConfigError, match=r"num_experts=4 is not divisible by parallel.ep=3. Fix: choose "
+                                               r"parallel.ep from \[1, 2, 4\]"):
+        q.check_layout(1, 1, ep=3)
+    with pytest.raises(ModelConfigError, match="parallel.ep=2 needs a mixture-of-experts model.*Fix: set parallel.ep=1"):
+        dims_from_hf(TINY_CONFIGS["llama"]).check_layout(1, 1, ep=2)
+    with pytest.raises(ModelConfigError, match="shared experts are not supported"):
+        dims_from_hf(dict(TINY_CONFIGS["qwen3_moe"], shared_expert_intermediate_size=64))
+    with pytest.raises(ModelConfigError, match="sliding-window attention is not supported"):
+        dims_from_hf(dict(TINY_CONFIGS["mixtral"], sliding_window=128))

@@ -197,3 +197,22 @@ def test_fingerprint_equals_its_reference(dtype):
     swapped = moved.clone()
     swapped[[3, 65520]] = swapped[[65520, 3]]
     assert not torch.equal(tensor_fingerprint(moved), tensor_fingerprint(swapped))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_engine_takes_per_expert_checkpoint_names(family):
+    # transformers holds experts fused ([E, 2F, H] gate|up, [E, H, F]); the bridge sends one
+    # tensor per expert under the checkpoint names save_pretrained writes
+    from megappo.models.hf_experts import checkpoint_state
+
+    source = checkpoint_state(build_hf_model(TINY_CONFIGS[family], seed=1))
+    engine = HFEngine(build_hf_model(TINY_CONFIGS[family], seed=2), pad_token_id=PAD)
+    engine.update_weights([list(source.items())])
+    held = checkpoint_state(engine.model)
+    assert set(held) == set(source) and all(torch.equal(held[k], source[k]) for k in source)
+    reference = build_hf_model(TINY_CONFIGS[family], seed=1)  # the same weights, never synced
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[name]), name
+    expert = next(n for n in source if ".experts.3." in n)
+    prints = engine.fingerprints([expert])
+    assert torch.equal(prints[expert], engine.fingerprint_of(expert, source[expert]))

@@ -32,6 +32,7 @@ def _random_hf_state(nmap, seed=0):
             f"{h}.self_attn.q_proj.bias": (qd,), f"{h}.self_attn.k_proj.bias": (kd,),
             f"{h}.self_attn.v_proj.bias": (kd,),
             f"{h}.self_attn.o_proj.weight": (d.hidden_size, qd),
+            f"{h}.self_attn.q_norm.weight": (d.head_dim,), f"{h}.self_attn.k_norm.weight": (d.head_dim,),
             f"{h}.mlp.gate_proj.weight": (d.ffn_hidden_size, d.hidden_size),
             f"{h}.mlp.up_proj.weight": (d.ffn_hidden_size, d.hidden_size),
             f"{h}.mlp.down_proj.weight": (d.hidden_size, d.ffn_hidden_size),
@@ -40,7 +41,7 @@ def _random_hf_state(nmap, seed=0):
     return {n: torch.randn(s, generator=gen) for n, s in shapes.items() if n in needed}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("value_head", [False, True])
 def test_round_trip_is_bit_exact(family, value_head):
     dims = dims_from_hf(TINY_CONFIGS[family])
@@ -126,4 +127,40 @@ def test_unknown_names_and_missing_tensors_are_clear():
 
 
 def test_registry_is_explicit():
-    assert set(NAME_MAPS) == {"LlamaForCausalLM", "Qwen2ForCausalLM"}
+    assert set(NAME_MAPS) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                              "MixtralForCausalLM"}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_round_trip_is_bit_exact_with_checkpoint_names(family):
+    # the HF side is what save_pretrained writes: per-expert tensors (megappo.models.hf_experts)
+    from megappo.models.hf_experts import checkpoint_state
+    from megappo.models.hf_reference import build_hf_model
+
+    dims = dims_from_hf(TINY_CONFIGS[family])
+    nmap = name_map_for(dims, padded_vocab=dims.padded_vocab_size(1))
+    hf = checkpoint_state(build_hf_model(TINY_CONFIGS[family], seed=1))
+    assert set(nmap.hf_names()) == set(hf)
+    meg = nmap.hf_to_megatron(hf)
+    expert_rules = [r for r in nmap.rules() if r.expert]
+    assert len(expert_rules) == 2 * dims.num_experts * sum(dims.moe_layer_pattern)
+    back = nmap.megatron_to_hf(meg)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_moe_names_per_family_and_global_expert_index():
+    q = name_map_for(dims_from_hf(TINY_CONFIGS["qwen3_moe"]), padded_vocab=384)
+    rule = q.rule("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")
+    assert rule.hf == ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight")
+    assert rule.expert and rule.glu and rule.tp_dim == 0
+    assert q.rule("decoder.layers.0.mlp.router.weight").hf == ("model.layers.0.mlp.gate.weight",)
+    assert q.rule("decoder.layers.1.mlp.linear_fc1.weight").hf[0] == "model.layers.1.mlp.gate_proj.weight"  # dense
+    m = name_map_for(dims_from_hf(TINY_CONFIGS["mixtral"]), padded_vocab=384)
+    assert m.rule("decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight").hf == (
+        "model.layers.2.block_sparse_moe.experts.1.w2.weight",)
+    assert m.rule("decoder.layers.2.mlp.router.weight").hf == ("model.layers.2.block_sparse_moe.gate.weight",)
+    # local expert 1 of EP rank 1 of 2 (4 experts) is global expert 3, on pipeline stage offset 2
+    from megappo.models.name_map import global_param_name
+
+    assert global_param_name("module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 2, 2) == \
+        "decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"

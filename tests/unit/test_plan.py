@@ -227,3 +227,18 @@ def test_plan_imports_neither_torch_nor_megatron():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_moe_parameters_split_over_expert_parallel_ranks():
+    from megappo.models.hf_config import dims_from_hf
+    from megappo.plan import KNOWN_MODELS, stage_params, total_params
+
+    d = dims_from_hf(KNOWN_MODELS["Qwen3-30B-A3B"])
+    assert 30.0e9 < total_params(d) < 31.0e9  # "30B"
+    assert 3.0e9 < total_params(d, active=True) < 3.6e9  # "A3B": top-8 of 128 experts
+    experts = 48 * 128 * 3 * 2048 * 768  # every layer's experts
+    full = stage_params(d, tp=1, pp=1, stage="all", value_head=False, divisible_by=128)
+    ep8 = stage_params(d, tp=1, pp=1, stage="all", value_head=False, divisible_by=128, ep=8)
+    assert abs((full - ep8) - experts * 7 / 8) < 1e3  # each EP rank holds 1/8 of the experts
+    dense = dims_from_hf(KNOWN_MODELS["Qwen3-8B"])
+    assert 8.0e9 < total_params(dense) < 8.4e9 and total_params(dense, active=True) == total_params(dense)

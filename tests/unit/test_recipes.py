@@ -19,7 +19,7 @@ from megappo.plan import make_plan
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
 GPU_RECIPES = {"qwen2.5-7b-ppo-8gpu.yaml", "llama3.1-8b-grpo-8gpu.yaml", "qwen2.5-72b-ppo-64gpu.yaml",
-               "llama3.3-70b-ppo-64gpu.yaml"}
+               "llama3.3-70b-ppo-64gpu.yaml", "qwen3-8b-ppo-8gpu.yaml", "qwen3-30b-a3b-grpo-32gpu.yaml"}
 VARIANTS = [(path, name) for path in RECIPES for name in load_config(path).variants]
 
 
@@ -98,6 +98,11 @@ def test_recipes_cover_the_algorithms():
     grpo = cfgs["llama3.1-8b-grpo-8gpu.yaml"]
     assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic and grpo.actor.use_kl_loss
     assert grpo.roles == ("actor", "ref")
+    moe = cfgs["qwen3-30b-a3b-grpo-32gpu.yaml"]  # MoE: experts split over 8 GPUs, 16 per GPU
+    assert moe.parallel.ep == 8 and moe.algorithm.adv_estimator == "grpo"
+    plan = make_plan(moe)
+    assert plan.dims.num_experts == 128 and plan.ep == 8
+    assert cfgs["demo-moe-cpu.yaml"].parallel.ep == 2 and cfgs["qwen3-8b-ppo-8gpu.yaml"].use_critic
 
 
 def test_docs_variant_table_is_the_planners():

@@ -1,8 +1,9 @@
 """torchrun worker: the weight-sync bridge at a given TP x PP.
 
-usage: torchrun --nproc_per_node N bridge_worker.py TP PP
+usage: torchrun --nproc_per_node N bridge_worker.py TP PP [EP] [families=llama,qwen2]
 
-For tiny Llama and Qwen2: the engine (rank 0) starts from other weights; the Megatron actor
+For tiny Llama and Qwen2 (or the families named; MoE ones at expert parallelism EP, whose
+engine holds transformers' fused experts and takes per-expert checkpoint names): the engine (rank 0) starts from other weights; the Megatron actor
 is randomly perturbed; after a sync the engine's tensors equal the Megatron weights mapped
 to HF names bit for bit and the fingerprints agree; a corrupted bucket raises
 WeightSyncError on every rank; the engine's sampled-token log-probs equal the Megatron
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from megappo.models.builders import build_model
 from megappo.models.forward import gather_vocab_logits, run_micro_batches
 from megappo.models.hf_config import dims_from_hf
+from megappo.models.hf_experts import checkpoint_state
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.models.weights import iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import init_parallel
@@ -74,7 +76,7 @@ def check(ps, family):
     cfg = TINY_CONFIGS[family]
     dims = dims_from_hf(cfg)
     model = build_model(dims, ps, role="actor")
-    load_hf_weights(model, build_hf_model(cfg, seed=5).state_dict())
+    load_hf_weights(model, checkpoint_state(build_hf_model(cfg, seed=5)))
     perturb(model, ps)
     engine = HFEngine(build_hf_model(cfg, seed=99), pad_token_id=0) if ps.rank == 0 else None
     bridge = WeightBridge(model, engine, bucket_bytes=64 << 10, verify_every=1)
@@ -82,7 +84,7 @@ def check(ps, family):
     assert stats.verified
     expected = dict(iter_hf_tensors(model))
     if ps.rank == 0:
-        state = engine.model.state_dict()
+        state = checkpoint_state(engine.model)  # fused experts read back per expert
         assert stats.buckets > 1 and stats.tensors == len(expected)
         for name, tensor in expected.items():
             assert torch.equal(state[name], tensor), f"{family}: engine {name} != Megatron through the name map"
@@ -117,9 +119,12 @@ def check(ps, family):
 
 
 def main():
-    tp, pp = int(sys.argv[1]), int(sys.argv[2])
-    ps = init_parallel(tp, pp)
-    for family in ("llama", "qwen2"):
+    args = [a for a in sys.argv[1:] if not a.startswith("families=")]
+    families = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("families=")),
+                    ["llama", "qwen2"])
+    tp, pp = int(args[0]), int(args[1])
+    ps = init_parallel(tp, pp, ep=int(args[2]) if len(args) > 2 else 1)
+    for family in families:
         check(ps, family)
     dist.barrier()
     if ps.rank == 0:
