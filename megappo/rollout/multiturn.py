@@ -79,8 +79,10 @@ class ObservationEncoder:
             self.base_ids = _render(tokenizer, self.base, False)
             start = len(_render(tokenizer, [user], True))
             tails = [_render(tokenizer, [user, {"role": "assistant", "content": c}], False)[start:] for c in "AB"]
+            # the common end of two assistant turns, never reaching into their contents' tokens
+            room = min(len(t) - len(tokenizer.encode(c, add_special_tokens=False)) for t, c in zip(tails, "AB"))
             k = 0
-            while k < min(map(len, tails)) and tails[0][-1 - k] == tails[1][-1 - k]:
+            while k < room and tails[0][-1 - k] == tails[1][-1 - k]:
                 k += 1
             self.closer = tails[0][len(tails[0]) - k:]  # what the template puts after an assistant message
 
