@@ -5,7 +5,8 @@ a prompt are n episodes, one environment instance each). Every turn it makes ONE
 engine call, `generate(contexts, params)`, where each context is the episode's exact token ids
 so far: prompt + actions + observations. Nothing is decoded and re-encoded; `Action.text` is a
 decode for the environment's convenience only. The environments' `reset` / `step` / `close`
-of all episodes run concurrently (asyncio.gather). Turn 0 asks the engine for `n` samples of
+of all episodes run concurrently (asyncio.gather on an event loop of the runner's; the engine
+is called between them, outside that loop, since SGLang's engine runs a loop of its own). Turn 0 asks the engine for `n` samples of
 each prompt with the step's seed, exactly the single-turn call; turn t > 0 asks for one sample
 per context with seed + t * TURN_SEED_STRIDE, so runs are reproducible.
 
@@ -139,44 +140,53 @@ def run_episodes(generate: Generate, examples: Sequence, params: SamplingParams,
     """`params.n` episodes of every example, played to the end; see the module docstring."""
     plays = [_Play(example=ex, prompt_index=i, env=make_env()) for i, ex in enumerate(examples)
              for _ in range(params.n)]
-    logprob_mode = asyncio.run(_play_all(generate, examples, plays, params, tokenizer, encode_observation,
-                                         max_turns, max_turn_tokens or params.max_new_tokens))
+    loop = asyncio.new_event_loop()  # the environments' loop; the engine is called outside it (SGLang runs its own)
+    try:
+        logprob_mode = _play_all(loop, generate, examples, plays, params, tokenizer, encode_observation, max_turns,
+                                 max_turn_tokens or params.max_new_tokens)
+    finally:
+        loop.run_until_complete(_gather([p.env.close() for p in plays], return_exceptions=True))
+        loop.close()
     return _batch(plays, pad_token_id, logprob_mode)
 
 
-async def _play_all(generate, examples, plays: list[_Play], params, tokenizer, encode_observation, max_turns,
-                    turn_tokens) -> str:
+async def _gather(coroutines: list, return_exceptions: bool = False) -> list:
+    return await asyncio.gather(*coroutines, return_exceptions=return_exceptions)
+
+
+def _play_all(loop, generate, examples, plays: list[_Play], params, tokenizer, encode_observation, max_turns,
+              turn_tokens) -> str:
+    def gather(coroutines):
+        return loop.run_until_complete(_gather(list(coroutines)))
+
     budget = params.max_new_tokens
-    try:
-        await asyncio.gather(*(p.env.reset(episode_of(p.example)) for p in plays))
-        active, turn, logprob_mode = plays, 0, params.logprob_mode
-        while active:
-            limit = min(turn_tokens, max(budget - len(p.response) for p in active))
-            turn_params = dataclasses.replace(params, n=params.n if turn == 0 else 1, max_new_tokens=limit,
-                                              seed=turn_seed(params.seed, turn))
-            contexts = [list(e.prompt_ids) for e in examples] if turn == 0 else [p.context() for p in active]
-            out = generate(contexts, turn_params)
-            logprob_mode = out.logprob_mode
-            actions = []
-            for row, p in enumerate(active):
-                length = int(out.response_mask[row].sum())
-                room = min(turn_tokens, budget - len(p.response))
-                ids = out.response_ids[row, :min(length, room)].tolist()
-                reason = "length" if length > room else out.finish_reasons[row]
-                p.response += ids
-                p.action_mask += [1] * len(ids)
-                p.log_probs += out.rollout_log_probs[row, :len(ids)].tolist()
-                p.finish_reason = reason
-                actions.append(Action(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids),
-                                      finish_reason=reason, turn=turn))
-            results: list[StepResult] = await asyncio.gather(*(p.env.step(a) for p, a in zip(active, actions)))
-            for p, action, result in zip(active, actions, results):
-                _record(p, action, result, encode_observation, max_turns, budget)
-            active = [p for p in active if not p.over]
-            turn += 1
-        return logprob_mode
-    finally:
-        await asyncio.gather(*(p.env.close() for p in plays), return_exceptions=True)
+    gather(p.env.reset(episode_of(p.example)) for p in plays)
+    active, turn, logprob_mode = plays, 0, params.logprob_mode
+    while active:
+        limit = min(turn_tokens, max(budget - len(p.response) for p in active))
+        turn_params = dataclasses.replace(params, n=params.n if turn == 0 else 1, max_new_tokens=limit,
+                                          seed=turn_seed(params.seed, turn))
+        contexts = [list(e.prompt_ids) for e in examples] if turn == 0 else [p.context() for p in active]
+        out = generate(contexts, turn_params)
+        logprob_mode = out.logprob_mode
+        actions = []
+        for row, p in enumerate(active):
+            length = int(out.response_mask[row].sum())
+            room = min(turn_tokens, budget - len(p.response))
+            ids = out.response_ids[row, :min(length, room)].tolist()
+            reason = "length" if length > room else out.finish_reasons[row]
+            p.response += ids
+            p.action_mask += [1] * len(ids)
+            p.log_probs += out.rollout_log_probs[row, :len(ids)].tolist()
+            p.finish_reason = reason
+            actions.append(Action(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids),
+                                  finish_reason=reason, turn=turn))
+        results: list[StepResult] = gather(p.env.step(a) for p, a in zip(active, actions))
+        for p, action, result in zip(active, actions, results):
+            _record(p, action, result, encode_observation, max_turns, budget)
+        active = [p for p in active if not p.over]
+        turn += 1
+    return logprob_mode
 
 
 def _record(p: _Play, action: Action, result: StepResult, encode_observation, max_turns: int, budget: int) -> None:
