@@ -359,7 +359,7 @@ def test_lookup_demo_random_policy_score_is_what_the_recipe_states():
     sampled = batch.env_scores.double()
     sigma = sampled.std().item() / sampled.numel() ** 0.5
     assert abs(sampled.mean().item() - exact) < 4 * sigma, (sampled.mean().item(), exact)
-    stated = re.compile(r"random policy[^0-9]{0,40}?(\d+\.\d+)", re.IGNORECASE)
+    stated = re.compile(r"random-policy score[^0-9]{0,40}?(\d+\.\d+)", re.IGNORECASE)
     for path in (DEMO, os.path.join(REPO, "docs", "environments.md")):
         text = " ".join(open(path).read().split())
         values = [m.group(1) for m in stated.finditer(text)]
