@@ -61,5 +61,8 @@ def test_sglang_drives_multi_turn_episodes(tiny_llama_dir):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     p = batch.prompt_ids.shape[1]
     lp = logits[:, p - 1:-1].float().log_softmax(-1).gather(-1, batch.response_ids[..., None])[..., 0]
-    diff = ((lp - batch.rollout_log_probs) * batch.response_mask).abs().max().item()
-    assert diff <= TOL, diff
+    diff = (lp - batch.rollout_log_probs) * batch.response_mask
+    bad = (diff.abs() > TOL).nonzero().tolist()
+    assert not bad, (f"log-prob differences above {TOL} at (episode, response position) {bad}: "
+                     f"{diff[diff.abs() > TOL].tolist()}; contexts {[c for c, _ in calls]}; responses "
+                     f"{batch.response_ids.tolist()}")
