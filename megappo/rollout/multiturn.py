@@ -18,7 +18,8 @@ always ends with an action.
 Observation ids (`ObservationEncoder`): with a chat template, the observation turn alone (a
 turn of the environment's `observation_role` plus the generation prompt of the next assistant
 turn), taken as the difference between two renderings of one conversation, with and without
-the observation (so a default system prompt a template inserts is not repeated), preceded by
+the observation (so a default system prompt a template inserts is not repeated; a template that
+renders the last assistant turn differently, as Qwen3 does, is cut after that turn's closer instead), preceded by
 what the template puts after an assistant turn's stop token (Qwen's "\\n" after <|im_end|>; the
 whole turn closer when the action was cut by its token budget). Without a chat template the
 text is encoded as is.
@@ -78,6 +79,7 @@ class ObservationEncoder:
             user = {"role": "user", "content": "Q"}
             self.base = [user, {"role": "assistant", "content": "A"}]
             self.base_ids = _render(tokenizer, self.base, False)
+            self.user_len = len(_render(tokenizer, [user], False))  # where the assistant turn starts at the latest
             start = len(_render(tokenizer, [user], True))
             tails = [_render(tokenizer, [user, {"role": "assistant", "content": c}], False)[start:] for c in "AB"]
             # the common end of two assistant turns, never reaching into their contents' tokens
@@ -91,15 +93,24 @@ class ObservationEncoder:
         if not self.chat:
             return self.tokenizer.encode(text, add_special_tokens=False)
         full = _render(self.tokenizer, [*self.base, {"role": self.role, "content": text}], True)
-        if full[:len(self.base_ids)] != self.base_ids:
-            raise ObservationError(
-                f"the chat template renders a '{self.role}' turn after an assistant turn by changing the turns before "
-                "it, so the observation cannot be appended as tokens. Fix: set the environment's observation_role "
-                "to a role the template renders as a plain next turn (e.g. 'user' or 'tool').")
-        turn = full[len(self.base_ids):]
+        turn = full[len(self.base_ids):] if full[:len(self.base_ids)] == self.base_ids else self._after_assistant(full)
         if self.closer and action_ids and action_ids[-1] == self.closer[0]:
             return self.closer[1:] + turn  # the action's stop token opened the closer: the rest of it
         return self.closer + turn  # the action was cut by its budget: close the assistant turn
+
+
+    def _after_assistant(self, full: list[int]) -> list[int]:
+        """The observation turn of `full` when the template renders the assistant turn differently
+        once it is no longer the last message (Qwen3 drops the empty <think> block): what follows
+        the first "A" + turn closer after the user turn."""
+        needle = self.tokenizer.encode("A", add_special_tokens=False) + self.closer
+        for i in range(self.user_len, len(full) - len(needle) + 1):
+            if full[i:i + len(needle)] == needle:
+                return full[i + len(needle):]
+        raise ObservationError(
+            f"the chat template renders a '{self.role}' turn after an assistant turn by changing the turns before it, "
+            "so the observation cannot be appended as tokens. Fix: set the environment's observation_role to a "
+            "role the template renders as a plain next turn (e.g. 'user' or 'tool').")
 
 
 @functools.lru_cache(maxsize=8)

@@ -40,7 +40,7 @@ def bpe_tokenizer(chat_template=None):
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    chars = list("abcdefghijklmnopqrstuvwxyz") + [" ", "\n", "=", ">", "?"]
+    chars = list("abcdefghijklmnopqrstuvwxyzABQ") + [" ", "\n", "=", ">", "?", "<", "/"]
     vocab = {"<pad>": 0, "<|im_end|>": 1, "<|im_start|>": 2}
     for ch in chars + ["ab", "bc"]:
         vocab[ch] = len(vocab)
@@ -97,7 +97,7 @@ def test_trainer_input_ids_equal_the_engine_contexts_turn_by_turn():
     chat template's observation turn (response_mask 0, attended), and a plain forward of the
     trainer's sequences gives the engine's log-probs on action tokens."""
     tok = bpe_tokenizer(TEMPLATE)
-    model = build_hf_model(dict(TINY_CONFIGS["llama"], vocab_size=48), seed=5)
+    model = build_hf_model(dict(TINY_CONFIGS["llama"], vocab_size=64), seed=5)
     engine = Recording(HFEngine(model, pad_token_id=tok.pad_token_id))
     exs = examples(tok, ["abc?", "b?", "cab bc?"], render=True)
     envs = []
@@ -187,6 +187,16 @@ def test_observation_ids_continue_the_template_rendering():
     assert tok.decode(obs).count("be nice") == 0 and tok.decode(obs).startswith("\n<|im_start|>tool")
     cut = enc("x=seven", action[:-1])  # no <|im_end|>: the assistant turn is closed first
     assert cut == [tok.eos_token_id] + obs
+    # Qwen3's shape: the last assistant turn gets an empty think block, an earlier one does not
+    qwen3 = bpe_tokenizer(TEMPLATE.replace("'<|im_start|>' + m['role'] + '\\n' + m['content']",
+                                           "'<|im_start|>' + m['role'] + '\\n' + ('<think></think>' if loop.last and "
+                                           "m['role'] == 'assistant' else '') + m['content']"))
+    assert "think" in qwen3.apply_chat_template(user + [{"role": "assistant", "content": "a"}], tokenize=False)
+    whole3 = qwen3.apply_chat_template(user + [{"role": "assistant", "content": "look up x"},
+                                               {"role": "tool", "content": "x=seven"}], add_generation_prompt=True,
+                                       tokenize=True)
+    whole3 = list(whole3["input_ids"] if hasattr(whole3, "keys") else whole3)
+    assert prompt + action + ObservationEncoder(qwen3, "tool", use_chat_template=True)("x=seven", action) == whole3
     plain = ObservationEncoder(tok, "tool", use_chat_template=False)  # data.apply_chat_template=false
     assert plain("x=seven", action) == tok.encode("x=seven", add_special_tokens=False)
 
