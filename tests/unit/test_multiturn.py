@@ -131,7 +131,6 @@ def test_trainer_input_ids_equal_the_engine_contexts_turn_by_turn():
         # replay the turns: each context of episode i is exactly the trainer's row up to that turn
         pos, turn = 0, 0
         for contexts, turn_params, out in engine.calls:
-            k = i if turn == 0 else None
             if turn == 0:
                 assert contexts == [list(e.prompt_ids) for e in exs] and turn_params.n == 2
                 out_row = i
@@ -141,7 +140,6 @@ def test_trainer_input_ids_equal_the_engine_contexts_turn_by_turn():
                     break
                 out_row = matches[0]
                 assert turn_params.n == 1 and turn_params.seed == turn_seed(7, turn)
-            del k
             n_act = int(out.response_mask[out_row].sum())
             sampled = out.response_ids[out_row, :n_act].tolist()
             assert resp[pos:pos + n_act] == sampled and action[pos:pos + n_act] == [1] * n_act
