@@ -353,6 +353,7 @@ class DataConfig(_Section):
     shuffle: bool = True  # reshuffle prompts every epoch
     seed: int = 1  # shuffling / generation seed
     apply_chat_template: bool = True  # render prompts with the tokenizer's chat template
+    system_prompt: Optional[str] = None  # a system message put before every prompt that has none (tool descriptions)
 
     def check(self) -> None:
         _at_least(self, builtin_size=1, builtin_val_size=1, max_prompt_length=1, train_batch_size=1)
