@@ -1,5 +1,6 @@
-"""data.system_prompt: one system message before every prompt that has none (how a recipe tells the
-model about its tools when the chat template has no `tools=`), rendered by the real chat template."""
+"""data.system_prompt and data.few_shot: one system message before every prompt that has none, and
+example turns after it (how a recipe tells a small model about its tools when the chat template has
+no `tools=`), rendered by a real chat template."""
 
 import pathlib
 
@@ -60,3 +61,33 @@ def test_system_prompt_is_a_data_key():
     assert load_config(demo, ["data.system_prompt=Use the tools."]).data.system_prompt == "Use the tools."
     with pytest.raises(ConfigError, match="data.system_promt"):
         load_config(demo, ["data.system_promt=x"])
+
+
+SHOTS = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "<tool_call>1+1</tool_call>"},
+         {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]
+
+
+def test_few_shot_turns_come_after_the_system_message(chat_tokenizer):
+    examples, _ = build_prompts(ROWS, chat_tokenizer, system_prompt="Use the calculator tool.", few_shot=SHOTS)
+    texts = [chat_tokenizer.decode(e.prompt_ids) for e in examples]
+    shots = ("<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n<tool_call>1+1</tool_call><|im_end|>\n"
+             "<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n")
+    asked = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert texts[0] == texts[2] == "<|im_start|>system\nUse the calculator tool.<|im_end|>\n" + shots + asked
+    assert texts[1] == "<|im_start|>system\nOwn rules.<|im_end|>\n" + shots + asked
+    no_system, _ = build_prompts(ROWS[:1], chat_tokenizer, few_shot=SHOTS)  # the template's default system prompt
+    assert chat_tokenizer.decode(no_system[0].prompt_ids).endswith("trained by Hugging Face<|im_end|>\n" + shots + asked)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.few_shot=[{role: user}]", r"data.few_shot\[0\]=\{'role': 'user'\} is not a chat message. Fix: write "
+                                    r"\{role: user, content: ...\} \(role user, assistant or tool; the system message "
+                                    r"is data.system_prompt\)"),
+    ("data.few_shot=[{role: system, content: x}]", r"few_shot\[0\]=.* is not a chat message"),
+    ("data.few_shot=[{role: assistant, content: x}]", "data.few_shot starts with a turn of role 'assistant'. Fix: "
+                                                      "start it with the example's question, a user turn."),
+])
+def test_bad_few_shot(override, message):
+    demo = str(pathlib.Path(__file__).resolve().parents[2] / "recipes" / "demo-cpu.yaml")
+    with pytest.raises(ConfigError, match=message):
+        load_config(demo, [override])
