@@ -326,9 +326,17 @@ class RolloutConfig(_Section):
     sglang: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through to sglang.Engine
     val_temperature: float = 0.0  # validation sampling temperature
     val_n: int = 1  # validation samples per prompt
+    env: str = "single_turn"  # episode environment: single_turn, tools, lookup, or pkg.module:Class / file.py:Class (docs/environments.md)
+    env_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of the environment class
+    max_turns: int = 8  # multi-turn: actions per episode at most (max_new_tokens stays the episode's token budget)
+    max_turn_tokens: Optional[int] = None  # multi-turn: tokens per action at most; None: max_new_tokens
 
     def check(self) -> None:
-        _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1)
+        _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1, max_turns=1)
+        _require(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
+                 f"{P}max_turn_tokens={self.max_turn_tokens} must be >= 1. Fix: set it to null (max_new_tokens) "
+                 "or to the longest action you expect.")
+        _require(bool(self.env.strip()), f"{P}env is empty. Fix: set {P}env=single_turn or {P}env=pkg.module:Class.")
         _require(self.temperature >= 0 and self.val_temperature >= 0,
                  f"{P}temperature / {P}val_temperature must be >= 0. Fix: use 0 for greedy decoding.")
         _require(0 < self.top_p <= 1, f"{P}top_p={self.top_p} must be in (0, 1]. Fix: use 1.0 to disable.")
@@ -640,9 +648,10 @@ class Config(_Section):
     def require_training_data(self) -> None:
         """What `megappo train` needs beyond a valid config: prompts, a reward, validation prompts if asked for."""
         self.data.require_training_data()
-        _require(bool(self.reward.functions or self.reward.model_path),
-                 "no reward: reward.functions is empty and reward.model_path is unset. Fix: set "
-                 "reward.functions=[gsm8k] (names in megappo.rewards) or reward.model_path.")
+        _require(bool(self.reward.functions or self.reward.model_path or self.rollout.env != "single_turn"),
+                 "no reward: reward.functions is empty, reward.model_path is unset and rollout.env=single_turn. Fix: "
+                 "set reward.functions=[gsm8k] (names in megappo.rewards), reward.model_path, or a rollout.env whose "
+                 "steps give rewards.")
         wants_val = self.run.val_every > 0 or self.run.val_before_train
         _require(not wants_val or bool(self.data.val_files or self.data.builtin),
                  "run.val_every / run.val_before_train ask for validation, but data.val_files is empty. Fix: set "

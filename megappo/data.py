@@ -156,6 +156,18 @@ def digit_successor_rows(size: int, seed: int) -> list[dict]:
     return rows
 
 
+def lookup_rows(size: int, seed: int) -> list[dict]:
+    """The multi-turn CPU demo task (`megappo.envs.lookup`): the prompt '3?' names a key; the value
+    stored under it (a digit drawn per row, the ground truth) is only told by the environment."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        key, value = rng.randrange(10), rng.randrange(10)
+        rows.append({"data_source": "lookup", "prompt": f"{key}?", "extra_info": {"key": key},
+                     "reward_model": {"style": "env", "ground_truth": str(value)}})
+    return rows
+
+
 def random_policy_score(rows: Sequence[dict], reward_fn, tokenizer, max_new_tokens: int,
                         vocab_size: int | None = None) -> float:
     """The exact mean score of a policy that draws every response token uniformly from the
@@ -222,16 +234,18 @@ def reasoning_gym_scorer(task: str):
 
 
 def builtin_rows(spec: str, size: int, seed: int, args: dict | None = None) -> list[dict]:
-    """data.builtin: 'digit_successor' or 'reasoning_gym:<task>' (options in data.builtin_args)."""
+    """data.builtin: 'digit_successor', 'lookup' or 'reasoning_gym:<task>' (options in data.builtin_args)."""
     return list(_builtin_stream(spec, size, seed, args))
 
 
 def _builtin_stream(spec: str, size: int, seed: int, args: dict | None) -> Iterator[dict]:
     if spec == "digit_successor":
         return iter(digit_successor_rows(size, seed))
+    if spec == "lookup":
+        return iter(lookup_rows(size, seed))
     if spec.startswith("reasoning_gym:"):
         return _reasoning_gym_stream(spec.split(":", 1)[1], size, seed, dict(args or {}))
-    raise DataError(f"unknown data.builtin '{spec}'. Fix: set data.builtin=digit_successor or "
+    raise DataError(f"unknown data.builtin '{spec}'. Fix: set data.builtin=digit_successor, lookup or "
                     "data.builtin=reasoning_gym:<task>.")
 
 
@@ -244,7 +258,8 @@ def prompt_identity(prompt: Any) -> str:
 
 #: built-in sources with no prompt to hold out: every one of them is in a training set of any
 #: useful size, so their validation set is drawn like the training set and measures the fit
-NOT_HELD_OUT = {"digit_successor": "its 10 prompts ('0>' to '9>') are all in the training set"}
+NOT_HELD_OUT = {"digit_successor": "its 10 prompts ('0>' to '9>') are all in the training set",
+                "lookup": "its 10 prompts ('0?' to '9?') are all in the training set (the values are drawn per row)"}
 
 #: candidates drawn for a held-out validation set, per validation row asked for
 VAL_DRAWS_PER_ROW = 64

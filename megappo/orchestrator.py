@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from megappo.envs.loading import env_class
 from megappo.parallel import cpu_compat
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.stage import stage
@@ -23,6 +24,7 @@ from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
 from megappo.rewards import score_batch
 from megappo.rollout.bridge import logprob_mismatch
+from megappo.rollout.multiturn import observation_encoder, run_episodes
 from megappo.run import Run
 from megappo.samples import pick_samples
 from megappo.types import RolloutBatch, SamplingParams
@@ -86,13 +88,27 @@ def generate(run: Run, step: int) -> RolloutBatch:
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
                             logprob_mode=cfg.logprob_mode)
-    batch = engine_generate(run, [p.prompt_ids for p in prompts], params)
-    batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
+    batch = rollout(run, prompts, params)
     if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
-        greedy = engine_generate(run, [p.prompt_ids for p in prompts],
-                                 dataclasses.replace(params, n=1, temperature=0.0))
-        greedy.examples = prompts
+        greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0))
         batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
+    return batch
+
+
+def rollout(run: Run, prompts: list, params: SamplingParams) -> RolloutBatch:
+    """`params.n` responses per prompt: the engine's (rollout.env=single_turn), or episodes of
+    rollout.env played through the engine (megappo.rollout.multiturn)."""
+    cfg = run.cfg.rollout
+    if cfg.env == "single_turn":
+        batch = engine_generate(run, [p.prompt_ids for p in prompts], params)
+    else:
+        env = env_class(cfg.env)
+        batch = run_episodes(
+            lambda contexts, turn_params: engine_generate(run, contexts, turn_params), prompts, params,
+            make_env=lambda: env(**cfg.env_args), tokenizer=run.tokenizer,
+            encode_observation=observation_encoder(run.tokenizer, env.observation_role, run.cfg.data.apply_chat_template),
+            max_turns=cfg.max_turns, max_turn_tokens=cfg.max_turn_tokens, pad_token_id=run.tokenizer.pad_token_id)
+    batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
     return batch
 
 
@@ -110,10 +126,10 @@ def to_seqs(batch: RolloutBatch) -> SeqBatch:
 
 
 def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read: tuple | None = None) -> torch.Tensor:
-    """[N] sequence scores: rule-based functions (on decoded text: `read`, else `responses` is
-    called) plus the reward model."""
+    """[N] sequence scores: the environment's rewards of each episode, rule-based functions (on
+    decoded text: `read`, else `responses` is called) and the reward model."""
     cfg = run.cfg.reward
-    scores = torch.zeros(batch.num_samples)
+    scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
     if cfg.functions:
         scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, *(read or responses(run, batch))))
     if rm_scores is not None:
@@ -122,8 +138,9 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read:
 
 
 def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str]]:
-    """What a reward function reads of each response: (texts, ground truths, extras, data sources)."""
-    texts = run.tokenizer.batch_decode(batch.response_ids * batch.response_mask, skip_special_tokens=True)
+    """What a reward function reads of each response (a whole episode: actions and observations):
+    (texts, ground truths, extras, data sources)."""
+    texts = run.tokenizer.batch_decode(batch.response_ids * batch.real_response_mask, skip_special_tokens=True)
     extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
     return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples])
 
@@ -149,9 +166,9 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
                     m: dict) -> Experience:
     cfg = run.cfg
     mask = batch.response_mask
-    last = (mask.sum(-1) - 1).clamp(min=0)
+    last = last_action_token(mask)
     token_scores = torch.zeros_like(mask, dtype=torch.float32)
-    token_scores[torch.arange(len(last)), last] = scores  # the sequence score sits on its last token
+    token_scores[torch.arange(len(last)), last] = scores  # the sequence score sits on its last action token
     rollout_lp = batch.rollout_log_probs
     if old_lp is None:  # bypass; the mismatch shows as the first micro-batch's actor/ppo_kl
         old_lp = rollout_lp
@@ -172,6 +189,13 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
                       returns=ret, rollout_is_weights=is_weights)
 
 
+def last_action_token(mask: torch.Tensor) -> torch.Tensor:
+    """[N, R] response mask -> [N] column of each row's last generated token (0 for an empty row);
+    observation tokens (mask 0) may follow or sit between the actions."""
+    cols = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
+    return ((cols * mask.bool()).amax(-1) - 1).clamp(min=0) if mask.shape[1] else mask.new_zeros(mask.shape[0])
+
+
 def advantages(algo, token_rewards, mask, values, batch: RolloutBatch):
     """The estimator named in the config, given every input it might need."""
     return compute_advantage(algo.adv_estimator, token_level_rewards=token_rewards, response_mask=mask,
@@ -182,15 +206,16 @@ def advantages(algo, token_rewards, mask, values, batch: RolloutBatch):
 
 def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> dict[str, float]:
     mask = batch.response_mask.bool()
-    lengths = batch.response_mask.sum(-1).float()
+    lengths = batch.real_response_mask.sum(-1).float()
     out = {
         "critic/score/mean": scores.mean().item(),
         "critic/score/max": scores.max().item(),
         "critic/score/min": scores.min().item(),
         "critic/advantages/mean": exp.advantages[mask].mean().item(),
         "response_length/mean": lengths.mean().item(),
-        "perf/total_num_tokens": float(batch.prompt_mask.sum() + batch.response_mask.sum()),
+        "perf/total_num_tokens": float(batch.prompt_mask.sum() + batch.real_response_mask.sum()),
         "response_length/clip_ratio": sum(r == "length" for r in batch.finish_reasons) / batch.num_samples,
+        **(batch.env_metrics or {}),
     }
     if entropy is not None:
         out["actor/rollout_entropy"] = entropy[mask].mean().item()
@@ -245,11 +270,11 @@ def validate(run: Run) -> dict[str, float]:
     params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed)
-    batch = engine_generate(run, [e.prompt_ids for e in run.val_examples], params)  # one batch: small val sets
-    batch.examples = [run.val_examples[i] for i in batch.prompt_index.tolist()]
+    batch = rollout(run, run.val_examples, params)  # one batch: small val sets
     read = responses(run, batch)
     scores = rewards(run, batch, None, read)
     return {"val/score/mean": scores.mean().item(),
             **score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read),
-            "val/response_length/mean": batch.response_mask.sum(-1).float().mean().item()}
+            "val/response_length/mean": batch.real_response_mask.sum(-1).float().mean().item(),
+            **{f"val/{k}": v for k, v in (batch.env_metrics or {}).items()}}
 

@@ -4,7 +4,8 @@
 (`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
 every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers) and
 the roles' vocabularies against the actor's, the dataset files (present, a known format, a row
-at least), the reward function names and the tokenizer's name or directory. It reads JSON and
+at least), the reward function names, the tokenizer's name or directory, and the episode
+environment (`rollout.env` imports, is an Environment and takes `rollout.env_args`). It reads JSON and
 file headers only (no torch, no tokenizer, no dataset rows), so the CLI runs it in the launching
 process and `create_run` again on every rank, before prompts are tokenized. What needs the
 tokenizer or the rows (the vocabulary size, a row without a prompt, prompts over the length
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from megappo.config import Config
 from megappo.data import check_files
+from megappo.envs.loading import check_env
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.rewards import get_reward_fn
 from megappo.tokenizer import check_tokenizer_spec
@@ -33,6 +35,7 @@ def check_inputs(cfg: Config, world_size: int) -> None:
     for name in [*cfg.reward.functions, *cfg.reward.metric_functions]:
         get_reward_fn(name)
     check_tokenizer_spec(cfg.model.tokenizer_path)
+    check_env(cfg.rollout.env, cfg.rollout.env_args)
 
 
 def check_models(cfg: Config) -> None:

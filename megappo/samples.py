@@ -25,7 +25,7 @@ def pick_samples(tokenizer, batch: RolloutBatch, scores, n: int) -> list[dict[st
     records = []
     for i in picked:
         example = batch.examples[i]
-        length = int(batch.response_mask[i].sum())
+        length = int(batch.real_response_mask[i].sum())  # a multi-turn episode: actions and observations
         records.append({
             "prompt": tokenizer.decode(example.prompt_ids, skip_special_tokens=False),
             "response": tokenizer.decode(batch.response_ids[i, :length].tolist(), skip_special_tokens=True),

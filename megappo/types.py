@@ -51,20 +51,32 @@ class RolloutBatch:
     prompt_ids: torch.Tensor  # [N, P] long, left-padded with pad_token_id
     prompt_mask: torch.Tensor  # [N, P] 1 = token
     response_ids: torch.Tensor  # [N, R] long, right-padded with pad_token_id
-    response_mask: torch.Tensor  # [N, R] 1 = generated token (EOS included)
+    #: [N, R] 1 = generated token (EOS included): the tokens with a loss, KL, entropy and advantage;
+    #: 0 on padding and on the observation tokens of a multi-turn episode
+    response_mask: torch.Tensor
     rollout_log_probs: torch.Tensor  # [N, R] float32, 0 where masked
     finish_reasons: list[str]  # N entries: "stop" (EOS/stop token) or "length"
     prompt_index: torch.Tensor  # [N] long: which input prompt each sample came from
     logprob_mode: LogprobMode = "tempered"
     examples: list | None = None  # the orchestrator's per-sample prompt records (ground truth, ...)
     reward_baselines: torch.Tensor | None = None  # [N] ReMax: reward of the prompt's greedy response
+    #: [N, R] 1 = a real token of the response (actions and observations), what the models attend
+    #: to; None: the same as response_mask (single-turn responses have no observations)
+    response_attention_mask: torch.Tensor | None = None
+    env_scores: torch.Tensor | None = None  # [N] float32: the sum of each episode's environment rewards
+    env_metrics: dict[str, float] | None = None  # `env/...` metrics of the episodes (megappo.rollout.multiturn)
 
     @property
     def num_samples(self) -> int:
         return self.prompt_ids.shape[0]
 
+    @property
+    def real_response_mask(self) -> torch.Tensor:
+        """[N, R] 1 on every real response token (observations included), 0 on padding."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
+
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, P+R] token ids and attention mask of prompt + response."""
+        """[N, P+R] token ids and attention mask of prompt + response (observation tokens attended)."""
         ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
-        mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        mask = torch.cat([self.prompt_mask, self.real_response_mask], dim=1)
         return ids, mask

@@ -1,0 +1,309 @@
+"""Multi-turn rollouts: episodes of an `Environment` driven through a rollout engine, token in, token out.
+
+`run_episodes(generate, examples, params, ...)` plays one episode per sample (the n samples of
+a prompt are n episodes, one environment instance each). Every turn it makes ONE batched
+engine call, `generate(contexts, params)`, where each context is the episode's exact token ids
+so far: prompt + actions + observations. Nothing is decoded and re-encoded; `Action.text` is a
+decode for the environment's convenience only. The environments' `reset` / `step` / `close`
+of all episodes run concurrently (asyncio.gather on an event loop of the runner's; the engine
+is called between them, outside that loop, since SGLang's engine runs a loop of its own). Turn 0 asks the engine for `n` samples of
+each prompt with the step's seed, exactly the single-turn call; turn t > 0 asks for one sample
+per context with seed + t * TURN_SEED_STRIDE, so runs are reproducible.
+
+Budgets: at most `max_turns` actions, each at most `max_turn_tokens` tokens, and the episode's
+response (actions + observations) at most `params.max_new_tokens` tokens. An observation is
+appended only when the episode goes on and an action token still fits after it, so a response
+always ends with an action.
+
+Observation ids (`ObservationEncoder`): with a chat template, the observation turn alone (a
+turn of the environment's `observation_role` plus the generation prompt of the next assistant
+turn), taken as the difference between two renderings of one conversation, with and without
+the observation (so a default system prompt a template inserts is not repeated), preceded by
+what the template puts after an assistant turn's stop token (Qwen's "\\n" after <|im_end|>; the
+whole turn closer when the action was cut by its token budget). Without a chat template the
+text is encoded as is.
+
+The result is one `RolloutBatch`: response = actions and observations, `response_mask` 1 on
+action tokens only, `response_attention_mask` 1 on every real token, log-probs of action tokens,
+`env_scores` (the sum of each episode's step rewards) and `env_metrics` (`env/...`).
+
+Shape legend: N episodes (prompts x n, prompt-major), P prompt length, R response length.
+
+This module does not know about Megatron, PPO, reward functions or configs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import functools
+import json
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megappo.envs.base import Action, Environment, Episode, StepResult
+from megappo.rollout.engine import left_pad
+from megappo.types import RolloutBatch, SamplingParams
+
+#: turn t of a step samples with seed + t * TURN_SEED_STRIDE (turn 0: the single-turn seed)
+TURN_SEED_STRIDE = 1_000_003
+
+Generate = Callable[[list[list[int]], SamplingParams], RolloutBatch]
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    return None if seed is None else seed + turn * TURN_SEED_STRIDE
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class ObservationError(ValueError):
+    """The chat template cannot render an observation turn as a continuation of the episode."""
+
+
+class ObservationEncoder:
+    """Observation text -> the token ids appended to an episode after an action (module docstring)."""
+
+    def __init__(self, tokenizer, role: str, use_chat_template: bool):
+        self.tokenizer, self.role = tokenizer, role
+        self.chat = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+        self.closer: list[int] = []
+        if self.chat:
+            user = {"role": "user", "content": "Q"}
+            self.base = [user, {"role": "assistant", "content": "A"}]
+            self.base_ids = _render(tokenizer, self.base, False)
+            start = len(_render(tokenizer, [user], True))
+            tails = [_render(tokenizer, [user, {"role": "assistant", "content": c}], False)[start:] for c in "AB"]
+            # the common end of two assistant turns, never reaching into their contents' tokens
+            room = min(len(t) - len(tokenizer.encode(c, add_special_tokens=False)) for t, c in zip(tails, "AB"))
+            k = 0
+            while k < room and tails[0][-1 - k] == tails[1][-1 - k]:
+                k += 1
+            self.closer = tails[0][len(tails[0]) - k:]  # what the template puts after an assistant message
+
+    def __call__(self, text: str, action_ids: Sequence[int]) -> list[int]:
+        if not self.chat:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        full = _render(self.tokenizer, [*self.base, {"role": self.role, "content": text}], True)
+        if full[:len(self.base_ids)] != self.base_ids:
+            raise ObservationError(
+                f"the chat template renders a '{self.role}' turn after an assistant turn by changing the turns before "
+                "it, so the observation cannot be appended as tokens. Fix: set the environment's observation_role "
+                "to a role the template renders as a plain next turn (e.g. 'user' or 'tool').")
+        turn = full[len(self.base_ids):]
+        if self.closer and action_ids and action_ids[-1] == self.closer[0]:
+            return self.closer[1:] + turn  # the action's stop token opened the closer: the rest of it
+        return self.closer + turn  # the action was cut by its budget: close the assistant turn
+
+
+@functools.lru_cache(maxsize=8)
+def observation_encoder(tokenizer, role: str, use_chat_template: bool) -> ObservationEncoder:
+    """One encoder per (tokenizer, role, template use), built on first use."""
+    return ObservationEncoder(tokenizer, role, use_chat_template)
+
+
+@dataclasses.dataclass
+class _Play:
+    """One episode in progress."""
+
+    example: Any  # the orchestrator's prompt record (prompt_ids, ground_truth, extra, data_source, index)
+    prompt_index: int
+    env: Environment
+    response: list[int] = dataclasses.field(default_factory=list)
+    action_mask: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    score: float = 0.0
+    metrics: Counter = dataclasses.field(default_factory=Counter)
+    finish_reason: str = "stop"
+    done: bool = False  # the environment ended it
+    over: bool = False
+
+    def context(self) -> list[int]:
+        return list(self.example.prompt_ids) + self.response
+
+
+def episode_of(example) -> Episode:
+    return Episode(prompt_ids=tuple(example.prompt_ids), ground_truth=example.ground_truth,
+                   extra=dict(example.extra), data_source=example.data_source, index=example.index)
+
+
+def run_episodes(generate: Generate, examples: Sequence, params: SamplingParams, *,
+                 make_env: Callable[[], Environment], tokenizer, encode_observation: Callable,
+                 max_turns: int, max_turn_tokens: int | None, pad_token_id: int) -> RolloutBatch:
+    """`params.n` episodes of every example, played to the end; see the module docstring."""
+    plays = [_Play(example=ex, prompt_index=i, env=make_env()) for i, ex in enumerate(examples)
+             for _ in range(params.n)]
+    loop = asyncio.new_event_loop()  # the environments' loop; the engine is called outside it (SGLang runs its own)
+    try:
+        logprob_mode = _play_all(loop, generate, examples, plays, params, tokenizer, encode_observation, max_turns,
+                                 max_turn_tokens or params.max_new_tokens)
+    finally:
+        loop.run_until_complete(_gather([p.env.close() for p in plays], return_exceptions=True))
+        loop.close()
+    return _batch(plays, pad_token_id, logprob_mode)
+
+
+async def _gather(coroutines: list, return_exceptions: bool = False) -> list:
+    return await asyncio.gather(*coroutines, return_exceptions=return_exceptions)
+
+
+def _play_all(loop, generate, examples, plays: list[_Play], params, tokenizer, encode_observation, max_turns,
+              turn_tokens) -> str:
+    def gather(coroutines):
+        return loop.run_until_complete(_gather(list(coroutines)))
+
+    budget = params.max_new_tokens
+    gather(p.env.reset(episode_of(p.example)) for p in plays)
+    active, turn, logprob_mode = plays, 0, params.logprob_mode
+    while active:
+        limit = min(turn_tokens, max(budget - len(p.response) for p in active))
+        turn_params = dataclasses.replace(params, n=params.n if turn == 0 else 1, max_new_tokens=limit,
+                                          seed=turn_seed(params.seed, turn))
+        contexts = [list(e.prompt_ids) for e in examples] if turn == 0 else [p.context() for p in active]
+        out = generate(contexts, turn_params)
+        logprob_mode = out.logprob_mode
+        actions = []
+        for row, p in enumerate(active):
+            length = int(out.response_mask[row].sum())
+            room = min(turn_tokens, budget - len(p.response))
+            ids = out.response_ids[row, :min(length, room)].tolist()
+            reason = "length" if length > room else out.finish_reasons[row]
+            p.response += ids
+            p.action_mask += [1] * len(ids)
+            p.log_probs += out.rollout_log_probs[row, :len(ids)].tolist()
+            p.finish_reason = reason
+            actions.append(Action(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids),
+                                  finish_reason=reason, turn=turn))
+        results: list[StepResult] = gather(p.env.step(a) for p, a in zip(active, actions))
+        for p, action, result in zip(active, actions, results):
+            _record(p, action, result, encode_observation, max_turns, budget)
+        active = [p for p in active if not p.over]
+        turn += 1
+    return logprob_mode
+
+
+def _record(p: _Play, action: Action, result: StepResult, encode_observation, max_turns: int, budget: int) -> None:
+    """Add a step's reward and counters; end the episode or append its observation."""
+    p.turns += 1
+    p.score += float(result.reward)
+    p.metrics.update({k: float(v) for k, v in result.metrics.items()})
+    if result.done:
+        p.done = p.over = True
+        return
+    room = budget - len(p.response)
+    obs = [] if result.observation is None else encode_observation(result.observation, action.token_ids)
+    if p.turns >= max_turns or len(obs) >= room:
+        p.over = True
+        if len(obs) >= room:  # no action token fits after the observation: the token budget ran out
+            p.finish_reason = "length"
+        return
+    p.response += obs
+    p.action_mask += [0] * len(obs)
+    p.log_probs += [0.0] * len(obs)
+
+
+def _batch(plays: list[_Play], pad_token_id: int, logprob_mode: str) -> RolloutBatch:
+    prompt_ids, prompt_mask = left_pad([list(p.example.prompt_ids) for p in plays], pad_token_id)
+    n, width = len(plays), max(1, max(len(p.response) for p in plays))
+    response = torch.full((n, width), pad_token_id, dtype=torch.long)
+    action = torch.zeros((n, width), dtype=torch.long)
+    real = torch.zeros((n, width), dtype=torch.long)
+    log_probs = torch.zeros((n, width), dtype=torch.float32)
+    for i, p in enumerate(plays):
+        k = len(p.response)
+        response[i, :k] = torch.tensor(p.response, dtype=torch.long)
+        action[i, :k] = torch.tensor(p.action_mask, dtype=torch.long)
+        real[i, :k] = 1
+        log_probs[i, :k] = torch.tensor(p.log_probs, dtype=torch.float32)
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response, response_mask=action,
+                        rollout_log_probs=log_probs, finish_reasons=[p.finish_reason for p in plays],
+                        prompt_index=torch.tensor([p.prompt_index for p in plays], dtype=torch.long),
+                        logprob_mode=logprob_mode, response_attention_mask=real,
+                        env_scores=torch.tensor([p.score for p in plays], dtype=torch.float32),
+                        env_metrics=episode_metrics(plays))
+
+
+def episode_metrics(plays: list[_Play]) -> dict[str, float]:
+    """env/turns_mean, env/episode_length_mean (response tokens, observations included),
+    env/truncated_frac (episodes the environment did not end: turn or token budget), and the
+    sum over the episodes of every StepResult.metrics key as env/<key>."""
+    n = len(plays)
+    out = {"env/turns_mean": sum(p.turns for p in plays) / n,
+           "env/episode_length_mean": sum(len(p.response) for p in plays) / n,
+           "env/truncated_frac": sum(not p.done for p in plays) / n}
+    totals: Counter = Counter()
+    for p in plays:
+        totals.update(p.metrics)
+    out.update({f"env/{k}": float(v) for k, v in sorted(totals.items())})
+    return out
+
+
+# -- the random-policy reference score ---------------------------------------------------------
+
+def random_policy_episode_score(examples: Sequence, make_env: Callable[[], Environment], tokenizer,
+                                encode_observation: Callable, *, vocab_size: int, max_turns: int,
+                                max_turn_tokens: int | None, max_new_tokens: int) -> float:
+    """The exact mean episode score (the sum of step rewards) of a policy that draws every action
+    token uniformly from the vocabulary, stopping at EOS or the turn's budget, under the same
+    budgets as `run_episodes`. Enumerates every action of every turn (branching on a deep copy
+    of the environment), so only for tiny vocabularies and turn budgets; actions with the same
+    text, finish reason and length are taken as one (an environment that reads token ids
+    needs more). Distinct examples (prompt, ground truth, extra) are scored once, weighed by
+    how often they occur."""
+    eos = tokenizer.eos_token_id
+    turn_tokens = max_turn_tokens or max_new_tokens
+
+    @functools.cache
+    def actions(limit: int) -> list[tuple[list[int], str, float]]:
+        """(ids, finish reason, probability) of every distinct action of at most `limit` tokens."""
+        groups: dict[tuple, list] = {}
+        frontier: list[list[int]] = [[]]
+        while frontier:
+            ids = frontier.pop()
+            if ids and (ids[-1] == eos or len(ids) == limit):
+                reason = "stop" if ids[-1] == eos else "length"
+                key = (tokenizer.decode(ids, skip_special_tokens=True), reason, len(ids))
+                entry = groups.setdefault(key, [ids, reason, 0.0])
+                entry[2] += float(vocab_size) ** -len(ids)
+            else:
+                frontier.extend(ids + [t] for t in range(vocab_size))
+        return [tuple(v) for v in groups.values()]
+
+    async def value(env: Environment, used: int, turn: int) -> float:
+        room = min(turn_tokens, max_new_tokens - used)
+        total = 0.0
+        for ids, reason, prob in actions(room):
+            branch = copy.deepcopy(env)
+            action = Action(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids),
+                            finish_reason=reason, turn=turn)
+            result = await branch.step(action)
+            score = float(result.reward)
+            if not result.done and turn + 1 < max_turns:
+                obs = [] if result.observation is None else encode_observation(result.observation, action.token_ids)
+                if len(obs) < max_new_tokens - used - len(ids):
+                    score += await value(branch, used + len(ids) + len(obs), turn + 1)
+            total += prob * score
+        return total
+
+    def key(ex) -> str:
+        return json.dumps([list(ex.prompt_ids), ex.ground_truth, ex.extra], sort_keys=True, default=str)
+
+    counts = Counter(key(ex) for ex in examples)
+    distinct = {key(ex): ex for ex in examples}
+
+    async def score_all() -> float:
+        total = 0.0
+        for k, ex in distinct.items():
+            env = make_env()
+            await env.reset(episode_of(ex))
+            total += counts[k] * await value(env, 0, 0)
+        return total / len(examples)
+
+    return asyncio.run(score_all())
