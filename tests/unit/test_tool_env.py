@@ -323,3 +323,28 @@ def test_prompt_printer(capsys):
     assert main(["calculator", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["function"]["name"] == "calculator"
     assert main(["nope"]) == 2 and "unknown tool 'nope'" in capsys.readouterr().err
+
+
+def test_the_calculator_recipe_shows_the_model_what_the_environment_does():
+    """recipes/smollm2-calculator-cpu.yaml: its system prompt is the tools' own description, and
+    its few-shot turns are real episodes: each example call parses, and the tool turn after it is
+    exactly what ToolEnv answers; the final answers are what the reward function wants."""
+    import pathlib
+
+    from megappo.config import load_config
+    from megappo.envs.loading import check_env
+    from megappo.rewards import reasoning_gym_exact
+
+    cfg = load_config(str(pathlib.Path(__file__).resolve().parents[2] / "recipes" / "smollm2-calculator-cpu.yaml"))
+    env_cls = check_env(cfg.rollout.env, cfg.rollout.env_args)
+    env = env_cls(**cfg.rollout.env_args)
+    assert cfg.data.system_prompt.endswith(system_prompt(list(env.tools.values())))
+    shots = cfg.data.few_shot
+    assert [m["role"] for m in shots] == ["user", "assistant", "tool", "assistant"] * 2
+    for question, action, tool_turn, answer in zip(*(shots[i::4] for i in range(4))):
+        (parsed,) = parse_tool_calls(action["content"])
+        assert isinstance(parsed, ToolCall)
+        result = run(env.step(act(action["content"], 0)))
+        assert result.observation == tool_turn["content"] and result.metrics["tool_errors"] == 0
+        done = run(env.step(act(answer["content"], 1)))
+        assert done.done and reasoning_gym_exact(answer["content"], calculator(parsed.arguments["expression"]), {}) == 1
