@@ -45,7 +45,7 @@ import typing
 from typing import Any, Callable, Sequence
 
 from megappo.config import ConfigError
-from megappo.envs.base import Action, Environment, StepResult
+from megappo.envs.base import Action, Environment, Episode, StepResult
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
@@ -430,7 +430,7 @@ class ToolEnv(Environment):
 
     def __init__(self, tools: Sequence[str] = ("calculator",), max_tool_calls: int = 8, timeout_s: float = 5.0,
                  call_penalty: float = 0.0, error_penalty: float = 0.0, wrap_responses: bool = True,
-                 max_result_chars: int = 2000):
+                 max_result_chars: int = 2000, answer_reward: str | None = None):
         """
         Args:
             tools: built-in names (calculator) or import paths (my_pkg.tools:search, path/to/file.py:fn).
@@ -441,6 +441,10 @@ class ToolEnv(Environment):
             wrap_responses: each block inside <tool_response></tool_response> (Hermes); set false for
                 chat templates that wrap a tool turn themselves (Qwen2.5 and Qwen3 do).
             max_result_chars: longer results are cut to this many characters (and say so).
+            answer_reward: a reward function (a name or file.py:function, as in reward.functions)
+                that scores the final answer ALONE, the action that ends the episode, as this
+                environment's reward. The reward functions of reward.functions read the whole
+                episode, tool results included, where the right number may stand.
         """
         self.tools = resolve_tools(list(tools) if isinstance(tools, tuple) else tools)
         for key, value, low in (("max_tool_calls", max_tool_calls, 0), ("max_result_chars", max_result_chars, 1)):
@@ -455,6 +459,29 @@ class ToolEnv(Environment):
         self.call_penalty, self.error_penalty = float(call_penalty), float(error_penalty)
         self.wrap_responses, self.max_result_chars = bool(wrap_responses), max_result_chars
         self.calls_made = 0
+        self.episode: Episode | None = None
+        self.answer_reward = None
+        if answer_reward is not None:
+            # the one reference upward (envs sit below rewards): the registry of scoring functions,
+            # pure and torch-free, looked up by the name the user gave, as reward.functions does
+            from megappo.rewards import get_reward_fn, score_batch
+
+            if not isinstance(answer_reward, str):
+                raise ConfigError(f"rollout.env_args.answer_reward={answer_reward!r} must be the name of a reward "
+                                  "function (e.g. reasoning_gym_exact) or file.py:function.")
+            get_reward_fn(answer_reward)  # an unknown name fails here, at start-up
+            self.answer_reward = functools.partial(score_batch, [answer_reward], None)
+
+    async def reset(self, episode: Episode) -> None:
+        self.episode = episode
+
+    def _score_answer(self, action: Action) -> float:
+        if self.answer_reward is None:
+            return 0.0
+        assert self.episode is not None, "reset() comes before step()"
+        extra = dict(self.episode.extra, finish_reason=action.finish_reason)  # as the reward functions see it
+        (score,) = self.answer_reward([action.text], [self.episode.ground_truth], [extra], [self.episode.data_source])
+        return score
 
     @property
     def schemas(self) -> list[dict]:
@@ -464,7 +491,8 @@ class ToolEnv(Environment):
     async def step(self, action: Action) -> StepResult:
         calls = parse_tool_calls(action.text)
         if not calls:
-            return StepResult(done=True, metrics={"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0})
+            return StepResult(done=True, reward=self._score_answer(action),
+                              metrics={"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0})
         allowed = max(0, self.max_tool_calls - self.calls_made)
         results = list(await asyncio.gather(*(run_call(c, self.tools, self.timeout_s) for c in calls[:allowed])))
         results += [CallResult(c.name if isinstance(c, ToolCall) else "", error=f"the limit of {self.max_tool_calls} "

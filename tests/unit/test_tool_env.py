@@ -333,18 +333,38 @@ def test_the_calculator_recipe_shows_the_model_what_the_environment_does():
 
     from megappo.config import load_config
     from megappo.envs.loading import check_env
-    from megappo.rewards import reasoning_gym_exact
 
     cfg = load_config(str(pathlib.Path(__file__).resolve().parents[2] / "recipes" / "smollm2-calculator-cpu.yaml"))
     env_cls = check_env(cfg.rollout.env, cfg.rollout.env_args)
-    env = env_cls(**cfg.rollout.env_args)
-    assert cfg.data.system_prompt.endswith(system_prompt(list(env.tools.values())))
+    assert not cfg.reward.functions and cfg.rollout.env_args["answer_reward"] == "reasoning_gym_exact"
+    assert cfg.data.system_prompt.endswith(system_prompt(list(env_cls(**cfg.rollout.env_args).tools.values())))
     shots = cfg.data.few_shot
     assert [m["role"] for m in shots] == ["user", "assistant", "tool", "assistant"] * 2
     for question, action, tool_turn, answer in zip(*(shots[i::4] for i in range(4))):
         (parsed,) = parse_tool_calls(action["content"])
         assert isinstance(parsed, ToolCall)
+        env = env_cls(**cfg.rollout.env_args)
+        run(env.reset(Episode((), calculator(parsed.arguments["expression"]), {}, "reasoning_gym", 0)))
         result = run(env.step(act(action["content"], 0)))
         assert result.observation == tool_turn["content"] and result.metrics["tool_errors"] == 0
         done = run(env.step(act(answer["content"], 1)))
-        assert done.done and reasoning_gym_exact(answer["content"], calculator(parsed.arguments["expression"]), {}) == 1
+        assert done.done and done.reward == 1.0
+
+
+def test_answer_reward_scores_the_final_answer_alone():
+    """The tool's result holds the right number; only a final answer that states it earns the reward
+    (reward functions in reward.functions read the whole episode, where a last-number rule would
+    find the tool's result when the answer has no number)."""
+    async def episode(answer):
+        env = ToolEnv(answer_reward="reasoning_gym_exact")
+        await env.reset(EPISODE)
+        first = await env.step(act(call("calculator", expression="(3 + 4) * 12 / 5"), 0))
+        last = await env.step(act(answer, 1))
+        return first, last
+
+    for answer, reward in [("84/5", 1.0), ("The answer is 84/5.", 1.0), ("I don't know.", 0.0), ("16.8 or 17", 0.0)]:
+        first, last = run(episode(answer))
+        assert '"result": "84/5"' in first.observation and first.reward == 0.0
+        assert last.done and last.reward == reward, answer
+    with pytest.raises(ConfigError, match="unknown reward function 'reasoning_gym_exakt'.*Did you mean 'reasoning_gym_"):
+        ToolEnv(answer_reward="reasoning_gym_exakt")
