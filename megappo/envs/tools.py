@@ -197,7 +197,7 @@ class Tool:
             props[p.name] = prop
             if p.default is p.empty:
                 required.append(p.name)
-        return cls(name=name or fn.__name__, fn=fn, description=description or summary,
+        return cls(name=name or getattr(fn, "__name__", type(fn).__name__), fn=fn, description=description or summary,
                    parameters={"type": "object", "properties": props, "required": required}, timeout_s=timeout_s)
 
 
@@ -264,6 +264,8 @@ def resolve_tools(specs: Sequence[str]) -> dict[str, Tool]:
         raise ConfigError(f"rollout.env_args.tools is empty: the model has nothing to call. {_FIX}")
     out: dict[str, Tool] = {}
     for spec in specs:
+        if not isinstance(spec, str):
+            raise ConfigError(f"tool {spec!r} in rollout.env_args.tools is not a string. {_FIX}")
         t = load_tool(spec)
         if t.name in out:
             raise ConfigError(f"two tools are named '{t.name}' in rollout.env_args.tools ({list(specs)}). Fix: "
@@ -275,13 +277,14 @@ def resolve_tools(specs: Sequence[str]) -> dict[str, Tool]:
 @functools.cache
 def load_tool(spec: str) -> Tool:
     """One tool from a built-in name, `package.module:function` or `path/to/file.py:function`."""
-    if not isinstance(spec, str):
-        raise ConfigError(f"tool {spec!r} in rollout.env_args.tools is not a string. {_FIX}")
     path = BUILTIN.get(spec, spec)
     where, _, attr = path.rpartition(":")
     if not where or not attr:
         raise ConfigError(f"unknown tool '{spec}' in rollout.env_args.tools. {_FIX}")
-    module = _import(spec, where)
+    try:
+        module = _module(where)
+    except ConfigError as e:
+        raise ConfigError(f"tool '{spec}': {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items()
@@ -291,11 +294,11 @@ def load_tool(spec: str) -> Tool:
     return marked if isinstance(marked, Tool) else Tool.from_function(fn)
 
 
-def _import(spec: str, where: str):
+@functools.cache  # a file that holds several tools is executed once
+def _module(where: str):
     if where.endswith(".py") or os.sep in where:
         if not os.path.isfile(where):
-            raise ConfigError(f"tool '{spec}': file '{where}' does not exist (relative paths start at "
-                              f"{os.getcwd()}). {_FIX}")
+            raise ConfigError(f"file '{where}' does not exist (relative paths start at {os.getcwd()}). {_FIX}")
         module_spec = importlib.util.spec_from_file_location(f"megappo_tool_{abs(hash(where))}", where)
         module = importlib.util.module_from_spec(module_spec)
         load = functools.partial(module_spec.loader.exec_module, module)
@@ -309,10 +312,9 @@ def _import(spec: str, where: str):
     try:
         loaded = load()
     except ImportError as e:
-        raise ConfigError(f"tool '{spec}': cannot import '{where}' ({e}). {_FIX}") from None
+        raise ConfigError(f"cannot import '{where}' ({e}). {_FIX}") from None
     except Exception as e:  # the user's module failed while it was imported
-        raise ConfigError(f"tool '{spec}': importing '{where}' raised {type(e).__name__}: {e}. Fix: correct that "
-                          "module.") from None
+        raise ConfigError(f"importing '{where}' raised {type(e).__name__}: {e}. Fix: correct that module.") from None
     return loaded if loaded is not None else module
 
 

@@ -11,7 +11,7 @@ import pytest
 from megappo.config import ConfigError
 from megappo.envs.base import Action, Episode
 from megappo.envs.tools import (MalformedCall, Tool, ToolCall, ToolEnv, calculator, load_tool, main, parse_tool_calls,
-                                resolve_tools, run_call, system_prompt, tool)
+                                _module, resolve_tools, run_call, system_prompt, tool)
 
 
 def call(name, **arguments):
@@ -115,9 +115,9 @@ def user_tools(tmp_path, monkeypatch):
     (tmp_path / "loose_tools.py").write_text(TOOLS_MODULE)
     (tmp_path / "broken_tools.py").write_text("1 / 0\n")
     monkeypatch.chdir(tmp_path)
-    load_tool.cache_clear()
+    load_tool.cache_clear(), _module.cache_clear()
     yield tmp_path
-    load_tool.cache_clear()
+    load_tool.cache_clear(), _module.cache_clear()
 
 
 def test_tools_from_import_paths_with_schemas_from_signature_and_docstring(user_tools):
@@ -166,6 +166,8 @@ def test_bad_tool_lists(user_tools):
         resolve_tools("calculator")
     with pytest.raises(ConfigError, match="is empty: the model has nothing to call"):
         resolve_tools([])
+    with pytest.raises(ConfigError, match=r"tool \{'name': 'calculator'\} in rollout.env_args.tools is not a string"):
+        resolve_tools([{"name": "calculator"}])
     with pytest.raises(ConfigError, match=r"two tools are named 'add'.*Fix: give one another name with @tool\(name"):
         resolve_tools(["my_tools_pkg.tools:add_numbers", "loose_tools.py:add_numbers"])
 
@@ -368,3 +370,15 @@ def test_answer_reward_scores_the_final_answer_alone():
         assert last.done and last.reward == reward, answer
     with pytest.raises(ConfigError, match="unknown reward function 'reasoning_gym_exakt'.*Did you mean 'reasoning_gym_"):
         ToolEnv(answer_reward="reasoning_gym_exakt")
+
+
+def test_bare_tool_decorator_keeps_the_function():
+    @tool
+    def ping(times: int = 1) -> str:
+        """Answer pong."""
+        return "pong" * times
+
+    assert ping(2) == "pongpong"  # still the plain function
+    assert ping.__megappo_tool__.schema["function"] == {
+        "name": "ping", "description": "Answer pong.",
+        "parameters": {"type": "object", "properties": {"times": {"type": "integer"}}, "required": []}}
