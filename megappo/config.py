@@ -364,6 +364,10 @@ class DataConfig(_Section):
     shuffle: bool = True  # reshuffle prompts every epoch
     seed: int = 1  # shuffling / generation seed
     apply_chat_template: bool = True  # render prompts with the tokenizer's chat template
+    system_prompt: Optional[str] = None  # a system message put before every prompt that has none (tool descriptions)
+    #: example turns put after the system message of every prompt, e.g. a question, the assistant's tool call,
+    #: the tool's answer and the final answer: [{role: user, content: ...}, {role: assistant, content: ...}, ...]
+    few_shot: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
         _at_least(self, builtin_size=1, builtin_val_size=1, max_prompt_length=1, train_batch_size=1)
@@ -372,6 +376,14 @@ class DataConfig(_Section):
         _require(not self.builtin or self.builtin_size >= self.train_batch_size,
                  f"{P}builtin_size={self.builtin_size} is smaller than {P}train_batch_size={self.train_batch_size}: "
                  f"not one full step. Fix: raise {P}builtin_size or lower {P}train_batch_size.")
+        for i, m in enumerate(self.few_shot):
+            _require(set(m) == {"role", "content"} and m["role"] in ("user", "assistant", "tool"),
+                     f"{P}few_shot[{i}]={m} is not a chat message. Fix: write {{role: user, content: ...}} "
+                     "(role user, assistant or tool; the system message is data.system_prompt).")
+        _require(not self.few_shot or self.few_shot[0]["role"] == "user",
+                 f"{P}few_shot starts with a turn of role "
+                 f"'{self.few_shot[0]['role'] if self.few_shot else ''}'. Fix: start it with the example's question, "
+                 "a user turn.")
 
     def require_training_data(self) -> None:
         """Training needs prompts; a conversion-only config does not (so this is not in check())."""

@@ -88,21 +88,27 @@ def load_rows(paths: Sequence[str], key: str = "data.train_files") -> list[dict]
     return rows
 
 
-def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool) -> list[int]:
+def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, system_prompt: str | None = None,
+                  few_shot: Sequence[dict] = ()) -> list[int]:
+    """Token ids of one prompt. `system_prompt` becomes the first message unless the row has its own;
+    the `few_shot` turns come right after the system message (the row's, this one, or none)."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
         messages = list(prompt)
+    has_system = bool(messages) and isinstance(messages[0], dict) and messages[0].get("role") == "system"
+    system = messages[:1] if has_system else [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages = [*system, *few_shot, *messages[has_system:]]
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+    text = "\n".join(m["content"] for m in messages)  # a text prompt is one message: the text as it is
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 512,
-                  long_prompt_policy: str = "skip", apply_chat_template: bool = True, source: str = "dataset"
-                  ) -> tuple[list[PromptExample], dict[str, int]]:
+                  long_prompt_policy: str = "skip", apply_chat_template: bool = True, source: str = "dataset",
+                  system_prompt: str | None = None, few_shot: Sequence[dict] = ()) -> tuple[list[PromptExample], dict[str, int]]:
     """Tokenize rows; returns (examples, {"skipped_long": k, "truncated_long": k})."""
     examples, stats, longest = [], {"skipped_long": 0, "truncated_long": 0}, 0
     for i, row in enumerate(rows):
@@ -111,7 +117,7 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
                 f"row {i} of {source} has no '{prompt_key}' (keys: {sorted(row)}). Fix: add a '{prompt_key}' to the "
                 "row, or set data.prompt_key to the column that holds the prompt."
             )
-        ids = render_prompt(row[prompt_key], tokenizer, apply_chat_template)
+        ids = render_prompt(row[prompt_key], tokenizer, apply_chat_template, system_prompt, few_shot)
         longest = max(longest, len(ids))
         if len(ids) > max_prompt_length:
             if long_prompt_policy == "error":

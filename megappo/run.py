@@ -230,7 +230,8 @@ def create_run(cfg: Config) -> Run:
                      reward_functions=[*cfg.reward.functions, *cfg.reward.metric_functions])
         rows = check_data(rows, tokenizer, source=source, **check)
         kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                  long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template)
+                  long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template,
+                  system_prompt=d.system_prompt, few_shot=d.few_shot)
         train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files), **kw)
         if val_rows is not None:
             val_rows = check_data(val_rows, tokenizer, source=f"data.val_files {d.val_files}" if d.val_files
