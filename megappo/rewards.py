@@ -35,16 +35,13 @@ from __future__ import annotations
 import difflib
 import fractions
 import functools
-import importlib
-import importlib.util
 import inspect
 import numbers
-import os
 import re
-import sys
 from typing import Any, Callable, Sequence
 
 from megappo.config import ConfigError
+from megappo.user_code import load_module, split_spec
 
 RewardFn = Callable[[str, Any, dict], float]
 
@@ -195,34 +192,14 @@ def get_reward_fn(name: str) -> RewardFn:
 @functools.cache
 def _custom(name: str) -> RewardFn:
     """`file.py:fn` or `package.module:fn` as a RewardFn (loaded once)."""
-    where, _, attr = name.rpartition(":")
+    where, attr = split_spec(name)
     fix = "Fix: write reward.functions=[path/to/file.py:function] (or package.module:function)."
-    if not where or not attr:
+    if not where:
         raise ConfigError(f"reward function '{name}' in reward.functions is not FILE.py:FUNCTION. {fix}")
-    if where.endswith(".py") or os.sep in where:
-        if not os.path.isfile(where):
-            raise ConfigError(f"reward function '{name}': file '{where}' does not exist (relative paths start at "
-                              f"{os.getcwd()}). {fix}")
-        spec = importlib.util.spec_from_file_location(f"megappo_reward_{abs(hash(where))}", where)
-        module = importlib.util.module_from_spec(spec)
-        load = lambda: spec.loader.exec_module(module)  # noqa: E731
-    else:
-        module = None
-
-        def load():
-            nonlocal module
-            sys.path.insert(0, os.getcwd())
-            try:
-                module = importlib.import_module(where)
-            finally:
-                sys.path.remove(os.getcwd())
     try:
-        load()
-    except ImportError as e:
-        raise ConfigError(f"reward function '{name}': cannot import '{where}' ({e}). {fix}") from None
-    except Exception as e:  # the user's module failed while it was imported: show where, keep it short
-        raise ConfigError(f"reward function '{name}': importing '{where}' raised {type(e).__name__}: {e}. Fix: "
-                          "correct that file.") from None
+        module = load_module(where, fix)
+    except ConfigError as e:
+        raise ConfigError(f"reward function '{name}': {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

@@ -14,13 +14,10 @@ This module does not know about engines, tokenizers or PPO.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
-import os
-import sys
 from typing import Any
 
 from megappo.config import ConfigError
+from megappo.user_code import load_module, split_spec
 from megappo.envs.base import Environment
 
 #: rollout.env short names -> "module:Class" (imported only when named)
@@ -37,33 +34,13 @@ _FIX = ("Fix: set rollout.env to one of " + ", ".join(BUILTIN_ENVS)
 @functools.cache
 def env_class(spec: str) -> type[Environment]:
     """The Environment subclass `rollout.env` names (loaded once per process)."""
-    where, _, attr = BUILTIN_ENVS.get(spec, spec).rpartition(":")
-    if not where or not attr:
+    where, attr = split_spec(BUILTIN_ENVS.get(spec, spec))
+    if not where:
         raise ConfigError(f"rollout.env='{spec}' is neither a built-in environment nor MODULE:CLASS. {_FIX}")
-    if where.endswith(".py") or os.sep in where:
-        if not os.path.isfile(where):
-            raise ConfigError(f"rollout.env='{spec}': file '{where}' does not exist (relative paths start at "
-                              f"{os.getcwd()}). {_FIX}")
-        module_spec = importlib.util.spec_from_file_location(f"megappo_env_{abs(hash(where))}", where)
-        module = importlib.util.module_from_spec(module_spec)
-        load = lambda: module_spec.loader.exec_module(module)  # noqa: E731
-    else:
-        module = None
-
-        def load():
-            nonlocal module
-            sys.path.insert(0, os.getcwd())
-            try:
-                module = importlib.import_module(where)
-            finally:
-                sys.path.remove(os.getcwd())
     try:
-        load()
-    except ImportError as e:
-        raise ConfigError(f"rollout.env='{spec}': cannot import '{where}' ({e}). {_FIX}") from None
-    except Exception as e:  # the user's module failed while it was imported: show where, keep it short
-        raise ConfigError(f"rollout.env='{spec}': importing '{where}' raised {type(e).__name__}: {e}. "
-                          "Fix: correct that file.") from None
+        module = load_module(where, _FIX)
+    except ConfigError as e:
+        raise ConfigError(f"rollout.env='{spec}': {e}") from None
     cls = getattr(module, attr, None)
     if cls is None:
         found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Environment)

@@ -32,12 +32,9 @@ import asyncio
 import dataclasses
 import fractions
 import functools
-import importlib
-import importlib.util
 import inspect
 import json
 import operator
-import os
 import re
 import sys
 import threading
@@ -45,6 +42,7 @@ import typing
 from typing import Any, Callable, Sequence
 
 from megappo.config import ConfigError
+from megappo.user_code import load_module, split_spec
 from megappo.envs.base import Action, Environment, Episode, StepResult
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -278,11 +276,11 @@ def resolve_tools(specs: Sequence[str]) -> dict[str, Tool]:
 def load_tool(spec: str) -> Tool:
     """One tool from a built-in name, `package.module:function` or `path/to/file.py:function`."""
     path = BUILTIN.get(spec, spec)
-    where, _, attr = path.rpartition(":")
-    if not where or not attr:
+    where, attr = split_spec(path)
+    if not where:
         raise ConfigError(f"unknown tool '{spec}' in rollout.env_args.tools. {_FIX}")
     try:
-        module = _module(where)
+        module = load_module(where, _FIX)
     except ConfigError as e:
         raise ConfigError(f"tool '{spec}': {e}") from None
     fn = getattr(module, attr, None)
@@ -292,30 +290,6 @@ def load_tool(spec: str) -> Tool:
         raise ConfigError(f"tool '{spec}': '{where}' has no function '{attr}' (it has {found}). {_FIX}")
     marked = getattr(fn, "__megappo_tool__", None)
     return marked if isinstance(marked, Tool) else Tool.from_function(fn)
-
-
-@functools.cache  # a file that holds several tools is executed once
-def _module(where: str):
-    if where.endswith(".py") or os.sep in where:
-        if not os.path.isfile(where):
-            raise ConfigError(f"file '{where}' does not exist (relative paths start at {os.getcwd()}). {_FIX}")
-        module_spec = importlib.util.spec_from_file_location(f"megappo_tool_{abs(hash(where))}", where)
-        module = importlib.util.module_from_spec(module_spec)
-        load = functools.partial(module_spec.loader.exec_module, module)
-    else:
-        def load():
-            sys.path.insert(0, os.getcwd())
-            try:
-                return importlib.import_module(where)
-            finally:
-                sys.path.remove(os.getcwd())
-    try:
-        loaded = load()
-    except ImportError as e:
-        raise ConfigError(f"cannot import '{where}' ({e}). {_FIX}") from None
-    except Exception as e:  # the user's module failed while it was imported
-        raise ConfigError(f"importing '{where}' raised {type(e).__name__}: {e}. Fix: correct that module.") from None
-    return loaded if loaded is not None else module
 
 
 def system_prompt(tools: Sequence[Tool], preamble: str = "") -> str:

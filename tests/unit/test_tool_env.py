@@ -11,7 +11,7 @@ import pytest
 from megappo.config import ConfigError
 from megappo.envs.base import Action, Episode
 from megappo.envs.tools import (MalformedCall, Tool, ToolCall, ToolEnv, calculator, load_tool, main, parse_tool_calls,
-                                _module, resolve_tools, run_call, system_prompt, tool)
+                                resolve_tools, run_call, system_prompt, tool)
 
 
 def call(name, **arguments):
@@ -115,9 +115,9 @@ def user_tools(tmp_path, monkeypatch):
     (tmp_path / "loose_tools.py").write_text(TOOLS_MODULE)
     (tmp_path / "broken_tools.py").write_text("1 / 0\n")
     monkeypatch.chdir(tmp_path)
-    load_tool.cache_clear(), _module.cache_clear()
+    load_tool.cache_clear()
     yield tmp_path
-    load_tool.cache_clear(), _module.cache_clear()
+    load_tool.cache_clear()
 
 
 def test_tools_from_import_paths_with_schemas_from_signature_and_docstring(user_tools):
@@ -148,7 +148,7 @@ BAD_TOOLS = {
                                                "function 'serch' (it has ['add_numbers', 'lookup', 'shout', 'tool'])"),
     "not callable": ("loose_tools.py:TABLE", "'loose_tools.py' has no function 'TABLE'"),
     "module raises": ("broken_tools.py:f", "tool 'broken_tools.py:f': importing 'broken_tools.py' raised "
-                                          "ZeroDivisionError: division by zero. Fix: correct that module."),
+                                          "ZeroDivisionError: division by zero. Fix: correct that file."),
 }
 
 
