@@ -9,12 +9,15 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_moe_demo_learns_at_ep2(tmp_path):
+def train(recipe: str, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-moe-cpu.yaml",
-                           f"run.output_dir={tmp_path}", "logging.progress_bar=false"],
+    return subprocess.run([sys.executable, "-m", "megappo.cli", "train", recipe, *overrides],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_moe_demo_learns_at_ep2(tmp_path):
+    proc = train("recipes/demo-moe-cpu.yaml", f"run.output_dir={tmp_path}", "logging.progress_bar=false")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -38,13 +41,9 @@ def test_moe_demo_with_routing_replay(tmp_path):
     reference pass (KL loss on, so the reference runs); the trainer's recomputed log-probs of
     the engine's tokens stay within float32 noise and the share of routes that replay changed
     is logged."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-moe-cpu.yaml",
-                           f"run.output_dir={tmp_path}", "logging.progress_bar=false", "actor.moe_routing=replay",
-                           "actor.use_kl_loss=true", "run.total_steps=6", "run.val_every=0",
-                           "run.val_before_train=false"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = train("recipes/demo-moe-cpu.yaml", f"run.output_dir={tmp_path}", "logging.progress_bar=false",
+                 "actor.moe_routing=replay", "actor.use_kl_loss=true", "run.total_steps=6", "run.val_every=0",
+                 "run.val_before_train=false")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -57,10 +56,6 @@ def test_moe_demo_with_routing_replay(tmp_path):
 
 
 def test_routing_replay_needs_an_moe_actor(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml",
-                           f"run.output_dir={tmp_path}", "actor.moe_routing=replay"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = train("recipes/demo-cpu.yaml", f"run.output_dir={tmp_path}", "actor.moe_routing=replay")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "actor.moe_routing=recompute" in out, out[-3000:]
