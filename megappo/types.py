@@ -58,6 +58,7 @@ class RolloutBatch:
     logprob_mode: LogprobMode = "tempered"
     examples: list | None = None  # the orchestrator's per-sample prompt records (ground truth, ...)
     reward_baselines: torch.Tensor | None = None  # [N] ReMax: reward of the prompt's greedy response
+    policy_version: int = 0  # optimizer steps behind the weights that generated it (megappo.rollout.schedule)
 
     @property
     def num_samples(self) -> int:
