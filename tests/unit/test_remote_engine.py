@@ -86,3 +86,31 @@ def test_a_dead_child_raises_engine_crashed_with_its_exit_code():
             engine.generate(PROMPTS, PARAMS)
     finally:
         engine.shutdown()
+
+
+def test_the_child_ends_when_the_trainer_is_killed(tmp_path):
+    """SIGKILL of the process that owns the engine (no cleanup runs): the child sees its pipe
+    close and exits, so no engine process outlives a killed run."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("import os, signal\n"
+              "from megappo.models.hf_reference import TINY_CONFIGS\n"
+              "from megappo.rollout.remote import HFModelSource, RemoteEngine\n"
+              "if __name__ == '__main__':\n"
+              "    e = RemoteEngine(HFModelSource(hf_config=TINY_CONFIGS['llama'], seed=3), pad_token_id=0)\n"
+              "    print(e.pid, flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    path = tmp_path / "owner.py"
+    path.write_text(script)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    child = int(proc.stdout.split()[0])
+    deadline = time.time() + 30
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < deadline, "the engine's process outlived its killed owner"
+        time.sleep(0.1)
