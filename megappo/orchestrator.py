@@ -4,6 +4,8 @@ Every rank runs this program (SPMD under torchrun). Global rank 0 also owns the 
 engine, the prompts, the reward functions, the KL controller, the advantages, logging and
 progress; tensors it produces are broadcast, per-sample results of the models come back
 to it (`megappo.workers`). Setup (models, engine, data, checkpoints) lives in `megappo.run`.
+When each step's batch is generated (now, or during the previous step: `rollout.mode`) is
+`run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does.
 
 This module does not know how models are built or sharded.
 """
