@@ -9,6 +9,8 @@ Layout under `checkpoint.dir` (default `<run.output_dir>/checkpoints`):
                            model-parallel tracker (tensors and numbers only: loaded weights_only)
       trainer_state.json   step, sampler epoch/cursor, KL coefficient, NaN-skip counter, the
                            resolved config; written last inside the directory
+      rollout_buffer.pt    rollout.mode=one_step_off: the batch already generated for the next
+                           step (waited for at save time) and that step; a resume trains on it
     step_00000020.partial/ a save in progress (or killed): never read, removed by the next save
     latest                 the name of the newest complete checkpoint
 
@@ -40,9 +42,12 @@ import torch
 import torch.distributed as dist
 
 from megappo.config import Config, ConfigError
+from megappo.data import PromptExample
+from megappo.types import RolloutBatch
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
+ROLLOUT_BUFFER = "rollout_buffer.pt"
 FORMAT = "megappo-trainer-v1"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -156,8 +161,10 @@ class TrainerState:
 
 
 def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg: Config, *, hf_config: dict,
-         hf_files: dict | None, critic_hf_config: dict | None, rank: int, keep_last: int) -> str:
-    """Collective: one complete checkpoint of `step`; returns its directory."""
+         hf_files: dict | None, critic_hf_config: dict | None, rank: int, keep_last: int,
+         rollout_buffer: tuple | None = None) -> str:
+    """Collective: one complete checkpoint of `step`; returns its directory. `rollout_buffer`
+    (rank 0): (step, RolloutBatch) generated ahead of the training, or None."""
     from megappo.models.checkpoint import save_trainable
 
     final = os.path.join(path_root, step_dir_name(step))
@@ -175,6 +182,9 @@ def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg
     torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
+        if rollout_buffer is not None:
+            buffered_step, batch = rollout_buffer
+            torch.save({"step": buffered_step, "batch": _plain_batch(batch)}, os.path.join(partial, ROLLOUT_BUFFER))
         state = {"format": FORMAT, **dataclasses.asdict(trainer), "roles": sorted(trainables),
                  "world_size": dist.get_world_size(), "config": cfg.to_dict()}
         _write_atomic(os.path.join(partial, STATE_FILE), json.dumps(state, indent=2))
@@ -199,6 +209,29 @@ def load(path: str, trainables: dict, rank: int) -> None:
     elif rank == 0:
         warnings.warn(f"{path} has no RNG state for some ranks (saved with another world size); "
                       "those ranks keep their seeded RNG.", stacklevel=2)
+
+
+def load_rollout_buffer(path: str) -> tuple | None:
+    """(step, RolloutBatch) a checkpoint buffered for the step after it, or None."""
+    file = os.path.join(path, ROLLOUT_BUFFER)
+    if not os.path.isfile(file):
+        return None
+    saved = torch.load(file, weights_only=True)  # tensors and plain data only: a file cannot run code
+    return saved["step"], _batch_from_plain(saved["batch"])
+
+
+def _plain_batch(batch: RolloutBatch) -> dict:
+    """A RolloutBatch as tensors and plain Python data (what torch.load(weights_only=True) reads)."""
+    plain = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    if plain["examples"] is not None:
+        plain["examples"] = [dataclasses.asdict(e) for e in plain["examples"]]
+    return plain
+
+
+def _batch_from_plain(plain: dict) -> RolloutBatch:
+    if plain["examples"] is not None:
+        plain["examples"] = [PromptExample(**e) for e in plain["examples"]]
+    return RolloutBatch(**plain)
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -333,6 +333,9 @@ class RolloutConfig(_Section):
     env_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of the environment class
     max_turns: int = 8  # multi-turn: actions per episode at most (max_new_tokens stays the episode's token budget)
     max_turn_tokens: Optional[int] = None  # multi-turn: tokens per action at most; None: max_new_tokens
+    placement: Literal["colocated", "separate"] = "colocated"  # separate: the hf engine in a child process of rank 0 (docs/async.md)
+    engine_cores: list[int] = dataclasses.field(default_factory=list)  # separate: pin the engine's process to these CPU cores; []: no pinning
+    mode: Literal["sync", "one_step_off"] = "sync"  # one_step_off: generate step k+1's batch while step k trains, one policy version behind (docs/async.md)
 
     def check(self) -> None:
         _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1, max_turns=1)
@@ -340,6 +343,14 @@ class RolloutConfig(_Section):
                  f"{P}max_turn_tokens={self.max_turn_tokens} must be >= 1. Fix: set it to null (max_new_tokens) "
                  "or to the longest action you expect.")
         _require(bool(self.env.strip()), f"{P}env is empty. Fix: set {P}env=single_turn or {P}env=pkg.module:Class.")
+        _require(self.placement == "colocated" or self.engine == "hf",
+                 f"{P}placement={self.placement} needs {P}engine=hf (sglang already runs in its own processes). "
+                 f"Fix: set {P}placement=colocated.")
+        _require(not self.engine_cores or self.placement == "separate",
+                 f"{P}engine_cores={self.engine_cores} pins the engine's own process, which only "
+                 f"{P}placement=separate has. Fix: set {P}placement=separate or {P}engine_cores=[].")
+        _require(self.mode == "sync" or self.engine == "hf",
+                 f"{P}mode={self.mode} needs {P}engine=hf for now. Fix: set {P}mode=sync or {P}engine=hf.")
         _require(self.temperature >= 0 and self.val_temperature >= 0,
                  f"{P}temperature / {P}val_temperature must be >= 0. Fix: use 0 for greedy decoding.")
         _require(0 < self.top_p <= 1, f"{P}top_p={self.top_p} must be in (0, 1]. Fix: use 1.0 to disable.")
@@ -519,6 +530,11 @@ class Config(_Section):
                      f"{key}={own} is smaller than the longest sequence, data.max_prompt_length + "
                      f"rollout.max_new_tokens = {longest}: such a sequence would fit no micro-batch. Fix: set "
                      f"{key} >= {longest} (or lower the lengths).")
+        _require(self.rollout.mode == "sync" or self.actor.old_logprob in ("recompute", "is_correct"),
+                 f"rollout.mode={self.rollout.mode} trains on samples of the previous policy version, but "
+                 f"actor.old_logprob={self.actor.old_logprob} would take the stale engine's log-probs as the "
+                 "old policy's. Fix: set actor.old_logprob=is_correct (recommended: recomputes them and weights "
+                 "each token by the truncated importance ratio) or actor.old_logprob=recompute.")
         for role in ("actor", "critic") if self.use_critic else ("actor",):
             mini, micro = getattr(self, role).ppo_mini_batch_size, getattr(self, role).micro_batch_size
             _require(self.data.train_batch_size % mini == 0,

@@ -4,6 +4,8 @@ Every rank runs this program (SPMD under torchrun). Global rank 0 also owns the 
 engine, the prompts, the reward functions, the KL controller, the advantages, logging and
 progress; tensors it produces are broadcast, per-sample results of the models come back
 to it (`megappo.workers`). Setup (models, engine, data, checkpoints) lives in `megappo.run`.
+When each step's batch is generated (now, or during the previous step: `rollout.mode`) is
+`run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does.
 
 This module does not know how models are built or sharded.
 """
@@ -47,7 +49,8 @@ def timed(metrics: dict, name: str):
 def ppo_step(run: Run, step: int) -> dict[str, float]:
     m = {}
     with timed(m, "gen"):
-        batch = broadcast_from_rank0(generate(run, step) if run.ps.is_rank0 else None)
+        batch = broadcast_from_rank0(run.rollouts.next_batch(step, lambda k: generate(run, k))
+                                     if run.ps.is_rank0 else None)
     seqs = to_seqs(batch)
     old_lp = entropy = None  # bypass: the engine's log-probs are the old ones, no recompute
     if run.cfg.actor.old_logprob != "bypass":
@@ -232,6 +235,8 @@ def train(run: Run) -> list[dict[str, float]]:
     """The loop: steps, logging, progress, checkpoints, validation. Returns rank 0's metrics."""
     history = []
     run.bridge.sync()
+    if run.ps.is_rank0:
+        run.rollouts.synced(run.start_step)
     if run.cfg.run.val_before_train and not run.start_step:  # a resumed run validated before its first step
         val = validate(run)
         if run.ps.is_rank0:
@@ -244,6 +249,8 @@ def train(run: Run) -> list[dict[str, float]]:
             with timed(metrics, "validation"):
                 metrics.update(validate(run))
         if run.ps.is_rank0:
+            run.rollouts.synced(step)  # ppo_step ended with the weight sync
+            metrics.update(run.rollouts.metrics())
             metrics["timing_s/step"] = time.perf_counter() - start
             # verl's: prompt + response tokens of the batch per second per rank
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / metrics["timing_s/step"] / run.ps.world_size

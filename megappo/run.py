@@ -35,6 +35,7 @@ from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
+from megappo.rollout.schedule import SCHEDULES
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
 from megappo.workers import PolicyWorker, ValueWorker
@@ -63,6 +64,7 @@ class Run:
     start_step: int = 0  # the step a resumed run continues after
     nan_skips: int = 0  # steps skipped for non-finite losses so far (carried across resumes)
     last_saved_step: int | None = None
+    rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -93,14 +95,15 @@ class Run:
 
     def save_checkpoint(self, step: int) -> str:
         """Collective: a trainer checkpoint of `step` (megappo.checkpointing)."""
-        trainer = None
+        trainer = buffered = None
         if self.ps.is_rank0:
+            buffered = self.rollouts.settle()  # the batch generated ahead, waited for
             trainer = checkpointing.TrainerState(step=step, sampler=self.sampler.state_dict(),
                                                  kl_coef=float(self.kl_ctrl.value), nan_skips=self.nan_skips)
         path = checkpointing.save(self.cfg.checkpoint_dir, step, self.trainables, trainer, self.cfg,
                                   hf_config=self.hf_config, hf_files=self._hf_files(),
                                   critic_hf_config=self.critic_hf_config, rank=self.ps.rank,
-                                  keep_last=self.cfg.checkpoint.keep_last)
+                                  keep_last=self.cfg.checkpoint.keep_last, rollout_buffer=buffered)
         self.last_saved_step = step
         if self.ps.is_rank0:
             console(f"saved checkpoint {path}")  # above the progress bar
@@ -129,6 +132,8 @@ class Run:
     def finish(self) -> None:
         """Collective: the final checkpoint (unless this step was just saved), the HF export if
         asked for, and close the logger."""
+        if self.rollouts:
+            self.rollouts.close()
         if self.progress:
             self.progress.close()  # the last bar stays; what follows starts on a new line
         if self.last_saved_step != self.total_steps:
@@ -302,10 +307,11 @@ def create_run(cfg: Config) -> Run:
     if cfg.reward.model_path:
         reward_model = ValueWorker(model("reward", cfg.reward.model_path), batching=batching("reward"))
 
-    engine = None
+    engine = rollouts = None
     if ps.is_rank0:
         engine = _build_engine(cfg, hf_model, tokenizer)
-    bridge = WeightBridge(actor_model, engine, bucket_bytes=cfg.rollout.update_bucket_mb << 20,
+        rollouts = SCHEDULES[cfg.rollout.mode](total_steps)
+    bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None, bucket_bytes=cfg.rollout.update_bucket_mb << 20,
                           verify_every=cfg.rollout.verify_every)
     kl = cfg.algorithm.kl_ctrl
     kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
@@ -316,6 +322,9 @@ def create_run(cfg: Config) -> Run:
         kl_ctrl.value = resume["kl_coef"]
         if sampler:
             sampler.load_state_dict(resume["sampler"])
+            buffered = checkpointing.load_rollout_buffer(resume["path"])
+            if buffered:
+                rollouts.restore(*buffered)
     logger = progress = None
     if ps.is_rank0:
         os.makedirs(cfg.run.output_dir, exist_ok=True)
@@ -340,7 +349,8 @@ def create_run(cfg: Config) -> Run:
                hf_config=hf_config, critic_hf_config=critic_hf_config,
                engine=engine, bridge=bridge, train_examples=train_examples, val_examples=val_examples,
                sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps,
-               start_step=start_step, nan_skips=nan_skips, last_saved_step=start_step if resume else None)
+               start_step=start_step, nan_skips=nan_skips, last_saved_step=start_step if resume else None,
+               rollouts=rollouts)
 
 
 def _long_prompts_note(stats: dict[str, int], limit: int) -> str:
@@ -353,6 +363,11 @@ def _long_prompts_note(stats: dict[str, int], limit: int) -> str:
 def _build_engine(cfg: Config, hf_model, tokenizer):
     from megappo.rollout.engine import build_engine
 
+    if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
+        from megappo.rollout.remote import HFModelSource, RemoteEngine
+
+        source = HFModelSource(path=cfg.model.path, hf_config=cfg.model.hf_config, seed=cfg.model.seed_init)
+        return RemoteEngine(source, pad_token_id=tokenizer.pad_token_id, cores=cfg.rollout.engine_cores)
     if cfg.rollout.engine == "hf":
         if hf_model is None:
             from transformers import AutoModelForCausalLM

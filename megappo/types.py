@@ -70,6 +70,7 @@ class RolloutBatch:
     response_attention_mask: torch.Tensor | None = None
     env_scores: torch.Tensor | None = None  # [N] float32: the sum of each episode's environment rewards
     env_metrics: dict[str, float] | None = None  # `env/...` metrics of the episodes (megappo.rollout.multiturn)
+    policy_version: int = 0  # optimizer steps behind the weights that generated it (megappo.rollout.schedule)
 
     @property
     def num_samples(self) -> int:

@@ -253,8 +253,10 @@ def is_enabled() -> bool:
 def suspended():
     """Patch 3 off inside the block, for code that never names a CUDA device (the CPU rollout
     engine's sampling loop): the mode costs every torch call a Python dispatch, which made a
-    tiny model's generation ~1.5x slower. Results are unchanged; the other patches stay."""
-    if _MODE is None:
+    tiny model's generation ~1.5x slower. Results are unchanged; the other patches stay.
+    Torch-function modes are per thread: on a thread where the mode is not active (a
+    background generation, rollout.mode=one_step_off) there is nothing to suspend."""
+    if _MODE is None or _MODE not in torch.overrides._get_current_function_mode_stack():
         yield
         return
     _MODE.__exit__(None, None, None)  # megappo pushes no other torch-function mode on top of it
