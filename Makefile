@@ -30,7 +30,7 @@ demo: install
 # `make test` ends with the CPU SGLang lane; SGLANG_LANE= (empty) leaves it out
 SGLANG_LANE ?= test-sglang
 test: install-test
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
 ifneq ($(SGLANG_LANE),)
 	$(MAKE) $(SGLANG_LANE)
 endif

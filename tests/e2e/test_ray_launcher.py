@@ -69,6 +69,12 @@ def train(*args):
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+#: the demo's first 30 steps without validation: the mean score of steps 21-30 is 0.37 (0.04 over the
+#: first 5), the same on any launcher, interrupted or not (exact resume)
+STEPS, LEARNED = 30, 0.25
+SHORT = [f"run.total_steps={STEPS}", "run.val_every=0", "run.val_before_train=false"]
+
+
 def training_rows(run_dir):
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -78,7 +84,7 @@ def training_rows(run_dir):
 def test_ray_launcher_runs_the_demo_resumes_after_ctrl_c_and_learns(ray_address, tmp_path):
     run_dir = tmp_path / "run"
     args = ["--launcher", "ray", "--ray-address", ray_address, f"run.output_dir={run_dir}",
-            "logging.progress_bar=false"]
+            "logging.progress_bar=false", *SHORT]
     driver = train(*args)
     end = time.monotonic() + 600
     while len(training_rows(run_dir)) < 3:  # mid-run
@@ -91,7 +97,7 @@ def test_ray_launcher_runs_the_demo_resumes_after_ctrl_c_and_learns(ray_address,
     stopped = re.search(r"megappo: interrupted at step (\d+): checkpoint saved", out)
     assert stopped, out[-6000:]
     step = int(stopped.group(1))
-    assert 3 <= step < 100 and (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+    assert 3 <= step < STEPS and (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
 
     driver = train(*args)
     out = driver.communicate(timeout=1500)[0]
@@ -99,10 +105,10 @@ def test_ray_launcher_runs_the_demo_resumes_after_ctrl_c_and_learns(ray_address,
     assert f"megappo: resumed from {run_dir}/checkpoints/step_{step:08d} (step {step})" in out
     assert "done: " in out and "Traceback" not in out
     rows = training_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 101))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     first5 = sum(r["critic/score/mean"] for r in rows[:5]) / 5
     last10 = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
-    assert first5 <= 0.2 and last10 >= 0.8, f"the demo did not learn under Ray: {first5:.2f} -> {last10:.2f}"
+    assert first5 <= 0.2 and last10 >= LEARNED, f"the demo did not learn under Ray: {first5:.2f} -> {last10:.2f}"
 
 
 def test_ray_launcher_reports_a_killed_rank(ray_address, tmp_path):

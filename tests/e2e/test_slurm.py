@@ -2,7 +2,7 @@
 this machine by tests/slurm_helpers.py): `sbatch` submits the CPU demo recipe, `scancel` mid-run
 stops it with a checkpoint (SLURM sends SIGTERM to every process of the step first; the ranks
 stop at a step boundary, megappo.interrupts), and the same sbatch again resumes from that
-checkpoint and finishes with the demo's learning result (tests/e2e/test_cli_demo.py). The SLURM
+checkpoint and finishes the demo's first 30 steps, learning as it does under torchrun. The SLURM
 daemons are installed with apt-get when missing on a root Debian machine (CI); elsewhere the test
 is skipped with the command that installs them."""
 
@@ -30,6 +30,12 @@ def local_slurm(tmp_path_factory):
         slurm.stop()
 
 
+#: the demo's first 30 steps without validation: the mean score of steps 21-30 is 0.37 (0.04 over the
+#: first 5), the same under any launcher, interrupted or not (exact resume)
+STEPS, LEARNED = 30, 0.25
+SHORT = [f"run.total_steps={STEPS}", "run.val_every=0", "run.val_before_train=false"]
+
+
 def training_rows(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -44,12 +50,12 @@ def test_slurm_sbatch_runs_the_demo_and_resumes_after_scancel(local_slurm, tmp_p
     env.pop("WORLD_SIZE", None)
     submit = ["--nodes=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out",
               "tools/launch/slurm_multinode.sbatch", "recipes/demo-cpu.yaml", f"run.output_dir={run_dir}",
-              "logging.progress_bar=false"]
+              "logging.progress_bar=false", *SHORT]
 
     first = local_slurm.sbatch(*submit, env=env, cwd=REPO)
     local_slurm.wait_running(first)
     end = time.monotonic() + 600
-    while len(training_rows(run_dir)) < 3:  # mid-run: a few steps done, most of the 100 to go
+    while len(training_rows(run_dir)) < 3:  # mid-run: a few steps done, most of the 30 to go
         state = local_slurm.job(first)["JobState"]
         assert state == "RUNNING" and time.monotonic() < end, (state, local_slurm.logs(), _out(tmp_path, first))
         time.sleep(1)
@@ -60,7 +66,7 @@ def test_slurm_sbatch_runs_the_demo_and_resumes_after_scancel(local_slurm, tmp_p
     stopped = re.search(r"megappo: interrupted at step (\d+): checkpoint saved to \S+step_(\d+);", out)
     assert stopped, out[-6000:]  # SIGTERM before the kill: every rank stopped at a step boundary and saved
     step = int(stopped.group(1))
-    assert 3 <= step < 100 and (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+    assert 3 <= step < STEPS and (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
 
     second = local_slurm.sbatch(*submit, env=env, cwd=REPO)  # the same command again resumes
     job = local_slurm.wait_done(second, timeout=1500)
@@ -68,11 +74,11 @@ def test_slurm_sbatch_runs_the_demo_and_resumes_after_scancel(local_slurm, tmp_p
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, out[-6000:])
     assert f"megappo: resumed from {run_dir}/checkpoints/step_{step:08d} (step {step})" in out
     rows = training_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 101))  # each step once: the first job's, then the rest
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step once: the first job's, then the rest
     first5 = sum(r["critic/score/mean"] for r in rows[:5]) / 5
     last10 = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
-    assert first5 <= 0.2 and last10 >= 0.8, f"the demo did not learn under SLURM: {first5:.2f} -> {last10:.2f}"
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000100"
+    assert first5 <= 0.2 and last10 >= LEARNED, f"the demo did not learn under SLURM: {first5:.2f} -> {last10:.2f}"
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
 
 
 def _out(tmp_path, job_id):
