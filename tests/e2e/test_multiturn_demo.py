@@ -3,7 +3,7 @@
 tokens in the sequences, and a multi-turn run resumes exactly.
 
 The full claim (mean training reward >= 0.8 within 10 minutes, 300 steps) is measured in
-docs/environments.md; here a lower bar at 120 steps keeps the test near 3 minutes.
+docs/environments.md; here a lower bar at 80 steps keeps the test near 1.5 minutes.
 """
 
 import json
@@ -27,16 +27,17 @@ def train(out, *args, timeout=600):
 
 
 def test_demo_learns_to_use_the_environment(tmp_path):
-    train(tmp_path, "run.total_steps=120", "run.val_every=60", "checkpoint.save_every=0")
+    train(tmp_path, "run.total_steps=80", "run.val_every=80", "checkpoint.save_every=0")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "critic/score/mean" in r]
     val = [r for r in rows if "val/score/mean" in r]
-    assert len(steps) == 120 and len(val) == 3
+    assert len(steps) == 80 and len(val) == 2
     first = sum(r["critic/score/mean"] for r in steps[:5]) / 5
     last = sum(r["critic/score/mean"] for r in steps[-10:]) / 10
     assert first <= 0.2, first
-    # 0.2 is the lookup alone and 0.08 the best without it: above 0.4 the model looks up, then answers
-    assert last >= 0.4, f"the multi-turn demo did not learn: mean reward over steps 111-120 {last:.2f}"
+    # 0.2 is the lookup alone and 0.08 the best without it: above 0.28 the model looks up, then answers
+    # (measured 0.33 over steps 71-80; 0.62 over steps 101-150 and 0.8 by step 182 in the full run)
+    assert last >= 0.28, f"the multi-turn demo did not learn: mean reward over steps 71-80 {last:.2f}"
     assert steps[-1]["env/turns_mean"] > 1.5 and steps[-1]["env/lookups"] >= 48  # of 64 episodes
     # observation tokens are in the trainer's sequences, attended to and left out of the check
     assert max(r["rollout/logprob_diff_max"] for r in steps) < 1e-4
