@@ -392,3 +392,27 @@ def test_lookup_env_rewards():
     assert (look.observation, look.reward, look.done) == ("7>", 0.2, False) and (answer.reward, answer.done) == (0.8, True)
     assert [r.reward for r in asyncio.run(episode(("=", "stop"), ("=", "stop"), ("77", "length")))] == [0.2, 0.0, 0.4]
     assert [r.reward for r in asyncio.run(episode(("3", "stop")))] == [0.0]
+
+
+def test_the_docs_example_environment_runs_from_a_users_file(tmp_path):
+    """docs/environments.md's GuessEnv, copied as is into the user's own file and named as the page
+    says (`my_env.py:GuessEnv` with env_args), plays episodes through the runner: a wrong guess gets
+    'higher', the right one ends the episode with reward 1 and its metric."""
+    page = open(os.path.join(REPO, "docs", "environments.md")).read()
+    code = re.search(r"```python\n(from megappo.envs.base import .*?class GuessEnv.*?)```", page, re.S).group(1)
+    (tmp_path / "my_env.py").write_text(code)
+    env = check_env(f"{tmp_path / 'my_env.py'}:GuessEnv", {"max_guesses": 3})
+    with pytest.raises(ConfigError, match="max_guesses must be >= 1"):
+        check_env(f"{tmp_path / 'my_env.py'}:GuessEnv", {"max_guesses": 0})
+    tok = load_tokenizer("builtin:digits")
+    exs = [dataclasses.replace(e, ground_truth="7") for e in examples(tok, ["1?"])]
+    five, seven = tok.encode("5", add_special_tokens=False), tok.encode("7", add_special_tokens=False)
+    eng = Scripted([five + [tok.eos_token_id], seven + [tok.eos_token_id]], tok.eos_token_id)
+    batch = run_episodes(eng.generate, exs, SamplingParams(max_new_tokens=20, eos_token_ids=(tok.eos_token_id,)),
+                         make_env=lambda: env(max_guesses=3), tokenizer=tok,
+                         encode_observation=observation_encoder(tok, env.observation_role, False),
+                         max_turns=3, max_turn_tokens=None, pad_token_id=0)
+    assert batch.env_scores.tolist() == [1.0] and batch.env_metrics["env/solved"] == 1.0
+    assert batch.env_metrics["env/turns_mean"] == 2.0
+    observation = batch.response_ids[0][~batch.response_mask[0].bool() & batch.real_response_mask[0].bool()]
+    assert observation.tolist() == observation_encoder(tok, "user", False)("higher", five + [tok.eos_token_id])
