@@ -37,7 +37,9 @@ def make_hf_dir(path, family, seed=1):
     return state
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+# Qwen3's q/k norms go through the tools in the Qwen3-MoE round trip below (the same attention);
+# a dense Qwen3 round trip here cost CI 45 s for no other path.
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_round_trip_tp2xpp2_with_verify(tmp_path, family):
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
     state = make_hf_dir(hf_dir, family)
