@@ -128,10 +128,9 @@ def _route_metrics(workers: list["_Passes"]) -> dict[str, float]:
     routed = [w.routing for w in workers if w.routing is not None]
     if not routed:
         return {}
-    counts = torch.tensor([sum(r.differ for r in routed), sum(r.total for r in routed)], dtype=torch.float64,
+    taken = [r.take() for r in routed]  # (differ, total) of each model, reset
+    counts = torch.tensor([sum(d for d, _ in taken), sum(t for _, t in taken)], dtype=torch.float64,
                           device=workers[0].model.ps.device)
-    for r in routed:
-        r.differ = r.total = 0
     dist.all_reduce(counts)
     return {"rollout/moe_routes_differ_frac": float(counts[0] / counts[1])} if counts[1] else {}
 

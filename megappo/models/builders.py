@@ -77,6 +77,16 @@ class MegatronModel:
                 yield name, self.name_map.rule(name), param
 
 
+def moe_routers(chunk: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(global 0-based layer index, Megatron TopKRouter) of every MoE layer of a model chunk."""
+    out = []
+    for layer in unwrap(chunk).decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            out.append((layer.layer_number - 1, router))
+    return out
+
+
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module

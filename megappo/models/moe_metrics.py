@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megappo.models.builders import MegatronModel, unwrap
+from megappo.models.builders import MegatronModel, moe_routers
 
 
 class RouterStats:
@@ -40,12 +40,9 @@ class RouterStats:
         self._handles: list = []
 
     def __enter__(self) -> "RouterStats":
-        from megatron.core.transformer.moe.router import TopKRouter
-
         for chunk in self.model.chunks:
-            for module in unwrap(chunk).modules():
-                if isinstance(module, TopKRouter):
-                    self._handles.append(module.register_forward_hook(self._hook))
+            for _, router in moe_routers(chunk):
+                self._handles.append(router.register_forward_hook(self._hook))
         return self
 
     def __exit__(self, *exc) -> None:

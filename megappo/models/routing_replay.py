@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from megappo.models.builders import unwrap
+from megappo.models.builders import moe_routers
 from megappo.models.hf_config import ModelConfigError
 
 
@@ -51,16 +51,6 @@ class RouteReplay:
         return out
 
 
-def _routers(chunk: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """(global 0-based layer index, TopKRouter) of every MoE layer of this chunk."""
-    out = []
-    for layer in unwrap(chunk).decoder.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is not None:
-            out.append((layer.layer_number - 1, router))
-    return out
-
-
 @contextlib.contextmanager
 def replayed_routes(chunk: torch.nn.Module, routes: torch.Tensor | None, known: torch.Tensor | None,
                     how: RouteReplay | None):
@@ -68,7 +58,7 @@ def replayed_routes(chunk: torch.nn.Module, routes: torch.Tensor | None, known: 
     marks the engine's, the rest are fillers that no log-prob reads) and count disagreements
     into `how`; with `how.replay` false they only count and choose themselves. No-op when
     `routes` or `how` is None or the chunk has no MoE layer."""
-    routers = _routers(chunk) if routes is not None and how is not None else []
+    routers = moe_routers(chunk) if routes is not None and how is not None else []
     if routers and routers[0][1].router_replay is None:
         raise ModelConfigError("this model was built without routing replay; build it with "
                                "moe_enable_routing_replay=True (actor.moe_routing=replay does).")
