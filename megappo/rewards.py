@@ -41,7 +41,7 @@ import re
 from typing import Any, Callable, Sequence
 
 from megappo.config import ConfigError
-from megappo.user_code import load_module, split_spec
+from megappo.user_code import load_spec
 
 RewardFn = Callable[[str, Any, dict], float]
 
@@ -192,14 +192,9 @@ def get_reward_fn(name: str) -> RewardFn:
 @functools.cache
 def _custom(name: str) -> RewardFn:
     """`file.py:fn` or `package.module:fn` as a RewardFn (loaded once)."""
-    where, attr = split_spec(name)
     fix = "Fix: write reward.functions=[path/to/file.py:function] (or package.module:function)."
-    if not where:
-        raise ConfigError(f"reward function '{name}' in reward.functions is not FILE.py:FUNCTION. {fix}")
-    try:
-        module = load_module(where, fix)
-    except ConfigError as e:
-        raise ConfigError(f"reward function '{name}': {e}") from None
+    module, where, attr = load_spec(name, who=f"reward function '{name}'", fix=fix, malformed=(
+        f"reward function '{name}' in reward.functions is not FILE.py:FUNCTION. {fix}"))
     fn = getattr(module, attr, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

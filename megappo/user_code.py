@@ -1,9 +1,10 @@
 """Loading the user's own code that a recipe names: `path/to/file.py:name` or `pkg.module:name`.
 
-Reward functions, environments and tools are named this way. `load_module(where, fix)`
-imports the module part (a file is executed once per process; a module is imported with
-the working directory on the path) and turns every way that can fail into a ConfigError
-that says what went wrong and `fix`. Callers check what they take from the module.
+Reward functions, environments and tools are named this way. `load_spec(spec, ...)` splits
+the spec, imports the module part (a file is executed once per process; a module is imported
+with the working directory on the path) and turns every way that can fail into a ConfigError
+that names the spec, says what went wrong and `fix`. Callers check what they take from the
+module.
 
 This module does not know what the loaded names are for.
 """
@@ -18,12 +19,6 @@ import sys
 from types import ModuleType
 
 from megappo.config import ConfigError
-
-
-def split_spec(spec: str) -> tuple[str, str]:
-    """'where:name' -> (where, name); ('', '') when it is not of that form."""
-    where, _, name = spec.rpartition(":")
-    return (where, name) if where and name else ("", "")
 
 
 def is_file(where: str) -> bool:
@@ -54,3 +49,15 @@ def load_module(where: str, fix: str) -> ModuleType:
         raise ConfigError(f"cannot import '{where}' ({e}). {fix}") from None
     except Exception as e:  # the user's module failed while it was imported: show where, keep it short
         raise ConfigError(f"importing '{where}' raised {type(e).__name__}: {e}. Fix: correct that file.") from None
+
+
+def load_spec(spec: str, *, who: str, malformed: str, fix: str) -> tuple[ModuleType, str, str]:
+    """'where:name' -> (module, where, name). Errors start with `who` (e.g. "tool 'x.py:f'");
+    `malformed` is the whole message for a spec without both parts."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(malformed)
+    try:
+        return load_module(where, fix), where, name
+    except ConfigError as e:
+        raise ConfigError(f"{who}: {e}") from None

@@ -17,7 +17,7 @@ import functools
 from typing import Any
 
 from megappo.config import ConfigError
-from megappo.user_code import load_module, split_spec
+from megappo.user_code import load_spec
 from megappo.envs.base import Environment
 
 #: rollout.env short names -> "module:Class" (imported only when named)
@@ -34,13 +34,8 @@ _FIX = ("Fix: set rollout.env to one of " + ", ".join(BUILTIN_ENVS)
 @functools.cache
 def env_class(spec: str) -> type[Environment]:
     """The Environment subclass `rollout.env` names (loaded once per process)."""
-    where, attr = split_spec(BUILTIN_ENVS.get(spec, spec))
-    if not where:
-        raise ConfigError(f"rollout.env='{spec}' is neither a built-in environment nor MODULE:CLASS. {_FIX}")
-    try:
-        module = load_module(where, _FIX)
-    except ConfigError as e:
-        raise ConfigError(f"rollout.env='{spec}': {e}") from None
+    module, where, attr = load_spec(BUILTIN_ENVS.get(spec, spec), who=f"rollout.env='{spec}'", fix=_FIX, malformed=(
+        f"rollout.env='{spec}' is neither a built-in environment nor MODULE:CLASS. {_FIX}"))
     cls = getattr(module, attr, None)
     if cls is None:
         found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Environment)

@@ -42,7 +42,7 @@ import typing
 from typing import Any, Callable, Sequence
 
 from megappo.config import ConfigError
-from megappo.user_code import load_module, split_spec
+from megappo.user_code import load_spec
 from megappo.envs.base import Action, Environment, Episode, StepResult
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -275,14 +275,8 @@ def resolve_tools(specs: Sequence[str]) -> dict[str, Tool]:
 @functools.cache
 def load_tool(spec: str) -> Tool:
     """One tool from a built-in name, `package.module:function` or `path/to/file.py:function`."""
-    path = BUILTIN.get(spec, spec)
-    where, attr = split_spec(path)
-    if not where:
-        raise ConfigError(f"unknown tool '{spec}' in rollout.env_args.tools. {_FIX}")
-    try:
-        module = load_module(where, _FIX)
-    except ConfigError as e:
-        raise ConfigError(f"tool '{spec}': {e}") from None
+    module, where, attr = load_spec(BUILTIN.get(spec, spec), who=f"tool '{spec}'", fix=_FIX,
+                                    malformed=f"unknown tool '{spec}' in rollout.env_args.tools. {_FIX}")
     fn = getattr(module, attr, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items()
