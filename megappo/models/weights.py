@@ -1,14 +1,16 @@
 """HF weights into sharded Megatron models, and full tensors back out of them.
 
 `load_hf_weights(model, source)`: each rank opens the safetensors files and reads only the
-HF tensors that its own pipeline stage (and, for MoE, its own experts) needs, converts them through the name map, keeps
-its TP shard and copies it into the parameter. Shapes are checked against the config
-first, so a checkpoint from another model stops with a clear message.
+HF tensors that its own pipeline stage (and, for MoE, its own experts) needs, converts them
+through the name map, keeps its TP shard and copies it into the parameter. Shapes are
+checked against the config first, so a checkpoint from another model stops with a clear
+message.
 
 `iter_full_params(model)`: a collective over the model's ranks that yields (global
 Megatron name, full tensor) on global rank 0, stage after stage, TP shards gathered on
-each stage, and routed experts gathered over the expert-parallel group. `iter_hf_tensors` adds the name-map transform (HF names, vocab unpadded,
-QKV/fc1 unfused). Nothing here holds more than one full tensor at a time.
+each stage, and routed experts gathered over the expert-parallel group. `iter_hf_tensors`
+adds the name-map transform (HF names, vocab unpadded, QKV/fc1 unfused). Nothing here holds
+more than one full tensor at a time.
 
 This module does not know about PPO, engines or checkpoints of the trainer.
 """
