@@ -9,8 +9,9 @@ Layout under `checkpoint.dir` (default `<run.output_dir>/checkpoints`):
                            model-parallel tracker (tensors and numbers only: loaded weights_only)
       trainer_state.json   step, sampler epoch/cursor, KL coefficient, NaN-skip counter, the
                            resolved config; written last inside the directory
-      rollout_buffer.pt    rollout.mode=one_step_off: the batch already generated for the next
-                           step (waited for at save time) and that step; a resume trains on it
+      rollout_buffer.pt    rollout.mode=one_step_off / async: the batches already generated for
+                           later steps (waited for at save time), with their steps and policy
+                           versions; a resume trains on them
     step_00000020.partial/ a save in progress (or killed): never read, removed by the next save
     latest                 the name of the newest complete checkpoint
 
@@ -162,9 +163,9 @@ class TrainerState:
 
 def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg: Config, *, hf_config: dict,
          hf_files: dict | None, critic_hf_config: dict | None, rank: int, keep_last: int,
-         rollout_buffer: tuple | None = None) -> str:
+         rollout_buffer: list | None = None) -> str:
     """Collective: one complete checkpoint of `step`; returns its directory. `rollout_buffer`
-    (rank 0): (step, RolloutBatch) generated ahead of the training, or None."""
+    (rank 0): [(step, RolloutBatch)] generated ahead of the training."""
     from megappo.models.checkpoint import save_trainable
 
     final = os.path.join(path_root, step_dir_name(step))
@@ -182,9 +183,9 @@ def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg
     torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
-        if rollout_buffer is not None:
-            buffered_step, batch = rollout_buffer
-            torch.save({"step": buffered_step, "batch": _plain_batch(batch)}, os.path.join(partial, ROLLOUT_BUFFER))
+        if rollout_buffer:
+            torch.save({"batches": [{"step": buffered_step, "batch": _plain_batch(batch)}
+                                    for buffered_step, batch in rollout_buffer]}, os.path.join(partial, ROLLOUT_BUFFER))
         state = {"format": FORMAT, **dataclasses.asdict(trainer), "roles": sorted(trainables),
                  "world_size": dist.get_world_size(), "config": cfg.to_dict()}
         _write_atomic(os.path.join(partial, STATE_FILE), json.dumps(state, indent=2))
@@ -211,13 +212,14 @@ def load(path: str, trainables: dict, rank: int) -> None:
                       "those ranks keep their seeded RNG.", stacklevel=2)
 
 
-def load_rollout_buffer(path: str) -> tuple | None:
-    """(step, RolloutBatch) a checkpoint buffered for the step after it, or None."""
+def load_rollout_buffer(path: str) -> list[tuple[int, RolloutBatch]]:
+    """[(step, RolloutBatch)] a checkpoint buffered for the steps after it ([]: none)."""
     file = os.path.join(path, ROLLOUT_BUFFER)
     if not os.path.isfile(file):
-        return None
+        return []
     saved = torch.load(file, weights_only=True)  # tensors and plain data only: a file cannot run code
-    return saved["step"], _batch_from_plain(saved["batch"])
+    entries = saved["batches"] if "batches" in saved else [saved]  # one batch: saved by megappo before async mode
+    return [(entry["step"], _batch_from_plain(entry["batch"])) for entry in entries]
 
 
 def _plain_batch(batch: RolloutBatch) -> dict:

@@ -335,7 +335,13 @@ class RolloutConfig(_Section):
     max_turn_tokens: Optional[int] = None  # multi-turn: tokens per action at most; None: max_new_tokens
     placement: Literal["colocated", "separate"] = "colocated"  # separate: the hf engine in a child process of rank 0 (docs/async.md)
     engine_cores: list[int] = dataclasses.field(default_factory=list)  # separate: pin the engine's process to these CPU cores; []: no pinning
-    mode: Literal["sync", "one_step_off"] = "sync"  # one_step_off: generate step k+1's batch while step k trains, one policy version behind (docs/async.md)
+    mode: Literal["sync", "one_step_off", "async"] = "sync"  # one_step_off: generate step k+1's batch while step k trains, one policy version behind; async: a generation thread up to max_staleness versions ahead (docs/async.md)
+    max_staleness: Optional[int] = None  # async: policy versions a sample lags the trainer at most; None: 2
+
+    @property
+    def staleness_limit(self) -> int:
+        """Policy versions a training sample lags the trainer at most (rollout.mode)."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness or 2)
 
     def check(self) -> None:
         _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1, max_turns=1)
@@ -351,6 +357,10 @@ class RolloutConfig(_Section):
                  f"{P}placement=separate has. Fix: set {P}placement=separate or {P}engine_cores=[].")
         _require(self.mode == "sync" or self.engine == "hf",
                  f"{P}mode={self.mode} needs {P}engine=hf for now. Fix: set {P}mode=sync or {P}engine=hf.")
+        _require(self.max_staleness is None or self.mode == "async",
+                 f"{P}max_staleness={self.max_staleness} applies to {P}mode=async only ({self.mode}: staleness "
+                 f"{self.staleness_limit}). Fix: set {P}mode=async, or remove {P}max_staleness.")
+        _at_least(self, max_staleness=1)
         _require(self.temperature >= 0 and self.val_temperature >= 0,
                  f"{P}temperature / {P}val_temperature must be >= 0. Fix: use 0 for greedy decoding.")
         _require(0 < self.top_p <= 1, f"{P}top_p={self.top_p} must be in (0, 1]. Fix: use 1.0 to disable.")

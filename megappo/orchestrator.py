@@ -245,11 +245,12 @@ def train(run: Run) -> list[dict[str, float]]:
         run.stop_if_interrupted(step - 1)  # Ctrl-C / SIGTERM: every rank stops here, the last step saved
         start = time.perf_counter()
         metrics = ppo_step(run, step)
+        if run.ps.is_rank0:
+            run.rollouts.synced(step)  # ppo_step ended with the weight sync
         if run.cfg.run.val_every and step % run.cfg.run.val_every == 0:
             with timed(metrics, "validation"):
                 metrics.update(validate(run))
         if run.ps.is_rank0:
-            run.rollouts.synced(step)  # ppo_step ended with the weight sync
             metrics.update(run.rollouts.metrics())
             metrics["timing_s/step"] = time.perf_counter() - start
             # verl's: prompt + response tokens of the batch per second per rank
@@ -277,7 +278,8 @@ def validate(run: Run) -> dict[str, float]:
     params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed)
-    batch = rollout(run, run.val_examples, params)  # one batch: small val sets
+    with run.rollouts.at_latest():  # async mode: no generation runs, the engine holds the trained weights
+        batch = rollout(run, run.val_examples, params)  # one batch: small val sets
     read = responses(run, batch)
     scores = rewards(run, batch, None, read)
     return {"val/score/mean": scores.mean().item(),

@@ -97,7 +97,7 @@ class Run:
         """Collective: a trainer checkpoint of `step` (megappo.checkpointing)."""
         trainer = buffered = None
         if self.ps.is_rank0:
-            buffered = self.rollouts.settle()  # the batch generated ahead, waited for
+            buffered = self.rollouts.settle()  # the batches generated ahead, waited for
             trainer = checkpointing.TrainerState(step=step, sampler=self.sampler.state_dict(),
                                                  kl_coef=float(self.kl_ctrl.value), nan_skips=self.nan_skips)
         path = checkpointing.save(self.cfg.checkpoint_dir, step, self.trainables, trainer, self.cfg,
@@ -310,7 +310,7 @@ def create_run(cfg: Config) -> Run:
     engine = rollouts = None
     if ps.is_rank0:
         engine = _build_engine(cfg, hf_model, tokenizer)
-        rollouts = SCHEDULES[cfg.rollout.mode](total_steps)
+        rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit)
     bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None, bucket_bytes=cfg.rollout.update_bucket_mb << 20,
                           verify_every=cfg.rollout.verify_every)
     kl = cfg.algorithm.kl_ctrl
@@ -322,9 +322,7 @@ def create_run(cfg: Config) -> Run:
         kl_ctrl.value = resume["kl_coef"]
         if sampler:
             sampler.load_state_dict(resume["sampler"])
-            buffered = checkpointing.load_rollout_buffer(resume["path"])
-            if buffered:
-                rollouts.restore(*buffered)
+            rollouts.restore(checkpointing.load_rollout_buffer(resume["path"]))
     logger = progress = None
     if ps.is_rank0:
         os.makedirs(cfg.run.output_dir, exist_ok=True)

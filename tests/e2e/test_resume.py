@@ -50,12 +50,17 @@ def run(cmd, timeout=400):
 def kill_during_save(cmd, partial: str, timeout=400) -> None:
     """Start `cmd` and SIGKILL it with every process it started (torchrun puts its ranks in
     their own sessions) as soon as `partial` (a checkpoint directory being written) appears."""
+    kill_when(cmd, lambda: os.path.isdir(partial), f"saving {partial}", timeout)
+
+
+def kill_when(cmd, ready, what: str, timeout=400) -> None:
+    """Start `cmd` and SIGKILL it with every process it started as soon as `ready()` is true."""
     proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
     try:
-        while not os.path.isdir(partial):
-            assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before saving {partial}"
-            assert time.time() < deadline, f"no {partial} after {timeout}s"
+        while not ready():
+            assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
+            assert time.time() < deadline, f"not {what} after {timeout}s"
             time.sleep(0.002)
     finally:
         tree = psutil.Process(proc.pid)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megappo.config import ConfigError, load_config
-from megappo.rollout.schedule import SCHEDULES, OneStepOff, Synchronous
+from megappo.rollout.engine import WeightSyncError
+from megappo.rollout.schedule import SCHEDULES, Async, OneStepOff, Synchronous
 from megappo.types import RolloutBatch
 
 
@@ -71,7 +72,7 @@ def test_one_step_off_generates_the_next_batch_one_version_behind(train_seconds)
     assert [m["rollout/staleness"] for *_, m in out] == [0, 1, 1, 1, 1]
     # every generation saw one version from start to end: updates waited for it
     assert engine.log == [(1, 0, 0), (2, 0, 0), (3, 1, 1), (4, 2, 2), (5, 3, 3)]
-    assert schedule.settle() is None  # nothing generated beyond the last step
+    assert schedule.settle() == []  # nothing generated beyond the last step
     schedule.close()
 
 
@@ -80,13 +81,13 @@ def test_a_generation_overlaps_training_and_a_checkpoint_buffers_it():
     schedule = OneStepOff(last_step=10)
     out = train(schedule, engine, 1, 3, train_seconds=0.2)
     assert out[-1][3]["timing_s/gen_wait"] < 0.05  # the 0.05 s generation ran while training slept
-    step, batch = schedule.settle()  # what Run.save_checkpoint stores after step 3
+    [(step, batch)] = schedule.settle()  # what Run.save_checkpoint stores after step 3
     assert step == 4 and int(batch.prompt_ids.item()) == 4 and batch.policy_version == 2
     schedule.close()
 
     # a resumed run: the buffered batch, then the same versions as an uninterrupted run
     resumed, engine2 = OneStepOff(last_step=6), FakeEngine()
-    resumed.restore(step, batch)
+    resumed.restore([(step, batch)])
     got = train(resumed, engine2, 4, 6)
     straight = train(OneStepOff(last_step=6), FakeEngine(), 1, 6)
     assert [(s, b, v) for s, b, v, _ in got] == [(s, b, v) for s, b, v, _ in straight[3:]]
@@ -108,8 +109,98 @@ def test_a_failed_generation_raises_in_the_trainer():
     schedule.close()
 
 
+def versions(out):
+    return [(s, b, v) for s, b, v, _ in out]
+
+
+@pytest.mark.parametrize("train_seconds", [0.0, 0.2])
+def test_async_generates_step_j_with_version_j_minus_1_minus_max_staleness(train_seconds):
+    engine = FakeEngine()
+    schedule = Async(last_step=7, max_staleness=2)
+    out = train(schedule, engine, 1, 7, train_seconds)
+    assert versions(out) == [(1, 1, 0), (2, 2, 0), (3, 3, 0), (4, 4, 1), (5, 5, 2), (6, 6, 3), (7, 7, 4)]
+    assert [m["rollout/staleness"] for *_, m in out] == [0, 1, 2, 2, 2, 2, 2]
+    # each generation saw one version, the one the schedule fixed for it, whatever the timing
+    assert engine.log == [(1, 0, 0), (2, 0, 0), (3, 0, 0), (4, 1, 1), (5, 2, 2), (6, 3, 3), (7, 4, 4)]
+    with schedule.at_latest():  # validation: the engine takes the trainer's weights
+        assert engine.version == 7
+    assert schedule.settle() == []
+    schedule.close()
+
+
+def test_async_with_max_staleness_1_is_one_step_off():
+    straight = train(OneStepOff(last_step=6), FakeEngine(), 1, 6)
+    assert versions(train(Async(last_step=6, max_staleness=1), FakeEngine(), 1, 6)) == versions(straight)
+
+
+def test_async_runs_ahead_while_training_is_slower():
+    schedule = Async(last_step=6, max_staleness=3)
+    out = train(schedule, FakeEngine(), 1, 6, train_seconds=0.2)  # generations take 0.05 s
+    assert max(m["perf/rollout_batches_ahead"] for *_, m in out) >= 1
+    assert out[-1][3]["timing_s/gen_wait"] < 0.05
+    schedule.close()
+
+
+def test_async_checkpoint_buffers_every_batch_the_synced_weights_allow_and_resumes_exactly():
+    schedule = Async(last_step=8, max_staleness=2)
+    train(schedule, FakeEngine(), 1, 3)
+    buffered = schedule.settle()  # after step 3 (version 3): steps 4..3+1+2 use versions <= 3
+    assert [(s, b.policy_version) for s, b in buffered] == [(4, 1), (5, 2), (6, 3)]
+    schedule.close()
+
+    resumed, engine2 = Async(last_step=8, max_staleness=2), FakeEngine()
+    resumed.restore(buffered)
+    got = train(resumed, engine2, 4, 8)
+    straight = train(Async(last_step=8, max_staleness=2), FakeEngine(), 1, 8)
+    assert versions(got) == versions(straight)[3:]
+    assert [entry[0] for entry in engine2.log] == [7, 8]  # the buffered steps were not generated again
+    resumed.close()
+
+
+def test_async_errors_of_the_generation_thread_reach_the_trainer():
+    schedule, engine = Async(last_step=4, max_staleness=2), FakeEngine()
+
+    def generate(step):
+        if step == 2:
+            raise ValueError("reward function broke")
+        return engine.generate(step)
+
+    synced = schedule.gated(engine)
+    synced.update_weights([[("w", torch.tensor(0))]])
+    schedule.synced(0)
+    schedule.next_batch(1, generate)
+    with pytest.raises(ValueError, match="reward function broke"):
+        schedule.next_batch(2, generate)
+    schedule.close()
+
+
+def test_async_verifies_the_engine_when_it_applies_a_staged_update():
+    class Corrupting(FakeEngine):
+        def fingerprint_of(self, name, tensor):
+            return tensor.clone()
+
+        def fingerprints(self, names):
+            return {"w": torch.tensor([self.version + 100])}  # not what was sent
+
+    schedule, engine = Async(last_step=3, max_staleness=1), Corrupting()
+    staging = schedule.gated(engine)
+
+    def buckets():  # what the bridge does when it verifies: fingerprint each tensor as it streams
+        tensor = torch.tensor([0])
+        staging.fingerprint_of("w", tensor)
+        yield [("w", tensor)]
+
+    staging.update_weights(buckets())
+    assert staging.fingerprints(["w"]) == {"w": torch.tensor([0])}  # the bridge's check: the staged copy
+    schedule.synced(0)
+    with pytest.raises(WeightSyncError, match="policy version 0"):
+        schedule.next_batch(1, engine.generate)
+    schedule.close()
+
+
 def test_schedules_by_name():
-    assert type(SCHEDULES["sync"](3)) is Synchronous and type(SCHEDULES["one_step_off"](3)) is OneStepOff
+    assert type(SCHEDULES["sync"](3, 0)) is Synchronous and type(SCHEDULES["one_step_off"](3, 1)) is OneStepOff
+    assert type(SCHEDULES["async"](3, 2)) is Async and SCHEDULES["async"](3, 2).max_staleness == 2
 
 
 DEMO = "recipes/demo-cpu.yaml"
@@ -125,6 +216,21 @@ def test_config_refuses_what_async_cannot_do(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(DEMO, overrides)
     assert message in str(err.value)
+
+
+def test_config_async_mode_and_its_staleness_bound():
+    cfg = load_config(DEMO, ["rollout.mode=async", "actor.old_logprob=is_correct"])
+    assert cfg.rollout.staleness_limit == 2
+    assert load_config(DEMO, ["rollout.mode=async", "rollout.max_staleness=4",
+                              "actor.old_logprob=recompute"]).rollout.staleness_limit == 4
+    assert load_config(DEMO, ["rollout.mode=one_step_off", "actor.old_logprob=recompute"]).rollout.staleness_limit == 1
+    for overrides, message in [(["rollout.max_staleness=3"], "Fix: set rollout.mode=async, or remove"),
+                               (["rollout.mode=async", "rollout.max_staleness=0", "actor.old_logprob=is_correct"],
+                                "Fix: set rollout.max_staleness=1 or more"),
+                               (["rollout.mode=async", "actor.old_logprob=bypass"], "Fix: set actor.old_logprob=is_correct")]:
+        with pytest.raises(ConfigError) as err:
+            load_config(DEMO, overrides)
+        assert message in str(err.value)
 
 
 def test_config_accepts_the_recommended_async_setting():
