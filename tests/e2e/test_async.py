@@ -62,3 +62,35 @@ def test_demo_learns_in_one_step_off_mode(tmp_path):
     last = sum(r["critic/score/mean"] for r in rows[-5:]) / 5
     assert first <= 0.2 and last >= 0.5, (first, last)
     assert all(0.5 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)  # the stale-policy correction is applied
+
+
+def test_a_killed_engine_process_ends_the_run_with_a_message_and_no_leftovers(tmp_path):
+    """rollout.placement=separate: SIGKILL the engine's process while the run trains (async mode,
+    a generation thread waiting on it): the run ends by itself, exit 1, with the error that says
+    what died and how to go on, and leaves no process behind."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.e2e.test_resume import env
+
+    cmd = command(tmp_path, IS, "rollout.mode=async", "rollout.placement=separate", "run.total_steps=30",
+                  "run.val_every=0", "checkpoint.save_every=0")
+    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log, deadline = tmp_path / "metrics.jsonl", time.time() + 300
+    while not (log.is_file() and '"step": 2' in log.read_text()):
+        assert proc.poll() is None and time.time() < deadline, "the run did not reach step 2"
+        time.sleep(0.05)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    [engine] = [p for p in tree if "spawn_main" in " ".join(p.cmdline())]
+    engine.kill()
+    killed = time.time()
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out[-4000:]
+    assert time.time() - killed < 120  # noticed, not hung until a collective timeout
+    assert f"the rollout engine's process (rollout.placement=separate, pid {engine.pid}) was killed by signal 9" in out
+    assert "rerun to resume from the last checkpoint" in out
+    assert "Traceback" not in out, out[-4000:]  # one clear line, not a stack
+    time.sleep(1)
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
