@@ -292,9 +292,6 @@ class Async(Synchronous):
             self._apply(staged)
         yield
 
-    def restore(self, buffered: Buffered) -> None:
-        self._restored = dict(buffered)
-
     def close(self) -> None:
         with self._cond:
             self._closed = True
