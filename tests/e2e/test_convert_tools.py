@@ -39,8 +39,8 @@ def make_hf_dir(path, family, seed=1):
 
 # Qwen3's q/k norms go through the tools in the Qwen3-MoE round trip below (the same attention);
 # a dense Qwen3 round trip here cost CI 45 s for no other path.
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_round_trip_tp2xpp2_with_verify(tmp_path, family):
+@pytest.mark.parametrize("family", ["llama"])  # CI time: qwen2's names (biases) go through the same tools; its name
+def test_round_trip_tp2xpp2_with_verify(tmp_path, family):  # map is tested in tests/distributed/test_bridge.py
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
     state = make_hf_dir(hf_dir, family)
     _, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--out", str(ckpt),
