@@ -100,3 +100,22 @@ def test_prune_keeps_the_newest(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_00000006", "step_00000008", "step_00000010.partial"]
     checkpointing._prune(str(tmp_path), keep_last=0)  # 0 keeps all
     assert len(os.listdir(tmp_path)) == 3
+
+
+def test_rollout_buffer_of_an_earlier_megappo_one_batch_still_loads(tmp_path):
+    """Before rollout.mode=async a checkpoint buffered one batch as {"step", "batch"}; now a list
+    under "batches". Both load as [(step, RolloutBatch)] with the prompt records rebuilt."""
+    import torch
+
+    from megappo.data import PromptExample
+    from megappo.types import RolloutBatch
+
+    batch = RolloutBatch(prompt_ids=torch.tensor([[3, 4]]), prompt_mask=torch.ones(1, 2), response_ids=torch.tensor([[5]]),
+                         response_mask=torch.ones(1, 1), rollout_log_probs=torch.tensor([[-0.5]]),
+                         finish_reasons=["stop"], prompt_index=torch.zeros(1, dtype=torch.long),
+                         examples=[PromptExample([3, 4], "demo", "7", {"k": 1}, 0)], policy_version=2)
+    torch.save({"step": 5, "batch": checkpointing._plain_batch(batch)}, tmp_path / checkpointing.ROLLOUT_BUFFER)
+    [(step, loaded)] = checkpointing.load_rollout_buffer(str(tmp_path))
+    assert step == 5 and loaded.policy_version == 2 and loaded.examples == batch.examples
+    assert torch.equal(loaded.rollout_log_probs, batch.rollout_log_probs)
+    assert checkpointing.load_rollout_buffer(str(tmp_path / "nothing")) == []
