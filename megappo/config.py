@@ -349,8 +349,6 @@ class RolloutConfig(_Section):
         _require(not self.engine_cores or self.placement == "separate",
                  f"{P}engine_cores={self.engine_cores} pins the engine's own process, which only "
                  f"{P}placement=separate has. Fix: set {P}placement=separate or {P}engine_cores=[].")
-        _require(self.mode == "sync" or self.engine == "hf",
-                 f"{P}mode={self.mode} needs {P}engine=hf for now. Fix: set {P}mode=sync or {P}engine=hf.")
         _require(self.temperature >= 0 and self.val_temperature >= 0,
                  f"{P}temperature / {P}val_temperature must be >= 0. Fix: use 0 for greedy decoding.")
         _require(0 < self.top_p <= 1, f"{P}top_p={self.top_p} must be in (0, 1]. Fix: use 1.0 to disable.")

@@ -119,7 +119,6 @@ DEMO = "recipes/demo-cpu.yaml"
     (["rollout.mode=one_step_off", "actor.old_logprob=bypass"], "Fix: set actor.old_logprob=is_correct"),
     (["rollout.placement=separate", "rollout.engine=sglang"], "Fix: set rollout.placement=colocated"),
     (["rollout.engine_cores=[0]"], "Fix: set rollout.placement=separate or rollout.engine_cores=[]"),
-    (["rollout.mode=one_step_off", "rollout.engine=sglang"], "Fix: set rollout.mode=sync or rollout.engine=hf"),
 ])
 def test_config_refuses_what_async_cannot_do(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -131,3 +130,9 @@ def test_config_accepts_the_recommended_async_setting():
     cfg = load_config(DEMO, ["rollout.mode=one_step_off", "rollout.placement=separate", "rollout.engine_cores=[1]",
                              "actor.old_logprob=is_correct"])
     assert (cfg.rollout.mode, cfg.rollout.placement, cfg.rollout.engine_cores) == ("one_step_off", "separate", [1])
+
+
+def test_config_accepts_one_step_off_with_sglang():
+    """SGLangEngine takes calls from any thread (the generation thread): tests/sglang/test_engine_threads.py."""
+    cfg = load_config(DEMO, ["rollout.mode=one_step_off", "rollout.engine=sglang", "actor.old_logprob=is_correct"])
+    assert (cfg.rollout.mode, cfg.rollout.engine, cfg.rollout.placement) == ("one_step_off", "sglang", "colocated")
