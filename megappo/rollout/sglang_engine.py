@@ -43,9 +43,9 @@ SGLang's asyncio loop (`Engine.loop.run_until_complete`, SGLang's offline API un
 caller waits for it, checking for a crash. The loop therefore never runs in the main thread:
 uvloop, run in the main thread, takes the process's signal wakeup fd for the length of the call,
 so megappo.interrupts' watcher missed a SIGINT/SIGTERM sent during an engine call (no
-acknowledgement, no stop at once on the second one), and the tokenizer manager, first run in the
-main thread, adds loop handlers for SIGTERM (a graceful engine shutdown behind the trainer's back)
-and SIGQUIT (kills the process tree). Run first in the engine's thread, it adds none.
+acknowledgement, no stop at once on the second one); and the tokenizer manager's handle loop,
+started in the main thread, adds loop handlers for SIGTERM (a graceful engine shutdown behind the
+trainer's back) and SIGQUIT (kills the process tree). Started in the engine's thread, it adds none.
 
 Crashes: SGLang's subprocess watchdog SIGQUITs this process when a scheduler or detokenizer
 dies, and SGLang's own handler then kills the whole process tree, the trainer included. The
@@ -165,7 +165,7 @@ class SGLangEngine:
         # made once the engine runs: SGLang deep-copies its arguments, this object among them (the crash handler)
         self._thread: _EngineThread | None = None
         if engine is not None:
-            self.engine, self._thread = engine, _EngineThread()
+            self.engine, self._thread, self._stop_watching = engine, _EngineThread(), threading.Event()
             return
         if logprob_mode == "untempered":
             os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
@@ -225,7 +225,7 @@ class SGLangEngine:
     def _start_handle_loop(self) -> None:
         """Start the tokenizer manager's handle loop inside the engine's event loop, on the engine's
         thread: the manager then adopts that loop, and adds no SIGTERM/SIGQUIT loop handlers
-        (SGLang adds them only when its loop first runs in the main thread)."""
+        (`auto_create_handle_loop` adds them only when it runs in the main thread)."""
         manager, loop = getattr(self.engine, "tokenizer_manager", None), getattr(self.engine, "loop", None)
         if manager is None or loop is None:
             return
