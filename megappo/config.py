@@ -355,8 +355,6 @@ class RolloutConfig(_Section):
         _require(not self.engine_cores or self.placement == "separate",
                  f"{P}engine_cores={self.engine_cores} pins the engine's own process, which only "
                  f"{P}placement=separate has. Fix: set {P}placement=separate or {P}engine_cores=[].")
-        _require(self.mode == "sync" or self.engine == "hf",
-                 f"{P}mode={self.mode} needs {P}engine=hf for now. Fix: set {P}mode=sync or {P}engine=hf.")
         _require(self.max_staleness is None or self.mode == "async",
                  f"{P}max_staleness={self.max_staleness} applies to {P}mode=async only ({self.mode}: staleness "
                  f"{self.staleness_limit}). Fix: set {P}mode=async, or remove {P}max_staleness.")

@@ -36,13 +36,24 @@ colocated `tensor` mode), and `SamplingParams.seed` is not honoured (SGLang seed
 only under deterministic inference, which its CPU attention backend refuses): sampling is not
 seed-reproducible, and the engine warns once.
 
+Threads: any thread may call the engine's methods, one call at a time (rollout.mode=one_step_off
+generates in a thread of its own while the main thread syncs weights). Every call into the
+`sglang.Engine` is made by one daemon thread of the engine's own (`_EngineThread`), which runs
+SGLang's asyncio loop (`Engine.loop.run_until_complete`, SGLang's offline API unchanged); the
+caller waits for it, checking for a crash. The loop therefore never runs in the main thread:
+uvloop, run in the main thread, takes the process's signal wakeup fd for the length of the call,
+so megappo.interrupts' watcher missed a SIGINT/SIGTERM sent during an engine call (no
+acknowledgement, no stop at once on the second one); and the tokenizer manager's handle loop,
+started in the main thread, adds loop handlers for SIGTERM (a graceful engine shutdown behind the
+trainer's back) and SIGQUIT (kills the process tree). Started in the engine's thread, it adds none.
+
 Crashes: SGLang's subprocess watchdog SIGQUITs this process when a scheduler or detokenizer
-dies, and SGLang's own handlers then kill the whole process tree, the trainer included. The
-engine replaces them (SGLang's `custom_sigquit_handler` while starting; once running, the
-tokenizer manager's event-loop SIGQUIT and SIGTERM handlers, so that SIGINT/SIGTERM stay
-megappo's: megappo.interrupts) and watches the engine's processes itself: a death stops the
-engine's event loop, and the call in flight (or the next one) raises `EngineCrashed`, an error
-`megappo train` reports in one line.
+dies, and SGLang's own handler then kills the whole process tree, the trainer included. The
+engine replaces it (SGLang's `custom_sigquit_handler` while starting, megappo's SIGQUIT handler
+once running; SIGINT/SIGTERM and the wakeup fd are given back to megappo.interrupts after the
+start) and watches the engine's processes itself: a death stops the engine's event loop, and
+the call in flight (or the next one) raises `EngineCrashed` in the thread that made it, an
+error `megappo train` reports in one line.
 
 This module does not know about Megatron or PPO.
 """
@@ -53,6 +64,7 @@ import concurrent.futures
 import inspect
 import json
 import os
+import queue
 import signal
 import tempfile
 import threading
@@ -73,6 +85,7 @@ from megappo.types import RolloutBatch, SamplingParams
 FINGERPRINT_PREFIX = 100  # rows; SGLang's get_weights_by_name truncate_size default
 UPDATE_GROUP = "megappo_weight_update"
 CPU_MAX_TOTAL_TOKENS = 32768  # the KV cache's size on CPU unless rollout.sglang.max_total_tokens is set
+CRASH_POLL_S = 0.5  # a caller waiting on the engine thread checks this often for a crash
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 
 
@@ -149,8 +162,10 @@ class SGLangEngine:
         self._starting = False
         self._seed_warned = False
         self._dims = _read_dims(model_path)
+        # made once the engine runs: SGLang deep-copies its arguments, this object among them (the crash handler)
+        self._thread: _EngineThread | None = None
         if engine is not None:
-            self.engine = engine
+            self.engine, self._thread, self._stop_watching = engine, _EngineThread(), threading.Event()
             return
         if logprob_mode == "untempered":
             os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
@@ -180,9 +195,11 @@ class SGLangEngine:
             finally:
                 self._starting = False
         self._processes = [p for p in psutil.Process().children() if p.pid not in started_before]
+        self._thread = _EngineThread()
         self._stop_watching = threading.Event()
         if main_thread:
             self._take_back_signals(saved)
+        self._start_handle_loop()
         threading.Thread(target=self._watch, name="megappo-sglang-watch", daemon=True).start()
 
     _CRASHED = ("the sglang rollout engine crashed: one of its processes (scheduler or detokenizer) died; its log "
@@ -196,24 +213,27 @@ class SGLangEngine:
             raise EngineCrashed(self._crash)
 
     def _take_back_signals(self, saved) -> None:
-        """SGLang's tokenizer manager installs SIGTERM and SIGQUIT handlers on its event loop (and
-        takes the process's signal wakeup fd) at its first request: SIGTERM would shut the engine
-        down behind the trainer's back (megappo's own Ctrl-C/SIGTERM handling, megappo.interrupts,
-        would never hear of it), SIGQUIT kills the whole process tree. Start that loop now, then
-        give SIGINT/SIGTERM and the wakeup fd back to what they were, and SIGQUIT to the engine."""
-        manager, loop = getattr(self.engine, "tokenizer_manager", None), getattr(self.engine, "loop", None)
-        if manager is not None and loop is not None:
-            async def start_handle_loop():  # inside the engine's loop, so the manager adopts that loop
-                manager.auto_create_handle_loop()
-
-            loop.run_until_complete(start_handle_loop())
-            for sig in (signal.SIGTERM, signal.SIGQUIT):
-                loop.remove_signal_handler(sig)
+        """SGLang's start-up takes SIGQUIT (its handler kills the whole process tree) and may
+        change SIGINT/SIGTERM and the signal wakeup fd: give SIGINT/SIGTERM and the wakeup fd back
+        to what they were (megappo.interrupts), and SIGQUIT to the engine's crash handling."""
         handlers, wakeup_fd = saved
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         signal.set_wakeup_fd(wakeup_fd)
         signal.signal(signal.SIGQUIT, lambda signum, frame: self._note_death())
+
+    def _start_handle_loop(self) -> None:
+        """Start the tokenizer manager's handle loop inside the engine's event loop, on the engine's
+        thread: the manager then adopts that loop, and adds no SIGTERM/SIGQUIT loop handlers
+        (`auto_create_handle_loop` adds them only when it runs in the main thread)."""
+        manager, loop = getattr(self.engine, "tokenizer_manager", None), getattr(self.engine, "loop", None)
+        if manager is None or loop is None:
+            return
+
+        async def start_handle_loop():
+            manager.auto_create_handle_loop()
+
+        self._on_engine_thread(lambda: loop.run_until_complete(start_handle_loop()))
 
     def _watch(self) -> None:
         """Poll the engine's processes: one that ends while the engine runs is a crash."""
@@ -233,11 +253,20 @@ class SGLangEngine:
             loop.call_soon_threadsafe(loop.stop)
 
     def _engine_call(self, method: str, *args, **kwargs):
-        """Call the sglang.Engine; a crash of its processes raises EngineCrashed, never hangs."""
+        """Call the sglang.Engine's `method` (on the engine's thread); a crash of its processes
+        raises EngineCrashed in the caller, never hangs."""
+        return self._on_engine_thread(getattr(self.engine, method), *args, **kwargs)
+
+    def _on_engine_thread(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on the engine's thread, waited for from the calling thread."""
         if self._crash:
             raise EngineCrashed(self._crash)
+        call = self._thread.submit(fn, *args, **kwargs)
+        while not concurrent.futures.wait([call], timeout=CRASH_POLL_S).done:
+            if self._crash:  # the call may be stuck outside the loop _note_death stopped: do not wait for it
+                raise EngineCrashed(self._crash)
         try:
-            return getattr(self.engine, method)(*args, **kwargs)
+            return call.result()
         except Exception as e:  # e.g. the event loop _note_death stopped
             if self._crash:
                 raise EngineCrashed(self._crash) from e
@@ -327,11 +356,8 @@ class SGLangEngine:
         self._engine_call("flush_cache")
 
     def _while_engine_calls(self, method: str, send, **kwargs):
-        """Call the engine's blocking receive method while a thread sends this side's half;
-        returns what `send` returns.
-
-        The engine call stays on this thread (sglang.Engine drives its asyncio loop from the
-        thread that created it); the broadcast runs on the helper thread."""
+        """Call the engine's blocking receive method (on the engine's thread) while a helper
+        thread sends this side's half; returns what `send` returns."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megappo-sync")
         sending = self._pool.submit(send)
@@ -435,7 +461,44 @@ class SGLangEngine:
         try:
             self.close_update_group()
         finally:
-            self.engine.shutdown()
+            try:
+                self.engine.shutdown()  # kills the engine's processes; no event loop involved
+            finally:
+                if self._thread is not None:
+                    self._thread.stop()
+
+
+class _EngineThread:
+    """The one thread that calls into the sglang.Engine: calls are queued and made one at a time,
+    whichever threads submit them. A daemon thread: a call stuck after a crash never holds up
+    the interpreter's exit."""
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        threading.Thread(target=self._serve, name="megappo-sglang-engine", daemon=True).start()
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        if self._stopped:
+            raise RuntimeError("the sglang engine was shut down; start a new SGLangEngine to generate again")
+        call: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((call, fn, args, kwargs))
+        return call
+
+    def stop(self) -> None:
+        """End the thread after the calls already queued."""
+        self._stopped = True
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, fn, args, kwargs = item
+            if not call.set_running_or_notify_cancel():
+                continue
+            try:
+                call.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to the caller
+                call.set_exception(e)
 
 def _ended(process: psutil.Process) -> bool:
     try:

@@ -210,7 +210,6 @@ DEMO = "recipes/demo-cpu.yaml"
     (["rollout.mode=one_step_off", "actor.old_logprob=bypass"], "Fix: set actor.old_logprob=is_correct"),
     (["rollout.placement=separate", "rollout.engine=sglang"], "Fix: set rollout.placement=colocated"),
     (["rollout.engine_cores=[0]"], "Fix: set rollout.placement=separate or rollout.engine_cores=[]"),
-    (["rollout.mode=one_step_off", "rollout.engine=sglang"], "Fix: set rollout.mode=sync or rollout.engine=hf"),
 ])
 def test_config_refuses_what_async_cannot_do(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -237,3 +236,10 @@ def test_config_accepts_the_recommended_async_setting():
     cfg = load_config(DEMO, ["rollout.mode=one_step_off", "rollout.placement=separate", "rollout.engine_cores=[1]",
                              "actor.old_logprob=is_correct"])
     assert (cfg.rollout.mode, cfg.rollout.placement, cfg.rollout.engine_cores) == ("one_step_off", "separate", [1])
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_config_accepts_overlapped_modes_with_sglang(mode):
+    """SGLangEngine takes calls from any thread (the generation thread): tests/sglang/test_engine_threads.py."""
+    cfg = load_config(DEMO, [f"rollout.mode={mode}", "rollout.engine=sglang", "actor.old_logprob=is_correct"])
+    assert (cfg.rollout.mode, cfg.rollout.engine, cfg.rollout.placement) == (mode, "sglang", "colocated")

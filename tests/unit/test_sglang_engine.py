@@ -1,6 +1,9 @@
 """SGLang engine: GPU-only checks (skipped on CPU), and the CPU-side error for a missing SGLang."""
 
+import concurrent.futures
 import importlib.util
+import threading
+import time
 
 import pytest
 import torch
@@ -150,3 +153,47 @@ def test_engine_args_per_device():
     if not torch.cuda.is_available():
         eng = SGLangEngine(None, pad_token_id=0, sync_mode="distributed", engine=object())
         assert eng.update_backend == "gloo"
+
+
+class Stuck:
+    """sglang.Engine's methods, recording the thread each runs on; `generate` never returns (a call
+    stuck where stopping SGLang's event loop cannot reach it)."""
+
+    def __init__(self):
+        self.threads, self.release = [], threading.Event()
+
+    def get_weights_by_name(self, name, truncate_size=100):
+        self.threads.append(threading.current_thread().name)
+        return [[0.0]]
+
+    def generate(self, **kwargs):
+        self.release.wait()
+
+    def shutdown(self):
+        self.release.set()
+
+
+def test_engine_calls_run_on_the_engine_thread_and_a_crash_frees_a_waiting_caller():
+    """Every call into sglang.Engine is made by the engine's own thread, whichever thread asks
+    (docs/engines.md, threads); a crash noted while a generation thread waits raises EngineCrashed
+    there within CRASH_POLL_S, even if the call itself never returns; the next call raises at once."""
+    from megappo.rollout.engine import EngineCrashed
+    from megappo.rollout.sglang_engine import CRASH_POLL_S, SGLangEngine
+
+    fake = Stuck()
+    eng = SGLangEngine(None, pad_token_id=0, dtype="float32", engine=fake)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            eng.fingerprints(["model.norm.weight"])
+            pool.submit(eng.fingerprints, ["model.norm.weight"]).result(timeout=10)
+            assert fake.threads == ["megappo-sglang-engine"] * 2
+            call = pool.submit(eng.generate, [[1, 2]], SamplingParams(max_new_tokens=1))
+            time.sleep(2 * CRASH_POLL_S)
+            assert not call.done()
+            eng._note_death()  # what the engine's watcher does when one of its processes ends
+            with pytest.raises(EngineCrashed, match="the sglang rollout engine crashed"):
+                call.result(timeout=5 * CRASH_POLL_S)
+        with pytest.raises(EngineCrashed):
+            eng.fingerprints(["model.norm.weight"])
+    finally:
+        eng.shutdown()
