@@ -16,7 +16,9 @@ Workloads (--workload):
 
 It prints, over the steps after the first --skip (start-up), the mean step time, the
 generation time of the sync rows (`timing_s/gen`), the time each step was blocked on
-generation (`timing_s/gen_wait`), processed tokens/s (`perf/total_num_tokens` / step time),
+generation (`timing_s/gen_wait`), the weight sync's time in the step (`timing_s/weight_sync`:
+in async mode the staging copy only; the engine loads the weights in the generation thread),
+processed tokens/s (`perf/total_num_tokens` / step time),
 mean reward and staleness, the reward curve in windows, and each overlapped row's speed-up
 over `sync separate` against the ideal (G + T) / max(G, T) from the sync row's split.
 
@@ -85,7 +87,8 @@ def main():
     names = args.settings.split(",")
     print(f"{args.workload}: {recipe} {' '.join(base + args.overrides)}; {args.steps} steps, means over steps "
           f"{args.skip + 1}-{args.steps}; trainer on core 0, separate engine on core 1")
-    print(f"{'setting':<18} {'step s':>8} {'gen s':>7} {'gen_wait s':>10} {'tok/s':>8} {'reward':>7} {'stale':>6}")
+    print(f"{'setting':<18} {'step s':>8} {'gen s':>7} {'gen_wait s':>10} {'sync s':>7} {'tok/s':>8} {'reward':>7} "
+          f"{'stale':>6}")
     results, curves = {}, {}
     for name in names:
         with tempfile.TemporaryDirectory() as out:
@@ -96,8 +99,8 @@ def main():
         results[name] = (step, gen, wait)
         window = max(1, len(rows) // 8)
         curves[name] = [round(mean(rows[i:i + window], "critic/score/mean"), 2) for i in range(0, len(rows), window)]
-        print(f"{name:<18} {step:8.3f} {gen:7.3f} {wait:10.3f} {tokens:8.1f} {mean(timed, 'critic/score/mean'):7.3f} "
-              f"{mean(timed, 'rollout/staleness'):6.2f}")
+        print(f"{name:<18} {step:8.3f} {gen:7.3f} {wait:10.3f} {mean(timed, 'timing_s/weight_sync'):7.3f} {tokens:8.1f} "
+              f"{mean(timed, 'critic/score/mean'):7.3f} {mean(timed, 'rollout/staleness'):6.2f}")
     print(f"reward curve (mean critic/score/mean per window of {max(1, args.steps // 8)} steps):")
     for name, curve in curves.items():
         print(f"  {name:<18} {curve}")

@@ -500,6 +500,7 @@ class _EngineThread:
             except BaseException as e:  # handed to the caller
                 call.set_exception(e)
 
+
 def _ended(process: psutil.Process) -> bool:
     try:
         return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
