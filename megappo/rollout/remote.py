@@ -8,7 +8,8 @@ nothing but requests and results crosses the pipe; it can be pinned to CPU cores
 not fight over the same cores.
 
 Protocol: every request (`generate`, one per weight bucket, `fingerprints`, ...) gets an id
-and is pickled down one pipe; a thread in the child drains the pipe into a queue (so a
+and is pickled down one pipe (a weight bucket as one flat buffer in shared memory, of which
+the pipe carries a file descriptor and the layout: torch.multiprocessing's reductions); a thread in the child drains the pipe into a queue (so a
 sender never blocks on a busy child) and the child's main thread serves the queue strictly
 in order, one reply per request. `submit(prompts, params)` returns a `Handle` at once;
 `handle.result()` waits for that reply. Because service is in order, a weight update sent
@@ -34,9 +35,11 @@ import queue
 import signal
 import threading
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterable, Sequence
 
 import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions with ForkingPickler
 
 from megappo.rollout.engine import Bucket, EngineCrashed, tensor_fingerprint
 from megappo.types import RolloutBatch, SamplingParams
@@ -100,8 +103,14 @@ class RemoteEngine:
 
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
         """Sends every bucket (the child buffers them while it finishes earlier requests), then
-        waits until all are loaded; the first error a bucket met is raised."""
-        rids = [self._request("update", [(n, t.detach().cpu()) for n, t in bucket]) for bucket in buckets]
+        waits until all are loaded; the first error a bucket met is raised. A bucket crosses as
+        one flat buffer in shared memory (`_shared_bucket`): the pipe carries its layout and a
+        file descriptor, not the bytes."""
+        shared = []  # referenced until the child has loaded them
+        rids = []
+        for bucket in buckets:
+            shared.append(_shared_bucket(bucket))
+            rids.append(self._request("update", *shared[-1]))
         errors = []
         for rid in rids:
             try:
@@ -147,7 +156,8 @@ class RemoteEngine:
         return self._wait(self._request(method, *args))
 
     def _request(self, method: str, *args) -> int:
-        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        # torch.multiprocessing's reductions: a CPU tensor goes as a shared-memory file descriptor
+        data = ForkingPickler.dumps((method, args), pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self._check_alive()
             rid = next(self._ids)
@@ -254,12 +264,32 @@ def _dispatch(engine, method: str, args: tuple):
     if method == "generate":
         return engine.generate(*args)
     if method == "update":
-        return engine.update_weights([args[0]])
+        return engine.update_weights([_cut(*args)])
     if method == "fingerprints":
         return engine.fingerprints(*args)
     if method == "shutdown":
         return engine.shutdown() if engine is not None else None
     raise ValueError(f"unknown rollout engine request '{method}'")
+
+
+def _shared_bucket(bucket: Bucket) -> tuple[torch.Tensor, list]:
+    """The bucket's tensors back to back in one uint8 buffer in shared memory (each at a 64-byte
+    aligned offset), and the layout the child cuts them out with: [(name, dtype, shape, offset,
+    bytes)]. One copy, instead of pickling every tensor into the pipe and out again."""
+    layout, offset = [], 0
+    for name, tensor in bucket:
+        size = tensor.numel() * tensor.element_size()
+        layout.append((name, tensor.dtype, tuple(tensor.shape), offset, size))
+        offset += -(-size // 64) * 64
+    flat = torch.empty(offset, dtype=torch.uint8).share_memory_()
+    for (name, tensor), (_, _, _, start, size) in zip(bucket, layout):
+        flat[start:start + size].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    return flat, layout
+
+
+def _cut(flat: torch.Tensor, layout: list) -> Bucket:
+    """The child's side of `_shared_bucket`: the bucket's tensors as views of the shared buffer."""
+    return [(name, flat[offset:offset + size].view(dtype).view(shape)) for name, dtype, shape, offset, size in layout]
 
 
 def _portable(e: Exception) -> Exception:

@@ -116,3 +116,21 @@ def test_the_child_ends_when_the_trainer_is_killed(tmp_path):
     except psutil.TimeoutExpired:
         child.kill()
         pytest.fail("the engine's process outlived its killed owner")
+
+
+def test_a_bucket_crosses_as_one_shared_buffer_not_through_the_pipe():
+    """update_weights puts each bucket's tensors in one shared-memory buffer (64-byte aligned, any
+    dtype and shape); the request that crosses the pipe carries a file descriptor and the layout,
+    not the bytes; the child's views equal what was sent."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from megappo.rollout.remote import _cut, _shared_bucket
+
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(3)),
+              ("d", torch.tensor(2.5)), ("e", torch.randn(256, 1024))]  # 1 MiB
+    flat, layout = _shared_bucket(bucket)
+    assert flat.is_shared() and all(offset % 64 == 0 for *_, offset, _ in layout)
+    assert len(ForkingPickler.dumps(("update", (flat, layout)), pickle.HIGHEST_PROTOCOL)) < 4096
+    for (name, sent), (got_name, got) in zip(bucket, _cut(flat, layout)):
+        assert got_name == name and got.dtype == sent.dtype and torch.equal(got, sent)
