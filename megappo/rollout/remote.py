@@ -12,9 +12,9 @@ and is pickled down one pipe (a weight bucket as one flat buffer in shared memor
 the pipe carries a file descriptor and the layout: torch.multiprocessing's reductions); a
 thread in the child drains the pipe into a queue (so a sender never blocks on a busy child)
 and the child's main thread serves the queue strictly in order, one reply per request.
-`submit(prompts, params)` returns a `Handle` at once; `handle.result()` waits for that reply. Because service is in order, a weight update sent
-while a generation runs applies after it, and a fingerprint request sent after an update
-sees the updated weights. Several threads may send and wait at the same time.
+`submit(prompts, params)` returns a `Handle` at once; `handle.result()` waits for that reply.
+Because service is in order, a weight update sent while a generation runs applies after it,
+and a fingerprint request sent after an update sees the updated weights. Several threads may send and wait at the same time.
 
 A child that dies (killed, out of memory, a crash in C code) makes the call waiting on it,
 and every later call, raise EngineCrashed with the child's exit code: waits poll the child's
