@@ -14,7 +14,8 @@ thread in the child drains the pipe into a queue (so a sender never blocks on a 
 and the child's main thread serves the queue strictly in order, one reply per request.
 `submit(prompts, params)` returns a `Handle` at once; `handle.result()` waits for that reply.
 Because service is in order, a weight update sent while a generation runs applies after it,
-and a fingerprint request sent after an update sees the updated weights. Several threads may send and wait at the same time.
+and a fingerprint request sent after an update sees the updated weights. Several threads
+may send and wait at the same time.
 
 A child that dies (killed, out of memory, a crash in C code) makes the call waiting on it,
 and every later call, raise EngineCrashed with the child's exit code: waits poll the child's
