@@ -94,7 +94,7 @@ class ModelConfig(_Section):
     hf_config: Optional[dict[str, Any]] = None  # inline config.json content: build from config, random init
     tokenizer: Optional[str] = None  # tokenizer directory or 'builtin:<name>'; None: model.path
     arch: Optional[str] = None  # model registry key; None: config.json `architectures[0]`
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter/compute dtype
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter/compute dtype; float16 is refused
     make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this (x tp)
     layer_spec: Literal["auto", "te", "local"] = "auto"  # auto: Transformer Engine on GPU when installed
     seed_init: int = 1234  # seed of the random init of a model built from hf_config
@@ -106,6 +106,11 @@ class ModelConfig(_Section):
         _require(self.path is None or self.hf_config is None,
                  f"{P}path and {P}hf_config are both set. Fix: set {P}hf_config=null to load {P}path, "
                  f"or {P}path=null to build from config.")
+        # megappo.models.precision says why (no loss scaling); docs/precision.md
+        _require(self.dtype != "float16",
+                 f"{P}dtype=float16 cannot train in megappo: Megatron's fp16 path needs dynamic loss scaling, which "
+                 f"megappo does not wire. Fix: set {P}dtype=bfloat16 (float32's range; what every GPU recipe trains "
+                 f"in) or float32.")
         _at_least(self, make_vocab_size_divisible_by=1)
 
     @property

@@ -108,7 +108,8 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
     check_output_dir(out_dir, overwrite)
     meta = read_metadata(ckpt_dir)
     dims = ModelDims(**meta["dims"])
-    model = build_model(dims, ps, role=meta["role"])
+    # the dtype it was saved in (checkpoints before megappo recorded it were float32)
+    model = build_model(dims, ps, role=meta["role"], dtype=meta.get("dtype", "float32"))
     load_model(model, ckpt_dir)
     return export_hf(model, out_dir, meta["hf_config"], read_aux_files(os.path.join(ckpt_dir, "hf"), everything=True),
                      verify=verify, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
@@ -117,7 +118,8 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
 def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dict[str, bytes], *,
               verify: bool = False, overwrite: bool = False, max_shard_bytes: int = 2 << 30) -> dict:
     """Collective: the live (sharded) model as an HF directory written by global rank 0:
-    safetensors shards, `hf_config` as config.json, and `hf_files` (tokenizer files)."""
+    safetensors shards in the model's dtype, `hf_config` (saying that dtype) as config.json,
+    and `hf_files` (tokenizer files)."""
     ps = model.ps
     check_output_dir(out_dir, overwrite)
     results = {}
@@ -128,7 +130,7 @@ def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dic
         if ps.rank == 0:
             writer.close()
             with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(hf_config, f, indent=2)
+                json.dump(model.precision.hf_config(hf_config), f, indent=2)
             for name, data in hf_files.items():
                 if name != "config.json":
                     with open(os.path.join(tmp, name), "wb") as f:

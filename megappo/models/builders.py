@@ -22,6 +22,7 @@ import torch
 
 from megappo.models.hf_config import ModelConfigError, ModelDims, transformer_config
 from megappo.models.name_map import NameMap, TensorRule, global_param_name, name_map_for
+from megappo.models.precision import Precision, precision_of
 from megappo.parallel.state import ParallelState
 
 ROLES = ("actor", "ref", "critic", "reward")
@@ -59,6 +60,10 @@ class MegatronModel:
     name_map: NameMap
     ps: ParallelState
     padded_vocab: int
+
+    @property
+    def precision(self) -> Precision:
+        return precision_of(self.config.params_dtype)
 
     @property
     def has_value_head(self) -> bool:
@@ -215,6 +220,7 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
         if value_head and post:
             model.output_layer = ValueHead(dims.hidden_size, bias=value_head_bias, init_std=dims.initializer_range,
                                            dtype=config.params_dtype, seed=value_head_seed)
+        Precision(dtype).cast_(model)  # the norms too, as Megatron's Float16Module does
         if not cpu:
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -94,7 +94,7 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
     dist_checkpointing.save(state, ckpt_dir)
     if model.ps.rank == 0:
         meta = {"format": "megappo-model-v1", "role": model.role, "with_optimizer": with_optimizer,
-                "expert_parallel": model.ps.ep,
+                "expert_parallel": model.ps.ep, "dtype": model.precision.name,
                 "dims": dataclasses.asdict(model.dims), "hf_config": hf_config}
         with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)

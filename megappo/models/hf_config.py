@@ -265,12 +265,12 @@ def transformer_config(
     **overrides: Any,
 ):
     """A Megatron-Core TransformerConfig for `dims` at the given layout and dtype."""
-    import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    from megappo.models.precision import Precision
+
     dims.check_layout(tp, pp, vpp, ep=ep)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     kwargs = dict(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -300,10 +300,7 @@ def transformer_config(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=sequence_parallel,
-        params_dtype=torch_dtype,
-        pipeline_dtype=torch_dtype,
-        bf16=dtype == "bfloat16",
-        fp16=dtype == "float16",
+        **Precision(dtype).transformer_config_kwargs(),
         use_cpu_initialization=cpu,
         # megappo's losses are normalised by global token/sequence counts already
         # (megappo.ppo.losses); Megatron must not divide again by the micro-batch count.

@@ -59,6 +59,7 @@ def make_trainable(model: MegatronModel, settings: OptimSettings) -> Trainable:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = model.config
+    model.precision.check_trainable()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -79,9 +80,7 @@ def make_trainable(model: MegatronModel, settings: OptimSettings) -> Trainable:
         adam_beta2=settings.betas[1],
         adam_eps=settings.eps,
         clip_grad=settings.clip_grad,
-        bf16=config.bf16,
-        fp16=config.fp16,
-        params_dtype=config.params_dtype,
+        **model.precision.optimizer_kwargs(),
         use_distributed_optimizer=settings.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model.chunks)
