@@ -41,10 +41,12 @@ FP16_REFUSED = ("model.dtype=float16 cannot train in megappo: Megatron's fp16 pa
                 "and skipped-step handling that megappo does not wire. Fix: set model.dtype=bfloat16 (float32's "
                 "range, what every GPU recipe trains in) or float32.")
 
-# Largest |difference| expected between a model's per-token log-probs in this dtype and the
-# same model's in float32 on tiny test models (random init, entropy near log V). bf16 keeps
-# 8 bits of mantissa: one rounding of a logit of size ~1 is ~4e-3, and a log-prob sums a few.
-COMPARE_TOL = {"float32": 1e-5, "bfloat16": 5e-2}
+# Largest |difference| accepted between a pass in this dtype and the exact values of the same
+# weights (float32 compute), per token: log-probs, entropies, values. bf16 keeps 8 bits of
+# mantissa (a relative rounding of 2^-9 per operation). Measured on the tiny test models (random
+# init, log-probs near -log V): 2.4e-3 to 3.7e-3 for Megatron in bf16 at TP2 and PP2, packed
+# and padded, and 3.0e-3 to 3.2e-3 for transformers in bf16 (tests/distributed/test_packing.py).
+COMPARE_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
 @dataclasses.dataclass(frozen=True)

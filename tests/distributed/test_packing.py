@@ -1,14 +1,15 @@
 """Packed passes (token-budget micro-batches, no padding) equal padded ones and transformers run
 on each sequence alone, for every role's forward pass and for actor and critic updates under
-every loss_agg_mode, at TP2, PP2, DP2 and PP2xVPP2 (workers/packing_worker.py)."""
+every loss_agg_mode, at TP2, PP2, DP2 and PP2xVPP2 (workers/packing_worker.py); at TP2 and PP2 the
+bf16 forward passes too, against the exact values of the bf16 weights."""
 
 import pytest
 
 from tests.distributed._launch import run_torchrun
 
 LAYOUTS = [
-    pytest.param(("2", "1"), id="tp2"),
-    pytest.param(("1", "2"), id="pp2"),
+    pytest.param(("2", "1", "bf16"), id="tp2"),
+    pytest.param(("1", "2", "bf16"), id="pp2"),
     pytest.param(("1", "1"), id="dp2"),
     pytest.param(("1", "2", "2"), id="pp2xvpp2"),
 ]
@@ -22,3 +23,6 @@ def test_packed_equals_padded_and_transformers(layout):
         for kind in ("packed", "padded"):
             assert f"OK {family} {kind} forward = transformers per sequence" in out
         assert f"OK {family} updates packed = padded, every loss_agg_mode" in out
+        if "bf16" in layout:
+            for kind in ("packed", "padded"):
+                assert f"OK {family} bf16 {kind} forward = exact values" in out

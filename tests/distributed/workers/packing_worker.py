@@ -1,6 +1,6 @@
 """torchrun worker: packed passes equal padded ones and a per-sequence transformers reference.
 
-usage: torchrun --nproc_per_node N packing_worker.py TP PP [VPP]   (DP = N / (TP*PP))
+usage: torchrun --nproc_per_node N packing_worker.py TP PP [VPP] [bf16]   (DP = N / (TP*PP))
 
 For tiny Llama (untied) and Qwen2 (tied, qkv bias), on a batch of 8 sequences with prompts
 of 1-6 tokens (left-padded to 6) and responses of 1-7 tokens (right-padded to 7):
@@ -12,6 +12,10 @@ of 1-6 tokens (left-padded to 6) and responses of 1-7 tokens (right-padded to 7)
   3. actor and critic updates, every loss_agg_mode in turn on the same two models (packed and
      padded): the losses, entropy and gradient norm, and every parameter's gradient agree
      (<= 1e-5, relative to the largest gradient of the tensor).
+  4. with `bf16`: the same forward passes of bf16 models, packed and padded, equal the exact
+     values of those bf16 weights (transformers in float32 on each sequence alone, weights rounded
+     to bf16) within megappo.models.precision.COMPARE_TOL["bfloat16"]; transformers' own bf16
+     pass is measured against the same reference and printed beside it.
 Prints "OK <check>" lines; any failure raises.
 """
 
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from megappo.models.builders import build_model
 from megappo.models.hf_config import dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.models.precision import COMPARE_TOL
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.packing import MicroBatching
@@ -154,12 +159,46 @@ def check(ps, family: str, vpp) -> None:
     print(f"OK {family} updates packed = padded, every loss_agg_mode ({len(AGG_MODES)})", flush=True)
 
 
+def check_bf16(ps, family: str, vpp) -> None:
+    """Forward passes of bf16 models against the exact values of their (bf16) weights."""
+    cfg = TINY_CONFIGS[family]
+    dims = dims_from_hf(cfg)
+    seqs = make_seqs(dims.vocab_size)
+    hf = build_hf_model(cfg, seed=5).to(torch.bfloat16).float()  # the bf16 weights, computed in float32
+    hf_tok = build_hf_model(cfg, seed=11, head="token").to(torch.bfloat16).float()
+    ref_lp, ref_ent = reference_log_probs(hf, seqs)
+    ref_values, ref_scores = reference_values(hf_tok, seqs)
+    hf_lp, _ = reference_log_probs(hf.to(torch.bfloat16), seqs)  # transformers computing in bf16
+    mask = seqs.response_mask.float()
+    tol = COMPARE_TOL["bfloat16"]
+    actor = build_model(dims, ps, role="actor", dtype="bfloat16")
+    load_hf_weights(actor, hf.state_dict())
+    critic = build_model(dims, ps, role="critic", dtype="bfloat16")
+    load_hf_weights(critic, hf_tok.state_dict())
+    for kind, batching in batchings(ps, vpp).items():
+        lp, ent = PolicyWorker(actor, batching=batching, temperature=TEMP).log_probs(seqs, with_entropy=True)
+        values = ValueWorker(critic, batching=batching).values(seqs)
+        scores = ValueWorker(critic, batching=batching).scores(seqs)
+        if ps.rank == 0:
+            d = {"log-probs": (lp - ref_lp * mask).abs().max().item(), "entropy": (ent - ref_ent * mask).abs().max().item(),
+                 "values": (values - ref_values * mask).abs().max().item(),
+                 "scores": (scores - ref_scores).abs().max().item()}
+            bad = {k: v for k, v in d.items() if not v <= tol}
+            assert not bad, f"{family} bf16 {kind}: differs from the exact values by {bad} (> {tol})"
+            hf_diff = ((hf_lp - ref_lp) * mask).abs().max().item()
+            print(f"OK {family} bf16 {kind} forward = exact values within {tol}: max diffs "
+                  f"{ {k: float('%.1e' % v) for k, v in d.items()} }; transformers bf16 log-probs {hf_diff:.1e}", flush=True)
+
+
 def main():
     tp, pp = int(sys.argv[1]), int(sys.argv[2])
-    vpp = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    vpp = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "bf16" else None
+    bf16 = sys.argv[-1] == "bf16"
     ps = init_parallel(tp=tp, pp=pp, vpp=vpp)
     for family in ("llama", "qwen2"):
         check(ps, family, vpp)
+        if bf16:
+            check_bf16(ps, family, vpp)
     dist.barrier()
     if ps.rank == 0:
         print(f"ALL OK tp={tp} pp={pp} vpp={vpp} dp={ps.dp}", flush=True)
