@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from megappo.models.precision import COMPARE_TOL
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -63,6 +65,26 @@ def test_demo_recipe_learns(demo_run):
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000050", "step_00000100"]
     for role in ("actor", "critic"):
         assert (ckpts / "step_00000100" / role / "megappo_model.json").is_file()
+
+
+def test_demo_learns_in_bf16(tmp_path):
+    """The demo in bfloat16, the dtype of every GPU recipe, 40 steps: the reward passes 0.6 over
+    steps 31-40 (measured 0.77; 0.86 over steps 36-40 and 0.99 over steps 91-100 of the full 100), the
+    engine's log-probs (float32 compute with the bf16 weights it was sent, fingerprint-verified at
+    every sync) stay within bf16 rounding of the trainer's, and the actor checkpoint says bfloat16."""
+    code, out = cli("train", "recipes/demo-cpu.yaml", f"run.output_dir={tmp_path}", "model.dtype=bfloat16",
+                    "run.total_steps=40", "run.val_every=0", "run.val_before_train=false", "checkpoint.save_every=0",
+                    "logging.progress_bar=false")
+    assert code == 0, out[-6000:]
+    assert "Mismatch dtype" not in out  # norms in the model dtype: torch's fused rms_norm
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "critic/score/mean" in r]
+    first = sum(r["critic/score/mean"] for r in rows[:5]) / 5
+    last = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
+    assert len(rows) == 40 and first <= 0.2 and last >= 0.6, f"bf16 demo: {first:.2f} -> {last:.2f}"
+    assert all(r["rollout/logprob_diff_mean"] < COMPARE_TOL["bfloat16"] for r in rows)
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000040" / "actor" / "megappo_model.json").read_text())
+    assert meta["dtype"] == "bfloat16"
 
 
 def test_exported_demo_policy_answers_with_plain_transformers(demo_run, tmp_path):

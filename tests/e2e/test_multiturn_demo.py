@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+from megappo.models.precision import COMPARE_TOL
 from tests.e2e._runs import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,11 +48,14 @@ def test_demo_learns_to_use_the_environment(tmp_path):
 
 
 def test_multi_turn_run_resumes_exactly(tmp_path):
-    """Per-turn seeds: 4 steps straight equal 2 steps, then a resumed run to 4."""
-    args = ["checkpoint.save_every=2", "run.val_every=2"]
+    """Per-turn seeds: 4 steps straight equal 2 steps, then a resumed run to 4; in bf16, the dtype of
+    every GPU recipe (the multi-turn runner's observation masks and per-turn log-probs in bf16)."""
+    args = ["checkpoint.save_every=2", "run.val_every=2", "model.dtype=bfloat16"]
     train(tmp_path / "straight", "run.total_steps=4", *args)
     train(tmp_path / "resumed", "run.total_steps=2", *args)
     train(tmp_path / "resumed", "run.total_steps=4", *args)
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r for r in straight if r["step"] > 2] == [r for r in resumed if r["step"] > 2]
     assert any("env/turns_mean" in r for r in straight)
+    # engine (float32 compute with the bf16 weights) and trainer (bf16) on the action tokens
+    assert all(r["rollout/logprob_diff_mean"] < COMPARE_TOL["bfloat16"] for r in straight if "critic/score/mean" in r)
