@@ -216,7 +216,8 @@ def main(argv=None) -> int:
     f.add_argument("--out", default=TESTED, help="where to write it (default: constraints-tested.txt)")
     sub.add_parser("drift", parents=[common], help="list the packages at other versions than the tested set")
     lt = sub.add_parser("latest", parents=[common], help="the unit tests against the newest releases")
-    lt.add_argument("--venv", default=os.path.join(REPO, ".make", "latest"), help="the virtualenv (default .make/latest)")
+    lt.add_argument("--venv", default=os.path.join(REPO, ".make", "latest"),
+                    help="the virtualenv (default .make/latest)")
     lt.add_argument("--torch", default="torch==2.13.0", help="the torch requirement (default: torch==2.13.0)")
     lt.add_argument("--flavour", default="auto", choices=["auto", "cpu", "cuda"], help="torch build (tools/install.py)")
     lt.add_argument("--cuda-index", default="", help="wheel index for the CUDA build (tools/install.py)")
