@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import runpy
 import shlex
 import subprocess
@@ -115,7 +116,7 @@ def read_tested(path: str) -> dict[str, str]:
             line = line.split("#")[0].strip()
             if line:
                 name, _, version = line.partition("==")
-                pins[name.strip().lower()] = version.strip()
+                pins[re.sub(r"[-_.]+", "-", name.strip()).lower()] = version.strip()  # PEP 503 names
     return pins
 
 
