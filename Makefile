@@ -2,8 +2,10 @@
 # and `make test` (the suite). Each installs what it needs first through tools/install.py:
 # a CPU torch build on a CPU machine (PyTorch's CPU wheel index, else the plain pin), a
 # CUDA build where nvidia-smi exists, an installed torch of the right build kept as it is,
-# then megappo under a constraints file holding that torch. A stamp in .make/ makes a
-# rerun skip pip entirely; `rm -rf .make` forces a reinstall. docs/install.md explains it.
+# then megappo under a constraints file holding that torch and every other package at the version
+# the suite last passed with (TESTED). A stamp in .make/ makes a rerun skip pip entirely;
+# `rm -rf .make` forces a reinstall. docs/install.md explains it. `make test-latest` (not in CI)
+# runs the unit tests against the newest releases in a virtualenv of its own and says what drifted.
 PYTHON ?= python
 TORCH ?= torch==2.13.0
 # auto: cuda when nvidia-smi is on PATH, else cpu; or cpu / cuda
@@ -11,12 +13,14 @@ MEGAPPO_TORCH ?= auto
 # the index for the CUDA build (empty: pip's default, PyPI's Linux wheel is the CUDA build)
 TORCH_CUDA_INDEX ?=
 STAMP_DIR ?= .make
+# the versions the suite last passed with (tools/tested_set.py freeze); empty: setup.py's ranges
+TESTED ?= constraints-tested.txt
 export OMP_NUM_THREADS ?= 1
 
 INSTALL = $(PYTHON) tools/install.py --python "$(PYTHON)" --torch "$(TORCH)" --flavour $(MEGAPPO_TORCH) \
-	--cuda-index "$(TORCH_CUDA_INDEX)" --stamp-dir "$(STAMP_DIR)"
+	--cuda-index "$(TORCH_CUDA_INDEX)" --stamp-dir "$(STAMP_DIR)" --tested "$(TESTED)"
 
-.PHONY: install install-test demo test test-unit test-dist test-sglang
+.PHONY: install install-test demo test test-unit test-dist test-sglang test-latest
 
 install:
 	$(INSTALL)
@@ -46,3 +50,10 @@ test-unit:
 
 test-dist:
 	$(PYTHON) -m pytest -q tests/distributed
+
+# The unit tests against the newest releases setup.py's ranges allow (torch at TORCH), in a
+# virtualenv of its own ($(STAMP_DIR)/latest, reused), then the packages that differ from TESTED.
+# Not part of CI; docs/install.md says how the tested set is updated from it.
+test-latest:
+	$(PYTHON) tools/tested_set.py latest --python "$(PYTHON)" --venv "$(STAMP_DIR)/latest" --torch "$(TORCH)" \
+		--flavour $(MEGAPPO_TORCH) --cuda-index "$(TORCH_CUDA_INDEX)" --tested "$(TESTED)"

@@ -13,14 +13,19 @@ What it does, in order:
      back to the plain pin (`pip install torch==X`: what a registry mirror holding a `+cpu`
      wheel serves); on a GPU machine the plain pin from the default index (PyPI's Linux
      wheel is the CUDA build) or `--cuda-index`. One line says which source was used.
-  4. megappo (`pip install -e .` or `-e .[extras]`) under a constraints file that pins the
-     installed torch version, so no dependency can pull a different torch.
+  4. megappo (`pip install -e .` or `-e .[extras]`) under a constraints file
+     (`<stamp-dir>/constraints.txt`) that pins the installed torch version, so no dependency can
+     pull a different torch, and every other package at the version the test suite last passed
+     with (`--tested`, default constraints-tested.txt, written by tools/tested_set.py), so a new
+     upstream release cannot change what a first run installs. `--tested ''` installs from
+     setup.py's ranges instead (what `pip install -e .` by hand resolves).
   5. Write the stamp.
 
 `--dry-run` prints the pip commands instead of running them (and neither probes the network
 nor writes the stamp); `--python` names the interpreter to install into (default: this one).
 
-This script does not know about megappo's code; it reads setup.py only to key the stamp.
+This script does not know about megappo's code; it reads setup.py and the tested set only to key
+the stamp.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+TESTED = os.path.join(REPO, "constraints-tested.txt")
 TORCH_PROBE = "import torch; print(torch.__version__); print(torch.version.cuda or '')"
 
 
@@ -110,10 +116,26 @@ def interpreter(python: str) -> str:
         return proc.stdout.strip()
 
 
-def stamp_key(args, flavour: str, where: str) -> str:
+def tested_pins(path: str) -> list[str]:
+    """The `name==version` lines of the tested set at `path` (none for ''), torch left out: the
+    torch pin is the one installed (its build decides the flavour)."""
+    if not path:
+        return []
+    try:
+        with open(path) as f:
+            lines = [line.split("#")[0].strip() for line in f]
+    except OSError as e:
+        raise SystemExit(f"install: error: cannot read the tested set {path} ({e.strerror}). Fix: name an existing "
+                         "constraints file with --tested (make ... TESTED=FILE), or --tested '' for setup.py's "
+                         "ranges.") from None
+    return [line for line in lines if line and not line.lower().startswith(("torch==", "torch "))]
+
+
+def stamp_key(args, flavour: str, where: str, pins: list[str]) -> str:
     h = hashlib.sha256()
     with open(os.path.join(REPO, "setup.py"), "rb") as f:
         h.update(f.read())
+    h.update("\n".join(pins).encode())
     h.update(f"\0{args.torch}\0{args.flavour}:{flavour}\0{where}\0{args.cpu_index}\0{args.cuda_index}".encode())
     return h.hexdigest()
 
@@ -193,6 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--probe-timeout", type=float, default=3.0, help="seconds to wait for the CPU index (default 3)")
     p.add_argument("--python", default=sys.executable, help="interpreter to install into (default: this one)")
     p.add_argument("--stamp-dir", default=os.path.join(REPO, ".make"), help="where the stamp and constraints go")
+    p.add_argument("--tested", default=TESTED,
+                   help=f"constraints file of the tested versions (default {show(TESTED)}); '' for setup.py's ranges")
     p.add_argument("--dry-run", action="store_true", help="print the pip commands instead of running them")
     p.add_argument("--torch-only", action="store_true",
                    help="install the torch build only, no stamp (the CPU SGLang lane's virtualenv)")
@@ -206,7 +230,8 @@ def main(argv=None) -> int:
     flavour = decide_flavour(args.flavour)
     extras = sorted(e for e in (x.strip() for x in args.extras.split(",")) if e)
     stamp_path = os.path.join(args.stamp_dir, "install.json")
-    key = stamp_key(args, flavour, interpreter(inst.python))
+    pins = tested_pins(args.tested)
+    key = stamp_key(args, flavour, interpreter(inst.python), pins)
     stamp = read_stamp(stamp_path)
     if stamp.get("key") == key and set(extras) <= set(stamp.get("extras", [])):
         say(f"up to date (torch {stamp.get('torch')}, {flavour.upper()}; extras {stamp.get('extras')}): nothing to "
@@ -219,18 +244,23 @@ def main(argv=None) -> int:
     if not args.dry_run:
         os.makedirs(args.stamp_dir, exist_ok=True)
         with open(constraints, "w") as f:
-            f.write(pin + "\n")
+            f.write("".join(line + "\n" for line in [pin, *pins]))
     target = "." + (f"[{','.join(extras)}]" if extras else "")
     if not inst.pip("-c", constraints, "-e", target):
-        raise SystemExit(f"install: error: pip install -e {target} failed (torch held at {pin}). Fix: read pip's "
-                         "message above.")
+        held = f"torch held at {pin}" + (f", the rest at the tested set {show(args.tested)}" if pins else "")
+        fix = ("read pip's message above. Where a tested version does not exist for this Python or platform, "
+               "install from setup.py's ranges instead: make ... TESTED= (tools/install.py --tested '')"
+               if pins else "read pip's message above.")
+        raise SystemExit(f"install: error: pip install -e {target} failed ({held}). Fix: {fix}.")
     if args.dry_run:
         return 0
     with open(stamp_path + ".tmp", "w") as f:
         done = sorted(set(extras) | set(stamp.get("extras", []) if stamp.get("key") == key else []))
         json.dump({"key": key, "extras": done, "torch": version, "flavour": flavour}, f)
     os.replace(stamp_path + ".tmp", stamp_path)
-    say(f"megappo installed ({target}, torch {version} held by {show(constraints)}) "
+    tested = f", {len(pins)} packages at the tested versions of {show(args.tested)}" if pins else \
+        ", the rest from setup.py's ranges"
+    say(f"megappo installed ({target}, torch {version} held by {show(constraints)}{tested}) "
         f"in {time.monotonic() - start:.0f} s")
     return 0
 

@@ -5,6 +5,8 @@ groups, head dim, vocab and its TP padding, RoPE, norms, biases, tying, and for 
 families the experts, top-k, router normalisation and the per-layer dense/MoE pattern). It is read from
 an HF `config.json` (a dict or a transformers config object) for the families in
 `SUPPORTED_ARCHS`, and validated against a TP x PP (x EP) layout before any model is built.
+A setting that transformers has written under more than one name (`KEY_NAMES`) is read under
+each of them, so a config.json saved by an older or a newer transformers reads the same.
 `transformer_config(dims, ...)` turns it into a Megatron-Core `TransformerConfig`.
 
 This module does not know about process groups, weights or the name map.
@@ -121,11 +123,28 @@ class ModelDims:
             )
 
 
+#: a setting -> every name config.json has held it under, the name in messages first. transformers
+#: (5.x) writes the expert count of Qwen3-MoE as `num_local_experts` (its config's attribute_map
+#: makes `num_experts` an alias), where the Hub's Qwen3-MoE configs and earlier releases wrote
+#: `num_experts`; Mixtral writes `num_local_experts`. (RoPE's `rope_theta` moving into
+#: `rope_parameters` is read by `_rope`; `torch_dtype` -> `dtype` by megappo.models.precision.)
+KEY_NAMES: dict[str, tuple[str, ...]] = {
+    "num_experts": ("num_experts", "num_local_experts"),
+}
+
+
 def _get(cfg: Mapping[str, Any], key: str, default: Any = None, required: bool = True) -> Any:
-    if key in cfg and cfg[key] is not None:
-        return cfg[key]
+    names = KEY_NAMES.get(key, (key,))
+    found = {name: cfg[name] for name in names if cfg.get(name) is not None}
+    if len(set(map(repr, found.values()))) > 1:
+        given = " and ".join(f"{name}={value!r}" for name, value in found.items())
+        raise ModelConfigError(f"HF config gives {given}: the same setting under {len(found)} names, with different "
+                               f"values. Fix: keep one of them in config.json.")
+    if found:
+        return next(iter(found.values()))
     if required and default is None:
-        raise ModelConfigError(f"HF config is missing '{key}'; it is required for {cfg.get('architectures')}.")
+        also = " (or " + " / ".join(f"'{n}'" for n in names[1:]) + ")" if len(names) > 1 else ""
+        raise ModelConfigError(f"HF config is missing '{key}'{also}; it is required for {cfg.get('architectures')}.")
     return default
 
 
@@ -193,6 +212,12 @@ def dims_from_hf(cfg: Mapping[str, Any] | Any, arch: str | None = None) -> Model
     if family in ("llama", "qwen3", "qwen3_moe", "mixtral") and cfg.get("attention_bias"):
         # Llama's (and Qwen3's) attention_bias also adds an o_proj bias that Megatron's spec has no slot for.
         raise ModelConfigError(f"{arch} with attention_bias=True is not supported.")
+    # transformers >= 5 writes each layer's attention kind (Qwen2/Qwen3: sliding from max_window_layers on)
+    other_kinds = sorted(set(cfg.get("layer_types") or ()) - {"full_attention"})
+    if other_kinds:
+        raise ModelConfigError(f"layer_types names {other_kinds} layers; only full attention is supported (no "
+                               "sliding-window attention). Fix: a model whose layer_types are all 'full_attention' "
+                               "(use_sliding_window=false).")
     return ModelDims(**_moe_dims(cfg, family, int(_get(cfg, "num_hidden_layers"))),
         arch=arch,
         num_layers=int(_get(cfg, "num_hidden_layers")),
@@ -220,13 +245,12 @@ def _moe_dims(cfg: Mapping[str, Any], family: str, num_layers: int) -> dict[str,
     if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
         raise ModelConfigError(f"sliding-window attention is not supported ({family}). Fix: set sliding_window "
                                "to null (use_sliding_window=false) in config.json.")
+    experts = int(_get(cfg, "num_experts"))  # num_experts or num_local_experts (KEY_NAMES)
     if family == "mixtral":
-        experts = int(_get(cfg, "num_local_experts"))
         ffn = int(_get(cfg, "intermediate_size"))
         pattern = (1,) * num_layers
         norm_topk = True  # softmax over the top-k logits
     else:
-        experts = int(_get(cfg, "num_experts"))
         ffn = int(_get(cfg, "moe_intermediate_size"))
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or [])

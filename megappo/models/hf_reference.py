@@ -94,6 +94,21 @@ def build_hf_model(config: dict[str, Any], *, seed: int = 0, head: str = "lm",
     return model.to(dtype).eval()
 
 
+def save_pretrained(path: str, config: dict[str, Any], *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A seeded model of `config` (build_hf_model) saved by transformers itself: its config goes
+    through the family's own config class (AutoConfig), and `save_pretrained` writes config.json
+    with the keys and names the installed release uses, and the safetensors. Returns the tensors
+    written, under their checkpoint names."""
+    from safetensors.torch import load_file
+
+    build_hf_model(config, seed=seed).save_pretrained(path)
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(path, name)))
+    return state
+
+
 class ShardedSafetensorsWriter:
     """Write HF tensors one at a time into size-bounded safetensors shards.
 

@@ -6,6 +6,9 @@ the log-prob of every sampled token under the tempered or untempered distributio
 (`SamplingParams.logprob_mode`). Weights are updated in place from the bridge's buckets of
 HF-named tensors; tied embeddings are updated once through `model.embed_tokens.weight`.
 MoE models take per-expert checkpoint names, written into transformers' fused expert tensors.
+The KV cache goes in and comes out under the name the model's forward declares (`cache_keyword`):
+`cache` in transformers 5.24 (which deprecates `past_key_values` and warns on it), `past_key_values`
+in earlier releases such as the SGLang lane's 5.19.
 
 No compute after EOS: each prompt is prefilled once, not once per sample (its n samples
 share the cache rows); a finished sample leaves the decode batch (its KV-cache rows are
@@ -22,6 +25,7 @@ This module does not know about Megatron or the bridge's gathering.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterable, Sequence
 
 import torch
@@ -95,6 +99,12 @@ def _drop_shared_padding(mask: torch.Tensor, past) -> torch.Tensor:
     return mask[:, lead:]
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model.forward` takes the KV cache under, which is also the name of its output's
+    field: `cache` where the forward declares it (transformers 5.24), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class HFEngine:
     """transformers-backed engine; `model` is an HF *ForCausalLM in eval mode."""
 
@@ -103,6 +113,7 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
         self.dtype = next(self.model.parameters()).dtype
+        self._cache_keyword = cache_keyword(self.model)
         params = dict(self.model.named_parameters())
         params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
         # by checkpoint name: a MoE model's fused experts are per-expert views (megappo.models.hf_experts)
@@ -132,7 +143,7 @@ class HFEngine:
             prompt_routes[~prompt_mask.bool()] = UNKNOWN
             routes = torch.cat([prompt_routes, torch.full((num, width) + prompt_routes.shape[2:], UNKNOWN,
                                                           dtype=prompt_routes.dtype)], dim=1)
-        past, logits = out.past_key_values, out.logits[:, -1].float()  # [B, V]
+        past, logits = getattr(out, self._cache_keyword), out.logits[:, -1].float()  # [B, V]
         next_pos = positions[:, -1:] + 1  # [B, 1]
         if n > 1:
             past.batch_repeat_interleave(n)
@@ -160,10 +171,10 @@ class HFEngine:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             with recorder:
                 out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                                 past_key_values=past, use_cache=True)
+                                 use_cache=True, **{self._cache_keyword: past})
             if params.return_routes:  # the route of response token `step`, fed now
                 routes[active.cpu(), unique_ids.shape[1] + step] = recorder.take(active.numel(), 1)[:, 0]
-            past, logits = out.past_key_values, out.logits[:, -1].float()
+            past, logits = getattr(out, self._cache_keyword), out.logits[:, -1].float()
             next_pos = next_pos + 1
         width = int(lengths.max())
         response_mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None]).long()

@@ -1,4 +1,5 @@
-"""tools/convert_*.py end to end: TP2xPP2 round trips with --verify, and bad input.
+"""tools/convert_*.py end to end: TP2xPP2 round trips with --verify, every registered family as
+the installed transformers saves it, and bad input.
 
 Each tool launches its own ranks (tp*pp), as a user would run it.
 """
@@ -12,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model, save_hf_dir
+from megappo.models.hf_config import SUPPORTED_ARCHS
+from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model, save_hf_dir, save_pretrained
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,14 +63,32 @@ def test_round_trip_tp2xpp2_with_verify(tmp_path, family):  # map is tested in t
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
-def test_moe_round_trip_at_ep2_with_verify(tmp_path):
-    # Qwen3-MoE: per-expert checkpoint names; EP=2 (each rank reads only its own experts), back at PP=2
-    from megappo.models.hf_experts import checkpoint_state
+def test_every_family_saved_by_transformers_converts_with_verify(tmp_path):
+    """Each registered family as the installed transformers writes it (its own config class and
+    save_pretrained: the key names of that release, e.g. Qwen3-MoE's num_local_experts in 5.24)
+    converts with logits equal to transformers'. Qwen3-MoE goes through the tool at EP2 in the
+    test below; the others in one process at TP1 (tests/e2e/_convert_in_process.py)."""
+    families = [f for f in SUPPORTED_ARCHS.values() if f != "qwen3_moe"]
+    args, sizes = [], {}
+    for family in families:
+        sizes[str(tmp_path / family)] = len(save_pretrained(str(tmp_path / family), TINY_CONFIGS[family], seed=1))
+        args += [str(tmp_path / family), str(tmp_path / f"{family}-mcore")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "e2e", "_convert_in_process.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    results = [json.loads(line[len("verify: "):]) for line in proc.stdout.splitlines() if line.startswith("verify: ")]
+    assert [r["hf_dir"] for r in results] == list(sizes)
+    for r in results:
+        assert r["tensors_bit_exact"] == sizes[r["hf_dir"]] and r["max_abs_logit_diff"] <= 1e-4, r
 
+
+def test_moe_round_trip_at_ep2_with_verify(tmp_path):
+    # Qwen3-MoE saved by transformers (save_pretrained: per-expert checkpoint names, the expert count
+    # under the name the installed release writes); EP=2 (each rank reads only its own experts), back at PP=2
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
-    cfg = TINY_CONFIGS["qwen3_moe"]
-    state = checkpoint_state(build_hf_model(cfg, seed=1))
-    save_hf_dir(str(hf_dir), state, cfg, max_shard_bytes=200_000)
+    state = save_pretrained(str(hf_dir), TINY_CONFIGS["qwen3_moe"], seed=1)
     _, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--out", str(ckpt), "--ep", "2", "--verify")
     verify = json.loads(out.split("verify: ")[1].splitlines()[0])
     assert verify["tensors_bit_exact"] == len(state) and verify["max_abs_logit_diff"] <= 1e-4

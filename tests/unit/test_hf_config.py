@@ -1,8 +1,11 @@
-"""HF config -> ModelDims and layout validation."""
+"""HF config -> ModelDims and layout validation; every registered family read as the installed
+transformers writes its config.json."""
+
+import json
 
 import pytest
 
-from megappo.models.hf_config import ModelConfigError, dims_from_hf, transformer_config
+from megappo.models.hf_config import SUPPORTED_ARCHS, ModelConfigError, dims_from_hf, transformer_config
 from megappo.models.hf_reference import TINY_CONFIGS, hf_config_object
 
 
@@ -108,3 +111,47 @@ def test_moe_layout_errors_name_the_fix():
         dims_from_hf(dict(TINY_CONFIGS["qwen3_moe"], shared_expert_intermediate_size=64))
     with pytest.raises(ModelConfigError, match="sliding-window attention is not supported"):
         dims_from_hf(dict(TINY_CONFIGS["mixtral"], sliding_window=128))
+
+
+def saved_by_transformers(family: str, path) -> dict:
+    """TINY_CONFIGS[family] through transformers' own config class (e.g. Qwen3MoeConfig), as its
+    save_pretrained writes config.json: the keys and names the installed release uses."""
+    import transformers
+
+    arch = TINY_CONFIGS[family]["architectures"][0]
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    kwargs = {k: v for k, v in TINY_CONFIGS[family].items() if k not in ("architectures", "model_type")}
+    config_class(architectures=[arch], **kwargs).save_pretrained(str(path))
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("arch", sorted(SUPPORTED_ARCHS))
+def test_every_family_reads_as_the_installed_transformers_writes_it(tmp_path, arch):
+    # the conversion of these directories with --verify: tests/e2e/test_convert_tools.py
+    family = SUPPORTED_ARCHS[arch]
+    saved = saved_by_transformers(family, tmp_path)
+    assert saved["model_type"] == TINY_CONFIGS[family]["model_type"]
+    assert dims_from_hf(str(tmp_path)) == dims_from_hf(TINY_CONFIGS[family])
+
+
+def test_renamed_keys_are_read_under_each_name():
+    q = dict(TINY_CONFIGS["qwen3_moe"])
+    q["num_local_experts"] = q.pop("num_experts")  # what transformers 5.24 writes
+    assert dims_from_hf(q) == dims_from_hf(TINY_CONFIGS["qwen3_moe"])
+    m = dict(TINY_CONFIGS["mixtral"])
+    m["num_experts"] = m.pop("num_local_experts")
+    assert dims_from_hf(m) == dims_from_hf(TINY_CONFIGS["mixtral"])
+    assert dims_from_hf(dict(q, num_experts=4)).num_experts == 4  # both names, one value
+    with pytest.raises(ModelConfigError, match="gives num_experts=8 and num_local_experts=4: the same setting under "
+                                               "2 names.*Fix: keep one"):
+        dims_from_hf(dict(q, num_experts=8))
+    del q["num_local_experts"]
+    with pytest.raises(ModelConfigError, match="missing 'num_experts' \\(or 'num_local_experts'\\); it is required"):
+        dims_from_hf(q)
+
+
+def test_sliding_window_layers_are_refused():
+    cfg = dict(TINY_CONFIGS["qwen2"], layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
+    with pytest.raises(ModelConfigError, match="layer_types names \\['sliding_attention'\\] layers.*Fix:"):
+        dims_from_hf(cfg)
+    assert dims_from_hf(dict(cfg, layer_types=["full_attention"] * 4)) == dims_from_hf(TINY_CONFIGS["qwen2"])

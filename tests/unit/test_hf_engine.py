@@ -1,12 +1,15 @@
 """The hf rollout engine against transformers: greedy, sampled log-probs, EOS and padding."""
 
 import itertools
+import types
+import warnings
+
 import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.engine import iter_buckets, tensor_fingerprint, tensor_fingerprint_reference
-from megappo.rollout.hf_engine import HFEngine, filter_logits, sample_tokens, sampling_uniforms
+from megappo.rollout.hf_engine import HFEngine, cache_keyword, filter_logits, sample_tokens, sampling_uniforms
 from megappo.types import SamplingParams
 
 PAD = 0
@@ -216,3 +219,32 @@ def test_moe_engine_takes_per_expert_checkpoint_names(family):
     expert = next(n for n in source if ".experts.3." in n)
     prints = engine.fingerprints([expert])
     assert torch.equal(prints[expert], engine.fingerprint_of(expert, source[expert]))
+
+
+class PastKeyValuesModel(torch.nn.Module):
+    """A model with the KV-cache API of transformers before 5.24 (the SGLang lane's 5.19): the cache
+    goes in as `past_key_values` and comes out as `out.past_key_values`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+        keyword = cache_keyword(self.inner)
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=use_cache, **({keyword: past_key_values} if past_key_values is not None else {}))
+        return types.SimpleNamespace(logits=out.logits, past_key_values=getattr(out, keyword))
+
+
+def test_the_kv_cache_goes_by_the_name_the_installed_transformers_asks_for(model):
+    # transformers 5.24 deprecates past_key_values for `cache` and warns on every call that uses it
+    # (the console shows the warning: tests/e2e/test_console.py)
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=6, seed=5)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values")
+        batch = HFEngine(model, pad_token_id=PAD).generate(PROMPTS, params)
+    old = PastKeyValuesModel(model)
+    assert cache_keyword(old) == "past_key_values"
+    again = HFEngine(old, pad_token_id=PAD).generate(PROMPTS, params)
+    assert torch.equal(again.response_ids, batch.response_ids)
+    assert torch.equal(again.rollout_log_probs, batch.rollout_log_probs)

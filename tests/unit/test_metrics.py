@@ -53,10 +53,12 @@ def test_wandb_sink_keeps_one_run_across_resume(tmp_path, monkeypatch):
     for step in (3, 4):
         log.log(step, {"actor/pg_loss": 0.125 * step, "critic/vf_loss": 9.5})
     log.close()
-    runs = sorted(p for p in (tmp_path / "wandb").iterdir() if p.name.startswith("offline-run-"))
-    assert len(runs) == 2 and all(p.name.endswith("-" + run_id) for p in runs), runs
+    # each wandb.init writes offline-run-<time>-<id>/run-<id>.wandb; a second init in the same second gets
+    # the directory name with "-1" appended (wandb 0.31), so the run id is read from the record file's name
+    records = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
+    assert [p.name for p in records] == [f"run-{run_id}.wandb"] * 2, records
     # W&B's service may still be writing a run's records when finish() returns (seen under load): wait for them
-    first, second = (_records(next(p.glob("run-*.wandb")), b"actor/pg_loss") for p in runs)
+    first, second = (_records(p, b"actor/pg_loss") for p in records)
     assert b"actor/pg_loss" in first and b"0.375" in first and b"critic/vf_loss" not in first
     assert b"critic/vf_loss" in second and b"0.5" in second
 
