@@ -9,7 +9,7 @@ succeeded, so a failure never leaves a half-written output.
 
 Verification: (1) round trip bit-exact: the loaded Megatron shards, gathered and mapped
 back, equal the HF tensors bit for bit; (2) logits: Megatron's logits (or values, for a
-value-head model) on sample inputs equal transformers' within `tol` (fp32).
+value-head model) on sample inputs equal transformers' within `tol` (the model dtype's).
 
 This module does not know about PPO or the trainer.
 """
@@ -28,6 +28,7 @@ from megappo.models.checkpoint import load_model, read_metadata, save_model
 from megappo.models.forward import gather_vocab_logits, run_micro_batches
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
 from megappo.models.hf_reference import ShardedSafetensorsWriter
+from megappo.models.precision import LOGIT_TOL
 from megappo.models.weights import HFWeights, iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import ParallelState
 
@@ -141,8 +142,13 @@ def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dic
     return results
 
 
-def verify_model(model: MegatronModel, hf_dir: str, *, tol: float = 1e-4, seed: int = 0) -> dict:
-    """Collective: round trip bit-exact and logits vs transformers; raises on failure."""
+def verify_model(model: MegatronModel, hf_dir: str, *, tol: float | None = None, seed: int = 0) -> dict:
+    """Collective: round trip bit-exact and logits vs transformers; raises on failure. Transformers
+    computes in float32 (the exact values of the saved weights); the Megatron model in its own dtype,
+    so `tol` defaults to its precision's (megappo.models.precision.LOGIT_TOL, relative to the
+    largest |logit| when that exceeds 1)."""
+    if tol is None:
+        tol = LOGIT_TOL[model.precision.name]
     ps = model.ps
     # (1) bit-exact: gathered Megatron tensors == the HF directory's tensors
     mismatched, count, head_missing = [], 0, False
@@ -174,10 +180,11 @@ def verify_model(model: MegatronModel, hf_dir: str, *, tol: float = 1e-4, seed: 
             got = gather_vocab_logits(got, model)
         if ps.tp_rank == 0:
             ref = _hf_outputs(hf_dir, input_ids, model.has_value_head)
-            diff[0] = (got.float().cpu() - ref.float()).abs().max()
+            diff[0] = (got.float().cpu() - ref.float()).abs().max() / max(1.0, ref.abs().max().item())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     if diff.item() > tol:
-        raise ModelConfigError(f"Megatron and transformers outputs differ by {diff.item():.3e} (> {tol})")
+        raise ModelConfigError(f"Megatron ({model.precision.name}) and transformers outputs differ by {diff.item():.3e} "
+                               f"(> {tol}, relative to the largest |logit| when above 1)")
     return {"tensors_bit_exact": count if ps.rank == 0 else None, "max_abs_logit_diff": diff.item()}
 
 

@@ -47,6 +47,9 @@ FP16_REFUSED = ("model.dtype=float16 cannot train in megappo: Megatron's fp16 pa
 # init, log-probs near -log V): 2.4e-3 to 3.7e-3 for Megatron in bf16 at TP2 and PP2, packed
 # and padded, and 3.0e-3 to 3.2e-3 for transformers in bf16 (tests/distributed/test_packing.py).
 COMPARE_TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+# Logits (conversion `--verify`), relative to the largest |logit| when above 1: a few bf16
+# roundings of the largest logit.
+LOGIT_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -177,7 +177,7 @@ def check_bf16(out: str, family: str, role: str, layout, dist_opt: bool) -> None
     assert len(got_optim) == len(ref_optim) and all(a.dtype == torch.float32 for a in got_optim)
     optim_equal = all(torch.equal(a, b) for a, b in zip(ref_optim, got_optim))
     assert optim_equal, f"{name}: resumed master weights / Adam moments differ from the straight run on rank {ps.rank}"
-    megatron_to_hf(ckpt, hf_dir, ps)
+    verified = megatron_to_hf(ckpt, hf_dir, ps, verify=True)  # logits within precision.LOGIT_TOL
     if ps.rank == 0:
         unequal = [k for k in reference if not torch.equal(reference[k], got[k])]
         assert not unequal, f"{name}: resumed weights differ from the straight run: {unequal[:3]}"
@@ -191,7 +191,8 @@ def check_bf16(out: str, family: str, role: str, layout, dist_opt: bool) -> None
         import json
 
         assert json.load(open(os.path.join(hf_dir, "config.json")))["dtype"] == "bfloat16"
-        print(f"OK bf16 {name}: exact resume (weights, fp32 masters, Adam moments); export bf16, equal", flush=True)
+        print(f"OK bf16 {name}: exact resume (weights, fp32 masters, Adam moments); export bf16, equal, "
+              f"verified ({verified['max_abs_logit_diff']:.1e})", flush=True)
     if (family, role, layout, dist_opt) == BF16_CASES[0]:  # the same checkpoint resumed at PP2
         ps = relayout(1, 2)
         other = trainable_at(ps, dist_opt, init_seed=9, role=role, dtype="bfloat16")
