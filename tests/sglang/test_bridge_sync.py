@@ -1,5 +1,5 @@
 """The real bridge from a Megatron actor (torchrun, gloo) into real SGLang on CPU, in the three
-sync modes, at actor TP=1, TP=2 and PP=2 (tests/sglang/workers/sglang_bridge_worker.py)."""
+sync modes, at actor TP=1, TP=2 and PP=2, and in bf16 at TP=2 (tests/sglang/workers/sglang_bridge_worker.py)."""
 
 import pytest
 
@@ -9,14 +9,15 @@ from tests.sglang.conftest import LANE
 WORKER = f"{LANE}/workers/sglang_bridge_worker.py"
 
 
-@pytest.mark.parametrize("nproc,tp,pp,modes", [
-    (1, 1, 1, "tensor,disk,distributed"),
-    (2, 2, 1, "tensor,distributed"),
-    (2, 1, 2, "disk,tensor"),
+@pytest.mark.parametrize("nproc,tp,pp,modes,dtype", [
+    (1, 1, 1, "tensor,disk,distributed", "float32"),
+    (2, 2, 1, "tensor,distributed", "float32"),
+    (2, 1, 2, "disk,tensor", "float32"),
+    (2, 2, 1, "tensor,distributed", "bfloat16"),
 ])
-def test_bridge_into_sglang(tiny_llama_dir, nproc, tp, pp, modes):
-    out = run_torchrun(WORKER, nproc, tp, pp, modes, tiny_llama_dir, timeout=900)
+def test_bridge_into_sglang(tiny_llama_dir, nproc, tp, pp, modes, dtype):
+    out = run_torchrun(WORKER, nproc, tp, pp, modes, tiny_llama_dir, dtype, timeout=900)
     for mode in modes.split(","):
-        assert f"OK {mode} tp={tp} pp={pp} verified sync x2" in out, out[-4000:]
+        assert f"OK {mode} tp={tp} pp={pp} {dtype} verified sync x2" in out, out[-4000:]
     assert out.count("OK corrupted bucket detected") == nproc, out[-4000:]
     assert "ALL OK" in out

@@ -1,12 +1,15 @@
 """torchrun worker: the real bridge into a real SGLang engine (CPU lane) at a given TP x PP.
 
-usage: torchrun --nproc_per_node N sglang_bridge_worker.py TP PP MODE[,MODE...] MODEL_DIR
+usage: torchrun --nproc_per_node N sglang_bridge_worker.py TP PP MODE[,MODE...] MODEL_DIR [DTYPE]
 
 Rank 0 starts one SGLang engine from MODEL_DIR (a tiny Llama with other weights than the
 actor's); each sync mode wraps that engine (`SGLangEngine(engine=...)`). For every mode the
 Megatron actor is perturbed again, synced with fingerprint verification (as shipped, every
 tensor), and the engine's sampled-token log-probs must equal the Megatron actor's within 1e-5
 (fp32). Then a bucket corrupted on its way into the engine must be detected on every rank.
+With DTYPE=bfloat16 (every GPU recipe's setting) actor and engine are bf16: the fingerprints
+compare bf16 tensors, and the log-probs of two bf16 computations agree within 2 x
+megappo.models.precision.COMPARE_TOL["bfloat16"] (each within it of the exact values).
 """
 
 import sys
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from megappo.models.builders import build_model
 from megappo.models.hf_config import dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.models.precision import COMPARE_TOL
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.state import init_parallel
 from megappo.rollout.bridge import WeightBridge, logprob_mismatch
@@ -36,17 +40,19 @@ class CorruptingSGLangEngine(SGLangEngine):
 
 def main():
     tp, pp, modes, model_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
+    tol = 1e-5 if dtype == "float32" else 2 * COMPARE_TOL[dtype]
     ps = init_parallel(tp, pp)
     cfg = TINY_CONFIGS["llama"]
-    model = build_model(dims_from_hf(cfg), ps, role="actor")
+    model = build_model(dims_from_hf(cfg), ps, role="actor", dtype=dtype)
     load_hf_weights(model, build_hf_model(cfg, seed=5).state_dict())
     sgl = None
     if ps.rank == 0:
-        sgl = SGLangEngine(model_dir, pad_token_id=0, dtype="float32",
+        sgl = SGLangEngine(model_dir, pad_token_id=0, dtype=dtype,
                            engine_args={"max_total_tokens": 2048, "random_seed": 0}).engine
     for mode in modes:
         perturb(model, ps, salt=f"{mode}/")
-        engine = SGLangEngine(model_dir, pad_token_id=0, dtype="float32", sync_mode=mode, engine=sgl) \
+        engine = SGLangEngine(model_dir, pad_token_id=0, dtype=dtype, sync_mode=mode, engine=sgl) \
             if ps.rank == 0 else None
         for _ in range(2):  # the second sync reuses what the first set up (distributed: the update group)
             stats = WeightBridge(model, engine, bucket_bytes=64 << 10, verify_every=1).sync()
@@ -60,13 +66,13 @@ def main():
         ids, mask = batch.sequences()
         trainer_lp = megatron_log_probs(model, ids, mask, batch.prompt_ids.shape[1])
         lp = logprob_mismatch(batch.rollout_log_probs, trainer_lp * batch.response_mask, batch.response_mask)
-        assert lp["rollout/logprob_diff_max"] <= 1e-5, (mode, lp)
+        assert lp["rollout/logprob_diff_max"] <= tol, (mode, lp)
         if ps.rank == 0:
-            print(f"OK {mode} tp={tp} pp={pp} verified sync x2 tensors={stats.tensors} buckets={stats.buckets} "
+            print(f"OK {mode} tp={tp} pp={pp} {dtype} verified sync x2 tensors={stats.tensors} buckets={stats.buckets} "
                   f"logprob_diff_max={lp['rollout/logprob_diff_max']:.2e}", flush=True)
             if mode == "distributed":
                 engine.close_update_group()
-    bad = CorruptingSGLangEngine(model_dir, pad_token_id=0, dtype="float32", engine=sgl) if ps.rank == 0 else None
+    bad = CorruptingSGLangEngine(model_dir, pad_token_id=0, dtype=dtype, engine=sgl) if ps.rank == 0 else None
     try:
         WeightBridge(model, bad, bucket_bytes=64 << 10).sync()
     except WeightSyncError as e:
