@@ -61,6 +61,7 @@ REFUSED_ON_RESUME = ("model", "algorithm.adv_estimator", "data.train_files", "da
                      "critic.path", "reward.model_path",
                      "parallel.use_distributed_optimizer")  # Megatron's two optimizer formats do not convert
 WARNED_ON_RESUME = ("algorithm", "actor", "critic", "ref", "rollout", "reward", "data")
+IGNORED_ON_RESUME = ("model.prepare",)  # how model.path was made, not what it holds
 
 
 def step_dir_name(step: int) -> str:
@@ -134,7 +135,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def check_resumable(saved: dict, current: dict, path: str) -> None:
     """Refuse a resume whose recipe changed what the checkpoint depends on; warn about other changes."""
     old, new = _flatten(saved), _flatten(current)
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in IGNORED_ON_RESUME)
 
     def under(key: str, sections) -> bool:
         return any(key == s or key.startswith(s + ".") for s in sections)

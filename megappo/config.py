@@ -98,6 +98,7 @@ class ModelConfig(_Section):
     make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this (x tp)
     layer_spec: Literal["auto", "te", "local"] = "auto"  # auto: Transformer Engine on GPU when installed
     seed_init: int = 1234  # seed of the random init of a model built from hf_config
+    prepare: Optional[str] = None  # the command that writes model.path (named when model.path has no config.json)
 
     def check(self) -> None:
         _require(self.path is not None or self.hf_config is not None,

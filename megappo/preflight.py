@@ -18,6 +18,8 @@ This module does not know about process groups, weights or PPO.
 
 from __future__ import annotations
 
+import os
+
 from megappo.config import Config
 from megappo.data import check_files
 from megappo.envs.loading import check_env
@@ -39,9 +41,21 @@ def check_inputs(cfg: Config, world_size: int) -> None:
     check_env(cfg.rollout.env, cfg.rollout.env_args)
 
 
+def _prepared_hf_config(cfg: Config) -> dict:
+    """model.path's config.json; when it is missing and the recipe names the command that writes it
+    (model.prepare), the error says to run that command."""
+    try:
+        return load_hf_config(cfg.model.path)
+    except ModelConfigError:
+        if cfg.model.prepare and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+            raise ModelConfigError(f"model.path={cfg.model.path} does not exist yet: this recipe's model is prepared "
+                                   f"once by a command. Fix: run `{cfg.model.prepare}`, then start the run again.")
+        raise
+
+
 def check_models(cfg: Config) -> None:
     """Every model the run builds splits over its role's layout and has the actor's vocabulary."""
-    actor = dims_from_hf(cfg.model.hf_config or load_hf_config(cfg.model.path), cfg.model.arch)
+    actor = dims_from_hf(cfg.model.hf_config or _prepared_hf_config(cfg), cfg.model.arch)
     if cfg.actor.moe_routing == "replay" and not (actor.is_moe and is_moe_arch(actor.arch)):
         raise ModelConfigError(f"actor.moe_routing=replay needs a Mixture-of-Experts actor; {actor.arch} is dense. "
                                "Fix: set actor.moe_routing=recompute.")

@@ -72,6 +72,9 @@ CASES = {
     "no reward": (["reward.functions=[]"], "no reward: reward.functions is empty"),
     "unknown reward": (["reward.functions=[digit_sucessor]"], "Did you mean 'digit_successor'?"),
     "model dir": (["model.hf_config=null", "model.path={tmp}"], "no config.json in '{tmp}'"),
+    "model to prepare": (["model.hf_config=null", "model.path={tmp}/assets/m", "model.prepare='python prep.py --x'"],
+                         "model.path={tmp}/assets/m does not exist yet: this recipe's model is prepared once by a "
+                         "command. Fix: run `python prep.py --x`, then start the run again."),
     "tokenizer": (["model.tokenizer={tmp}/tok"], "tokenizer directory '{tmp}/tok' does not exist"),
     "builtin tokenizer": (["model.tokenizer=builtin:words"], "unknown built-in tokenizer 'builtin:words'"),
     "critic vocab": (["critic.path={tmp}/critic"], "critic.path has vocab_size 32, the actor (model) 19"),
