@@ -10,7 +10,9 @@ tokenized) and counts three problems:
   model sees padding, or can never write the answer (megappo.tokenizer.unknown_characters);
 - missing reward fields: a field a configured reward function reads (megappo.rewards.reads,
   e.g. `reward_model.ground_truth`) is absent or null, so every response scores 0; a close
-  spelling in the row (`reward_model.groundtruth`) is named.
+  spelling in the row (`reward_model.groundtruth`) is named;
+- answers over the budget: a ground truth whose tokens plus EOS do not fit in
+  `rollout.max_new_tokens`, so no response can write it and stop (given `max_new_tokens`).
 
 `apply_policy(report, policy)` then, per `data.bad_row_policy`: `error` (the default) raises a
 DataError listing each problem with counts, examples and its fix; `warn` prints the same and
@@ -125,8 +127,10 @@ def _near_miss(row: dict, dotted: str) -> str:
 
 
 def check_rows(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
-               reward_functions: Sequence[str] = (), source: str = "dataset") -> DataReport:
-    """Count the rows without a prompt, with unknown characters, or without a field a reward reads."""
+               reward_functions: Sequence[str] = (), source: str = "dataset",
+               max_new_tokens: int | None = None) -> DataReport:
+    """Count the rows without a prompt, with unknown characters, without a field a reward reads, or
+    with a ground truth that does not fit in `max_new_tokens` (with its EOS)."""
     unk = unknown_token(tokenizer)
     problems = {
         "no_prompt": Problem(f"have no prompt in '{prompt_key}'",
@@ -172,7 +176,27 @@ def check_rows(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
             if chars:
                 problems[kind].add(i, f"{column[i]!r:.60}")
                 problems[kind].chars.update(set(chars))
+    if max_new_tokens is not None and "reward_model.ground_truth" in fields:
+        over = _answers_over_budget(tokenizer, answers, max_new_tokens)
+        if over:
+            need = max(n for _, n in over)
+            problems["answer_too_long"] = Problem(
+                f"have a ground truth that does not fit in rollout.max_new_tokens={max_new_tokens} (its tokens plus "
+                f"EOS: up to {need}), so no response can write it and stop",
+                f"raise rollout.max_new_tokens to at least {need} (a response that reasons first needs more), or "
+                "drop these rows")
+            for i, n in over:
+                problems["answer_too_long"].add(i, f"{answers[i]!r:.40} = {n} tokens with EOS")
     return DataReport(source, len(rows), {k: p for k, p in problems.items() if p.rows})
+
+
+def _answers_over_budget(tokenizer, answers: Sequence[str], budget: int) -> list[tuple[int, int]]:
+    """(row, tokens + EOS) of the non-empty answers longer than `budget` tokens with their EOS."""
+    rows = [i for i, a in enumerate(answers) if a]
+    if not rows:
+        return []
+    ids = tokenizer([answers[i] for i in rows], add_special_tokens=False)["input_ids"]
+    return [(i, len(t) + 1) for i, t in zip(rows, ids) if len(t) + 1 > budget]
 
 
 def _answer_text(gt: Any) -> str:
@@ -201,9 +225,10 @@ def apply_policy(report: DataReport, policy: str, rows: Sequence[dict]) -> list[
 
 
 def check_data(rows: Sequence[dict], tokenizer, *, policy: str, prompt_key: str, reward_functions: Sequence[str],
-               source: str) -> list[dict]:
+               source: str, max_new_tokens: int | None = None) -> list[dict]:
     """`check_rows` then `apply_policy`: the rows to train on."""
-    report = check_rows(rows, tokenizer, prompt_key=prompt_key, reward_functions=reward_functions, source=source)
+    report = check_rows(rows, tokenizer, prompt_key=prompt_key, reward_functions=reward_functions, source=source,
+                        max_new_tokens=max_new_tokens)
     return apply_policy(report, policy, rows)
 
 

@@ -231,7 +231,7 @@ def create_run(cfg: Config) -> Run:
         d = cfg.data
         rows, val_rows = _prompt_rows(d)
         source = f"data.builtin={d.builtin}" if d.builtin else f"data.train_files {d.train_files}"
-        check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key,
+        check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
                      reward_functions=[*cfg.reward.functions, *cfg.reward.metric_functions])
         rows = check_data(rows, tokenizer, source=source, **check)
         kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,

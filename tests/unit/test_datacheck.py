@@ -125,3 +125,21 @@ def test_hf_tokenizers_with_and_without_an_unknown_token():
     assert unknown_characters(bert_like, ["the fox", "the fox ü 7"]) == ["", "ü"]
     report = check_rows([row("the fox ü 7", "7")], bert_like, reward_functions=["exact_match"])
     assert report.problems["unknown_prompt_chars"].rows == [0] and "(encoded as '[UNK]'" in report.describe()
+
+
+def test_answers_that_cannot_fit_the_token_budget_are_counted_with_the_budget_they_need():
+    """The own-data trip: 3-character answers and the demo's rollout.max_new_tokens=2 trained silently,
+    every response cut at the budget."""
+    rows = [row("1+2=", "3"), row("60+63=", "123"), row("5+5=", "10"), row("99+1=", "100")]
+    report = check_rows(rows, TOK, reward_functions=["digit_successor"], source="x", max_new_tokens=2)
+    problem = report.problems["answer_too_long"]
+    assert problem.rows == [1, 2, 3]  # '3' + EOS fits in 2; '10' + EOS needs 3, '123' / '100' + EOS 4
+    text = report.describe()
+    assert "3 of 4 rows have a ground truth that does not fit in rollout.max_new_tokens=2" in text
+    assert "raise rollout.max_new_tokens to at least 4" in text and "row 1: '123' = 4 tokens with EOS" in text
+    assert "answer_too_long" not in check_rows(rows, TOK, reward_functions=["digit_successor"],
+                                               max_new_tokens=4).problems
+    assert check_rows(rows, TOK, reward_functions=["digit_successor"]).problems == {}  # no budget given
+    with pytest.raises(DataError, match="data.bad_row_policy=skip"):
+        check_data(rows, TOK, policy="error", prompt_key="prompt", reward_functions=["digit_successor"], source="x",
+                   max_new_tokens=2)
