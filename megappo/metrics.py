@@ -10,7 +10,7 @@ earlier attempt stopped before its first checkpoint), so every step is in the fi
 before that rule). A step's generation samples (`add_samples`, records from
 megappo.samples) are printed under its console line and written to `run_dir/samples.jsonl`
 (with the jsonl sink), cut back on resume like metrics.jsonl. `Progress` is the bar with the
-ETA; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
+ETA; `BudgetWatch` warns once when every response keeps ending at the token budget; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
 
 This module does not know about models, PPO math or process groups.
 """
@@ -281,6 +281,30 @@ def _fmt_seconds(s: float) -> str:
         return "?"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else (f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")
+
+
+class BudgetWatch:
+    """Warns once per run when (nearly) every response of `steps` consecutive steps ended at the
+    token budget (`response_length/clip_ratio` >= `ratio`): a budget no answer fits in trains silently.
+    (The CPU demo, learning, stays below 0.98.)"""
+
+    def __init__(self, max_new_tokens: int, *, ratio: float = 0.99, steps: int = 5):
+        self.max_new_tokens, self.ratio, self.steps = max_new_tokens, ratio, steps
+        self.run, self.warned = 0, False
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> str | None:
+        """The warning, printed, the first time the condition holds; None otherwise."""
+        clipped = metrics.get("response_length/clip_ratio", 0.0) >= self.ratio
+        self.run = self.run + 1 if clipped else 0
+        if self.warned or self.run < self.steps:
+            return None
+        self.warned = True
+        text = (f"megappo: warning: steps {step - self.steps + 1}-{step}: every response ended at the token budget "
+                f"rollout.max_new_tokens={self.max_new_tokens} (response_length/clip_ratio >= {self.ratio}), so no "
+                "response stops on its own. Fix: raise rollout.max_new_tokens so that an answer and its EOS fit, or "
+                "check that the EOS / stop tokens are the model's.")
+        console(text, file=sys.stderr)
+        return text
 
 
 PLOT_PANELS = (

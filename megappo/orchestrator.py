@@ -19,6 +19,7 @@ import time
 import torch
 
 from megappo.envs.loading import env_class
+from megappo.metrics import BudgetWatch
 from megappo.parallel import cpu_compat
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.stage import stage
@@ -234,6 +235,7 @@ def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> di
 def train(run: Run) -> list[dict[str, float]]:
     """The loop: steps, logging, progress, checkpoints, validation. Returns rank 0's metrics."""
     history = []
+    budget = BudgetWatch(run.cfg.rollout.max_new_tokens)
     run.bridge.sync()
     if run.ps.is_rank0:
         run.rollouts.synced(run.start_step)
@@ -259,6 +261,7 @@ def train(run: Run) -> list[dict[str, float]]:
             run.nan_skips += int(skipped > 0)
             run.progress.update(step, metrics["timing_s/step"])  # the ETA counts step times only
             run.logger.log(step, metrics)
+            budget.observe(step, metrics)
             history.append(metrics)
         skips = run.nan_skips = broadcast_from_rank0(run.nan_skips)
         if skips > run.cfg.run.max_nan_skips:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megappo.metrics import MetricLogger, Progress, plot_run, read_metrics
+from megappo.metrics import BudgetWatch, MetricLogger, Progress, plot_run, read_metrics
 
 
 def test_jsonl_console_and_resume(tmp_path, capsys):
@@ -195,3 +195,13 @@ def test_progress_in_a_log_file_is_part_of_the_step_line(tmp_path, capsys):
     alone = _Stream(tty=False)  # without the console sink the bar's text is its own line per step
     Progress(total=4, stream=alone).update(1)
     assert alone.text.startswith("[######------------------] 1/4 steps") and alone.text.endswith("\n")
+
+
+def test_budget_watch_warns_once_when_every_response_keeps_ending_at_the_budget(capsys):
+    watch = BudgetWatch(2, steps=3)
+    ratios = [1.0, 1.0, 0.98, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # the demo's worst steps stay below 0.99
+    said = [watch.observe(step, {"response_length/clip_ratio": r}) for step, r in enumerate(ratios, start=1)]
+    assert [i for i, s in enumerate(said, start=1) if s] == [6]  # steps 4-6, once
+    err = capsys.readouterr().err
+    assert "steps 4-6: every response ended at the token budget rollout.max_new_tokens=2" in err
+    assert "Fix: raise rollout.max_new_tokens" in err and err.count("warning") == 1
