@@ -100,7 +100,8 @@ def flop_metrics(run: Run, m: dict) -> dict[str, float]:
     for worker in (run.actor, run.ref, run.critic, run.reward_model):
         for kind, flops in (worker.take_flops() if worker else {}).items():
             stage_name, name = FLOP_STAGES[(worker.model.role, kind)]
-            stages[name] = (flops, m[f"timing_s/{stage_name}"])
+            if f"timing_s/{stage_name}" in m:  # a pass outside its stage is not rated
+                stages[name] = (flops, m[f"timing_s/{stage_name}"])
     return flop_rate_metrics(stages, world_size=run.ps.world_size, peak=run.peak_tflops)
 
 

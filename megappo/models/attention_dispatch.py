@@ -63,6 +63,8 @@ def available_kernels() -> Kernels:
 
         params = inspect.signature(varlen).parameters
         gqa, window = "enable_gqa" in params, "window_size" in params
+        if "scale" not in params:  # a torch whose varlen_attn cannot take Megatron's softmax scale
+            varlen = None
     except ImportError:
         pass
     try:
