@@ -472,11 +472,17 @@ class HardwareConfig(_Section):
     nodes: int = 1  # machines
     gpus_per_node: Optional[int] = None  # ranks per machine, one per GPU; None: parallel.tp * parallel.pp (one replica)
     gpu_memory_gib: float = 80.0  # memory of one GPU in GiB (device=cpu: host memory per rank)
+    # dense peak TFLOP/s of one GPU in model.dtype, the denominator of perf/mfu/*; None: megappo.perf's table by
+    # the CUDA device's name (H100, H200, A100), no MFU on other GPUs and on CPU
+    peak_tflops: Optional[float] = None
 
     def check(self) -> None:
         _at_least(self, nodes=1, gpus_per_node=1)
         _require(self.gpu_memory_gib > 0, f"{P}gpu_memory_gib={self.gpu_memory_gib} must be > 0 (GiB per GPU). "
                                           f"Fix: e.g. {P}gpu_memory_gib=80.")
+        _require(self.peak_tflops is None or self.peak_tflops > 0,
+                 f"{P}peak_tflops={self.peak_tflops} must be > 0 (TFLOP/s of one GPU). Fix: e.g. {P}peak_tflops=989 "
+                 f"(H100 SXM, bf16), or leave it unset to read the GPU's name.")
         _require(self.nodes == 1 or self.gpus_per_node is not None,
                  f"{P}nodes={self.nodes} needs {P}gpus_per_node (the ranks of each node). Fix: set "
                  f"{P}gpus_per_node=8 (or your GPUs per node).")

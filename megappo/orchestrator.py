@@ -23,6 +23,7 @@ from megappo.metrics import BudgetWatch
 from megappo.parallel import cpu_compat
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.stage import stage
+from megappo.perf import flop_rate_metrics, peak_memory
 from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
 from megappo.rewards import score_batch
@@ -40,9 +41,10 @@ class NonFiniteLossError(RuntimeError):
 
 @contextlib.contextmanager
 def timed(metrics: dict, name: str):
-    """`timing_s/<name>`; `name` is also the stage a timed-out collective inside reports."""
+    """`timing_s/<name>` and, on CUDA, the stage's peak memory (megappo.perf); `name` is also the
+    stage a timed-out collective inside reports."""
     start = time.perf_counter()
-    with stage(name):
+    with stage(name), peak_memory(metrics, name):
         yield
     metrics[f"timing_s/{name}"] = time.perf_counter() - start
 
@@ -82,7 +84,26 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     with timed(m, "weight_sync"):
         m.update(run.bridge.sync().metrics())
     m.update(pass_metrics([run.actor, run.ref, run.critic, run.reward_model]))
+    m.update(flop_metrics(run, m))
     return m
+
+
+#: (role, pass) -> (the timed stage those passes run in, the name of their perf/tflops and perf/mfu metrics)
+FLOP_STAGES = {("actor", "forward"): ("old_log_prob", "old_log_prob"), ("ref", "forward"): ("ref", "ref"),
+               ("critic", "forward"): ("values", "values"), ("reward", "forward"): ("reward_model", "reward_model"),
+               ("actor", "train"): ("update_actor", "actor"), ("critic", "train"): ("update_critic", "critic")}
+
+
+def flop_metrics(run: Run, m: dict) -> dict[str, float]:
+    """`perf/tflops/<name>` (and `perf/mfu/<name>` where the GPU's peak is known) of the stages that
+    ran model passes this step: their model FLOPs over their `timing_s`."""
+    stages = {}
+    for worker in (run.actor, run.ref, run.critic, run.reward_model):
+        for kind, flops in (worker.take_flops() if worker else {}).items():
+            stage_name, name = FLOP_STAGES[(worker.model.role, kind)]
+            if f"timing_s/{stage_name}" in m:  # a pass outside its stage is not rated
+                stages[name] = (flops, m[f"timing_s/{stage_name}"])
+    return flop_rate_metrics(stages, world_size=run.ps.world_size, peak=run.peak_tflops)
 
 
 def generate(run: Run, step: int) -> RolloutBatch:

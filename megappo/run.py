@@ -38,6 +38,7 @@ from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.schedule import SCHEDULES
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
+from megappo.perf import device_peak_tflops
 from megappo.workers import PolicyWorker, ValueWorker
 
 
@@ -83,6 +84,11 @@ class Run:
         return dict(mini_batch_size=c.ppo_mini_batch_size * self.cfg.rollout.n, epochs=c.ppo_epochs,
                     cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
                     seed=self.cfg.run.seed * 7919 + step)
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """Dense peak TFLOP/s of one GPU in the model dtype (MFU's denominator; None: unknown, CPU)."""
+        return device_peak_tflops(self.ps.device, self.cfg.model.dtype, self.cfg.hardware.peak_tflops)
 
     @property
     def trainables(self) -> dict:

@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel
+from megappo.models.flops import pass_flops
 from megappo.models.forward import run_micro_batches
 from megappo.models.moe_metrics import RouterStats
 from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import Trainable, train_step
 from megappo.parallel.comm import gather_to_rank0
-from megappo.parallel.packing import MicroBatching, PassCounter, Select, micro_batch_tensors
+from megappo.parallel.packing import MicroBatching, PassCounter, Select, micro_batch_tensors, sequence_lengths
 from megappo.parallel.vocab_parallel import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
 from megappo.ppo import losses as ppo_losses
 from megappo.ppo.kl import kl_penalty
@@ -72,21 +73,24 @@ class Experience:
 
 class _Passes:
     """What every role shares: splitting a pass into micro-batches (packed or padded, per its
-    MicroBatching) and collecting per-row results on rank 0."""
+    MicroBatching), counting its model FLOPs, and collecting per-row results on rank 0."""
 
     model: MegatronModel
     batching: MicroBatching
     counter: PassCounter
+    #: model FLOPs (megappo.models.flops, all replicas) of the 'forward' and 'train' passes since `take_flops`
+    flops: dict[str, float]
     #: how this model's passes use the engine's routing records (MoE); None: they do not
     routing: RouteReplay | None = None
 
     def _split(self, seqs: SeqBatch, rows: torch.Tensor | None, select: Select,
-               per_row: dict[str, torch.Tensor | None]) -> list[dict[str, torch.Tensor]]:
+               per_row: dict[str, torch.Tensor | None], *, training: bool = False) -> list[dict[str, torch.Tensor]]:
         """This replica's micro-batches of `rows` (None: all) of `seqs`; their 'rows' are global ids."""
         rows = torch.arange(seqs.size) if rows is None else rows
         attn = seqs.attention_mask[rows]
         plan = self.batching.plan(attn, seqs.prompt_len, self.model.ps.dp)
         self.counter.add(plan)
+        self._count_flops(plan.lengths, attn, seqs.prompt_len, select, training)
         routes = fill_unknown(seqs.routes[rows]) if self.routing and seqs.routes is not None else None
         mbs = micro_batch_tensors(plan, self.model.ps.dp_rank, seqs.input_ids[rows], attn, seqs.prompt_len,
                                   select=select, per_row={"response_mask": seqs.response_mask[rows],
@@ -95,6 +99,19 @@ class _Passes:
         for mb in mbs:
             mb["rows"] = rows[mb["rows"]]
         return mbs
+
+    def _count_flops(self, lengths, attn: torch.Tensor, prompt_len: int, select: Select, training: bool) -> None:
+        """Add the pass's model FLOPs: the head runs on every response position ('response') or on
+        each sequence's last token ('last')."""
+        heads = int(sequence_lengths(attn, prompt_len)[1].sum()) if select == "response" else attn.shape[0]
+        kind = "train" if training else "forward"
+        self.flops[kind] = self.flops.get(kind, 0.0) + pass_flops(
+            self.model.dims, lengths, heads, training=training, value_head=self.model.has_value_head)
+
+    def take_flops(self) -> dict[str, float]:
+        """{'forward' | 'train': FLOPs} since the last call, reset."""
+        taken, self.flops = self.flops, {}
+        return taken
 
     def _gather(self, mbs: list[dict[str, torch.Tensor]], results: list[torch.Tensor], n: int) -> torch.Tensor | None:
         """Per-micro-batch results [m, ...] of every replica -> [n, ...] in row order, on rank 0."""
@@ -153,7 +170,7 @@ class PolicyWorker(_Passes):
     def __init__(self, model: MegatronModel, *, batching: MicroBatching, temperature: float = 1.0,
                  trainable: Trainable | None = None, routing: RouteReplay | None = None):
         self.model, self.trainable, self.routing = model, trainable, routing
-        self.batching, self.temperature, self.counter = batching, temperature, PassCounter()
+        self.batching, self.temperature, self.counter, self.flops = batching, temperature, PassCounter(), {}
         ps = model.ps
         per_tp = model.padded_vocab // ps.tp
         vocab_ids = torch.arange(ps.tp_rank * per_tp, (ps.tp_rank + 1) * per_tp, device=ps.device)
@@ -245,6 +262,7 @@ class ValueWorker(_Passes):
 
     def __init__(self, model: MegatronModel, *, batching: MicroBatching, trainable: Trainable | None = None):
         self.model, self.trainable, self.batching, self.counter = model, trainable, batching, PassCounter()
+        self.flops = {}
 
     @torch.no_grad()
     def values(self, seqs: SeqBatch) -> torch.Tensor | None:
@@ -294,7 +312,7 @@ def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, pre
     for epoch in range(epochs):
         for rows in _mini_batches(exp.seqs.size, mini_batch_size, model.ps.dp, seed + epoch):
             counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
-            mbs = worker._split(exp.seqs, rows, "response", extra)
+            mbs = worker._split(exp.seqs, rows, "response", extra, training=True)
             results, step = train_step(trainable, mbs, loss_for(counts), routing=worker.routing)
             for r in results:  # parts of global-count losses: summed in _reduce_metrics
                 for k, v in r.items():

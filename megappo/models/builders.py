@@ -123,7 +123,8 @@ def _layer_spec(kind: str, config, vp_stage: int | None):
     else:
         spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
         layers = [spec]
-    # the local spec's core attention, plus packed (THD) sequences: megappo.models.packed_attention
+    # the local spec's core attention, plus packed (THD) sequences: megappo.models.packed_attention; the
+    # kernel it runs is megappo.models.attention_dispatch's choice (TE's spec above does its own THD attention)
     for layer in layers:
         layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec

@@ -64,3 +64,15 @@ def test_reward_model_adds_its_score(tmp_path):
     save_hf_dir(str(tmp_path / "rm"), rm.state_dict(), cfg)
     rows = train(tmp_path / "run", [f"reward.model_path={tmp_path / 'rm'}", "reward.model_weight=1.0"])
     assert rows[0]["critic/score/mean"] > 5.0
+    assert rows[0]["perf/tflops/reward_model"] > 0
+
+
+def test_flop_rates_are_logged_on_cpu(tmp_path):
+    """PPO (critic + GAE) with a KL loss (so a reference pass): every model stage logs its model
+    FLOP rate (megappo.models.flops / megappo.perf); on CPU there is no peak, so no MFU, and no
+    CUDA memory metrics."""
+    rows = train(tmp_path, ["actor.use_kl_loss=true"])
+    last = rows[-1]
+    for name in ("old_log_prob", "ref", "values", "actor", "critic"):
+        assert last[f"perf/tflops/{name}"] > 0, name
+    assert not [k for k in last if k.startswith(("perf/mfu/", "perf/max_memory_"))]
