@@ -27,7 +27,7 @@ def recipe(tmp_path, text):
                    "hardware.gpus_per_node=8"),
     ({"device": "tpu"}, "hardware.device: 'tpu' is not one of ['gpu', 'cpu']"),
     ({"gpu": 8}, "unknown config key 'hardware.gpu'. Fix: remove it or use one of the valid keys. Valid keys: "
-                   "['device', 'nodes', 'gpus_per_node', 'gpu_memory_gib']."),
+                   "['device', 'nodes', 'gpus_per_node', 'gpu_memory_gib', 'peak_tflops']."),
 ])
 def test_bad_hardware_names_the_fix(hardware, needle):
     with pytest.raises(ConfigError) as e:
