@@ -74,8 +74,8 @@ class Recompute:
             raise ModelConfigError(f"{k}.granularity={self.granularity!r} is not one of {list(GRANULARITIES)}. "
                                    f"Fix: set {k}.granularity=full (or selective, none).")
         if self.granularity == "full":
-            object.__setattr__(self, "method", self.method or "uniform")
-            object.__setattr__(self, "num_layers", self.num_layers or 1)
+            object.__setattr__(self, "method", "uniform" if self.method is None else self.method)
+            object.__setattr__(self, "num_layers", 1 if self.num_layers is None else self.num_layers)
             if self.method not in METHODS:
                 raise ModelConfigError(f"{k}.method={self.method!r} is not one of {list(METHODS)}. Fix: set "
                                        f"{k}.method=uniform.")
