@@ -173,6 +173,46 @@ class OptimConfig(_Section):
         _require(0 <= self.min_lr_ratio <= 1, f"{P}min_lr_ratio={self.min_lr_ratio} must be in [0, 1]. Fix: e.g. 0.1.")
 
 
+#: selective recomputation's modules (megappo.models.recompute.MODULES; a unit test keeps them equal)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
+#: Megatron's other modules and why megappo refuses them (megappo.models.recompute.REFUSED_MODULES)
+RECOMPUTE_REFUSED = {
+    "layernorm": "Megatron-Core 0.16.1 recomputes norms with CheckpointWithoutOutput, which needs Transformer "
+                 "Engine (it fails with NameError on the local layer spec)",
+    "moe_act": "Megatron recomputes the MoE activation only with grouped-GEMM experts, which megappo does not use",
+    "mla_up_proj": "it is for multi-latent attention (DeepSeek), which no megappo model family has",
+    "shared_experts": "megappo's MoE families have no shared experts",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeConfig(_Section):
+    """Activation recomputation of a trained role (megappo.models.recompute; docs/training.md)."""
+
+    granularity: Literal["none", "full", "selective"] = "none"  # full: keep only layer inputs, re-run each layer's forward in backward (~1/3 more compute); selective: re-run only `modules`
+    method: Optional[Literal["uniform", "block"]] = None  # full: uniform checkpoints every group of num_layers layers; block only the first num_layers of each pipeline chunk; None: uniform
+    num_layers: Optional[int] = None  # full: layers per checkpoint (uniform; must divide the layers per pipeline chunk) or layers recomputed per chunk (block); None: 1
+    modules: Optional[list[str]] = None  # selective: core_attn (attention scores), mlp (dense MLP), moe (MoE layers, GPU); None: [core_attn]
+
+    def check(self) -> None:
+        full = self.granularity == "full"
+        _require(full or (self.method is None and self.num_layers is None),
+                 f"{P}method / {P}num_layers apply to {P}granularity=full (now {self.granularity}). Fix: remove "
+                 f"them, or set {P}granularity=full.")
+        _at_least(self, num_layers=1)
+        _require(self.granularity == "selective" or self.modules is None,
+                 f"{P}modules applies to {P}granularity=selective (now {self.granularity}). Fix: remove "
+                 f"{P}modules, or set {P}granularity=selective.")
+        for m in self.modules or ():
+            _require(m not in RECOMPUTE_REFUSED, f"{P}modules: '{m}' is not supported: "
+                     f"{RECOMPUTE_REFUSED.get(m)}. Fix: choose from {list(RECOMPUTE_MODULES)}, or set "
+                     f"{P}granularity=full.")
+            _require(m in RECOMPUTE_MODULES, f"{P}modules: '{m}' is not a module megappo recomputes. Fix: choose "
+                     f"from {list(RECOMPUTE_MODULES)}.")
+        _require(self.modules is None or len(self.modules) > 0,
+                 f"{P}modules=[] recomputes nothing. Fix: set {P}modules=[core_attn], or {P}granularity=none.")
+
+
 def _check_trained_role(role: Any) -> None:
     _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1, max_tokens_per_micro_batch=1)
     _require(role.grad_clip > 0, f"{P}grad_clip={role.grad_clip} must be > 0. Fix: e.g. {P}grad_clip=1.0.")
@@ -198,6 +238,7 @@ class ActorConfig(_Section):
     old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"  # source of old log-probs
     is_truncate: float = 2.0  # is_correct: truncation of rollout importance weights
     moe_routing: Literal["recompute", "replay"] = "recompute"  # MoE: replay: the actor's and reference's passes use the experts the rollout engine chose per token (routing replay); recompute: their own routers choose
+    recompute: RecomputeConfig = _default(RecomputeConfig)  # activation recomputation (gradient checkpointing) of the actor's training passes
     optim: OptimConfig = _default(OptimConfig)  # optimizer and LR schedule
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
@@ -235,6 +276,7 @@ class CriticConfig(_Section):
     cliprange_value: float = 0.5  # value clip around the old values
     grad_clip: float = 1.0  # global gradient-norm clip
     loss_agg_mode: LossAggMode = "token-mean"  # reduction of the value loss
+    recompute: RecomputeConfig = _default(RecomputeConfig)  # activation recomputation (gradient checkpointing) of the critic's training passes
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))  # optimizer
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
@@ -874,11 +916,27 @@ def _verl_error(found: list[tuple[str, Optional[str], Optional[str]]]) -> Config
                        "'Coming from verl'.")
 
 
+#: (section, key) that a reader may expect but the section does not take, and why
+_NOT_HERE = {
+    (RefConfig, "recompute"): "the reference model only runs forward passes, which keep no activations for backward, "
+                              "so there is nothing to recompute. Fix: remove it (recomputation is for the trained "
+                              "roles: actor.recompute, critic.recompute).",
+    (RewardConfig, "recompute"): "the reward model only runs forward passes, which keep no activations for backward, "
+                                 "so there is nothing to recompute. Fix: remove it (recomputation is for the trained "
+                                 "roles: actor.recompute, critic.recompute).",
+}
+
+
+def _not_here(cls: type, key: Any) -> Optional[ConfigError]:
+    why = _NOT_HERE.get((cls, key))
+    return ConfigError(f"{P}{key}: {why}") if why else None
+
+
 def _build(cls: type, data: dict) -> Any:
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in valid:
-            raise _unknown_key(key, valid)
+            raise _not_here(cls, key) or _unknown_key(key, valid)
     return cls(**data)
 
 
@@ -940,7 +998,7 @@ def apply_override(data: dict, override: str) -> None:
                 hint = verl_hint(key.strip(), raw.strip(), _is_key)
                 if hint:
                     raise ConfigError(hint)
-                raise _unknown_key(part, list(hints)).at(here[:-len(part)])
+                raise (_not_here(tp, part) or _unknown_key(part, list(hints))).at(here[:-len(part)])
             tp = _options(hints[part])[0]
         else:  # a free-form mapping (dict[str, X] field or inside one): any key
             tp = typing.get_args(tp)[1] if tp is not Any else Any

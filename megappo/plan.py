@@ -43,6 +43,11 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   [b, s, V/tp] logits in the model dtype plus three float32 copies (the vocab-parallel log-prob
   and entropy pass). Forward-only passes (ref, reward) keep one layer and the logits. Phases run
   one after another, so only the largest activation counts towards the peak.
+  recomputation (actor.recompute / critic.recompute, megappo.models.recompute): full keeps, per
+  model chunk and micro-batch in flight, the input [s, b, h] of each checkpointed group of layers
+  (uniform: every group of n; block: the first n layers, the others whole) plus one group's full
+  activations rebuilt in backward; selective drops its modules' insides from every layer
+  (core_attn: the unfused 5*a*s^2*b term; mlp: the dense 3f; moe: the experts' copies).
   engine: `rollout.engine=sglang` is one SGLang engine started by global rank 0 on its node's
   first `rollout.sglang.tp_size` GPUs, after the trainer's models are built, so those GPUs hold
   everything. SGLang sizes its static pool (weights / tp + KV cache) as mem_fraction_static times
@@ -66,6 +71,7 @@ from typing import Any, Optional
 
 from megappo.config import Config, ConfigError
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
+from megappo.models.recompute import Recompute
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0  # per GPU: CUDA context, NCCL buffers, allocator slack
@@ -208,20 +214,43 @@ def stage_params(d: ModelDims, *, tp: int, pp: int, stage: str, value_head: bool
 # -- activations ----------------------------------------------------------------------------------
 
 def layer_activation_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, sequence_parallel: bool,
-                           act_bytes: int, fused_attention: bool) -> float:
-    """Activations one TP rank keeps for backward for one layer and one micro-batch (see module doc)."""
+                           act_bytes: int, fused_attention: bool, recomputed: tuple[str, ...] = ()) -> float:
+    """Activations one TP rank keeps for backward for one layer and one micro-batch (see module doc).
+    `recomputed`: selective recomputation's modules, whose insides are not kept (core_attn: the
+    unfused attention's [b, a, s, s] terms; mlp: a dense MLP's gate/up and SwiGLU outputs; moe: the
+    experts' copies)."""
     h, f = d.hidden_size, d.ffn_hidden_size
     q, kv = d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
     replicated = 4 * h  # two norm inputs, QKV input, FC1 input
     # MoE layers: each token's k expert copies (dispatched input and output, gate+up, SwiGLU output)
     share = _moe_share(d)
-    mlp = (1 - share) * 3 * f + share * d.moe_topk * (2 * h + 3 * d.moe_ffn_hidden_size)
-    split = q + 2 * kv + q + mlp  # Q, K, V, attention output, the MLP's
+    dense = 0 if "mlp" in recomputed else (1 - share) * 3 * f
+    experts = 0 if "moe" in recomputed else share * d.moe_topk * (2 * h + 3 * d.moe_ffn_hidden_size)
+    split = q + 2 * kv + q + dense + experts  # Q, K, V, attention output, the MLP's
     tokens = seq * micro
     total = act_bytes * tokens * (replicated / (tp if sequence_parallel else 1) + split / tp)
-    if not fused_attention:
+    if not fused_attention and "core_attn" not in recomputed:
         total += 5 * d.num_heads * seq * seq * micro / tp * act_bytes / 2
     return total
+
+
+def layer_input_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, sequence_parallel: bool,
+                      act_bytes: int) -> float:
+    """One layer's input [s, b, h] (split over tp with sequence parallelism): what full
+    recomputation keeps of a checkpointed group of layers."""
+    return act_bytes * seq * micro * d.hidden_size / (tp if sequence_parallel else 1)
+
+
+def training_activation_bytes(d: ModelDims, *, layers: int, chunks: int, recompute: Recompute, micro: int,
+                              **per_layer) -> float:
+    """Activations a training pass keeps on one GPU: `chunks` model chunks of `layers` layers in
+    flight (micro-batches x virtual stages), each keeping what `recompute` leaves of its layers,
+    plus, with full recomputation, the layers rebuilt at once during backward."""
+    full = layer_activation_bytes(d, micro=micro, recomputed=recompute.modules, **per_layer)
+    inputs, whole = recompute.kept_per_chunk(layers)
+    keep = {k: v for k, v in per_layer.items() if k != "fused_attention"}
+    per_chunk = inputs * layer_input_bytes(d, micro=micro, **keep) + whole * full
+    return chunks * per_chunk + recompute.rebuilt_at_once * full
 
 
 def logits_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, act_bytes: int, divisible_by: int) -> float:
@@ -229,14 +258,20 @@ def logits_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, act_bytes: int,
     return seq * micro * d.padded_vocab_size(tp, divisible_by) / tp * (act_bytes + 3 * 4)
 
 
-def layers_in_flight(num_layers: int, *, pp: int, vpp: Optional[int], rank: int, micro_batches: int) -> int:
-    """Layer-micro-batches whose activations pipeline rank `rank` holds at once during training."""
+def chunks_in_flight(*, pp: int, vpp: Optional[int], rank: int, micro_batches: int) -> int:
+    """Model-chunk micro-batches whose activations pipeline rank `rank` holds at once during training
+    (1F1B: pp - rank; interleaved: Megatron's warm-up count), at most those of one mini-batch."""
     v = vpp or 1
     if v == 1:
         chunks = pp - rank
     else:
         chunks = (pp - rank - 1) * 2 + (v - 1) * pp + 1
-    return num_layers // (pp * v) * min(chunks, micro_batches * v)
+    return min(chunks, micro_batches * v)
+
+
+def layers_in_flight(num_layers: int, *, pp: int, vpp: Optional[int], rank: int, micro_batches: int) -> int:
+    """Layer-micro-batches whose activations pipeline rank `rank` holds at once during training."""
+    return num_layers // (pp * (vpp or 1)) * chunks_in_flight(pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches)
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -253,6 +288,7 @@ class RoleMemory:
     adam: float  # Adam moments (allocated at the first optimizer step)
     activations: float
     phase: str  # what the activations are for
+    recompute_saving: float = 0.0  # activations full recomputation (uniform, 1 layer) would save; 0 when it is on
 
     @property
     def optimizer(self) -> float:
@@ -379,15 +415,22 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         # sequences of the longest length per replica over those per micro-batch (packed: a lower bound)
         micro_batches = max(1, int(section.ppo_mini_batch_size * cfg.rollout.n * cfg.max_sequence_length
                                    // (dp * micro * seq)))
-        layers = (d.num_layers if pp == 1 else
-                  layers_in_flight(d.num_layers, pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches))
-        act = layers * layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
+        chunks = 1 if pp == 1 else chunks_in_flight(pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches)
+        recompute = Recompute.of(section.recompute, f"{role}.recompute")
+        chunk_layers = d.num_layers // (pp * (vpp or 1))
+        act = training_activation_bytes(d, layers=chunk_layers, chunks=chunks, recompute=recompute, micro=micro,
+                                        **per_layer) + logits * micro
+        saving = 0.0
+        if recompute.granularity != "full":
+            saving = act - logits * micro - training_activation_bytes(
+                d, layers=chunk_layers, chunks=chunks, recompute=Recompute("full"), micro=micro, **per_layer)
         # the distributed optimizer shards expert parameters over the expert-data-parallel ranks (dp / ep)
         ep = cfg.expert_parallel(role)
         experts = d.num_layers // pp * _moe_share(d) * d.num_experts / ep * 3 * d.hidden_size * d.moe_ffn_hidden_size / tp
         sharded = (n - experts) / shard + experts / (max(1, dp // ep) if p.use_distributed_optimizer else 1)
+        phase = f"{role} update" + (f", {recompute.granularity} recomputation" if recompute.enabled else "")
         return RoleMemory(role, n, weights=n * db, grads=n * 4, master=sharded * 4 if db < 4 else 0.0,
-                          adam=sharded * 8, activations=act, phase=f"{role} update")
+                          adam=sharded * 8, activations=act, phase=phase, recompute_saving=max(0.0, saving))
     act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
     return RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
                       phase=f"{role} forward")
@@ -476,6 +519,13 @@ def _fixes(cfg: Config, plan_roles: list[RoleMemory], engine: Optional[EngineMem
     elif micro > 1:
         by_size.append((top.activations / 2, f"lower {key} (now {micro}; the {top.phase} keeps "
                                              f"{top.activations / GIB:.1f} GiB of activations)"))
+    if top.recompute_saving > 0:  # every trained role recomputes: the peak is the largest that remains
+        roles = [r for r in plan_roles if r.recompute_saving > 0]
+        saved = top.activations - max(r.activations - r.recompute_saving for r in plan_roles)
+        keys = " ".join(f"{r.role}.recompute.granularity=full" for r in roles)
+        by_size.append((saved, f"set {keys} (keeps only each layer's input: the largest activations, the "
+                               f"{top.phase}'s {top.activations / GIB:.1f} GiB, shrink by {saved / GIB:.1f} GiB, for "
+                               f"one more forward per layer, about a third more compute)"))
     if p.vpp and top.role in ("actor", "critic"):
         by_size.append((top.activations / 3, f"set parallel.vpp=null (the interleaved schedule keeps more "
                                              f"micro-batches in flight than 1F1B; now vpp={p.vpp})"))
@@ -537,6 +587,10 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
         dims["reward"] = dims_from_hf(resolve_hf_config(cfg.reward.model_path, "reward.model_path")[0])
     for role in cfg.model_roles:
         dims[role].check_layout(*cfg.layout(role), ep=cfg.expert_parallel(role))
+        if role in ("actor", "critic"):  # recomputation against the layers of one pipeline chunk
+            _, rpp, rvpp = cfg.layout(role)
+            Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute").check(
+                dims[role], pp=rpp, vpp=rvpp, cpu=hw.device == "cpu")
     actor = dims["actor"]
     dp = world_size // (p.tp * p.pp)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens

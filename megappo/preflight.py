@@ -2,7 +2,8 @@
 
 `check_inputs(cfg, world_size)` checks the world against the layout and the batch sizes
 (`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
-every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers) and
+every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers; the
+trained roles' activation recomputation against their layers per pipeline chunk) and
 the roles' vocabularies against the actor's, the dataset files (present, a known format, a row
 at least), the reward function names, the tokenizer's name or directory, and the episode
 environment (`rollout.env` imports, is an Environment and takes `rollout.env_args`). It reads JSON and
@@ -24,6 +25,7 @@ from megappo.config import Config
 from megappo.data import check_files
 from megappo.envs.loading import check_env
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
+from megappo.models.recompute import Recompute
 from megappo.rollout.routes import is_moe_arch
 from megappo.rewards import get_reward_fn
 from megappo.tokenizer import check_tokenizer_spec
@@ -73,6 +75,10 @@ def check_models(cfg: Config) -> None:
             own = " (its own layout: " + role + ".parallel)" if cfg.layout(role) != (
                 cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp) else ""
             raise ModelConfigError(f"{where} as the {role}{own}: {e}") from None
+        if role in ("actor", "critic"):  # activation recomputation against this role's layers per pipeline chunk
+            _, pp, vpp = cfg.layout(role)
+            Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute").check(
+                dims, pp=pp, vpp=vpp, cpu=cfg.hardware.device == "cpu")
         if dims.vocab_size != actor.vocab_size:
             raise ModelConfigError(f"{where} has vocab_size {dims.vocab_size}, the actor (model) {actor.vocab_size}: "
                                    "every role scores the same token ids. Fix: use a model with the actor's "

@@ -28,6 +28,7 @@ from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
+from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
@@ -186,6 +187,14 @@ def _trained(actor: PolicyWorker, critic: ValueWorker | None) -> dict:
     return {"actor": actor.trainable, **({"critic": critic.trainable} if critic else {})}
 
 
+def recompute_of(cfg: Config, role: str) -> Recompute:
+    """A role's activation recomputation: `actor.recompute` / `critic.recompute`; none for the
+    forward-only roles (ref, reward)."""
+    if role not in ("actor", "critic"):
+        return NO_RECOMPUTE
+    return Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute")
+
+
 def _hf_source(cfg: Config):
     """(HF config dict, weights: a directory or an in-memory state dict, the HF model or None)."""
     if cfg.model.path:
@@ -280,6 +289,7 @@ def create_run(cfg: Config) -> Run:
                         layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                         sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init,
+                        recompute=recompute_of(cfg, role),
                         **({"moe_enable_routing_replay": True} if replays and role in ("actor", "ref") else {}))
         load_hf_weights(m, source)
         return m

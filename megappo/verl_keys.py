@@ -5,7 +5,9 @@ megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
 need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
 `verl_hint(path, is_key)` says what megappo calls such a key (`actor_rollout_ref.actor.optim.lr`
 -> `actor.optim.lr`), or how megappo does the same thing when it has no such key
-(`trainer.device` -> CUDA when present). Explicit entries come first; then the
+(`trainer.device` -> CUDA when present). A verl switch whose values map to another key's values
+(`enable_gradient_checkpointing=true` -> `actor.recompute.granularity=full`) is in `BY_VALUE`,
+which an override's hint reads first. Explicit entries come first; then the
 section prefixes below are swapped for megappo's, and the result is offered when it is a key
 megappo has (`is_key`, from megappo.config).
 
@@ -63,6 +65,27 @@ RENAMED: dict[str, str] = {
     "trainer.experiment_name": "logging.run_name",
     "trainer.logger": "logging.sinks",
     "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
+    # activation recomputation: verl >= 0.5 passes Megatron's fields through override_transformer_config,
+    # verl 0.3-0.4 had them under model.gradient_checkpointing_kwargs (megappo.models.recompute)
+    **{f"{verl}.{field}": f"{ours}.{mine}"
+       for verl, ours in (("actor_rollout_ref.actor.megatron.override_transformer_config", "actor.recompute"),
+                          ("critic.megatron.override_transformer_config", "critic.recompute"))
+       for field, mine in (("recompute_granularity", "granularity"), ("recompute_method", "method"),
+                           ("recompute_num_layers", "num_layers"), ("recompute_modules", "modules"))},
+    **{f"{verl}.gradient_checkpointing_kwargs.activations_checkpoint_{field}": f"{ours}.{field}"
+       for verl, ours in (("actor_rollout_ref.model", "actor.recompute"), ("critic.model", "critic.recompute"))
+       for field in ("granularity", "method", "num_layers")},
+}
+
+#: verl switch -> megappo's override for each of its values (YAML spelling, lower case), where the
+#: value changes along with the name. verl's Megatron backend (0.3-0.4) turned
+#: enable_gradient_checkpointing=true into full recomputation of every layer: Megatron's
+#: granularity full, method uniform, 1 layer per checkpoint, megappo's defaults for full.
+BY_VALUE: dict[str, dict[str, str]] = {
+    "actor_rollout_ref.model.enable_gradient_checkpointing": {"true": "actor.recompute.granularity=full",
+                                                              "false": "actor.recompute.granularity=none"},
+    "critic.model.enable_gradient_checkpointing": {"true": "critic.recompute.granularity=full",
+                                                   "false": "critic.recompute.granularity=none"},
 }
 
 #: verl key -> how megappo does it, where there is no one key to rename it to
@@ -81,7 +104,14 @@ OTHERWISE: dict[str, str] = {
     "data.return_raw_chat": "megappo renders the chat template itself (data.apply_chat_template)",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "write actor.optim.warmup_steps (a number of steps)",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "pass it to SGLang: rollout.sglang.tp_size",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "megappo has no activation recomputation switch",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "write actor.recompute.granularity=full for true (full "
+                                                             "recomputation of every layer, as verl's Megatron "
+                                                             "backend did) or none for false",
+    "critic.model.enable_gradient_checkpointing": "write critic.recompute.granularity=full for true (full recomputation "
+                                                  "of every layer, as verl's Megatron backend did) or none for false",
+    "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity":
+        "the reference model only runs forward passes, so it has nothing to recompute (actor.recompute and "
+        "critic.recompute are the trained roles')",
     "actor_rollout_ref.model.use_remove_padding": "megappo packs sequences without padding by default "
                                                   "(actor.packing, critic.packing, ...; false pads them)",
     "actor_rollout_ref.actor.use_dynamic_bsz": "with actor.packing (the default) micro-batches are sized by "
@@ -127,6 +157,10 @@ def verl_equivalent(path: str, is_key: Callable[[str], bool]) -> Optional[tuple[
 
 def verl_hint(path: str, value: str, is_key: Callable[[str], bool]) -> Optional[str]:
     """The error for an override `path=value` whose key is verl's; None when it is not."""
+    by_value = BY_VALUE.get(path, {}).get(str(value).strip().lower())
+    if by_value:
+        return (f"unknown config key '{path}': that is verl's switch; megappo's setting is "
+                f"'{by_value.partition('=')[0]}'. Fix: write {by_value}.")
     found = verl_equivalent(path, is_key)
     if found is None:
         return None

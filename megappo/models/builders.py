@@ -23,10 +23,12 @@ import torch
 from megappo.models.hf_config import ModelConfigError, ModelDims, transformer_config
 from megappo.models.name_map import NameMap, TensorRule, global_param_name, name_map_for
 from megappo.models.precision import Precision, precision_of
+from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.parallel.state import ParallelState
 
 ROLES = ("actor", "ref", "critic", "reward")
 VALUE_ROLES = ("critic", "reward")
+TRAINED_ROLES = ("actor", "critic")
 
 
 class ValueHead(torch.nn.Module):
@@ -158,18 +160,21 @@ def build_model(
     make_vocab_size_divisible_by: int = 128,
     value_head_bias: bool = True,
     value_head_seed: int = 0,
+    recompute: Recompute = NO_RECOMPUTE,
     **config_overrides,
 ) -> MegatronModel:
     """Build this rank's chunks of a role's model (in the layout `ps`). Weights are randomly
-    initialised; load real ones with `megappo.models.weights.load_hf_weights`."""
+    initialised; load real ones with `megappo.models.weights.load_hf_weights`. `recompute`: the
+    activation recomputation of a trained role (megappo.models.recompute)."""
     with ps.active():
         return _build_model(dims, ps, role=role, dtype=dtype, layer_spec=layer_spec,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                            value_head_bias=value_head_bias, value_head_seed=value_head_seed, **config_overrides)
+                            value_head_bias=value_head_bias, value_head_seed=value_head_seed, recompute=recompute,
+                            **config_overrides)
 
 
 def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible_by, value_head_bias,
-                 value_head_seed, **config_overrides) -> MegatronModel:
+                 value_head_seed, recompute, **config_overrides) -> MegatronModel:
     from megatron.core import parallel_state as mps
     from megatron.core.models.gpt import GPTModel
 
@@ -191,8 +196,13 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
             "trains MoE layers under tensor parallelism only with sequence parallelism, which needs GPU norms). "
             "Fix: set parallel.sequence_parallel=true on GPU, or use tp=1 and split the experts with parallel.ep."
         )
+    if recompute.enabled and role not in TRAINED_ROLES:
+        raise ModelConfigError(f"{recompute.key}: the {role} model only runs forward passes, which keep no "
+                               "activations for backward, so there is nothing to recompute. Fix: remove it; "
+                               "recomputation is for the trained roles (actor.recompute, critic.recompute).")
+    recompute.check(dims, pp=ps.pp, vpp=ps.vpp, cpu=cpu)
     config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, ep=ps.ep, dtype=dtype, cpu=cpu,
-                                **config_overrides)
+                                **recompute.transformer_config_kwargs(), **config_overrides)
     if dims.is_moe:
         _moe_without_te_fix()
     padded_vocab = dims.padded_vocab_size(ps.tp, make_vocab_size_divisible_by)

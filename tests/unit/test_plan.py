@@ -10,7 +10,8 @@ import pytest
 from megappo.cli import main
 from megappo.config import ConfigError, config_from_dict
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
-from megappo.plan import (GIB, KNOWN_MODELS, RESERVE_GIB, format_plan, layer_activation_bytes, layers_in_flight,
+from megappo.plan import (GIB, KNOWN_MODELS, RESERVE_GIB, chunks_in_flight, format_plan, layer_activation_bytes,
+                          layers_in_flight,
                           make_plan, total_params)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -100,6 +101,61 @@ def test_pipeline_micro_batches_in_flight():
     assert layers_in_flight(80, pp=8, vpp=None, rank=0, micro_batches=3) == 30
     # interleaved: (pp - 1) * 2 + (vpp - 1) * pp + 1 = 23 chunks of 5 layers on the first rank
     assert layers_in_flight(80, pp=8, vpp=2, rank=0, micro_batches=32) == 115
+
+
+# Qwen2.5-7B at tp=1, s = 1536, b = 1, bf16, fused attention (test_7b_actor_memory_by_hand_tp1): a whole
+# layer keeps 243,793,920 bytes, a layer input 1536 * 3584 * 2 = 11,010,048 bytes; logits 3,269,984,256
+LAYER, INPUT, LOGITS = 243_793_920, 11_010_048, 3_269_984_256
+
+
+@pytest.mark.parametrize("recompute,activations", [
+    ({}, 28 * LAYER),
+    ({"granularity": "full"}, 28 * INPUT + LAYER),  # every layer's input, one layer rebuilt at a time
+    ({"granularity": "full", "num_layers": 4}, 7 * INPUT + 4 * LAYER),  # 7 groups of 4, a group rebuilt
+    ({"granularity": "full", "method": "block", "num_layers": 4}, 4 * INPUT + 24 * LAYER + LAYER),
+    # mlp: per token 79,360 - 3 * 18944 = 22,528 elements kept, x 2 bytes x 1536 tokens = 69,206,016 per layer
+    ({"granularity": "selective", "modules": ["mlp"]}, 28 * 69_206_016),
+    ({"granularity": "selective"}, 28 * LAYER),  # core_attn: fused attention keeps no scores anyway
+])
+def test_recomputation_by_hand(recompute, activations):
+    plan = make_plan(recipe(actor={"ppo_mini_batch_size": 8, "micro_batch_size": 1, "recompute": recompute}),
+                     world_size=1)
+    actor = {r.role: r for r in plan.roles}["actor"]
+    assert actor.activations == activations + LOGITS
+    assert actor.phase == "actor update" + (f", {recompute['granularity']} recomputation" if recompute else "")
+    full = 28 * INPUT + LAYER
+    assert actor.recompute_saving == (0 if recompute.get("granularity") == "full" else activations - full)
+
+
+def test_selective_core_attn_drops_the_unfused_score_term():
+    kw = dict(seq=2048, micro=2, tp=2, sequence_parallel=False, act_bytes=2)
+    assert (layer_activation_bytes(QWEN7B, fused_attention=False, recomputed=("core_attn",), **kw)
+            == layer_activation_bytes(QWEN7B, fused_attention=True, **kw))
+
+
+def test_full_recomputation_in_a_pipeline():
+    """pp=2 (14 layers per stage), 1F1B: the first stage holds 2 micro-batches of its chunk; sequence
+    parallelism at tp=2 splits the kept layer inputs too."""
+    cfg = recipe(parallel={"tp": 2, "pp": 2, "sequence_parallel": True},
+                 actor={"ppo_mini_batch_size": 8, "micro_batch_size": 1,
+                        "recompute": {"granularity": "full", "num_layers": 7}})
+    plan = make_plan(cfg, world_size=4)
+    assert plan.stage == "first" and chunks_in_flight(pp=2, vpp=None, rank=0, micro_batches=8) == 2
+    layer = layer_activation_bytes(QWEN7B, seq=1536, micro=1, tp=2, sequence_parallel=True, act_bytes=2,
+                                   fused_attention=True)
+    actor = {r.role: r for r in plan.roles}["actor"]
+    # 2 micro-batches x 2 group inputs (each split over tp), plus one group of 7 layers rebuilt; no logits here
+    assert actor.activations == pytest.approx(2 * 2 * INPUT / 2 + 7 * layer, rel=1e-12)
+
+
+def test_recomputation_layers_checked_by_the_planner():
+    with pytest.raises(ModelConfigError, match=r"actor.recompute.num_layers=3 does not divide the 28 layers of one "
+                                               r"pipeline chunk"):
+        make_plan(recipe(actor={"ppo_mini_batch_size": 8, "recompute": {"granularity": "full", "num_layers": 3}}),
+                  world_size=1)
+    with pytest.raises(ModelConfigError, match=r"critic.recompute.num_layers=20 is more than the 14 layers"):
+        make_plan(recipe(parallel={"pp": 2}, critic={"ppo_mini_batch_size": 8, "recompute": {
+            "granularity": "full", "method": "block", "num_layers": 20}}), world_size=2)
 
 
 def test_layout_errors_name_the_fix():
@@ -199,6 +255,7 @@ def test_does_not_fit_names_knobs():
     assert "parallel.tp=4" in text  # a bigger layout that divides the model and the world
     assert "set actor.max_tokens_per_micro_batch=3072 (now 6144 tokens" in text  # packed: 4 x 1536 by default
     assert "parallel.sequence_parallel=true" in text
+    assert "set actor.recompute.granularity=full critic.recompute.granularity=full (keeps only each layer's input" in text
     assert "does NOT fit" in format_plan(plan)
     padded = make_plan(recipe(parallel={"tp": 2}, actor={"ppo_mini_batch_size": 32, "micro_batch_size": 4, "packing": False},
                               critic={"ppo_mini_batch_size": 32, "micro_batch_size": 4, "packing": False},

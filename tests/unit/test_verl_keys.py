@@ -26,6 +26,16 @@ OVERRIDES = {  # a verl override -> the start of megappo's error
     "trainer.n_gpus_per_node=8": "megappo's is 'hardware.gpus_per_node'. Fix: write hardware.gpus_per_node=8.",
     "custom_reward_function.path=r.py": "write reward.functions=[path/to/file.py:function_name]",
     "actor_rollout_ref.model.use_fused_kernels=true": "that is a verl key; megappo has no such key; remove it",
+    # verl's switch: the value changes with the key (full recomputation, uniform, 1 layer: megappo's full defaults)
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True": "that is verl's switch; megappo's setting is "
+                                                                  "'actor.recompute.granularity'. Fix: write "
+                                                                  "actor.recompute.granularity=full.",
+    "critic.model.enable_gradient_checkpointing=false": "Fix: write critic.recompute.granularity=none.",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=block":
+        "megappo's is 'actor.recompute.method'. Fix: write actor.recompute.method=block.",
+    "critic.megatron.override_transformer_config.recompute_num_layers=2": "megappo's is 'critic.recompute.num_layers'",
+    "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=full":
+        "the reference model only runs forward passes",
 }
 
 
@@ -87,3 +97,14 @@ def test_every_mapped_key_exists_and_is_documented():
     section = docs[docs.index("### Coming from verl"):]
     missing = [k for k in (*verl_keys.RENAMED, *verl_keys.OTHERWISE) if f"`{k}`" not in section]
     assert not missing, f"docs/config.md, 'Coming from verl', does not list {missing}"
+
+
+def test_verl_recipe_with_gradient_checkpointing_gets_megappos_setting():
+    recipe = {"model": {"path": "/m"}, "actor_rollout_ref": {"model": {"enable_gradient_checkpointing": True}},
+              "critic": {"model": {"enable_gradient_checkpointing": True}}}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(recipe)
+    assert "  actor_rollout_ref.model.enable_gradient_checkpointing: write actor.recompute.granularity=full" in str(e.value)
+    assert "  critic.model.enable_gradient_checkpointing: write critic.recompute.granularity=full" in str(e.value)
+    fixed = config_from_dict({"model": {"path": "/m"}, "actor": {"recompute": {"granularity": "full"}}})
+    assert (fixed.actor.recompute.granularity, fixed.critic.recompute.granularity) == ("full", "none")
