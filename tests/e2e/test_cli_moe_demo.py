@@ -40,12 +40,14 @@ def test_moe_demo_learns_at_ep2(tmp_path):
         assert meta["expert_parallel"] == 2 and meta["dims"]["num_experts"] == 4
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_moe_demo_with_routing_replay(tmp_path, dtype):
-    """actor.moe_routing=replay: the engine's routes are recorded and replayed in every actor and
-    reference pass (KL loss on, so the reference runs); the trainer's recomputed log-probs of
-    the engine's tokens stay within float32 noise (bf16: within bf16 rounding of the engine's
-    float32 compute) and the share of routes that replay changed is logged."""
+    """actor.moe_routing=replay through the CLI in bf16 (every GPU recipe's dtype): the engine's
+    routes are recorded and replayed in every actor and reference pass (KL loss on, so the
+    reference runs); the trainer's recomputed log-probs of the engine's tokens stay within bf16
+    rounding of the engine's float32 compute and the share of routes that replay changed is
+    logged. The float32 claim (within 1e-5 where the trainer's own routers would pick other
+    experts) is tested at EP2 and PP2 in tests/distributed/test_routing_replay.py."""
     proc = train("recipes/demo-moe-cpu.yaml", f"run.output_dir={tmp_path}", "logging.progress_bar=false",
                  "actor.moe_routing=replay", "actor.use_kl_loss=true", "run.total_steps=6", "run.val_every=0",
                  "run.val_before_train=false", f"model.dtype={dtype}")
