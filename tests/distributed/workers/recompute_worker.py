@@ -9,7 +9,7 @@ megappo.models.packed_attention) and padded (2 rows per micro-batch), once witho
 and once with each setting of megappo.models.recompute that runs on CPU: full uniform (1 and 2
 layers per checkpoint), full block (1 layer), selective core_attn + mlp. Every parameter's
 gradient (the DDP main_grad, after the DP reduction) and the step's metrics must be bit-equal
-(torch.equal) to those without recomputation, in float32 and (full uniform, selective) in bf16:
+(torch.equal) to those without recomputation, in float32 and (full uniform, selective; packed) in bf16:
 recomputation re-runs the same CPU kernels on the same inputs with the RNG state restored
 (Megatron's CheckpointFunction), and the backward consumes the rebuilt tensors in the same order.
 Prints "OK <check>" lines; any failure raises.
@@ -86,6 +86,8 @@ def main():
                  "padded": MicroBatching(packed=False, micro_batch_size=2)}
     for dtype in ("float32", "bfloat16"):
         for kind, batching in batchings.items():
+            if dtype == "bfloat16" and kind == "padded":  # CI time: bf16 packed only (the path every recipe runs)
+                continue
             base_metrics, base_grads = update(ps, dims, weights, exp, batching, NO_RECOMPUTE, dtype)
             assert any(g.abs().max() > 0 for g in base_grads), "no gradient"
             for name, recompute in SETTINGS.items():
