@@ -226,7 +226,8 @@ def _moe_dims(cfg: Mapping[str, Any], family: str, num_layers: int) -> dict[str,
         pattern = (1,) * num_layers
         norm_topk = True  # softmax over the top-k logits
     else:
-        experts = int(_get(cfg, "num_experts"))
+        # transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
+        experts = int(_get(cfg, "num_experts" if "num_local_experts" not in cfg else "num_local_experts"))
         ffn = int(_get(cfg, "moe_intermediate_size"))
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or [])

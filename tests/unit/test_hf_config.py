@@ -30,6 +30,14 @@ def test_transformers_config_object_and_rope_parameters():
     assert dims_from_hf(cfg, arch="LlamaForCausalLM").rope_theta == 500000.0
 
 
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_config_json_as_transformers_writes_it(family, tmp_path):
+    """A config.json saved by transformers >= 5 (rope_parameters; Qwen3-MoE's num_experts as
+    num_local_experts) reads as the same dims as the Hub-style dict."""
+    hf_config_object(TINY_CONFIGS[family]).save_pretrained(tmp_path)
+    assert dims_from_hf(str(tmp_path)) == dims_from_hf(TINY_CONFIGS[family])
+
+
 def test_llama31_rope_scaling():
     cfg = dict(TINY_CONFIGS["llama"], rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
