@@ -16,7 +16,7 @@ Each case is the recipe file itself, through the CLI as a user runs it (`megappo
 | data.max_prompt_length, rollout.max_new_tokens | 160, 12 | the test prompts are up to 149 tokens, an answer ("\\boxed{7}") 10 |
 | actor/critic.optim.lr | 1e-3 | at the recipes' 1e-6 no bf16 weight moves in 2 steps (an update is below half a bf16 ulp), so the test could not see training |
 | logging.progress_bar, logging.samples | off, the whole batch | plain logs; every response's score kept to check it |
-| checkpoint.save_hf_at_end | true | the live model's export, compared with `megappo export` of the saved checkpoint |
+| checkpoint.save_hf_at_end | true (when resuming) | the live model's export, compared with `megappo export` of the saved checkpoint |
 
 Everything else is the recipe's: bf16, the algorithm and estimator, KL loss / KL in the reward
 and its controller, rollout.n, packing with the micro-batch token budget (micro_batch_size x the
@@ -50,6 +50,7 @@ from megappo.config import load_config
 from megappo.plan import resolve_hf_config
 from megappo.rewards import get_reward_fn
 from tests.e2e._runs import hf_weights
+from tests.e2e._runs import metrics as metrics_without_timings
 from tests.e2e._tiny_models import tiny_config, tiny_instruct_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,29 +62,39 @@ GPU_RECIPES = sorted(p for p in glob.glob(os.path.join(REPO, "recipes", "*.yaml"
 SWAPS = ["model.layer_spec=local", "rollout.engine=hf", "parallel.sequence_parallel=false",
          "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
          "data.max_prompt_length=160", "rollout.max_new_tokens=12", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
-         "logging.progress_bar=false", "logging.samples=64", "checkpoint.save_hf_at_end=true"]
+         "logging.progress_bar=false", "logging.samples=64"]
 #: the architecture switches of the real model that its tiny stand-in keeps (the sizes are TINY_CONFIGS')
-ARCH_KEYS = ("architectures", "tie_word_embeddings", "rope_theta", "rope_scaling", "hidden_act", "attention_bias",
-             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
-#: what the tiny models answer, per reward function: the format it reads, around a digit
-ANSWERS = {"gsm8k": "#### {}", "math_boxed": "\\boxed{{{}}}"}
+ARCH_KEYS = ("architectures", "tie_word_embeddings", "rope_theta", "rope_scaling", "max_position_embeddings",
+             "hidden_act", "attention_bias", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+#: what the tiny models answer, per reward function: the format it reads, (before, after) a digit
+ANSWERS = {"gsm8k": ("#### ", ""), "math_boxed": ("\\boxed{", "}")}
 
-#: variant -> the case it runs as: "recipe.yaml:variant" or "recipe.yaml" (its own hardware), and why
+#: variant -> (the case it runs as: "recipe.yaml:variant" or "recipe.yaml" (its own hardware), why, the keys
+#: whose values may differ between the two 2-rank configs: none when the variant changes only hardware and
+#: layout, micro_batch_size when it also sets micro-batches of 1, which with packing changes only how the
+#: same sequences are split into micro-batches (the token budget); micro-batches of 1 run in the 8x48gb
+#: cases)
 COLLAPSED = {
-    "qwen2.5-7b-ppo-8gpu.yaml:16gpu": ("qwen2.5-7b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2"),
-    "qwen2.5-7b-ppo-8gpu.yaml:16x40gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "PP2 and micro-batches of 1 either way"),
-    "qwen3-8b-ppo-8gpu.yaml:16gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2"),
-    "qwen3-8b-ppo-8gpu.yaml:16x40gb": ("qwen3-8b-ppo-8gpu.yaml:8x48gb", "PP2 and micro-batches of 1 either way"),
-    "llama3.1-8b-grpo-8gpu.yaml:16gpu": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 x DP8 instead of DP4: DP2"),
-    "llama3.1-8b-grpo-8gpu.yaml:h200": ("llama3.1-8b-grpo-8gpu.yaml", "TP1 x DP8 without SP: DP2, as the recipe's"),
-    "llama3.1-8b-grpo-8gpu.yaml:8x48gb": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP8 either way: TP2"),
-    "qwen3-30b-a3b-grpo-32gpu.yaml:16gpu": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP8 over DP8 instead of DP16: EP2"),
-    "qwen3-30b-a3b-grpo-32gpu.yaml:h200": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP4 instead of EP8: EP2"),
-    "qwen2.5-72b-ppo-64gpu.yaml:128gpu": ("qwen2.5-72b-ppo-64gpu.yaml", "DP2 instead of DP1: PP2 x VPP2"),
-    "qwen2.5-72b-ppo-64gpu.yaml:h200": ("qwen2.5-72b-ppo-64gpu.yaml", "PP4 instead of PP8: PP2 x VPP2"),
-    "llama3.3-70b-ppo-64gpu.yaml:128gpu": ("llama3.3-70b-ppo-64gpu.yaml", "DP2 instead of DP1: PP2"),
-    "llama3.3-70b-ppo-64gpu.yaml:h200": ("llama3.3-70b-ppo-64gpu.yaml", "PP4 instead of PP8: PP2"),
+    "qwen2.5-7b-ppo-8gpu.yaml:4gpu": ("qwen2.5-7b-ppo-8gpu.yaml", "TP4 x DP1 instead of DP2: TP2",
+                                      ("actor.micro_batch_size", "critic.micro_batch_size")),
+    "qwen2.5-7b-ppo-8gpu.yaml:16gpu": ("qwen2.5-7b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2", ()),
+    "qwen2.5-7b-ppo-8gpu.yaml:16x40gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
+    "qwen3-8b-ppo-8gpu.yaml:16gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2", ()),
+    "qwen3-8b-ppo-8gpu.yaml:16x40gb": ("qwen3-8b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
+    "llama3.1-8b-grpo-8gpu.yaml:4gpu": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP2 x DP2: TP2", ("actor.micro_batch_size",)),
+    "llama3.1-8b-grpo-8gpu.yaml:16gpu": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 x DP8 instead of DP4: DP2", ()),
+    "llama3.1-8b-grpo-8gpu.yaml:h200": ("llama3.1-8b-grpo-8gpu.yaml", "TP1 x DP8 without SP: DP2", ()),
+    "llama3.1-8b-grpo-8gpu.yaml:8x48gb": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP8 either way: TP2", ()),
+    "qwen3-30b-a3b-grpo-32gpu.yaml:16gpu": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP8 over DP8 instead of DP16: EP2", ()),
+    "qwen3-30b-a3b-grpo-32gpu.yaml:h200": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP4 instead of EP8: EP2", ()),
+    "qwen2.5-72b-ppo-64gpu.yaml:128gpu": ("qwen2.5-72b-ppo-64gpu.yaml", "DP2 instead of DP1: PP2 x VPP2", ()),
+    "qwen2.5-72b-ppo-64gpu.yaml:h200": ("qwen2.5-72b-ppo-64gpu.yaml", "PP4 instead of PP8: PP2 x VPP2", ()),
+    "llama3.3-70b-ppo-64gpu.yaml:128gpu": ("llama3.3-70b-ppo-64gpu.yaml", "DP2 instead of DP1: PP2", ()),
+    "llama3.3-70b-ppo-64gpu.yaml:h200": ("llama3.3-70b-ppo-64gpu.yaml", "PP4 instead of PP8: PP2", ()),
 }
+#: the case whose resumed run is also compared with a run straight through 2 steps (bf16, PPO, DP2 with
+#: the distributed optimizer: sharded optimizer state in the checkpoint)
+STRAIGHT = "qwen2.5-7b-ppo-8gpu.yaml:h200"
 
 
 def case_name(recipe: str, variant: str | None) -> str:
@@ -107,25 +118,27 @@ def two_ranks(cfg) -> list[str]:
 
 
 def tiny_model(cfg) -> tuple[str, int]:
-    """(the real model's model_type, the tiny model's layer count: 2, or one per virtual stage)."""
-    real, _ = resolve_hf_config(cfg.model.path, "model.path")
-    return real["model_type"], max(2, 2 * (cfg.parallel.vpp or 1))
+    """(the tiny stand-in's directory name, its layers: 2, or one per virtual pipeline stage); the
+    name says the real model, the layers and the reward whose format it answers in."""
+    (reward,) = cfg.reward.functions
+    layers = max(2, 2 * (cfg.parallel.vpp or 1))
+    return f"{os.path.basename(cfg.model.path)}-tiny-{layers}l-{reward}", layers
 
 
 def case_overrides(recipe: str, variant: str | None, models: str) -> list[str]:
-    """Every override of a case: the swaps, the layout, model.path (`models`/<family>-<layers>l)."""
+    """Every override of a case: the swaps, the layout, model.path (`models`/`tiny_model`)."""
     cfg = load_config(recipe, variant=variant)
-    family, layers = tiny_model(cfg)
-    return [*SWAPS, *two_ranks(cfg), f"model.path={os.path.join(models, f'{family}-{layers}l')}"]
+    return [*SWAPS, *two_ranks(cfg), f"model.path={os.path.join(models, tiny_model(cfg)[0])}"]
 
 
-def resolved(recipe: str, variant: str | None, models: str = "MODELS") -> dict:
-    """A case's config as the CPU run sees it: without the hardware it was sized for (and the
-    variants, the SGLang settings), which change what fits on a GPU, not what runs here."""
-    cfg = load_config(recipe, case_overrides(recipe, variant, models), variant).to_dict()
-    for key in ("hardware", "variants"):
-        cfg.pop(key)
-    cfg["rollout"].pop("sglang")
+def resolved(recipe: str, variant: str | None, leave_out: tuple[str, ...] = ()) -> dict:
+    """A case's config as the CPU run sees it, without the hardware it was sized for (and the
+    variants, the SGLang settings), which change what fits on a GPU, not what runs here, and
+    without the dotted keys `leave_out`."""
+    cfg = load_config(recipe, case_overrides(recipe, variant, "MODELS"), variant).to_dict()
+    for key in ("hardware", "variants", "rollout.sglang", *leave_out):
+        *path, last = key.split(".")
+        functools.reduce(dict.__getitem__, path, cfg).pop(last)
     return cfg
 
 
@@ -135,12 +148,16 @@ CASES = [(p, v) for p, v in ALL if case_name(p, v) not in COLLAPSED]
 
 def test_every_gpu_recipe_and_variant_is_a_case():
     """Every GPU recipe and variant runs here, as itself or as the case it collapses to, whose
-    2-rank config is the same; no other variant collapses."""
+    2-rank config is the same but for the keys COLLAPSED names; no other variant collapses."""
     by_name = {case_name(p, v): (p, v) for p, v in ALL}
     assert len(GPU_RECIPES) >= 6 and set(COLLAPSED) <= set(by_name), sorted(set(COLLAPSED) - set(by_name))
-    for name, (into, why) in COLLAPSED.items():
+    assert STRAIGHT in map(lambda c: case_name(*c), CASES)
+    for name, (into, why, differs) in COLLAPSED.items():
         assert into in by_name and into not in COLLAPSED, (name, into)
-        assert resolved(*by_name[name]) == resolved(*by_name[into]), f"{name} is not the same run as {into} ({why})"
+        mine, theirs = resolved(*by_name[name], differs), resolved(*by_name[into], differs)
+        assert mine == theirs, f"{name} is not the same run as {into} ({why})"
+        assert all(resolved(*by_name[name], differs[:i] + differs[i + 1:]) != resolved(
+            *by_name[into], differs[:i] + differs[i + 1:]) for i in range(len(differs))), f"{name}: {differs}"
     runs = [resolved(p, v) for p, v in CASES]
     for i, (p, v) in enumerate(CASES):
         same = [case_name(*CASES[j]) for j in range(i) if runs[j] == runs[i]]
@@ -164,14 +181,17 @@ def _rows(reward: str) -> list[dict]:
 
 
 def tiny_model_dir(models: str, cfg) -> str:
-    """The tiny stand-in of the recipe's model (built once per family, layer count and reward)."""
-    family, layers = tiny_model(cfg)
-    real, _ = resolve_hf_config(cfg.model.path, "model.path")
-    (reward,) = cfg.reward.functions
-    out = os.path.join(models, f"{family}-{layers}l")
+    """Build the tiny stand-in of the recipe's model (`tiny_model`) in `models` unless it is there:
+    the real model's model_type and ARCH_KEYS with TINY_CONFIGS' sizes, taught the reward's format."""
+    name, layers = tiny_model(cfg)
+    out = os.path.join(models, name)
     if not os.path.isdir(out):
-        arch = {k: real[k] for k in ARCH_KEYS if k in real}
-        tiny_instruct_model(out, {**tiny_config(family, layers), **arch}, _rows(reward), ANSWERS[reward].format)
+        real, _ = resolve_hf_config(cfg.model.path, "model.path")
+        hf_config = {**tiny_config(real["model_type"], layers),
+                     **{k: real[k] for k in ARCH_KEYS if k in real}}
+        (reward,) = cfg.reward.functions
+        before, after = ANSWERS[reward]
+        tiny_instruct_model(out, hf_config, _rows(reward), lambda d: f"{before}{d}{after}")
     return out
 
 
@@ -217,21 +237,28 @@ def check_export(out: str, live: str, init: str, role: str) -> None:
 
 @pytest.mark.parametrize("recipe,variant", CASES, ids=[case_name(p, v) for p, v in CASES])
 def test_recipe_runs_two_steps_resumes_and_exports(recipe, variant, models, tmp_path):
-    start = time.time()
+    times = {"start": time.time()}
     init = tiny_model_dir(models, load_config(recipe, variant=variant))
     overrides = case_overrides(recipe, variant, models)
     cfg = load_config(recipe, overrides, variant)  # the case as the run resolves it
-    assert cfg.model.path == init
+    assert cfg.model.path == init and cfg.model.dtype == "bfloat16"
     os.symlink(DATA, tmp_path / "data")  # the recipe's data keys (data/gsm8k/train.parquet) as written
     train = ["train", recipe, *(["--variant", variant] if variant else []), "--world-size", "2", *overrides]
     run_dir = tmp_path / cfg.run.output_dir
     ckpts = run_dir / "checkpoints"
+    trained = ("actor", "critic") if cfg.use_critic else ("actor",)
+    times["model"] = time.time()
 
     cli(str(tmp_path), *train, "run.total_steps=1")
     assert (ckpts / "latest").read_text() == "step_00000001"
-    log = cli(str(tmp_path), *train, "run.total_steps=2")
+    times["train 1 step"] = time.time()
+    log = cli(str(tmp_path), *train, "run.total_steps=2", "checkpoint.save_hf_at_end=true")
     assert "resumed from" in log and "(step 1)" in log, log[-3000:]
     assert (ckpts / "latest").read_text() == "step_00000002"
+    for role in trained:
+        with open(ckpts / "step_00000002" / role / "megappo_model.json") as f:
+            assert json.load(f)["dtype"] == "bfloat16"
+    times["resume, step 2"] = time.time()
 
     # the run: validation before training, 2 steps, every response scored by the recipe's reward
     metrics = rows(run_dir / "metrics.jsonl")
@@ -247,11 +274,22 @@ def test_recipe_runs_two_steps_resumes_and_exports(recipe, variant, models, tmp_
         got = [s["score"] for s in samples if s["step"] == step]
         row = next(r for r in metrics if r["step"] == step and "critic/score/mean" in r)
         assert abs(row["critic/score/mean"] - sum(got) / len(got)) < 1e-6
-    assert any(ANSWERS[reward].format("") in s["response"] for s in samples), "no response in the reward's format"
+    assert any(ANSWERS[reward][0] in s["response"] for s in samples), "no response in the reward's format"
 
     # the exports: bf16 HF directories equal to the trained model, which moved off its start
-    for role in ("actor", "critic") if cfg.use_critic else ("actor",):
+    for role in trained:
         out = tmp_path / f"export-{role}"
         cli(str(tmp_path), "export", str(run_dir), str(out), "--role", role)
         check_export(str(out), str(run_dir / "hf" / role), init, role)
-    print(f"{case_name(recipe, variant)}: {time.time() - start:.0f}s")
+    times["export"] = time.time()
+
+    if case_name(recipe, variant) == STRAIGHT:  # the resumed run is the run that did not stop, bit for bit
+        cli(str(tmp_path), *train, "run.total_steps=2", "checkpoint.save_hf_at_end=true", "run.output_dir=straight")
+        assert metrics_without_timings(str(run_dir)) == metrics_without_timings(str(tmp_path / "straight"))
+        for role in trained:
+            a, b = hf_weights(str(run_dir / "hf" / role)), hf_weights(str(tmp_path / "straight" / "hf" / role))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), role
+        times["straight run"] = time.time()
+    steps = list(times.items())
+    print(f"\n{case_name(recipe, variant)}: {steps[-1][1] - steps[0][1]:.0f}s (" + ", ".join(
+        f"{name} {t - before:.0f}s" for (_, before), (name, t) in zip(steps, steps[1:])) + ")")
