@@ -26,11 +26,20 @@ directory links `data` to tests/data, tiny files in verl's layout written by
 tests/data/make_recipe_data.py). No GPU recipe sets a per-role layout (`<role>.parallel`); a
 recipe that does fails `test_every_gpu_recipe_and_variant_is_a_case` until `two_ranks` scales it.
 
-Variants that differ from another case only in hardware and layout become the same 2-rank run:
-`COLLAPSED` writes down which runs as which, and a test checks that the resolved configs are
-equal. What cannot run on CPU: sequence parallelism (above), Transformer Engine, SGLang; also
-TP > 1 for the MoE recipe, since Megatron trains MoE layers under TP only with sequence
-parallelism (`two_ranks` gives it EP2 instead).
+Checked per case: both runs end well, with checkpoints of steps 1 and 2 (bf16) and the resume
+announced; the metrics have validation before training and steps 1 and 2; every response's
+score is the recipe's reward function of it and the logged means are theirs; each export is
+bf16, equal bit for bit to the trained model (`checkpoint.save_hf_at_end`), moved off the tiny
+model it started from, and loads with transformers and its own tokenizer. `STRAIGHT` also runs
+the 2 steps without stopping: the resumed run must equal it bit for bit.
+
+Variants that differ from another case only in hardware and layout become the same 2-rank run,
+and so do the 4gpu variants, whose micro-batches of 1 with packing only change how the same
+sequences are split into micro-batches: `COLLAPSED` writes down which runs as which, and a test
+checks that the resolved configs are equal but for the keys it names. What cannot run on CPU:
+sequence parallelism (above; the value head under it: tests/distributed/test_value_head_sp.py),
+Transformer Engine, SGLang; also TP > 1 for the MoE recipe, since Megatron trains MoE layers
+under TP only with sequence parallelism (`two_ranks` gives it EP2 instead).
 """
 
 from __future__ import annotations
@@ -196,13 +205,20 @@ def tiny_model_dir(models: str, cfg) -> str:
 
 
 def cli(cwd: str, *args: str, timeout: int = 300) -> str:
+    """`megappo ARGS` run in `cwd`; its output, or the test fails with it."""
+    return clis(cwd, list(args), timeout=timeout)[0]
+
+
+def clis(cwd: str, *commands: list[str], timeout: int = 300) -> list[str]:
+    """Several `megappo` commands at once (each export is one process: both cores work)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"megappo {' '.join(args)}\n{out[-6000:]}"
-    return out
+    procs = [subprocess.Popen([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for args in commands]
+    outs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    for args, proc, out in zip(commands, procs, outs):
+        assert proc.returncode == 0, f"megappo {' '.join(args)}\n{out[-6000:]}"
+    return outs
 
 
 def rows(path: str) -> list[dict]:
@@ -277,10 +293,9 @@ def test_recipe_runs_two_steps_resumes_and_exports(recipe, variant, models, tmp_
     assert any(ANSWERS[reward][0] in s["response"] for s in samples), "no response in the reward's format"
 
     # the exports: bf16 HF directories equal to the trained model, which moved off its start
+    clis(str(tmp_path), *(["export", str(run_dir), str(tmp_path / f"export-{role}"), "--role", role] for role in trained))
     for role in trained:
-        out = tmp_path / f"export-{role}"
-        cli(str(tmp_path), "export", str(run_dir), str(out), "--role", role)
-        check_export(str(out), str(run_dir / "hf" / role), init, role)
+        check_export(str(tmp_path / f"export-{role}"), str(run_dir / "hf" / role), init, role)
     times["export"] = time.time()
 
     if case_name(recipe, variant) == STRAIGHT:  # the resumed run is the run that did not stop, bit for bit
