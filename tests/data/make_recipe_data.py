@@ -21,7 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's gsm8k.py
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."  # verl's math_dataset.py
 #: (a, b) per row: the training and test questions are different sums
-SUMS = {"train": [(1, 2), (3, 4), (2, 5), (6, 1), (4, 4), (0, 3), (5, 2), (1, 7)], "test": [(2, 2), (3, 5), (6, 0), (1, 4)]}
+SUMS = {"train": [(1, 2), (3, 4), (2, 5), (6, 1), (4, 4), (0, 3), (5, 2), (1, 7)],
+        "test": [(2, 2), (3, 5), (6, 0), (1, 4)]}
 
 
 def gsm8k_row(split: str, index: int, a: int, b: int) -> dict:

@@ -90,7 +90,8 @@ COLLAPSED = {
     "qwen2.5-7b-ppo-8gpu.yaml:16x40gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
     "qwen3-8b-ppo-8gpu.yaml:16gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2", ()),
     "qwen3-8b-ppo-8gpu.yaml:16x40gb": ("qwen3-8b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
-    "llama3.1-8b-grpo-8gpu.yaml:4gpu": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP2 x DP2: TP2", ("actor.micro_batch_size",)),
+    "llama3.1-8b-grpo-8gpu.yaml:4gpu": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP2 x DP2: TP2",
+                                        ("actor.micro_batch_size",)),
     "llama3.1-8b-grpo-8gpu.yaml:16gpu": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 x DP8 instead of DP4: DP2", ()),
     "llama3.1-8b-grpo-8gpu.yaml:h200": ("llama3.1-8b-grpo-8gpu.yaml", "TP1 x DP8 without SP: DP2", ()),
     "llama3.1-8b-grpo-8gpu.yaml:8x48gb": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP8 either way: TP2", ()),
@@ -171,6 +172,23 @@ def test_every_gpu_recipe_and_variant_is_a_case():
     for i, (p, v) in enumerate(CASES):
         same = [case_name(*CASES[j]) for j in range(i) if runs[j] == runs[i]]
         assert not same, f"{case_name(p, v)} is the same run as {same}: add it to COLLAPSED"
+
+
+def test_shipped_data_is_what_its_script_writes():
+    """tests/data/{gsm8k,math}/*.parquet hold the rows tests/data/make_recipe_data.py writes, in
+    verl's layout, with the ground truth where the recipes' reward functions read it."""
+    import importlib.util
+
+    import pyarrow.parquet as pq
+
+    spec = importlib.util.spec_from_file_location("make_recipe_data", os.path.join(DATA, "make_recipe_data.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for name, row in (("gsm8k", script.gsm8k_row), ("math", script.math_row)):
+        for split, sums in script.SUMS.items():
+            shipped = pq.read_table(os.path.join(DATA, name, f"{split}.parquet")).to_pylist()
+            assert shipped == [row(split, i, a, b) for i, (a, b) in enumerate(sums)], (name, split)
+            assert all(r["reward_model"]["ground_truth"] == str(a + b) for r, (a, b) in zip(shipped, sums))
 
 
 # -- the runs ---------------------------------------------------------------------------------------
@@ -293,7 +311,8 @@ def test_recipe_runs_two_steps_resumes_and_exports(recipe, variant, models, tmp_
     assert any(ANSWERS[reward][0] in s["response"] for s in samples), "no response in the reward's format"
 
     # the exports: bf16 HF directories equal to the trained model, which moved off its start
-    clis(str(tmp_path), *(["export", str(run_dir), str(tmp_path / f"export-{role}"), "--role", role] for role in trained))
+    clis(str(tmp_path), *(["export", str(run_dir), str(tmp_path / f"export-{role}"), "--role", role]
+                          for role in trained))
     for role in trained:
         check_export(str(tmp_path / f"export-{role}"), str(run_dir / "hf" / role), init, role)
     times["export"] = time.time()
