@@ -37,17 +37,30 @@ class ValueHead(torch.nn.Module):
     Replicated across TP (every TP rank holds the full hidden state after the final norm),
     so its weight and gradient are identical on all TP ranks without communication.
     Called with the output layer's signature so GPTModel's post-processing is unchanged.
+
+    Under sequence parallelism the final norm's output is split along S over the TP ranks
+    ([S/tp, B, H]): the head first gathers it, as the LM head's ColumnParallelLinear does, so
+    every TP rank computes the same [S, B, 1]; the gather's backward hands each rank its own
+    S/tp slice of that (identical) gradient, so nothing is summed twice. `sequence_parallel` is
+    also what GPTModel and megappo.models.forward read to know the input is split.
     """
 
-    def __init__(self, hidden_size: int, *, bias: bool, init_std: float, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, hidden_size: int, *, bias: bool, init_std: float, dtype: torch.dtype, seed: int = 0,
+                 sequence_parallel: bool = False, tp_group=None):
         super().__init__()
         # its own generator: the same init on every rank and at every TP/PP layout
         gen = torch.Generator().manual_seed(seed)
         self.weight = torch.nn.Parameter(torch.randn(1, hidden_size, generator=gen).mul_(init_std).to(dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
-        self.sequence_parallel = False  # read by GPTModel._postprocess
+        self.sequence_parallel = sequence_parallel  # read by GPTModel._postprocess and forward._selected_outputs
+        self.tp_group = tp_group
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                                 group=self.tp_group)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -186,9 +199,6 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
         if cpu:
             raise ModelConfigError("parallel.sequence_parallel needs Transformer Engine or apex norms (GPU); "
                                    "Megatron-Core's torch norms do not support it. Set it to false on CPU.")
-        if role in VALUE_ROLES:
-            raise ModelConfigError("parallel.sequence_parallel is not supported for critic/reward models yet; "
-                                   "set it to false.")
     if dims.is_moe and ps.tp > 1 and not config_overrides.get("sequence_parallel"):
         # Megatron's MoELayer refuses to train with TP > 1 unless sequence parallelism is on.
         raise ModelConfigError(
@@ -230,7 +240,9 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
         )
         if value_head and post:
             model.output_layer = ValueHead(dims.hidden_size, bias=value_head_bias, init_std=dims.initializer_range,
-                                           dtype=config.params_dtype, seed=value_head_seed)
+                                           dtype=config.params_dtype, seed=value_head_seed,
+                                           sequence_parallel=config.sequence_parallel,
+                                           tp_group=mps.get_tensor_model_parallel_group())
         Precision(dtype).cast_(model)  # the norms too, as Megatron's Float16Module does
         if not cpu:
             model.cuda(torch.cuda.current_device())
