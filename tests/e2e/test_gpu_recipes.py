@@ -35,8 +35,11 @@ the 2 steps without stopping: the resumed run must equal it bit for bit.
 
 Variants that differ from another case only in hardware and layout become the same 2-rank run,
 and so do the 4gpu variants, whose micro-batches of 1 with packing only change how the same
-sequences are split into micro-batches: `COLLAPSED` writes down which runs as which, and a test
-checks that the resolved configs are equal but for the keys it names. What cannot run on CPU:
+sequences are split into micro-batches. To keep CI under 50 minutes, some variants also run as a
+case that differs in one thing another case runs (the model family at a layout, TP2 for DP2, GRPO
+at PP2, recomputation on, KL in the reward): 8 runs for 6 recipes and 26 variants. `COLLAPSED`
+writes down which runs as which and why, and a test checks that the resolved configs are equal
+but for exactly the keys it names. What cannot run on CPU:
 sequence parallelism (above; the value head under it: tests/distributed/test_value_head_sp.py),
 Transformer Engine, SGLang; also TP > 1 for the MoE recipe, since Megatron trains MoE layers
 under TP only with sequence parallelism (`two_ranks` gives it EP2 instead).
@@ -83,24 +86,46 @@ ANSWERS = {"gsm8k": ("#### ", ""), "math_boxed": ("\\boxed{", "}")}
 #: layout, micro_batch_size when it also sets micro-batches of 1, which with packing changes only how the
 #: same sequences are split into micro-batches (the token budget); micro-batches of 1 run in the 8x48gb
 #: cases)
+RECOMPUTE = ("actor.recompute.granularity", "critic.recompute.granularity")
 COLLAPSED = {
     "qwen2.5-7b-ppo-8gpu.yaml:4gpu": ("qwen2.5-7b-ppo-8gpu.yaml", "TP4 x DP1 instead of DP2: TP2",
                                       ("actor.micro_batch_size", "critic.micro_batch_size")),
     "qwen2.5-7b-ppo-8gpu.yaml:16gpu": ("qwen2.5-7b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2", ()),
     "qwen2.5-7b-ppo-8gpu.yaml:16x40gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
     "qwen3-8b-ppo-8gpu.yaml:16gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2", ()),
-    "qwen3-8b-ppo-8gpu.yaml:16x40gb": ("qwen3-8b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
-    "llama3.1-8b-grpo-8gpu.yaml:4gpu": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP2 x DP2: TP2",
-                                        ("actor.micro_batch_size",)),
+    # CI time: the rest collapse across a difference that another case runs
+    "qwen3-8b-ppo-8gpu.yaml:8x48gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "the same PPO run at PP2 on Qwen2.5's "
+                                      "stand-in; Qwen3 runs as itself at TP2 here and at PP2 in "
+                                      "tests/distributed/test_models.py", ("model.path", "run.output_dir")),
+    "qwen3-8b-ppo-8gpu.yaml:16x40gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "as qwen3-8b:8x48gb",
+                                       ("model.path", "run.output_dir")),
+    "qwen3-8b-ppo-8gpu.yaml:h200": ("qwen2.5-7b-ppo-8gpu.yaml:h200", "the same PPO run at DP2 with the distributed "
+                                    "optimizer on Qwen2.5's stand-in", ("model.path", "run.output_dir")),
+    "llama3.1-8b-grpo-8gpu.yaml:8x40gb": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 instead of DP2; TP2 runs in the PPO "
+                                          "cases", ("parallel.tp",)),
+    "llama3.1-8b-grpo-8gpu.yaml:4gpu": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 x DP2: TP2, as 8x40gb",
+                                        ("actor.micro_batch_size", "parallel.tp")),
     "llama3.1-8b-grpo-8gpu.yaml:16gpu": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 x DP8 instead of DP4: DP2", ()),
     "llama3.1-8b-grpo-8gpu.yaml:h200": ("llama3.1-8b-grpo-8gpu.yaml", "TP1 x DP8 without SP: DP2", ()),
-    "llama3.1-8b-grpo-8gpu.yaml:8x48gb": ("llama3.1-8b-grpo-8gpu.yaml:8x40gb", "TP8 either way: TP2", ()),
+    "llama3.1-8b-grpo-8gpu.yaml:8x48gb": ("llama3.1-8b-grpo-8gpu.yaml", "TP8: TP2, as 8x40gb", ("parallel.tp",)),
     "qwen3-30b-a3b-grpo-32gpu.yaml:16gpu": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP8 over DP8 instead of DP16: EP2", ()),
     "qwen3-30b-a3b-grpo-32gpu.yaml:h200": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP4 instead of EP8: EP2", ()),
     "qwen2.5-72b-ppo-64gpu.yaml:128gpu": ("qwen2.5-72b-ppo-64gpu.yaml", "DP2 instead of DP1: PP2 x VPP2", ()),
     "qwen2.5-72b-ppo-64gpu.yaml:h200": ("qwen2.5-72b-ppo-64gpu.yaml", "PP4 instead of PP8: PP2 x VPP2", ()),
-    "llama3.3-70b-ppo-64gpu.yaml:128gpu": ("llama3.3-70b-ppo-64gpu.yaml", "DP2 instead of DP1: PP2", ()),
-    "llama3.3-70b-ppo-64gpu.yaml:h200": ("llama3.3-70b-ppo-64gpu.yaml", "PP4 instead of PP8: PP2", ()),
+    "qwen2.5-72b-ppo-64gpu.yaml:grpo-32gpu": ("qwen2.5-72b-ppo-64gpu.yaml", "GRPO (n=8) instead of PPO; GRPO runs in "
+                                              "the llama3.1 and qwen3-30b cases", ("algorithm.adv_estimator",
+                                                                                   "rollout.n")),
+    "qwen2.5-72b-ppo-64gpu.yaml:long-4k": ("qwen2.5-72b-ppo-64gpu.yaml", "full recomputation (the 4096-token budget is "
+                                           "swapped anyway); it runs in llama3.3-70b:long-4k", RECOMPUTE),
+    "llama3.3-70b-ppo-64gpu.yaml": ("llama3.3-70b-ppo-64gpu.yaml:long-4k", "the same without recomputation, which "
+                                    "every other case runs", RECOMPUTE),
+    "llama3.3-70b-ppo-64gpu.yaml:no-kl": ("llama3.3-70b-ppo-64gpu.yaml:long-4k", "no KL in the reward (the KL-free "
+                                          "PPO path runs in qwen2.5-7b) and no recomputation",
+                                          ("algorithm.kl_ctrl.type", "algorithm.use_kl_in_reward", *RECOMPUTE)),
+    "llama3.3-70b-ppo-64gpu.yaml:128gpu": ("llama3.3-70b-ppo-64gpu.yaml:long-4k", "DP2 instead of DP1: PP2; without "
+                                           "recomputation", RECOMPUTE),
+    "llama3.3-70b-ppo-64gpu.yaml:h200": ("llama3.3-70b-ppo-64gpu.yaml:long-4k", "PP4 instead of PP8: PP2; without "
+                                         "recomputation", RECOMPUTE),
 }
 #: the case whose resumed run is also compared with a run straight through 2 steps (bf16, PPO, DP2 with
 #: the distributed optimizer: sharded optimizer state in the checkpoint)
