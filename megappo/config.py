@@ -173,9 +173,9 @@ class OptimConfig(_Section):
         _require(0 <= self.min_lr_ratio <= 1, f"{P}min_lr_ratio={self.min_lr_ratio} must be in [0, 1]. Fix: e.g. 0.1.")
 
 
-#: selective recomputation's modules (megappo.models.recompute.MODULES; a unit test keeps them equal)
+#: selective recomputation's modules (megappo.models.recompute uses these tables)
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
-#: Megatron's other modules and why megappo refuses them (megappo.models.recompute.REFUSED_MODULES)
+#: Megatron's other modules and why megappo refuses them
 RECOMPUTE_REFUSED = {
     "layernorm": "Megatron-Core 0.16.1 recomputes norms with CheckpointWithoutOutput, which needs Transformer "
                  "Engine (it fails with NameError on the local layer spec)",

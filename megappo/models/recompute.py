@@ -40,20 +40,14 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from megappo.config import RECOMPUTE_MODULES, RECOMPUTE_REFUSED
 from megappo.models.hf_config import ModelConfigError, ModelDims
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("uniform", "block")
-#: selective modules megappo passes to Megatron (recompute_modules)
-MODULES = ("core_attn", "mlp", "moe")
-#: Megatron's other selective modules, and why megappo refuses them
-REFUSED_MODULES = {
-    "layernorm": "Megatron-Core 0.16.1 recomputes norms with CheckpointWithoutOutput, which needs Transformer "
-                 "Engine (it fails with NameError on the local layer spec)",
-    "moe_act": "Megatron recomputes the MoE activation only with grouped-GEMM experts, which megappo does not use",
-    "mla_up_proj": "it is for multi-latent attention (DeepSeek), which no megappo model family has",
-    "shared_experts": "megappo's MoE families have no shared experts",
-}
+#: selective modules megappo passes to Megatron (recompute_modules), and Megatron's others with why megappo
+#: refuses them: the config schema's tables (checked there at load time, here for direct API use)
+MODULES, REFUSED_MODULES = RECOMPUTE_MODULES, RECOMPUTE_REFUSED
 DEFAULT_MODULES = ("core_attn",)  # Megatron's default for selective
 
 

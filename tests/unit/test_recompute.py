@@ -3,20 +3,15 @@ model and layout, and the config section that feeds it (no processes, no torch m
 
 import pytest
 
-from megappo import config as config_module
 from megappo.config import ConfigError, config_from_dict, load_config
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS
-from megappo.models.recompute import MODULES, NO_RECOMPUTE, REFUSED_MODULES, Recompute
+from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.run import recompute_of
 
 LLAMA = dims_from_hf(TINY_CONFIGS["llama"])  # 4 layers
 MOE = dims_from_hf(TINY_CONFIGS["qwen3_moe"])
 DEMO = "recipes/demo-cpu.yaml"
-
-
-def test_the_config_and_the_module_name_the_same_modules():
-    assert config_module.RECOMPUTE_MODULES == MODULES and config_module.RECOMPUTE_REFUSED == REFUSED_MODULES
 
 
 def test_megatron_fields_with_defaults_filled_in():
