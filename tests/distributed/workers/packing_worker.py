@@ -87,6 +87,19 @@ def batchings(ps, vpp):
             "padded": MicroBatching(packed=False, micro_batch_size=2)}
 
 
+def forward_passes(ps, dims, hf, hf_tok, seqs: SeqBatch, vpp, dtype: str):
+    """(kind, log-probs, entropy, values, scores) of an actor loaded from `hf` and a critic from `hf_tok`
+    in `dtype`, packed and padded."""
+    actor = build_model(dims, ps, role="actor", dtype=dtype)
+    load_hf_weights(actor, hf.state_dict())
+    critic = build_model(dims, ps, role="critic", dtype=dtype)
+    load_hf_weights(critic, hf_tok.state_dict())
+    for kind, batching in batchings(ps, vpp).items():
+        lp, ent = PolicyWorker(actor, batching=batching, temperature=TEMP).log_probs(seqs, with_entropy=True)
+        values = ValueWorker(critic, batching=batching).values(seqs)
+        yield kind, lp, ent, values, ValueWorker(critic, batching=batching).scores(seqs)
+
+
 def close(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
     diff = (got - want).abs().max().item()
     assert diff <= TOL, f"{name}: max abs diff {diff} > {TOL}"
@@ -121,14 +134,7 @@ def check(ps, family: str, vpp) -> None:
     mask = seqs.response_mask.float()
 
     # 1 + 2: forward passes
-    actor = build_model(dims, ps, role="actor")
-    load_hf_weights(actor, hf.state_dict())
-    critic = build_model(dims, ps, role="critic")
-    load_hf_weights(critic, hf_tok.state_dict())
-    for kind, batching in batchings(ps, vpp).items():
-        lp, ent = PolicyWorker(actor, batching=batching, temperature=TEMP).log_probs(seqs, with_entropy=True)
-        values = ValueWorker(critic, batching=batching).values(seqs)
-        scores = ValueWorker(critic, batching=batching).scores(seqs)
+    for kind, lp, ent, values, scores in forward_passes(ps, dims, hf, hf_tok, seqs, vpp, "float32"):
         if ps.rank == 0:
             d = [close(f"{family} {kind} log-probs", lp, ref_lp * mask), close(f"{family} {kind} entropy", ent, ref_ent * mask),
                  close(f"{family} {kind} values", values, ref_values * mask), close(f"{family} {kind} scores", scores, ref_scores)]
@@ -171,14 +177,7 @@ def check_bf16(ps, family: str, vpp) -> None:
     hf_lp, _ = reference_log_probs(hf.to(torch.bfloat16), seqs)  # transformers computing in bf16
     mask = seqs.response_mask.float()
     tol = COMPARE_TOL["bfloat16"]
-    actor = build_model(dims, ps, role="actor", dtype="bfloat16")
-    load_hf_weights(actor, hf.state_dict())
-    critic = build_model(dims, ps, role="critic", dtype="bfloat16")
-    load_hf_weights(critic, hf_tok.state_dict())
-    for kind, batching in batchings(ps, vpp).items():
-        lp, ent = PolicyWorker(actor, batching=batching, temperature=TEMP).log_probs(seqs, with_entropy=True)
-        values = ValueWorker(critic, batching=batching).values(seqs)
-        scores = ValueWorker(critic, batching=batching).scores(seqs)
+    for kind, lp, ent, values, scores in forward_passes(ps, dims, hf, hf_tok, seqs, vpp, "bfloat16"):
         if ps.rank == 0:
             d = {"log-probs": (lp - ref_lp * mask).abs().max().item(), "entropy": (ent - ref_ent * mask).abs().max().item(),
                  "values": (values - ref_values * mask).abs().max().item(),

@@ -28,9 +28,9 @@ from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import init_parallel
-from megappo.workers import Experience, PolicyWorker, SeqBatch, ValueWorker
+from megappo.workers import Experience, PolicyWorker, ValueWorker
+from packing_worker import N, R, make_seqs  # the same 8 sequences of mixed prompt and response lengths
 
-N, P, R = 8, 6, 7
 SETTINGS = {
     "full uniform 1": Recompute("full"),
     "full uniform 2": Recompute("full", num_layers=2),
@@ -41,16 +41,9 @@ BF16 = ("full uniform 1", "selective core_attn+mlp")
 
 
 def make_experience(vocab: int) -> Experience:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (N, P + R), generator=gen)
-    attn = torch.zeros(N, P + R, dtype=torch.long)
-    resp = torch.zeros(N, R, dtype=torch.long)
-    for i in range(N):
-        p, r = 1 + i % 6, 1 + (3 * i) % 7
-        attn[i, P - p:P + r] = 1
-        resp[i, :r] = 1
-    seqs = SeqBatch(input_ids=ids * attn, attention_mask=attn, response_mask=resp, prompt_len=P)
-    mask = resp.float()
+    seqs = make_seqs(vocab)
+    gen = torch.Generator().manual_seed(1)
+    mask = seqs.response_mask.float()
     lp = -5.0 + 0.1 * torch.randn(N, R, generator=gen)
     return Experience(seqs=seqs, old_log_probs=lp * mask, advantages=torch.randn(N, R, generator=gen) * mask,
                       ref_log_probs=(lp + 0.05 * torch.randn(N, R, generator=gen)) * mask,
