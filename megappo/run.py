@@ -353,7 +353,7 @@ def create_run(cfg: Config) -> Run:
         print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)}"
               f"{_long_prompts_note(data_stats, cfg.data.max_prompt_length)} | steps={total_steps} | "
               f"critic={'on' if critic else 'off'} ref={'on' if ref else 'off'} | "
-              f"estimator={cfg.algorithm.adv_estimator}", flush=True)
+              f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}", flush=True)
         if len(layouts) > 1:
             print("megappo: per-role layouts: " + ", ".join(
                 f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"

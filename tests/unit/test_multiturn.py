@@ -351,16 +351,20 @@ def test_bad_env_is_refused_before_any_model_is_built():
         load_config(DEMO, ["rollout.max_turns=0"])
 
 
-def demo_score() -> float:
-    cfg = load_config(DEMO)
-    tok = load_tokenizer(cfg.model.tokenizer)
-    exs = build_prompts(builtin_rows(cfg.data.builtin, cfg.data.builtin_size, cfg.data.seed), tok,
-                        apply_chat_template=False)[0]
-    env = env_class(cfg.rollout.env)
-    return cfg, tok, exs, env, random_policy_episode_score(
-        exs, lambda: env(**cfg.rollout.env_args), tok, observation_encoder(tok, env.observation_role, False),
-        vocab_size=19, max_turns=cfg.rollout.max_turns, max_turn_tokens=cfg.rollout.max_turn_tokens,
-        max_new_tokens=cfg.rollout.max_new_tokens)
+def demo_score(capsys):
+    """docs/environments.md's snippet that computes the demo's random-policy score, run as is from the
+    repository root: (its config, tokenizer, examples, environment class, score)."""
+    page = open(os.path.join(REPO, "docs", "environments.md")).read()
+    code = re.search(r"```python\n(from megappo.config import load_config.*?random_policy_episode_score.*?)```",
+                     page, re.S).group(1)
+    cwd, names = os.getcwd(), {}
+    os.chdir(REPO)
+    try:
+        exec(compile(code, "docs/environments.md", "exec"), names)
+    finally:
+        os.chdir(cwd)
+    assert capsys.readouterr().out == f"random policy: {names['score']:.3f}\n"
+    return names["cfg"], names["tok"], names["examples"], names["env"], names["score"]
 
 
 class Uniform:
@@ -386,10 +390,10 @@ class Uniform:
                             prompt_index=torch.arange(len(contexts)).repeat_interleave(params.n))
 
 
-def test_lookup_demo_random_policy_score_is_what_the_recipe_states():
-    """The exact enumeration against episodes of a uniform policy played by the runner itself, and
-    the number the recipe and docs/environments.md quote."""
-    cfg, tok, exs, env, exact = demo_score()
+def test_lookup_demo_random_policy_score_is_what_the_recipe_states(capsys):
+    """The exact enumeration (docs/environments.md's snippet) against episodes of a uniform policy
+    played by the runner itself, and the number the recipe and docs/environments.md quote."""
+    cfg, tok, exs, env, exact = demo_score(capsys)
     assert exact <= 0.2
     n = 4000
     batch = run_episodes(Uniform(19, tok.eos_token_id, 0).generate, exs, SamplingParams(n=n // len(exs) + 1,
