@@ -21,14 +21,22 @@ KEY_NUMBER = {"mfu": "tflops", "gen": "tokens_per_s", "sync": "gb_per_s", "e2e":
 
 
 def test_gpu_bench_smoke(tmp_path):
-    out = tmp_path / "gpu.json"
+    """Through benchmarks/gpu_check.py --smoke (make gpu-check's driver): the GPU-marked tests (skipped
+    here), then gpu.py --smoke; one JSON and one table gather them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--smoke", "--json", str(out),
-                           "--e2e-dir", str(tmp_path / "e2e")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--smoke",
+                           "--out", str(tmp_path), "--wheels", str(tmp_path / "no-wheels")],
+                          env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    results = json.loads(out.read_text())
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert list(report["parts"]) == ["tests", "bench"] and report["wheels"] == []
+    assert all(part["status"] == "ok" and part["seconds"] > 0 for part in report["parts"].values()), report["parts"]
+    results = report["parts"]["bench"]["results"]
+    assert results == json.loads((tmp_path / "bench.json").read_text())
+    table = (tmp_path / "gpu-check.txt").read_text()
+    assert table in proc.stdout and "[bench]" in table
     assert results["config"]["settings"]["smoke"] is True
     assert set(results["sections"]) == {"mfu", "gen", "sync", "e2e"}
     e2e = results["sections"].pop("e2e")
@@ -47,7 +55,7 @@ def test_gpu_bench_smoke(tmp_path):
     mfu = {r["what"]: r["values"] for r in results["sections"]["mfu"] if r["status"] == "ok"}
     assert any("update (PolicyWorker.update" in what for what in mfu)
     assert all(v["mfu_vs_matmul"] > 0 for v in mfu.values())
-    assert "== sync" in proc.stdout and "vs copy_" in proc.stdout
+    assert "== sync" in table and "vs copy_" in table
     # e2e: one megappo train run of benchmarks/gpu_e2e/tiny.yaml, summarised from its metrics.jsonl
     (row,) = e2e
     assert row["status"] == "ok", row
@@ -62,4 +70,4 @@ def test_gpu_bench_smoke(tmp_path):
     assert values["plan_gib"] > 0 and values["wall_s"] > values["step_s"]
     if not torch.cuda.is_available():  # no device memory or peak to read on a CPU
         assert values["peak_mem_gib"] is None and values["mfu_actor"] is None
-    assert "== e2e" in proc.stdout and "plan GiB" in proc.stdout
+    assert "== e2e" in table and "plan GiB" in table
