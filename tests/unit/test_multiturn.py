@@ -363,7 +363,7 @@ def demo_score(capsys):
         exec(compile(code, "docs/environments.md", "exec"), names)
     finally:
         os.chdir(cwd)
-    assert capsys.readouterr().out == f"random policy: {names['score']:.3f}\n"
+    assert capsys.readouterr().out == f"uniform sampling scores {names['score']:.3f}\n"
     return names["cfg"], names["tok"], names["examples"], names["env"], names["score"]
 
 
