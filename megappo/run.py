@@ -36,6 +36,7 @@ from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
+from megappo.rollout.engines import engine_for
 from megappo.rollout.schedule import SCHEDULES
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
@@ -325,7 +326,7 @@ def create_run(cfg: Config) -> Run:
 
     engine = rollouts = None
     if ps.is_rank0:
-        engine = _build_engine(cfg, hf_model, tokenizer)
+        engine = engine_for(cfg, hf_model, tokenizer, return_routes=replays)
         rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit)
     bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None, bucket_bytes=cfg.rollout.update_bucket_mb << 20,
                           verify_every=cfg.rollout.verify_every)
@@ -373,26 +374,3 @@ def _long_prompts_note(stats: dict[str, int], limit: int) -> str:
                                           ("truncated", stats.get("truncated_long", 0))) if n]
     return f" ({', '.join(done)}: longer than data.max_prompt_length={limit})" if done else ""
 
-
-def _build_engine(cfg: Config, hf_model, tokenizer):
-    from megappo.rollout.engine import build_engine
-
-    if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
-        from megappo.rollout.remote import HFModelSource, RemoteEngine
-
-        source = HFModelSource(path=cfg.model.path, hf_config=cfg.model.hf_config, seed=cfg.model.seed_init)
-        return RemoteEngine(source, pad_token_id=tokenizer.pad_token_id, cores=cfg.rollout.engine_cores)
-    if cfg.rollout.engine == "hf":
-        if hf_model is None:
-            from transformers import AutoModelForCausalLM
-
-            hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, use_safetensors=True)
-        return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id)
-    model_path = cfg.model.path
-    if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk
-        model_path = os.path.join(cfg.run.output_dir, "engine-init")
-        hf_model.save_pretrained(model_path)
-    return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
-                        dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
-                        engine_args={**({"enable_return_routed_experts": True} if cfg.actor.moe_routing == "replay"
-                                         else {}), **cfg.rollout.sglang})
