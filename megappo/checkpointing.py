@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megappo.config import Config, ConfigError
+from megappo.config import Config
+from megappo.errors import ConfigError
 from megappo.data import PromptExample
 from megappo.types import RolloutBatch
 

@@ -85,7 +85,8 @@ def _train_start_up(args):
     """The recipe, the world size, whether this is a Ray driver, and the checkpoint to resume:
     every check that can refuse the run before any rank starts."""
     from megappo.checkpointing import find_resume
-    from megappo.config import ConfigError, load_config
+    from megappo.errors import ConfigError
+    from megappo.recipe import load_config
     from megappo.preflight import check_inputs
 
     cfg = load_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
@@ -182,7 +183,7 @@ def _record_restart(run_dir: str, restart) -> None:
 
 
 def cmd_plan(args) -> int:
-    from megappo.config import load_config
+    from megappo.recipe import load_config
     from megappo.plan import format_plan, make_plan
 
     cfg = load_config(args.recipe, args.overrides, args.variant)
@@ -197,7 +198,7 @@ def cmd_plan(args) -> int:
 
 def cmd_hardware(args) -> int:
     """The recipe's hardware as shell assignments, for tools/launch/ (`eval "$(megappo hardware ...)"`)."""
-    from megappo.config import load_config
+    from megappo.recipe import load_config
 
     cfg = load_config(args.recipe, args.overrides, args.variant)
     hw, world = cfg.hardware, cfg.hardware_world_size
@@ -316,9 +317,9 @@ def run_reporting_errors(func, *args) -> int:
     that timed out or lost a rank (the message names this rank and the stage) exits 3, which
     the launcher reports only when no other rank failed. Anything else is a bug and keeps its
     traceback."""
-    from megappo.config import ConfigError
+    from megappo.errors import ConfigError
     from megappo.data import DataError
-    from megappo.models.hf_config import ModelConfigError
+    from megappo.errors import ModelConfigError
 
     try:
         return func(*args)

@@ -112,7 +112,7 @@ def generate(run: Run, step: int) -> RolloutBatch:
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
-                            logprob_mode=cfg.logprob_mode, return_routes=run.cfg.actor.moe_routing == "replay")
+                            logprob_mode=cfg.logprob_mode, return_routes=run.plan.routing_replay)
     batch = rollout(run, prompts, params)
     if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
         greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))

@@ -75,7 +75,8 @@ import math
 import os
 from typing import Any, Optional
 
-from megappo.config import Config, ConfigError
+from megappo.config import Config
+from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
 from megappo.models.recompute import Recompute
 

@@ -40,7 +40,7 @@ import numbers
 import re
 from typing import Any, Callable, Sequence
 
-from megappo.config import ConfigError
+from megappo.errors import ConfigError
 from megappo.user_code import load_spec
 
 RewardFn = Callable[[str, Any, dict], float]

@@ -1,10 +1,17 @@
-"""Everything a training run holds, built once from a Config: `Run.create(cfg)`.
+"""Everything a training run holds, built once from a Config: `create_run(cfg)`.
 
 Process groups, the tokenizer, the actor / reference / critic / reward models (HF weights
 loaded into the shards, Megatron optimizers for the trained ones), the rollout engine and
 the bridge on rank 0, prompts and sampler, the KL controller, the metric logger, and the
 step bookkeeping the loop needs; when a checkpoint is there to resume from (megappo.checkpointing),
 the models, optimizers, data cursor, KL coefficient and RNG continue from it.
+
+`create_run` calls one named phase after another, each taking what the earlier ones built:
+`model_source` (HF config, weights, tokenizer), `load_prompts`, `role_layouts` (process groups
+per role), `build_roles` (the models and workers a `RolePlan` asks for: the decisions made once
+from the config, such as routing replay and recomputation), `build_rollout_side` (engine,
+schedule, bridge), `resume_state`, `announce` (config.json, logger, start-up lines). A new
+capability enters as a phase's argument (a field of the plan), not as a branch inside one.
 
 This module does not know the order of a PPO step (see megappo.orchestrator).
 """
@@ -27,15 +34,17 @@ from megappo.datacheck import check_data, warn_shared_prompts
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
-from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
+from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
+from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
+from megappo.rollout.engines import engine_for
 from megappo.rollout.schedule import SCHEDULES
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
@@ -47,6 +56,7 @@ from megappo.workers import PolicyWorker, ValueWorker
 class Run:
     cfg: Config
     ps: ParallelState
+    plan: RolePlan  # what was built, decided once (routing replay, recomputation, roles)
     tokenizer: Any
     actor: PolicyWorker
     ref: PolicyWorker | None
@@ -223,13 +233,83 @@ def _prompt_rows(d) -> tuple[list[dict], list[dict] | None]:
     return train, load_rows(d.val_files, "data.val_files") if d.val_files else None
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """The actor's starting point, read once: what every role's weights and the engine start from."""
+
+    hf_config: dict  # with the tokenizer's special token ids when the model is built from model.hf_config
+    weights: Any  # an HF directory, or the in-memory state dict of `hf_model`
+    hf_model: Any  # the transformers model built from model.hf_config; None for model.path
+    dims: ModelDims
+    tokenizer: Any
+
+
+@dataclasses.dataclass
+class Prompts:
+    """Rank 0's prompts and sampler (empty / None on other ranks) and the run's length (every rank)."""
+
+    train: list
+    val: list
+    sampler: PromptSampler | None
+    stats: dict  # build_prompts' counts of long prompts skipped / truncated
+    total_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RolePlan:
+    """What the roles phase builds, decided once from the config and handed down: the models, the
+    engine and the step read these decisions here, never from the config again."""
+
+    roles: tuple[str, ...]  # the Megatron models this run builds: actor, and critic / ref / reward as needed
+    routing_replay: bool  # MoE: the actor's and reference's routers replay the engine's expert choices
+    recompute: dict[str, Recompute]  # activation recomputation per role
+
+    @classmethod
+    def of(cls, cfg: Config) -> RolePlan:
+        return cls(roles=cfg.model_roles, routing_replay=cfg.actor.moe_routing == "replay",
+                   recompute={role: recompute_of(cfg, role) for role in cfg.model_roles})
+
+
+@dataclasses.dataclass
+class Roles:
+    """The role workers the plan asked for (None: not in this run)."""
+
+    actor: PolicyWorker
+    ref: PolicyWorker | None
+    critic: ValueWorker | None
+    reward_model: ValueWorker | None
+
+
 def create_run(cfg: Config) -> Run:
+    """Collective: every phase in turn, each taking what the earlier ones built."""
     p = cfg.parallel
     ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
         resume = checkpointing.find_resume(cfg)  # refusals come before any model is built
     torch.manual_seed(cfg.run.seed)
+    source = model_source(cfg)
+    prompts = load_prompts(cfg, ps, source.tokenizer)
+    layouts = role_layouts(cfg, ps)
+    plan = RolePlan.of(cfg)
+    roles = build_roles(cfg, layouts, source, plan, prompts.total_steps)
+    engine, rollouts, bridge = build_rollout_side(cfg, ps, source, roles.actor.model, prompts.total_steps,
+                                                  routing_replay=plan.routing_replay)
+    kl = cfg.algorithm.kl_ctrl
+    kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
+    start_step, nan_skips = resume_state(resume, ps, roles, kl_ctrl, prompts.sampler, rollouts)
+    logger, progress = announce(cfg, ps, prompts, roles, layouts, resume=resume, start_step=start_step)
+    critic_hf_config = load_hf_config(cfg.critic.path) if cfg.critic.path else source.hf_config
+    return Run(cfg=cfg, ps=ps, plan=plan, tokenizer=source.tokenizer, actor=roles.actor, ref=roles.ref,
+               critic=roles.critic, reward_model=roles.reward_model, hf_config=source.hf_config,
+               critic_hf_config=critic_hf_config, engine=engine, bridge=bridge, train_examples=prompts.train,
+               val_examples=prompts.val, sampler=prompts.sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress,
+               total_steps=prompts.total_steps, start_step=start_step, nan_skips=nan_skips,
+               last_saved_step=start_step if resume else None, rollouts=rollouts)
+
+
+def model_source(cfg: Config) -> ModelSource:
+    """The actor's HF config and weights, its dims and the tokenizer (checked against its vocab)."""
     hf_config, weights, hf_model = _hf_source(cfg)
     dims = dims_from_hf(hf_config, cfg.model.arch)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
@@ -239,8 +319,12 @@ def create_run(cfg: Config) -> Run:
         for key in special_token_ids(tokenizer):  # (SGLang also stops at the config's eos_token_id)
             setattr(hf_model.config, key, hf_config[key])
             setattr(hf_model.generation_config, key, hf_config[key])
+    return ModelSource(hf_config=hf_config, weights=weights, hf_model=hf_model, dims=dims, tokenizer=tokenizer)
 
-    # prompts (rank 0 owns them)
+
+def load_prompts(cfg: Config, ps: ParallelState, tokenizer) -> Prompts:
+    """Collective: rank 0 reads, checks and tokenizes the training and validation prompts (data.*);
+    every rank learns the number of steps."""
     train_examples, val_examples, sampler, data_stats = [], [], None, {}
     if ps.is_rank0:
         d = cfg.data
@@ -261,110 +345,129 @@ def create_run(cfg: Config) -> Run:
                                     val_source=f"data.val_files {d.val_files}")
             val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
         sampler = PromptSampler(len(train_examples), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
-    from megappo.parallel.comm import broadcast_from_rank0
-
     steps_per_epoch = broadcast_from_rank0(sampler.batches_per_epoch if sampler else None)
     total_steps = cfg.run.total_steps or steps_per_epoch * cfg.run.total_epochs
+    return Prompts(train=train_examples, val=val_examples, sampler=sampler, stats=data_stats, total_steps=total_steps)
 
-    # roles with their own TP/PP get their own Megatron groups over the same ranks (built in
-    # the same order on every rank)
+
+def role_layouts(cfg: Config, ps: ParallelState) -> dict[str, ParallelState]:
+    """Collective: each model role's ParallelState. A role with its own TP / PP / EP gets its own
+    Megatron groups over the same ranks (built in the same order on every rank); the others share `ps`."""
     def layout_of(role: str) -> tuple:
         return cfg.layout(role) + (cfg.expert_parallel(role),)
 
-    layouts = {ps.layout + (ps.ep,): ps}
+    states = {ps.layout + (ps.ep,): ps}
     for role in cfg.model_roles:
-        if layout_of(role) not in layouts:
-            layouts[layout_of(role)] = add_layout(ps, *cfg.layout(role), ep=cfg.expert_parallel(role),
-                                                  seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
+        if layout_of(role) not in states:
+            states[layout_of(role)] = add_layout(ps, *cfg.layout(role), ep=cfg.expert_parallel(role),
+                                                 seed=cfg.run.seed, timeout_minutes=cfg.parallel.timeout_minutes)
+    return {role: states[layout_of(role)] for role in cfg.model_roles}
 
-    replays = cfg.actor.moe_routing == "replay"  # the actor's and reference's routers replay the engine's
 
-    def model(role: str, source=weights) -> MegatronModel:
+def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSource, plan: RolePlan,
+                total_steps: int) -> Roles:
+    """Collective: the role models `plan` asks for, loaded with their HF weights (a critic or reward
+    model from its own directory), wrapped in their workers, with optimizers for the trained ones."""
+    def model(role: str, weights=source.weights) -> MegatronModel:
         # a critic or reward model from its own directory may have another size than the actor
-        role_dims = dims_from_hf(load_hf_config(source)) if isinstance(source, str) else dims
-        if role_dims.vocab_size != dims.vocab_size:
+        role_dims = dims_from_hf(load_hf_config(weights)) if isinstance(weights, str) else source.dims
+        if role_dims.vocab_size != source.dims.vocab_size:
             raise ModelConfigError(f"the {role} model's vocab_size {role_dims.vocab_size} differs from the actor's "
-                             f"{dims.vocab_size}; all roles must share the tokenizer.")
-        m = build_model(role_dims, layouts[layout_of(role)], role=role, dtype=cfg.model.dtype,
+                                   f"{source.dims.vocab_size}; all roles must share the tokenizer.")
+        m = build_model(role_dims, layouts[role], role=role, dtype=cfg.model.dtype,
                         layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                        sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init,
-                        recompute=recompute_of(cfg, role),
-                        **({"moe_enable_routing_replay": True} if replays and role in ("actor", "ref") else {}))
-        load_hf_weights(m, source)
+                        sequence_parallel=cfg.parallel.sequence_parallel, value_head_seed=cfg.model.seed_init,
+                        recompute=plan.recompute[role],
+                        **({"moe_enable_routing_replay": True} if replays(role) else {}))
+        load_hf_weights(m, weights)
         return m
 
+    def replays(role: str) -> bool:
+        return plan.routing_replay and role in ("actor", "ref")
+
+    def trainable(role: str, m: MegatronModel):
+        return make_trainable(m, _optim(getattr(cfg, role), total_steps, cfg.updates_per_step(role),
+                                        cfg.parallel.use_distributed_optimizer))
+
+    temperature = cfg.rollout.temperature or 1.0
     actor_model = model("actor")
-    def batching(role: str) -> MicroBatching:
-        tp, pp, vpp = cfg.layout(role)
-        micro = cfg.ref_micro_batch_size if role == "ref" else getattr(cfg, role).micro_batch_size
-        budget = cfg.max_tokens_per_micro_batch(role)
-        return MicroBatching(packed=cfg.packs(role), max_tokens=budget, micro_batch_size=micro,
-                             micro_batch_multiple=pp if vpp else 1,
-                             multiple=tp if p.sequence_parallel else 1)
+    actor = PolicyWorker(actor_model, batching=_batching(cfg, "actor"), temperature=temperature,
+                         routing=RouteReplay() if replays("actor") else None,
+                         trainable=trainable("actor", actor_model))
+    ref = critic = reward_model = None
+    if "ref" in plan.roles:
+        ref = PolicyWorker(model("ref"), batching=_batching(cfg, "ref"), temperature=temperature,
+                           routing=RouteReplay() if replays("ref") else None)
+    if "critic" in plan.roles:
+        critic_model = model("critic", cfg.critic.path or source.weights)
+        critic = ValueWorker(critic_model, batching=_batching(cfg, "critic"),
+                             trainable=trainable("critic", critic_model))
+    if "reward" in plan.roles:
+        reward_model = ValueWorker(model("reward", cfg.reward.model_path), batching=_batching(cfg, "reward"))
+    return Roles(actor=actor, ref=ref, critic=critic, reward_model=reward_model)
 
-    actor = PolicyWorker(actor_model, batching=batching("actor"),
-                         temperature=cfg.rollout.temperature or 1.0, routing=RouteReplay() if replays else None,
-                         trainable=make_trainable(actor_model, _optim(cfg.actor, total_steps,
-                                                                      cfg.updates_per_step("actor"),
-                                                                      p.use_distributed_optimizer)))
-    ref = None
-    if cfg.needs_ref:
-        ref = PolicyWorker(model("ref"), batching=batching("ref"), temperature=cfg.rollout.temperature or 1.0,
-                           routing=RouteReplay() if replays else None)
-    critic = None
-    if cfg.use_critic:
-        critic_model = model("critic", cfg.critic.path or weights)
-        critic = ValueWorker(critic_model, batching=batching("critic"),
-                             trainable=make_trainable(critic_model, _optim(cfg.critic, total_steps,
-                                                                           cfg.updates_per_step("critic"),
-                                                                           p.use_distributed_optimizer)))
-    reward_model = None
-    if cfg.reward.model_path:
-        reward_model = ValueWorker(model("reward", cfg.reward.model_path), batching=batching("reward"))
 
+def _batching(cfg: Config, role: str) -> MicroBatching:
+    """A role's micro-batching: packed to its token budget, or `micro_batch_size` sequences."""
+    tp, pp, vpp = cfg.layout(role)
+    micro = cfg.ref_micro_batch_size if role == "ref" else getattr(cfg, role).micro_batch_size
+    return MicroBatching(packed=cfg.packs(role), max_tokens=cfg.max_tokens_per_micro_batch(role),
+                         micro_batch_size=micro, micro_batch_multiple=pp if vpp else 1,
+                         multiple=tp if cfg.parallel.sequence_parallel else 1)
+
+
+def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, actor_model: MegatronModel,
+                       total_steps: int, *, routing_replay: bool) -> tuple[Any, Any, WeightBridge]:
+    """Collective: (engine, rollout schedule, bridge). Rank 0 holds the engine (megappo.rollout.engines)
+    behind the schedule of rollout.mode; the other ranks hold None for both and send through the bridge."""
     engine = rollouts = None
     if ps.is_rank0:
-        engine = _build_engine(cfg, hf_model, tokenizer, ps.device)
+        engine = engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device)
         rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit)
-    bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None, bucket_bytes=cfg.rollout.update_bucket_mb << 20,
-                          verify_every=cfg.rollout.verify_every)
-    kl = cfg.algorithm.kl_ctrl
-    kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-    start_step, nan_skips = 0, 0
+    bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None,
+                          bucket_bytes=cfg.rollout.update_bucket_mb << 20, verify_every=cfg.rollout.verify_every)
+    return engine, rollouts, bridge
+
+
+def resume_state(resume: dict | None, ps: ParallelState, roles: Roles, kl_ctrl, sampler: PromptSampler | None,
+                 rollouts) -> tuple[int, int]:
+    """Collective: when resuming, load the trained roles' models and optimizers, and on rank 0 the KL
+    coefficient, the data cursor and the rollout buffer from the checkpoint. (start step, NaN skips)."""
+    if not resume:
+        return 0, 0
+    checkpointing.load(resume["path"], _trained(roles.actor, roles.critic), ps.rank)
+    kl_ctrl.value = resume["kl_coef"]
+    if sampler:
+        sampler.load_state_dict(resume["sampler"])
+        rollouts.restore(checkpointing.load_rollout_buffer(resume["path"]))
+    return resume["step"], resume["nan_skips"]
+
+
+def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, layouts: dict[str, ParallelState],
+             *, resume: dict | None, start_step: int) -> tuple[MetricLogger | None, Progress | None]:
+    """Rank 0: config.json in run.output_dir, the progress bar and the metric logger, and the start-up
+    lines (resumed from where; world, prompts, steps, roles; per-role layouts). (None, None) elsewhere."""
+    if not ps.is_rank0:
+        return None, None
+    os.makedirs(cfg.run.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+    progress = Progress(prompts.total_steps, start=start_step, enabled=cfg.logging.progress_bar)
+    logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
+                          run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step,
+                          progress=progress)
     if resume:
-        checkpointing.load(resume["path"], _trained(actor, critic), ps.rank)
-        start_step, nan_skips = resume["step"], resume["nan_skips"]
-        kl_ctrl.value = resume["kl_coef"]
-        if sampler:
-            sampler.load_state_dict(resume["sampler"])
-            rollouts.restore(checkpointing.load_rollout_buffer(resume["path"]))
-    logger = progress = None
-    if ps.is_rank0:
-        os.makedirs(cfg.run.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
-        progress = Progress(total_steps, start=start_step, enabled=cfg.logging.progress_bar)
-        logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
-                              run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step,
-                              progress=progress)
-        if resume:
-            print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
-        print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)}"
-              f"{_long_prompts_note(data_stats, cfg.data.max_prompt_length)} | steps={total_steps} | "
-              f"critic={'on' if critic else 'off'} ref={'on' if ref else 'off'} | "
-              f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}", flush=True)
-        if len(layouts) > 1:
-            print("megappo: per-role layouts: " + ", ".join(
-                f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
-                for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)]), flush=True)
-    critic_hf_config = load_hf_config(cfg.critic.path) if cfg.critic.path else hf_config
-    return Run(cfg=cfg, ps=ps, tokenizer=tokenizer, actor=actor, ref=ref, critic=critic, reward_model=reward_model,
-               hf_config=hf_config, critic_hf_config=critic_hf_config,
-               engine=engine, bridge=bridge, train_examples=train_examples, val_examples=val_examples,
-               sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps,
-               start_step=start_step, nan_skips=nan_skips, last_saved_step=start_step if resume else None,
-               rollouts=rollouts)
+        print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
+    print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(prompts.train)}"
+          f"{_long_prompts_note(prompts.stats, cfg.data.max_prompt_length)} | steps={prompts.total_steps} | "
+          f"critic={'on' if roles.critic else 'off'} ref={'on' if roles.ref else 'off'} | "
+          f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}", flush=True)
+    if any(state is not ps for state in layouts.values()):
+        print("megappo: per-role layouts: " + ", ".join(
+            f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
+            for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)]), flush=True)
+    return logger, progress
 
 
 def _long_prompts_note(stats: dict[str, int], limit: int) -> str:
@@ -373,29 +476,3 @@ def _long_prompts_note(stats: dict[str, int], limit: int) -> str:
                                           ("truncated", stats.get("truncated_long", 0))) if n]
     return f" ({', '.join(done)}: longer than data.max_prompt_length={limit})" if done else ""
 
-
-def _build_engine(cfg: Config, hf_model, tokenizer, device: torch.device):
-    from megappo.rollout.engine import build_engine
-
-    if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
-        from megappo.rollout.remote import HFModelSource, RemoteEngine
-
-        source = HFModelSource(path=cfg.model.path, hf_config=cfg.model.hf_config, seed=cfg.model.seed_init)
-        return RemoteEngine(source, pad_token_id=tokenizer.pad_token_id, cores=cfg.rollout.engine_cores)
-    if cfg.rollout.engine == "hf":
-        if hf_model is None:
-            from transformers import AutoModelForCausalLM
-
-            hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, use_safetensors=True)
-        from megappo.rollout.hf_engine import gpu_placement
-
-        return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id,
-                            **gpu_placement(device, cfg.model.dtype))  # on the trainer's GPU in the model dtype
-    model_path = cfg.model.path
-    if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk
-        model_path = os.path.join(cfg.run.output_dir, "engine-init")
-        hf_model.save_pretrained(model_path)
-    return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
-                        dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
-                        engine_args={**({"enable_return_routed_experts": True} if cfg.actor.moe_routing == "replay"
-                                         else {}), **cfg.rollout.sglang})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-from megappo.config import ConfigError
+from megappo.errors import ConfigError
 
 BUILTIN_ALPHABETS = {"digits": "0123456789>+-=? "}
 
@@ -94,7 +94,7 @@ def load_tokenizer(spec: str):
 
 def check_vocab(tokenizer, model_vocab_size: int) -> None:
     """A tokenizer with ids beyond the model's embedding rows would index out of range."""
-    from megappo.models.hf_config import ModelConfigError
+    from megappo.errors import ModelConfigError
 
     size = len(tokenizer)
     if size > model_vocab_size:

@@ -18,7 +18,7 @@ import os
 import sys
 from types import ModuleType
 
-from megappo.config import ConfigError
+from megappo.errors import ConfigError
 
 
 def is_file(where: str) -> bool:

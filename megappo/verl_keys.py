@@ -9,7 +9,7 @@ need no table. verl nests the policy under `actor_rollout_ref` and the loop unde
 (`enable_gradient_checkpointing=true` -> `actor.recompute.granularity=full`) is in `BY_VALUE`,
 which an override's hint reads first. Explicit entries come first; then the
 section prefixes below are swapped for megappo's, and the result is offered when it is a key
-megappo has (`is_key`, from megappo.config).
+megappo has (`is_key`, from megappo.recipe).
 
 This module is data and one lookup: it imports nothing and does not know the config schema.
 """

@@ -5,7 +5,7 @@ Threads: OMP_NUM_THREADS=1 unless it is set already, as `make test` exports it, 
 runs as `make test` does. It is set before torch is imported here, and every process a test starts
 inherits it (torchrun ranks, the CLI, engine children): 2-4 ranks on a 2-core machine, each with a
 pool of threads, would oversubscribe the cores. Tests that compare results between processes
-computing with different thread counts state their tolerance (tests/unit/test_remote_engine.py).
+computing with different thread counts state their tolerance (tests/e2e/test_remote_engine.py).
 """
 
 import importlib.util

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megappo.config import ConfigError
+from megappo.errors import ConfigError
 from megappo.user_code import load_spec
 from megappo.envs.base import Environment
 

@@ -41,7 +41,7 @@ import threading
 import typing
 from typing import Any, Callable, Sequence
 
-from megappo.config import ConfigError
+from megappo.errors import ConfigError
 from megappo.user_code import load_spec
 from megappo.envs.base import Action, Environment, Episode, StepResult
 

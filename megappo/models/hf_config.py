@@ -20,9 +20,7 @@ import math
 import os
 from typing import Any, Mapping
 
-
-class ModelConfigError(ValueError):
-    """An HF config megappo cannot build, or a layout it cannot be split into."""
+from megappo.errors import ModelConfigError  # noqa: F401 - re-exported: megappo.models.hf_config.ModelConfigError
 
 
 #: HF architecture name -> family. The family decides biases and name-map details.

@@ -32,7 +32,7 @@ import dataclasses
 
 import torch
 
-from megappo.models.hf_config import ModelConfigError
+from megappo.errors import ModelConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRAINABLE = ("float32", "bfloat16")

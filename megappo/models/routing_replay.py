@@ -32,7 +32,7 @@ import dataclasses
 import torch
 
 from megappo.models.builders import moe_routers
-from megappo.models.hf_config import ModelConfigError
+from megappo.errors import ModelConfigError
 
 
 @dataclasses.dataclass

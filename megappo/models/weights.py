@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel
-from megappo.models.hf_config import ModelConfigError
+from megappo.errors import ModelConfigError
 from megappo.models.name_map import global_param_name, merge_tp_shards, shard_for_tp
 from megappo.parallel.state import in_layout
 

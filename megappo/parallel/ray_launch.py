@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from megappo.config import ConfigError
+from megappo.errors import ConfigError
 from megappo.interrupts import exit_code
 from megappo.parallel.launch import failure_rank_order
 

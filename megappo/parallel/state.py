@@ -36,7 +36,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megappo.config import ConfigError
+from megappo.errors import ConfigError
 from megappo.parallel import cpu_compat, stage
 
 

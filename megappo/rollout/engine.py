@@ -3,13 +3,13 @@
 An engine lives in the orchestrator process (global rank 0). It generates from prompt
 token ids and receives the actor's weights as HF-named tensors, bucket by bucket, from
 the bridge (`megappo.rollout.bridge`). Implementations: `hf` (transformers, CPU default)
-and `sglang` (GPU). They are chosen from `ENGINES` by name.
+and `sglang` (GPU); `megappo.rollout.engines` builds them (this module imports none of them).
 
 Fingerprints: `tensor_fingerprint(t)` is an exact integer function of a tensor's bits,
 computed on the tensor's own device; the trainer side and the engine side compute it on
 the same dtype, so equal weights give equal fingerprints and a changed bit changes them.
 
-This module does not know about Megatron, PPO or configs.
+This module does not know about Megatron, PPO, configs or the engine implementations.
 """
 
 from __future__ import annotations
@@ -135,24 +135,3 @@ def iter_buckets(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int)
     if bucket:
         yield bucket
 
-
-def _hf_engine(**kwargs):
-    from megappo.rollout.hf_engine import HFEngine
-
-    return HFEngine(**kwargs)
-
-
-def _sglang_engine(**kwargs):
-    from megappo.rollout.sglang_engine import SGLangEngine
-
-    return SGLangEngine(**kwargs)
-
-
-#: rollout.engine -> constructor (lazy: sglang is imported only when chosen)
-ENGINES = {"hf": _hf_engine, "sglang": _sglang_engine}
-
-
-def build_engine(name: str, **kwargs) -> RolloutEngine:
-    if name not in ENGINES:
-        raise ValueError(f"unknown rollout engine '{name}'; choose one of {sorted(ENGINES)} (rollout.engine)")
-    return ENGINES[name](**kwargs)

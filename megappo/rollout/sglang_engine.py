@@ -75,7 +75,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megappo.rollout.engine import Bucket, EngineCrashed, WeightSyncError, tensor_fingerprint
+from megappo.rollout.engine import Bucket, EngineCrashed, WeightSyncError, left_pad, tensor_fingerprint
 from megappo.rollout.routes import UNKNOWN, decode_sglang_routes
 from megappo.rollout.update_group import (
     dtype_name, flatten_bucket, free_port, open_update_group, outside_torchrun_store,
@@ -273,8 +273,6 @@ class SGLangEngine:
             raise
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        from megappo.rollout.engine import left_pad
-
         flat = [list(p) for p in prompts for _ in range(params.n)]
         sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
               "max_new_tokens": params.max_new_tokens,

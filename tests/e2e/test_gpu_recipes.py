@@ -58,7 +58,7 @@ import time
 import pytest
 import torch
 
-from megappo.config import load_config
+from megappo.recipe import load_config
 from megappo.plan import resolve_hf_config
 from megappo.rewards import get_reward_fn
 from tests.e2e._runs import hf_weights

@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 from megappo import checkpointing
-from megappo.config import ConfigError, config_from_dict
+from megappo.config import ConfigError
+from megappo.recipe import config_from_dict
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}
 

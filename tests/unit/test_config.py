@@ -7,8 +7,8 @@ import re
 import pytest
 
 from megappo import config as config_module
-from megappo.config import (ActorConfig, Config, ConfigError, OptimConfig, ParallelConfig, config_from_dict,
-                            dump_config, load_config)
+from megappo.config import ActorConfig, Config, ConfigError, OptimConfig, ParallelConfig
+from megappo.recipe import config_from_dict, dump_config, load_config
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from megappo.config import ConfigError, load_config
+from megappo.config import ConfigError
+from megappo.recipe import load_config
 from megappo.data import build_prompts, builtin_rows
 from megappo.envs.base import Action, Environment, StepResult
 from megappo.envs.loading import check_env, env_class

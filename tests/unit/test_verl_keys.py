@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from megappo import verl_keys
-from megappo.config import ConfigError, _is_key, config_from_dict, load_config
+from megappo.config import ConfigError
+from megappo.recipe import _is_key, config_from_dict, load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes/demo-cpu.yaml")

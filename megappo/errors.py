@@ -1,0 +1,32 @@
+"""The errors megappo raises for input it cannot run: `ConfigError` (a recipe or an override)
+and `ModelConfigError` (an HF config megappo cannot build, or a layout it cannot be split into).
+
+Their messages name the setting and the fix. They live apart so that any layer can raise them
+without importing the config schema or the model code (`megappo.config.ConfigError` and
+`megappo.models.hf_config.ModelConfigError` are the same classes, re-exported there).
+
+This module imports nothing from megappo and knows nothing about what raises the errors.
+"""
+
+from __future__ import annotations
+
+P = "{p}"  # placeholder for a section's dotted prefix in error templates, filled in as errors propagate
+
+
+class ConfigError(ValueError):
+    """A recipe or override megappo cannot run; the message names the dotted key and the fix."""
+
+    def __init__(self, template: str):
+        self.template = template  # keys written as '{p}key', relative to the section that raised
+        super().__init__(template.replace(P, ""))
+
+    def at(self, prefix: str) -> ConfigError:
+        return ConfigError(self.template.replace(P, prefix))
+
+    def under(self, name: str) -> ConfigError:
+        """The same error seen from the enclosing section, where this one is field `name`."""
+        return self.at(f"{P}{name}.")
+
+
+class ModelConfigError(ValueError):
+    """An HF config megappo cannot build, or a layout it cannot be split into."""

@@ -1,0 +1,184 @@
+"""Recipes: YAML files and dotted command-line overrides, read into a `Config` (megappo.config).
+
+`load_config("recipe.yaml", ["parallel.tp=2", "actor.optim.lr=1e-6"])` reads a recipe, applies its
+`variants[variant]` overrides if asked, then the command line's (values parsed as YAML: `2` is an
+int, `[a,b]` a list, `null` None; unknown keys are refused with the valid ones), and builds the
+Config (`config_from_dict`), whose sections check themselves. `dump_config` writes a Config back
+as YAML.
+
+A verl key megappo does not have (`actor_rollout_ref.actor.optim.lr`, `trainer.total_epochs`)
+is refused with megappo's name for it (the table is megappo.verl_keys); a recipe written in
+verl's layout gets every such key's translation in one error.
+
+Owns: reading and writing recipe files, overrides, the verl-key check. The schema, its defaults
+and checks are megappo.config's. Knows nothing about torch, models or processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
+from megappo.errors import ConfigError
+from megappo.verl_keys import verl_equivalent, verl_hint
+
+
+def _is_key(path: str) -> bool:
+    """Whether dotted `path` names a field megappo has (any key inside a free-form mapping counts)."""
+    tp: Any = Config
+    for part in path.split("."):
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                return False
+            tp = _options(hints[part])[0]
+        elif tp is Any or typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1] if tp is not Any else Any
+        else:
+            return False
+    return True
+
+
+def _verl_keys(data: Any, cls: type = Config, prefix: str = "") -> list[tuple[str, Optional[str], Optional[str]]]:
+    """(dotted key, megappo's key, how megappo does it) for each key of the raw recipe `data` that
+    megappo lacks and verl has (megappo.verl_keys.verl_equivalent)."""
+    found = []
+    if not isinstance(data, dict):
+        return found
+    hints = _hints(cls)
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key in hints:
+            tp = _options(hints[key])[0]
+            if dataclasses.is_dataclass(tp):
+                found += _verl_keys(value, tp, f"{path}.")
+        else:
+            for leaf in _leaves(value, path):
+                hint = verl_equivalent(leaf, _is_key)
+                if hint:
+                    found.append((leaf, *hint))
+    return found
+
+
+def _leaves(value: Any, path: str) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(v, f"{path}.{k}")]
+    return [path]
+
+
+def _verl_error(found: list[tuple[str, Optional[str], Optional[str]]]) -> ConfigError:
+    lines = "\n".join(f"  {verl} -> {ours}" if ours else f"  {verl}: {how}" for verl, ours, how in found)
+    return ConfigError(f"the recipe uses {len(found)} verl key(s) that megappo names differently or does not have:\n"
+                       f"{lines}\nFix: rename (or remove) them as shown; every verl name is mapped in docs/config.md, "
+                       "'Coming from verl'.")
+
+
+def _not_a_mapping(what: str, data: Any) -> ConfigError:
+    return ConfigError(f"{what} must be a mapping of sections {[f.name for f in dataclasses.fields(Config)]}, got a "
+                       f"{type(data).__name__}. Fix: write 'section:' lines at the top level.")
+
+
+def config_from_dict(data: dict) -> Config:
+    """A Config from plain data (a parsed recipe); raises ConfigError naming the key and the fix."""
+    if not isinstance(data, dict):
+        raise _not_a_mapping("a recipe", data)
+    verl = _verl_keys(data)
+    if verl:
+        raise _verl_error(verl)
+    if data.get("model") is None:
+        raise ConfigError("the recipe has no 'model' section. Fix: set model.path=/path/to/hf_model "
+                          "(or model.hf_config).")
+    return _build(Config, data)
+
+
+#: the two sources of prompts: an override that sets one replaces the recipe's other
+_PROMPT_SOURCES = {"data.train_files": ("builtin", None), "data.builtin": ("train_files", [])}
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Set `a.b.c=value` in the raw recipe `data`; the value is parsed as YAML. Unknown keys are errors.
+
+    `data.train_files=[...]` on a recipe with `data.builtin` (the demo's) trains on the files
+    instead, and `data.builtin=...` replaces the recipe's files: the later source wins."""
+    key, sep, raw = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"override '{override}' is not KEY=VALUE. Fix: write it like parallel.tp=2.")
+    if not raw.strip():
+        raise ConfigError(f"override '{override}' has no value. Fix: write {key}=null for None or {key}='' for empty.")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw  # e.g. an unbalanced '[': the field's type check reports it
+    node, tp = data, Config
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[:depth + 1])
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                hint = verl_hint(key.strip(), raw.strip(), _is_key)
+                if hint:
+                    raise ConfigError(hint)
+                raise (_not_here(tp, part) or _unknown_key(part, list(hints))).at(here[:-len(part)])
+            tp = _options(hints[part])[0]
+        else:  # a free-form mapping (dict[str, X] field or inside one): any key
+            tp = typing.get_args(tp)[1] if tp is not Any else Any
+        if depth == len(parts) - 1:
+            node[part] = value
+            other, empty = _PROMPT_SOURCES.get(here, (None, None))
+            if other and value and node.get(other):
+                node[other] = empty
+        else:
+            if not (dataclasses.is_dataclass(tp) or tp is Any or typing.get_origin(tp) is dict):
+                raise ConfigError(f"override '{override}': '{here}' is a single value ({_type_name(tp)}), not a "
+                                  f"section. Fix: write {here}=VALUE.")
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{override}': the recipe sets '{here}' to {node!r}, not a mapping. "
+                                  f"Fix: override the whole value instead.")
+
+
+def load_config(path: str | None, overrides: Sequence[str] = (), variant: Optional[str] = None) -> Config:
+    """Read a YAML recipe (or start empty when `path` is None), apply `key.sub=value` overrides, build.
+    `variant`: first apply the recipe's `variants[variant]` overrides (other hardware), then `overrides`."""
+    data: Any = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read recipe '{path}': {e.strerror}. Fix: check the path.") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', None) or e}. "
+                              "Fix: correct the YAML there (indentation, brackets, 'key: value').") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise _not_a_mapping(f"recipe '{path}'", data)
+    if variant is not None:  # the recipe's own overrides for other hardware go first (checked with the rest)
+        variants = data.get("variants") or {}
+        if not isinstance(variants, dict) or variant not in variants:
+            names = sorted(variants) if isinstance(variants, dict) else []
+            raise ConfigError(f"recipe '{path}' has no variant '{variant}'. Fix: choose one of {names} "
+                              f"(its variants: section), or leave out --variant.")
+        if not isinstance(variants[variant], list):
+            raise ConfigError(f"variants.{variant} in '{path}' must be a list of KEY=VALUE overrides. Fix: write "
+                              f"{variant}: [hardware.gpu_memory_gib=141, ...].")
+        overrides = [*variants[variant], *overrides]
+    for override in overrides:
+        apply_override(data, override)
+    return config_from_dict(data)
+
+
+def dump_config(cfg: Config, path: str) -> None:
+    """Write the resolved config as YAML; `load_config(path) == cfg`."""
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
