@@ -590,7 +590,7 @@ def summarize_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
 def e2e_row(b: Bench, name: str, out_dir: str) -> Row:
     import subprocess
 
-    from megappo.config import load_config
+    from megappo.recipe import load_config
     from megappo.plan import GIB, make_plan
 
     s = b.settings

@@ -315,11 +315,11 @@ def test_the_orchestrator_frees_the_kv_cache_after_each_generation(model):
     engine = HFEngine(model, pad_token_id=PAD, kv_cache="static")
     rollout_cfg = types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[],
                                         seed=0, logprob_mode="tempered", env="single_turn")
-    cfg = types.SimpleNamespace(rollout=rollout_cfg, actor=types.SimpleNamespace(moe_routing="off"),
+    cfg = types.SimpleNamespace(rollout=rollout_cfg,
                                 algorithm=types.SimpleNamespace(adv_estimator="grpo"))
     examples = [types.SimpleNamespace(prompt_ids=p) for p in PROMPTS]
-    run = types.SimpleNamespace(cfg=cfg, engine=engine, train_examples=examples, eos_ids=(),
-                                sampler=types.SimpleNamespace(next_batch=lambda: [0, 2]))
+    run = types.SimpleNamespace(cfg=cfg, plan=types.SimpleNamespace(routing_replay=False), engine=engine,
+                                train_examples=examples, eos_ids=(), sampler=types.SimpleNamespace(next_batch=lambda: [0, 2]))
     calls = []
     real_generate = engine.generate
 
