@@ -186,7 +186,8 @@ def cmd_plan(args) -> int:
     from megappo.plan import format_plan, make_plan
 
     cfg = load_config(args.recipe, args.overrides, args.variant)
-    plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe)
+    plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe,
+                     variant=args.variant)
     print(format_plan(plan))
     others = sorted(set(cfg.variants) - {args.variant})
     if others:
