@@ -17,8 +17,55 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 from megappo.config import ConfigError
+
+
+class UserCodeError(Exception):
+    """The user's own code failed while megappo called it: `code` (e.g. "environment my_env.py:MyEnv.step"),
+    `cause` (the exception it raised, or what was wrong with what it returned), the dataset `row`
+    (its index in the prompts, None when unknown), the `turn` of the episode (None outside one)
+    and the row's `prompt` text when known."""
+
+    def __init__(self, code: str, cause: BaseException | str, *, row: int | None = None, turn: int | None = None,
+                 prompt: str | None = None, fix: str = "correct that code"):
+        self.code, self.cause, self.row, self.turn, self.prompt, self.fix = code, cause, row, turn, prompt, fix
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        what = (f"raised {type(self.cause).__name__}: {self.cause}" if isinstance(self.cause, BaseException)
+                else self.cause)
+        row = "" if self.row is None else f"row {self.row}" + (f" (prompt {_short(self.prompt)})"
+                                                                 if self.prompt is not None else "")
+        at = ", ".join(w for w in (row, f"turn {self.turn}" if self.turn is not None else "") if w)
+        traceback = " (its traceback is above)" if isinstance(self.cause, BaseException) else ""
+        return f"{self.code} {what}" + (f" on {at}" if at else "") + f". Fix: {self.fix}{traceback}."
+
+    def at(self, *, row: int | None = None, turn: int | None = None, prompt: str | None = None) -> "UserCodeError":
+        """This error with the row / turn / prompt it did not know yet (an inner call knew less)."""
+        return UserCodeError(self.code, self.cause, row=self.row if self.row is not None else row,
+                             turn=self.turn if self.turn is not None else turn,
+                             prompt=self.prompt if self.prompt is not None else prompt, fix=self.fix)
+
+
+def _short(text: Any, limit: int = 60) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[:limit - 4] + "...'"
+
+
+def user_code_name(obj: Any) -> str:
+    """'path/to/file.py:Name' for what a file of the user's defines (relative to the working
+    directory when under it), else 'pkg.module:Name'."""
+    where = getattr(obj, "__module__", None) or "?"
+    if where in _files:
+        rel = os.path.relpath(_files[where])
+        where = _files[where] if rel.startswith("..") else rel
+    return f"{where}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+#: the module names given to the user's files -> their paths
+_files: dict[str, str] = {}
 
 
 def is_file(where: str) -> bool:
@@ -29,6 +76,7 @@ def is_file(where: str) -> bool:
 def _module(where: str) -> ModuleType:
     if is_file(where):
         spec = importlib.util.spec_from_file_location(f"megappo_user_{abs(hash(where))}", where)
+        _files[spec.name] = where
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
