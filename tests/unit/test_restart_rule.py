@@ -28,13 +28,24 @@ NO_SIGNAL = types.SimpleNamespace(stopped_at_once=False, exit_code=None)
     ((launch.GAVE_UP_EXIT, -15), (3, (0, 3))),  # a collective timed out (a hung rank, stopped by torchrun)
     ((1, -15), (1, None)),  # a rank's own failure (a NaN abort, a failed weight sync, a bug)
     ((2, 2), (2, None)),  # bad input
+    ((launch.USER_CODE_EXIT, -15), (4, None)),  # the user's code failed (its rank said so): no restart, no line
+    ((launch.USER_CODE_EXIT, launch.USER_CODE_EXIT), (4, None)),  # ... and the other rank exited quietly with it
     ((130, 130), (130, None)),  # stopped on SIGINT sent to the ranks
     ((143, -15), (143, None)),  # stopped on SIGTERM
 ])
 def test_restart_rule(exitcodes, expected, capsys):
     assert launch._failed(child_failed(*exitcodes), NO_SIGNAL) == expected
     printed = capsys.readouterr().err
-    assert ("the other ranks were stopped" in printed) == (expected[1] is None and expected[0] not in (130, 143))
+    assert ("the other ranks were stopped" in printed) == (expected[1] is None and expected[0] not in (130, 143, 4))
+
+
+def test_ray_driver_adds_no_line_after_an_error_in_the_users_code(capsys):
+    from megappo.parallel.ray_launch import _exit_code
+
+    assert _exit_code([(1, 2.0, launch.USER_CODE_EXIT), (0, 1.0, -15)], []) == launch.USER_CODE_EXIT
+    assert capsys.readouterr().err == ""
+    assert _exit_code([(1, 2.0, 1), (0, 1.0, -15)], []) == 1
+    assert "megappo: rank 1 failed (exited with code 1)" in capsys.readouterr().err
 
 
 def test_no_restart_after_a_signal_to_the_launcher():
