@@ -89,3 +89,31 @@ def test_restart_loop_never_restarts_a_run_that_may_not(monkeypatch):
     restarts = []
     assert launch.torchrun(["-m", "x"], max_restarts=5, on_restart=restarts.append) == 2
     assert restarts == []
+
+
+def test_a_failing_rank_leaves_a_note_the_others_read_in_the_store(tmp_path, capsys):
+    """megappo.parallel.stage: the note a rank that reported its own error leaves (rank, exit code),
+    read back through the process group's store; none before it is left. megappo.cli: a rank whose
+    collective lost its peer says so (exit 3) without the note, and with it exits with the peer's
+    code and says nothing."""
+    import torch.distributed as dist
+
+    from megappo.cli import run_reporting_errors
+    from megappo.parallel import stage
+
+    def lost_peer():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10147")
+
+    assert stage.peer_failure() is None  # no process group: nothing to read, no error
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert stage.peer_failure() is None
+        assert run_reporting_errors(lost_peer) == launch.GAVE_UP_EXIT
+        assert "lost its connection to another rank" in capsys.readouterr().err
+        stage.tell_peers(launch.USER_CODE_EXIT)
+        assert stage.peer_failure() == (0, launch.USER_CODE_EXIT)
+        assert run_reporting_errors(lost_peer) == launch.USER_CODE_EXIT
+        assert capsys.readouterr().err == ""
+    finally:
+        dist.destroy_process_group()
