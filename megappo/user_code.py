@@ -6,6 +6,13 @@ with the working directory on the path) and turns every way that can fail into a
 that names the spec, says what went wrong and `fix`. Callers check what they take from the
 module.
 
+`UserCodeError`: what megappo raises when the user's code fails while a run calls it (a reward
+function or an environment's method raises, or returns what megappo cannot use). It names the
+code, the dataset row (and its prompt) and the turn; megappo.cli reports it as the run's one
+error (the code's own traceback, then that message last, exit 4) and the other ranks exit quietly
+with it (docs/bad-inputs.md). `user_code_name(obj)` names a class or function of the user's as a
+recipe would (`path/to/file.py:Name`).
+
 This module does not know what the loaded names are for.
 """
 
