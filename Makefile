@@ -20,7 +20,7 @@ export OMP_NUM_THREADS ?= 1
 INSTALL = $(PYTHON) tools/install.py --python "$(PYTHON)" --torch "$(TORCH)" --flavour $(MEGAPPO_TORCH) \
 	--cuda-index "$(TORCH_CUDA_INDEX)" --stamp-dir "$(STAMP_DIR)" --tested "$(TESTED)"
 
-.PHONY: install install-test demo test test-unit test-dist test-sglang test-latest
+.PHONY: install install-test demo test test-unit test-dist test-sglang test-latest gpu-check
 
 install:
 	$(INSTALL)
@@ -57,3 +57,8 @@ test-dist:
 test-latest:
 	$(PYTHON) tools/tested_set.py latest --python "$(PYTHON)" --venv "$(STAMP_DIR)/latest" --torch "$(TORCH)" \
 		--flavour $(MEGAPPO_TORCH) --cuda-index "$(TORCH_CUDA_INDEX)" --tested "$(TESTED)"
+
+# One H100/H200 checked in one 10-minute call, no registry (benchmarks/GPU.md): GPU-marked tests,
+# gpu.py's smoke, mfu, gen, sync and e2e sections; one JSON + table in $(OUT) (default ./gpu-check).
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(if $(OUT),--out $(OUT))

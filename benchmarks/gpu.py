@@ -24,15 +24,12 @@ mfu   The actor on Megatron-Core (megappo's `build_model`, local layer spec, and
                      parameter do not fit in free memory (8B on 80 GB)
       A row that runs out of memory is retried at half the sequence length, down to
       `--min-seq-len`; the row shows the length it ran at.
-      Model FLOPs per token, with N = all parameters except the input embedding table (a
-      lookup; the LM head counts), L layers, H hidden size, T sequence length:
-        training (fwd+bwd, update)   6 N + 12 L H T
-        forward only                 2 N +  4 L H T
-      (the standard count, as PaLM's MFU: the attention term counts the full T x T score
-      matrix although causal masking needs half; activation recomputation is not counted).
-      TFLOP/s = FLOPs per token x tokens/s. MFU = TFLOP/s / peak, against the device's dense
-      bf16 spec peak (`PEAK_TFLOPS`, or `--peak-tflops`) and against the baseline: a plain
-      torch bf16 matmul of 8192^3 measured in this run (what the device achieves).
+      Model FLOPs are megappo's own count (megappo.models.flops.pass_flops, the one the trainer's
+      `perf/tflops/...` metrics use): 6 N T + 6 N_head K + 6 L A sum(s^2) for training, a third of
+      it forward only, with the head on the K response positions, causal attention counted half.
+      TFLOP/s = FLOPs / seconds. MFU = TFLOP/s / peak, against the device's dense peak in the run's
+      dtype (megappo.perf.PEAK_TFLOPS, or `--peak-tflops`) and against the baseline: a plain torch
+      matmul of 8192^3 measured in this run (what the device achieves).
 gen   Rollout generation with random weights: megappo's hf engine (`HFEngine`) vs the baseline,
       transformers' `model.generate` with the same model, batch, lengths and sampling
       (temperature 1, no top-k/top-p, no early stop); SGLangEngine when sglang imports.
@@ -40,6 +37,15 @@ sync  The weight bridge (`WeightBridge`) from the Megatron actor into the hf eng
       same device (colocated), with and without fingerprint verification, vs the baseline: a
       device-to-device `copy_` of the same bytes into the same engine tensors; SGLangEngine
       (sync_mode=tensor) when sglang imports. Timed with a device synchronize on both sides.
+
+e2e   Whole runs of `megappo train` (a subprocess each) on the recipes in benchmarks/gpu_e2e/: GRPO on a
+      1.7B-shaped and PPO with a critic on a 360M-shaped Llama (random init, bf16, the hf engine on
+      the GPU), `--e2e-steps` steps each, read back from the run's metrics.jsonl (`summarize_metrics`):
+      medians over the steps after the first (warm-up) of the step, each stage's time and
+      perf/throughput (tokens/s per GPU); the spread of the generation time (slowest / fastest step);
+      the peak of perf/max_memory_allocated_gb against `megappo plan`'s total for the same recipe
+      (megappo.plan.make_plan); perf/mfu/actor. A run that fails or passes `--e2e-timeout` is an
+      error row with its log's tail.
 
 `--smoke`: tiny sizes, fp32, short lengths; every section end to end in well under a minute
 on a CPU (tests/e2e/test_gpu_bench_smoke.py), or as a first check on a GPU machine.
@@ -85,22 +91,13 @@ SIZES = {
     "tiny": llama_config(64, 2, 4, 2, 128, 512, max_positions=256),
 }
 
-#: dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device name; the first match wins,
-#: so the specific names come before the family name.
-PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H200 NVL", 835.0),
-    ("H100", 989.0),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
-    ("H200", 989.0),
-    ("A100", 312.0),
-)
-
 #: settings of a full run and of --smoke; a flag given on the command line wins over both
-DEFAULTS = dict(sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
+E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_e2e")
+
+DEFAULTS = dict(e2e_recipes="grpo-1p7b,ppo-360m", e2e_steps=3, e2e_timeout=240, sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
                 micro_batches=4, warmup=2, steps=5, repeats=3, matmul_n=8192, gen_batch=64, gen_prompt_len=128,
                 gen_new_tokens=256, bucket_mb=512)
-SMOKE = dict(sizes="tiny", gen_size="tiny", dtype="float32", seq_len=64, min_seq_len=64, prompt_len=16,
+SMOKE = dict(e2e_recipes="tiny", e2e_steps=2, e2e_timeout=180, sizes="tiny", gen_size="tiny", dtype="float32", seq_len=64, min_seq_len=64, prompt_len=16,
              micro_batches=2, warmup=1, steps=2, repeats=2, matmul_n=256, gen_batch=4, gen_prompt_len=8,
              gen_new_tokens=8, bucket_mb=1)
 
@@ -233,17 +230,6 @@ def matmul_row(b: Bench) -> Row:
     return guarded("mfu", f"torch.mm {n}^3 {b.dtype_name} (baseline)", measure, baseline=True)
 
 
-def matmul_params(model) -> int:
-    """N of the FLOP count: every parameter except the input embedding table (unless tied,
-    when that table is also the LM head)."""
-    total = embedding = 0
-    for name, _rule, param in model.named_parameters():
-        total += param.numel()
-        if name == "embedding.word_embeddings.weight":
-            embedding = param.numel()
-    return total if model.dims.tie_word_embeddings else total - embedding
-
-
 def ppo_experience(b: Bench, dims, seq_len: int):
     """`micro_batches` random sequences [n, T] (prompt + response, no padding) and an
     Experience with random old log-probs and advantages, on the host, as the orchestrator
@@ -288,9 +274,9 @@ def fwd_bwd_call(model, exp) -> Callable[[], None]:
     return call
 
 
-def throughput_row(b: Bench, what: str, dims, n_params: int, make_call, *, training: bool, **row_fields) -> Row:
+def throughput_row(b: Bench, what: str, dims, make_call, *, training: bool, **row_fields) -> Row:
     """Tokens/s, TFLOP/s and MFU of `make_call(experience)()`; halves the sequence on OOM."""
-    flops_n, flops_attn = (6, 12) if training else (2, 4)
+    from megappo.models.flops import pass_flops
 
     def measure():
         seq_len = b.settings.seq_len
@@ -307,9 +293,9 @@ def throughput_row(b: Bench, what: str, dims, n_params: int, make_call, *, train
             free_memory()
             print(f"  {what}: out of memory at seq {seq_len}, retrying at {seq_len // 2}", flush=True)
             seq_len //= 2
-        tokens = b.settings.micro_batches * seq_len
-        per_token = flops_n * n_params + flops_attn * dims.num_layers * dims.hidden_size * seq_len
-        tflops = per_token * tokens / seconds / 1e12
+        n, prompt = b.settings.micro_batches, min(b.settings.prompt_len, seq_len // 4)  # as ppo_experience
+        tokens = n * seq_len
+        tflops = pass_flops(dims, [seq_len] * n, n * (seq_len - prompt), training=training) / seconds / 1e12
         return {"seq_len": seq_len, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                 "tflops": tflops, "mfu_vs_spec": tflops / b.peak_tflops if b.peak_tflops else None,
                 "mfu_vs_matmul": tflops / b.matmul_tflops if b.matmul_tflops else None,
@@ -350,15 +336,14 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     if built.status != "ok":
         return [built]
     model = holder.pop("model")
-    n_params = matmul_params(model)
     n_total = sum(p.numel() for _n, _r, p in model.named_parameters())
-    print(f"  {label}: {n_total:,} parameters, N = {n_params:,} in the FLOP count", flush=True)
+    print(f"  {label}: {n_total:,} parameters", flush=True)
     reader = PolicyWorker(model, batching=MicroBatching(packed=False, micro_batch_size=1))
     rows = [
-        throughput_row(b, f"{label} forward (PolicyWorker.log_probs)", dims, n_params,
+        throughput_row(b, f"{label} forward (PolicyWorker.log_probs)", dims,
                        lambda exp: lambda: reader.log_probs(exp.seqs, with_entropy=True),
                        training=False, gpu_only=gpu_only),
-        throughput_row(b, f"{label} fwd+bwd (actor loss, no optimizer)", dims, n_params,
+        throughput_row(b, f"{label} fwd+bwd (actor loss, no optimizer)", dims,
                        lambda exp: fwd_bwd_call(model, exp), training=True, gpu_only=gpu_only),
     ]
     update = f"{label} update (PolicyWorker.update, DDP + Adam)"
@@ -383,7 +368,7 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     update_args = dict(mini_batch_size=b.settings.micro_batches, epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
                        clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
                        kl_loss_coef=0.0, kl_loss_type="low_var_kl", seed=0)
-    rows.append(throughput_row(b, update, dims, n_params, lambda exp: lambda: actor.update(exp, **update_args),
+    rows.append(throughput_row(b, update, dims, lambda exp: lambda: actor.update(exp, **update_args),
                                training=True, gpu_only=gpu_only))
     return rows
 
@@ -576,6 +561,90 @@ def bench_sync(b: Bench) -> list[Row]:
     return rows
 
 
+# --------------------------------------------------------------------------- e2e
+
+def summarize_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """metrics.jsonl records (one per step) -> the e2e row's values: medians over the steady steps
+    (all after the first, or the only one), the generation time's spread, the peak memory."""
+    steps = sorted((r for r in records if "step" in r), key=lambda r: r["step"])
+    if not steps:
+        raise ValueError("metrics.jsonl has no step records")
+    steady = steps[1:] or steps
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    gen = [r["timing_s/gen"] for r in steady if "timing_s/gen" in r]
+    peaks = [r["perf/max_memory_allocated_gb"] for r in steps if "perf/max_memory_allocated_gb" in r]
+    stages = sorted({k for r in steady for k in r if k.startswith("timing_s/")})
+    return {"steps": len(steps), "steady_steps": len(steady), "step_s": median("timing_s/step"),
+            "gen_s": median("timing_s/gen"), "gen_spread": max(gen) / min(gen) if gen and min(gen) > 0 else None,
+            "tokens_per_s": median("perf/throughput"), "mfu_actor": median("perf/mfu/actor"),
+            "peak_mem_gib": max(peaks) if peaks else None,
+            "peak_by_stage_gib": {k.rsplit("/", 1)[1]: max(r[k] for r in steps if k in r) for k in sorted(
+                {k for r in steps for k in r if k.startswith("perf/max_memory_allocated_gb/")})},
+            "stages_s": {k.split("/", 1)[1]: median(k) for k in stages}}
+
+
+def e2e_row(b: Bench, name: str, out_dir: str) -> Row:
+    import subprocess
+
+    from megappo.config import load_config
+    from megappo.plan import GIB, make_plan
+
+    s = b.settings
+    recipe = os.path.join(E2E_DIR, f"{name}.yaml")
+    run_dir = os.path.join(out_dir, name)
+    overrides = [f"hardware.device={'gpu' if b.cuda else 'cpu'}", f"run.output_dir={run_dir}",
+                 f"run.total_steps={s.e2e_steps}", "checkpoint.keep_last=1"]
+
+    def measure():
+        plan = make_plan(load_config(recipe, overrides))
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                               "MASTER_ADDR", "MASTER_PORT")}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", recipe, *overrides], env=env,
+                                  capture_output=True, text=True, timeout=s.e2e_timeout)
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stdout or b"")[-3000:]
+            print(tail.decode() if isinstance(tail, bytes) else tail, file=sys.stderr)
+            raise RuntimeError(f"megappo train passed --e2e-timeout {s.e2e_timeout} s") from None
+        wall = time.perf_counter() - start
+        with open(os.path.join(run_dir, "e2e.log"), "w") as f:
+            f.write(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            print((proc.stdout + proc.stderr)[-3000:], file=sys.stderr)
+            last = [line for line in (proc.stdout + proc.stderr).strip().splitlines() if line.strip()]
+            raise RuntimeError(f"megappo train exited {proc.returncode}: {last[-1][:200] if last else ''}")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            values = summarize_metrics([json.loads(line) for line in f if line.strip()])
+        values.update(wall_s=wall, plan_gib=plan.total / GIB)
+        if values["peak_mem_gib"] is not None:
+            values["peak_vs_plan"] = values["peak_mem_gib"] / values["plan_gib"]
+        return values
+
+    return guarded("e2e", f"{name} (megappo train, {s.e2e_steps} steps)", measure)
+
+
+def bench_e2e(b: Bench) -> list[Row]:
+    import shutil
+
+    free_memory()
+    out_dir = b.settings.e2e_dir or tempfile.mkdtemp(prefix="megappo-gpu-e2e-")
+    rows = []
+    for name in b.settings.e2e_recipes:
+        rows.append(e2e_row(b, name, out_dir))
+        if not b.settings.e2e_dir:  # checkpoints of a 1.7B run are tens of GB
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    if not b.settings.e2e_dir:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return rows
+
+
 # --------------------------------------------------------------------------- tables, config, main
 
 #: section -> (function, columns: (values key, header, format))
@@ -588,6 +657,10 @@ SECTIONS = {
                         ("tokens_per_s", "tokens/s", "{:.0f}"), ("vs_baseline", "vs base", "{:.2f}x"))),
     "sync": (bench_sync, (("gb", "GB", "{:.4g}"), ("seconds", "seconds", "{:.4f}"), ("gb_per_s", "GB/s", "{:.4g}"),
                           ("vs_baseline", "vs copy_", "{:.3f}x"), ("peak_mem_gb", "peak GB", "{:.1f}"))),
+    "e2e": (bench_e2e, (("steps", "steps", "{:d}"), ("step_s", "s/step", "{:.2f}"), ("gen_s", "gen s", "{:.2f}"),
+                        ("gen_spread", "gen spread", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+                        ("peak_mem_gib", "peak GiB", "{:.1f}"), ("plan_gib", "plan GiB", "{:.1f}"),
+                        ("peak_vs_plan", "peak/plan", "{:.2f}"), ("mfu_actor", "MFU actor", "{:.1%}"))),
 }
 
 
@@ -607,16 +680,18 @@ def print_table(section: str, rows: list[Row]) -> None:
         print(f"{row.what:{width}s}" + "".join(cells))
 
 
-def device_peak(device: torch.device, override: float | None) -> tuple[float | None, str]:
+def device_peak(device: torch.device, dtype: str, override: float | None) -> tuple[float | None, str]:
+    """The peak MFU divides by (megappo.perf, the trainer's own table) and where it came from."""
+    from megappo.perf import device_peak_tflops
+
+    peak = device_peak_tflops(device, dtype, override)
     if override:
-        return override, "--peak-tflops"
+        return peak, "--peak-tflops"
     if device.type != "cuda":
         return None, "none (no GPU)"
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_TFLOPS:
-        if key in name:
-            return tflops, f"spec table ({key})"
-    return None, f"unknown device '{name}': pass --peak-tflops"
+    if peak is None:
+        return None, f"unknown device '{torch.cuda.get_device_name(device)}': pass --peak-tflops"
+    return peak, "megappo.perf.PEAK_TFLOPS"
 
 
 def run_config(b: Bench, peak_source: str) -> dict[str, Any]:
@@ -645,10 +720,11 @@ def run_config(b: Bench, peak_source: str) -> dict[str, Any]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", default="mfu,gen,sync", help=f"comma-separated, of {list(SECTIONS)}")
+    p.add_argument("--sections", default="mfu,gen,sync,e2e", help=f"comma-separated, of {list(SECTIONS)}")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, short lengths (CI)")
     p.add_argument("--json", help="write the config and every row here")
-    p.add_argument("--peak-tflops", type=float, help="the device's dense peak, when not in PEAK_TFLOPS")
+    p.add_argument("--e2e-dir", help="e2e: keep the runs (metrics.jsonl, e2e.log) here (default: a temporary directory)")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense peak, when not in megappo.perf.PEAK_TFLOPS")
     p.add_argument("--sizes", help=f"mfu and sync sizes, of {list(SIZES)} (default {DEFAULTS['sizes']})")
     p.add_argument("--gen-size", choices=list(SIZES), help=f"gen's size (default {DEFAULTS['gen_size']})")
     p.add_argument("--dtype", choices=list(DTYPES), help="parameters and engine (default bfloat16; fp32 in --smoke)")
@@ -659,7 +735,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ("warmup", int, "mfu: untimed calls"), ("steps", int, "mfu: timed calls"),
             ("repeats", int, "gen, sync: timed repetitions"), ("matmul-n", int, "mfu baseline matmul size"),
             ("gen-batch", int, "gen: prompts"), ("gen-prompt-len", int, "gen: prompt tokens"),
-            ("gen-new-tokens", int, "gen: new tokens"), ("bucket-mb", int, "sync: bridge bucket size")):
+            ("gen-new-tokens", int, "gen: new tokens"), ("bucket-mb", int, "sync: bridge bucket size"),
+            ("e2e-recipes", str, "e2e: recipes of benchmarks/gpu_e2e/"), ("e2e-steps", int, "e2e: steps per run"),
+            ("e2e-timeout", int, "e2e: seconds per run")):
         key = name.replace("-", "_")
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {DEFAULTS[key]}; smoke {SMOKE[key]})")
     args = p.parse_args(argv)
@@ -667,6 +745,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.sections = [s for s in args.sections.split(",") if s]
+    args.e2e_recipes = [s for s in args.e2e_recipes.split(",") if s]
+    missing = [r for r in args.e2e_recipes if not os.path.exists(os.path.join(E2E_DIR, f"{r}.yaml"))]
+    if missing:
+        p.error(f"--e2e-recipes: no {missing} in {E2E_DIR}")
     args.sizes = [s for s in args.sizes.split(",") if s]
     for given, valid, flag in ((args.sections, SECTIONS, "--sections"), (args.sizes, SIZES, "--sizes")):
         unknown = [x for x in given if x not in valid]
@@ -681,7 +763,7 @@ def main(argv=None) -> int:
     s = parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     b = Bench(settings=s, device=device, dtype=DTYPES[s.dtype])
-    b.peak_tflops, peak_source = device_peak(device, s.peak_tflops)
+    b.peak_tflops, peak_source = device_peak(device, s.dtype, s.peak_tflops)
     if {"mfu", "sync"} & set(s.sections):
         from megappo.parallel.launch import ensure_ranks
         from megappo.parallel.state import init_parallel

@@ -381,6 +381,7 @@ class RolloutConfig(_Section):
     env_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of the environment class
     max_turns: int = 8  # multi-turn: actions per episode at most (max_new_tokens stays the episode's token budget)
     max_turn_tokens: Optional[int] = None  # multi-turn: tokens per action at most; None: max_new_tokens
+    bad_observation_policy: Literal["error", "warn"] = "error"  # multi-turn: an observation with characters the tokenizer has no token for: error stops the run; warn trains on it, counted in env/unknown_char_observations
     placement: Literal["colocated", "separate"] = "colocated"  # separate: the hf engine in a child process of rank 0 (docs/async.md)
     engine_cores: list[int] = dataclasses.field(default_factory=list)  # separate: pin the engine's process to these CPU cores; []: no pinning
     mode: Literal["sync", "one_step_off", "async"] = "sync"  # one_step_off: generate step k+1's batch while step k trains, one policy version behind; async: a generation thread up to max_staleness versions ahead (docs/async.md)

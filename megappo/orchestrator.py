@@ -117,6 +117,7 @@ def generate(run: Run, step: int) -> RolloutBatch:
     if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
         greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))
         batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
+    run.engine.free_cache()  # the hf engine's KV cache is not kept through the trainer's passes
     return batch
 
 
@@ -131,7 +132,8 @@ def rollout(run: Run, prompts: list, params: SamplingParams) -> RolloutBatch:
         batch = run_episodes(
             lambda contexts, turn_params: engine_generate(run, contexts, turn_params), prompts, params,
             make_env=lambda: env(**cfg.env_args), tokenizer=run.tokenizer,
-            encode_observation=observation_encoder(run.tokenizer, env.observation_role, run.cfg.data.apply_chat_template),
+            encode_observation=observation_encoder(run.tokenizer, env.observation_role, run.cfg.data.apply_chat_template,
+                                                   cfg.bad_observation_policy),
             max_turns=cfg.max_turns, max_turn_tokens=cfg.max_turn_tokens, pad_token_id=run.tokenizer.pad_token_id)
     batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
     return batch
@@ -240,7 +242,7 @@ def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> di
         "critic/advantages/mean": exp.advantages[mask].mean().item(),
         "response_length/mean": lengths.mean().item(),
         "perf/total_num_tokens": float(batch.prompt_mask.sum() + batch.real_response_mask.sum()),
-        "response_length/clip_ratio": sum(r == "length" for r in batch.finish_reasons) / batch.num_samples,
+        "response_length/clip_ratio": batch.clip_ratio,
         **(batch.env_metrics or {}),
     }
     if entropy is not None:

@@ -52,7 +52,13 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   first `rollout.sglang.tp_size` GPUs, after the trainer's models are built, so those GPUs hold
   everything. SGLang sizes its static pool (weights / tp + KV cache) as mem_fraction_static times
   the memory free when it starts and leaves the rest; Adam moments (created at the first
-  optimizer step) and activations must then fit in that rest. `rollout.engine=hf` runs on the host.
+  optimizer step) and activations must then fit in that rest. `rollout.engine=hf` with
+  hardware.device=gpu runs on global rank 0's GPU in the model dtype (colocated;
+  `rollout.placement=separate` keeps it on the host): its weights (all parameters x dtype bytes) stay
+  there, and its preallocated KV cache holds every sample of a step at once, data.train_batch_size x
+  rollout.n rows of s positions x 2 (K, V) x layers x KV heads x head dim x dtype bytes. The KV cache is
+  freed after the generation (rollout.mode=sync), so it counts as one more phase (the largest of it
+  and the activations); with one_step_off / async, generation overlaps training and both count.
   reserve: RESERVE_GIB per GPU for the CUDA context, NCCL buffers and allocator slack, and
   ENGINE_RESERVE_GIB on engine GPUs for SGLang's CUDA graphs and sampling buffers (outside its pool).
 
@@ -344,6 +350,9 @@ class Plan:
     hardware: str = ""  # the machines planned and where they came from
     device: str = "gpu"  # hardware.device
     host_engine: float = 0.0  # bytes: the hf engine's model copy on this rank (device=cpu, rank 0)
+    gpu_engine: float = 0.0  # bytes: the hf engine's weights on this GPU (device=gpu, rank 0, colocated)
+    gpu_engine_kv: float = 0.0  # bytes: its KV cache during a generation
+    gen_overlaps: bool = False  # rollout.mode is not sync: generation runs during the trainer's passes
     ep: int = 1  # the actor's expert-parallel size (MoE)
 
     @property
@@ -356,9 +365,18 @@ class Plan:
         return sum(r.weights + r.grads + r.optimizer for r in self.roles)
 
     @property
+    def phases(self) -> float:
+        """The largest phase's transient bytes: activations, or the hf engine's KV cache (both when
+        generation overlaps training)."""
+        activations = self.peak_activation.activations
+        if self.gen_overlaps:
+            return activations + self.gpu_engine_kv
+        return max(activations, self.gpu_engine_kv)
+
+    @property
     def total(self) -> float:
         engine = self.engine.pool if self.engine else 0.0
-        return self.static + self.peak_activation.activations + engine + self.host_engine + self.reserve
+        return self.static + self.phases + engine + self.host_engine + self.gpu_engine + self.reserve
 
     @property
     def fits(self) -> bool:
@@ -612,8 +630,17 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
         host_engine = 0.0
         if hw.device == "cpu" and cfg.rollout.engine == "hf" and rank == 0:  # rank 0 runs the transformers model
             host_engine = total_params(actor) * DTYPE_BYTES[m.dtype]
-        start = sum(r.weights + r.grads + r.master for r in roles) + reserve + host_engine
-        later = sum(r.adam for r in roles) + max(r.activations for r in roles)
+        gpu_engine = gpu_engine_kv = 0.0
+        if hw.device == "gpu" and cfg.rollout.engine == "hf" and cfg.rollout.placement != "separate" and rank == 0:
+            db = DTYPE_BYTES[m.dtype]  # megappo.rollout.hf_engine.gpu_placement: the model dtype on rank 0's GPU
+            gpu_engine = total_params(actor) * db
+            rows = cfg.data.train_batch_size * cfg.rollout.n
+            gpu_engine_kv = rows * seq * 2 * actor.num_layers * actor.num_query_groups * actor.head_dim * db
+        overlaps = cfg.rollout.mode != "sync"
+        start = sum(r.weights + r.grads + r.master for r in roles) + reserve + host_engine + gpu_engine
+        activations = max(r.activations for r in roles)
+        later = sum(r.adam for r in roles) + (activations + gpu_engine_kv if overlaps
+                                               else max(activations, gpu_engine_kv))
         engine = None
         # the engine takes global ranks [0, tp_size) of rank 0's node; Megatron orders ranks tp, dp, then pp
         if engine_args and rank * p.tp * dp < engine_args[0]:
@@ -633,7 +660,8 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
                     distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
                     stage=stage, roles=tuple(roles), engine=engine, engine_name=cfg.rollout.engine,
                     gpu_mem=gpu_mem, reserve=reserve, fixes=tuple(fixes), hardware=hardware,
-                    device=hw.device, host_engine=host_engine)
+                    device=hw.device, host_engine=host_engine, gpu_engine=gpu_engine, gpu_engine_kv=gpu_engine_kv,
+                    gen_overlaps=overlaps)
         candidates.append(plan)
     # the worst GPU: one that does not fit, else the largest total
     return max(candidates, key=lambda c: (not c.fits, c.total))
@@ -676,6 +704,11 @@ def format_plan(plan: Plan) -> str:
     elif plan.host_engine:
         lines.append(f"{'engine':<10}{'':>9}{g(plan.host_engine):>9}{'':>8}{'':>11}{'':>13}{g(plan.host_engine):>8}"
                      f"   hf engine on rank 0: a transformers copy of the model")
+    elif plan.gpu_engine:
+        lines.append(f"{'engine':<10}{'':>9}{g(plan.gpu_engine):>9}{'':>8}{'':>11}{g(plan.gpu_engine_kv):>13}"
+                     f"{g(plan.gpu_engine + plan.gpu_engine_kv):>8}   hf engine on rank 0's GPU; its KV cache "
+                     f"(a step's {plan.seq}-token samples) " + ("during training too (rollout.mode)" if plan.gen_overlaps
+                                                             else "during generation only"))
     elif plan.engine_name == "hf":
         lines.append(f"{'engine':<10}  hf engine: on the host (CPU memory), no GPU memory")
     elif plan.engine_name == "sglang":
@@ -688,8 +721,12 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         f"per {unit}: weights+grads+optimizer {g(plan.static)} + activations {g(peak.activations)} (largest: "
-        f"{peak.phase}; phases run one after another)" + (f" + engine {g(plan.engine.pool)}" if plan.engine else "")
-        + (f" + hf engine {g(plan.host_engine)}" if plan.host_engine else "") + f" + reserve {g(plan.reserve)} = {g(plan.total)} GiB of {g(plan.gpu_mem)} GiB",
+        f"{peak.phase}; phases run one after another)"
+        + ((f" + hf engine KV cache {g(plan.gpu_engine_kv)}" if plan.gen_overlaps else
+            f" or hf engine KV cache {g(plan.gpu_engine_kv)} (the larger counts)") if plan.gpu_engine_kv else "")
+        + (f" + engine {g(plan.engine.pool)}" if plan.engine else "")
+        + (f" + hf engine {g(plan.host_engine)}" if plan.host_engine else "")
+        + (f" + hf engine weights {g(plan.gpu_engine)}" if plan.gpu_engine else "") + f" + reserve {g(plan.reserve)} = {g(plan.total)} GiB of {g(plan.gpu_mem)} GiB",
     ]
     if plan.fits:
         lines.append(f"fits: {g(plan.gpu_mem - plan.total)} GiB to spare")

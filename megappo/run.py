@@ -300,7 +300,7 @@ def create_run(cfg: Config) -> Run:
 
     engine = rollouts = None
     if ps.is_rank0:
-        engine = _build_engine(cfg, hf_model, tokenizer)
+        engine = _build_engine(cfg, hf_model, tokenizer, ps.device)
         rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit)
     bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None, bucket_bytes=cfg.rollout.update_bucket_mb << 20,
                           verify_every=cfg.rollout.verify_every)
@@ -328,7 +328,7 @@ def create_run(cfg: Config) -> Run:
         print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)}"
               f"{_long_prompts_note(data_stats, cfg.data.max_prompt_length)} | steps={total_steps} | "
               f"critic={'on' if critic else 'off'} ref={'on' if ref else 'off'} | "
-              f"estimator={cfg.algorithm.adv_estimator}", flush=True)
+              f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}", flush=True)
         if len(layouts) > 1:
             print("megappo: per-role layouts: " + ", ".join(
                 f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
@@ -349,7 +349,7 @@ def _long_prompts_note(stats: dict[str, int], limit: int) -> str:
     return f" ({', '.join(done)}: longer than data.max_prompt_length={limit})" if done else ""
 
 
-def _build_engine(cfg: Config, hf_model, tokenizer):
+def _build_engine(cfg: Config, hf_model, tokenizer, device: torch.device):
     from megappo.rollout.engine import build_engine
 
     if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
@@ -362,7 +362,10 @@ def _build_engine(cfg: Config, hf_model, tokenizer):
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, use_safetensors=True)
-        return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id)
+        from megappo.rollout.hf_engine import gpu_placement
+
+        return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id,
+                            **gpu_placement(device, cfg.model.dtype))  # on the trainer's GPU in the model dtype
     model_path = cfg.model.path
     if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk
         model_path = os.path.join(cfg.run.output_dir, "engine-init")

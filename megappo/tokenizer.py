@@ -8,7 +8,8 @@ starts (a known built-in name, or an existing directory). `builtin_tokenizer_fil
 the files an exported model directory carries for a built-in tokenizer (tokenizer.json,
 tokenizer_config.json, special_tokens_map.json, generation_config.json), which
 `transformers.AutoTokenizer.from_pretrained` loads with the same ids; `special_token_ids(tok)`
-are the ids config.json names.
+are the ids config.json names. `unknown_characters(tok, texts)` are the characters of each text
+the tokenizer has no token for (the data check's and the multi-turn runner's observation check).
 
 This module does not know about models or training.
 """
@@ -134,7 +135,12 @@ def unknown_characters(tokenizer, texts: list[str]) -> list[str]:
     """For each text, the characters the tokenizer encodes as its unknown token (`unknown_token`),
     in order ('' when none). Needs a fast tokenizer for the character offsets; a slow one is
     not checked (every text gives '')."""
-    unk = unknown_token(tokenizer)
+    return characters_encoded_as(tokenizer, unknown_token(tokenizer), texts)
+
+
+def characters_encoded_as(tokenizer, unk: str | None, texts: list[str]) -> list[str]:
+    """`unknown_characters` with the tokenizer's `unknown_token` already known (it reads the whole
+    tokenizer.json, too slow to repeat for every observation of a run)."""
     if unk is None or not texts or not getattr(tokenizer, "is_fast", False):
         return [""] * len(texts)
     unk_id = tokenizer.convert_tokens_to_ids(unk)

@@ -70,11 +70,21 @@ class RolloutBatch:
     response_attention_mask: torch.Tensor | None = None
     env_scores: torch.Tensor | None = None  # [N] float32: the sum of each episode's environment rewards
     env_metrics: dict[str, float] | None = None  # `env/...` metrics of the episodes (megappo.rollout.multiturn)
+    #: [N] bool: episodes that ran out of the response budget (max_new_tokens); an action cut by its
+    #: turn's budget alone is not counted. None: finish_reasons == "length" (single-turn responses)
+    clipped: torch.Tensor | None = None
     policy_version: int = 0  # optimizer steps behind the weights that generated it (megappo.rollout.schedule)
 
     @property
     def num_samples(self) -> int:
         return self.prompt_ids.shape[0]
+
+    @property
+    def clip_ratio(self) -> float:
+        """The fraction of responses that ended at the budget max_new_tokens (verl's response_length/clip_ratio)."""
+        if self.clipped is not None:
+            return self.clipped.float().mean().item()
+        return sum(r == "length" for r in self.finish_reasons) / self.num_samples
 
     @property
     def real_response_mask(self) -> torch.Tensor:

@@ -10,8 +10,7 @@ module.
 function or an environment's method raises, or returns what megappo cannot use). It names the
 code, the dataset row (and its prompt) and the turn; megappo.cli reports it as the run's one
 error (the code's own traceback, then that message last, exit 4) and the other ranks exit quietly
-with it (docs/bad-inputs.md). `user_code_name(obj)` names a class or function of the user's as a
-recipe would (`path/to/file.py:Name`).
+with it (docs/bad-inputs.md).
 
 This module does not know what the loaded names are for.
 """
@@ -61,20 +60,6 @@ def _short(text: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 4] + "...'"
 
 
-def user_code_name(obj: Any) -> str:
-    """'path/to/file.py:Name' for what a file of the user's defines (relative to the working
-    directory when under it), else 'pkg.module:Name'."""
-    where = getattr(obj, "__module__", None) or "?"
-    if where in _files:
-        rel = os.path.relpath(_files[where])
-        where = _files[where] if rel.startswith("..") else rel
-    return f"{where}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-
-
-#: the module names given to the user's files -> their paths
-_files: dict[str, str] = {}
-
-
 def is_file(where: str) -> bool:
     return where.endswith(".py") or os.sep in where
 
@@ -83,7 +68,6 @@ def is_file(where: str) -> bool:
 def _module(where: str) -> ModuleType:
     if is_file(where):
         spec = importlib.util.spec_from_file_location(f"megappo_user_{abs(hash(where))}", where)
-        _files[spec.name] = where
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

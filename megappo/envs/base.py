@@ -47,10 +47,13 @@ class Action:
 class StepResult:
     """The environment's answer to an action."""
 
-    observation: str | None = None  # text appended as a turn of `observation_role`; None: nothing
+    #: text appended as a turn of `observation_role`; None: nothing. Only characters the tokenizer
+    #: has a token for (rollout.bad_observation_policy says what happens to the others)
+    observation: str | None = None
     reward: float = 0.0  # added to the episode's return (the sequence score)
     done: bool = False  # the episode ends after this action
-    #: counters summed into per-step metrics as `env/<key>` (e.g. {"tool_calls": 2, "tool_errors": 1})
+    #: counters summed into per-step metrics as `env/<key>` (e.g. {"tool_calls": 2, "tool_errors": 1});
+    #: list the keys in Environment.metric_keys so that every step logs them
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -65,6 +68,10 @@ class Environment:
     #: the chat role observations are rendered as ("tool" for tool results, "user" for
     #: a simulated user); the chat template decides how that role looks
     observation_role: str = "tool"
+    #: the StepResult.metrics keys the environment reports: every step's record has each as
+    #: `env/<key>`, 0 when no episode of the step reported it (a key not listed here is logged
+    #: only in the steps where some episode reports it)
+    metric_keys: tuple[str, ...] = ()
 
     def __init__(self, **kwargs: Any):
         if kwargs:

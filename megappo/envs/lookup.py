@@ -21,6 +21,7 @@ from megappo.envs.base import Action, Environment, Episode, StepResult
 
 class LookupEnv(Environment):
     observation_role = "tool"
+    metric_keys = ("lookups", "correct")
 
     def __init__(self, lookup_reward: float = 0.2, answer_reward: float = 0.8):
         if not (0 <= lookup_reward and 0 < answer_reward):

@@ -397,6 +397,7 @@ class ToolEnv(Environment):
     """
 
     observation_role = "tool"
+    metric_keys = ("tool_calls", "tool_errors", "tool_timeouts")
 
     def __init__(self, tools: Sequence[str] = ("calculator",), max_tool_calls: int = 8, timeout_s: float = 5.0,
                  call_penalty: float = 0.0, error_penalty: float = 0.0, wrap_responses: bool = True,

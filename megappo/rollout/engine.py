@@ -44,6 +44,11 @@ class RolloutEngine(Protocol):
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Fingerprints of the engine's current weights, by HF name."""
 
+    def free_cache(self) -> None:
+        """Drop what the engine keeps between generations only to reuse it (the hf engine's KV-cache
+        buffers); called after each step's generation, before the trainer's passes. Weights stay.
+        A no-op where the memory is a planned static pool (SGLang) or in another process."""
+
     def release_memory(self) -> None:
         """Free accelerator memory (KV cache, weights) while the trainer runs."""
 

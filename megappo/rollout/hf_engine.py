@@ -1,4 +1,5 @@
-"""The `hf` rollout engine: a transformers model with a KV cache (CPU default; GPU for debug).
+"""The `hf` rollout engine: a transformers model with a KV cache (CPU default; on a GPU trainer's
+device, in the model dtype, where SGLang is absent; SGLang stays the recommended GPU engine).
 
 Batched sampling over left-padded prompts with positions counted from the attention mask
 (as transformers' `generate` does), temperature / top-k / top-p, EOS and stop tokens, and
@@ -16,6 +17,15 @@ dropped) and left-padding columns no running sample needs are cut. Sampling is p
 sample i draws its step-t token by inverse CDF at u[t, i] from one seeded [R, N] uniform
 draw, so with a seed every sample's tokens are fixed whatever else is in the batch.
 
+KV cache (`kv_cache`): on CUDA each generation's cache is preallocated ([N, H_kv, P + R, d] per
+layer, `PreallocatedLayer`), written in place, compacted in place as samples leave, and kept for the
+next call until `free_cache()` (the orchestrator calls it after each step's generation, so the
+trainer's passes get the memory back). transformers' dynamic cache instead concatenates every
+layer's K and V into new, one-column-longer tensors at every step; on a GPU that is 2 x layers
+allocations of a new size per step, and the caching allocator's fragmentation decided whether 128 x
+512 tokens took 10 s or 31-46 s (benchmarks/GPU.md). On the host the dynamic cache stays the
+default. One device sync per decode step remains (the EOS check); CUDA graphs are not used.
+
 Shape legend: B prompts, N = B x n samples, b samples still decoding, P prompt length,
 T cached length, R new tokens, V vocab.
 
@@ -29,9 +39,10 @@ import inspect
 from typing import Iterable, Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from megappo.models.hf_experts import checkpoint_views
+from megappo.models.precision import precision_of
 from megappo.rollout.engine import Bucket, left_pad, tensor_fingerprint
 from megappo.rollout.routes import UNKNOWN, RouteRecorder
 from megappo.types import RolloutBatch, SamplingParams
@@ -85,17 +96,87 @@ def sampling_uniforms(params: SamplingParams, num_samples: int, device: torch.de
     return torch.rand(params.max_new_tokens, num_samples, generator=gen, device=device)
 
 
+class PreallocatedLayer(DynamicLayer):
+    """One layer's KV cache in buffers allocated once per generation ("static" cache): keys and values
+    of [rows, H_kv, capacity, d], of which the view [:b, :, start:end] is the cache of the b samples
+    still decoding. A decode step writes its column in place; a sample leaving compacts the rows, and
+    cutting shared padding moves `start`: nothing grows. The dynamic layer instead concatenates a
+    new [b, H_kv, T + 1, d] tensor every step for every layer and frees the old one, so the caching
+    allocator sees a new size per step per layer and its state decides the speed (benchmarks/GPU.md).
+    `store` is the engine's [keys, values] pair, kept between generations and reused when large enough."""
+
+    def __init__(self, store: list, rows: int, capacity: int):
+        super().__init__()
+        self.store, self.rows, self.capacity = store, rows, capacity
+        self.batch = self.start = self.end = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _b, heads, _t, dim = key_states.shape
+        keys = self.store[0]
+        if (keys is None or keys.dtype != key_states.dtype or keys.device != key_states.device
+                or keys.shape[1] != heads or keys.shape[3] != dim or keys.shape[0] < self.rows
+                or keys.shape[2] < self.capacity):
+            self.store[:] = [None, None]  # the old pair goes before the new one is allocated
+            self.store[:] = [key_states.new_empty(self.rows, heads, self.capacity, dim),
+                             value_states.new_empty(self.rows, heads, self.capacity, dim)]
+        self.device, self.is_initialized = key_states.device, True
+
+    def _views(self) -> None:
+        self.keys = self.store[0][:self.batch, :, self.start:self.end]
+        self.values = self.store[1][:self.batch, :, self.start:self.end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, _h, t, _d = key_states.shape
+        assert self.batch in (0, b) and self.end + t <= self.store[0].shape[2], (self.batch, b, self.end, t)
+        self.store[0][:b, :, self.end:self.end + t] = key_states
+        self.store[1][:b, :, self.end:self.end + t] = value_states
+        self.batch, self.end = b, self.end + t
+        self._views()
+        return self.keys, self.values
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Row i -> rows [i * repeats, (i + 1) * repeats), in place: from the last row down, so no
+        source row is overwritten before it is copied."""
+        for store in self.store:
+            span = store[:, :, self.start:self.end]
+            for i in reversed(range(self.batch)):
+                first = i * repeats + (1 if i == 0 else 0)  # row 0 is its own first copy
+                span[first:(i + 1) * repeats] = span[i:i + 1]
+        self.batch *= repeats
+        self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` (ascending), moved to the front."""
+        for store in self.store:
+            span = store[:, :, self.start:self.end]
+            span[:indices.numel()] = span[indices]
+        self.batch = indices.numel()
+        self._views()
+
+    def drop_leading(self, columns: int) -> None:
+        self.start += columns
+        self._views()
+
+
 def _drop_shared_padding(mask: torch.Tensor, past) -> torch.Tensor:
     """[b, T] mask -> [b, T'] without the leading columns that are padding for every row,
-    cutting the same columns out of `past` (a DynamicCache of plain layers; another cache
-    is left whole, and so is the mask)."""
+    cutting the same columns out of `past` (a cache of plain dynamic layers or of preallocated
+    ones; another cache is left whole, and so is the mask)."""
     lead = int(mask.any(0).long().argmax())
     layers = getattr(past, "layers", None)
-    if lead == 0 or not layers or any(type(layer) is not DynamicLayer for layer in layers):
+    if lead == 0 or not layers or any(type(layer) not in (DynamicLayer, PreallocatedLayer) for layer in layers):
         return mask
     for layer in layers:
         assert layer.keys.shape[-2] == mask.shape[1], (layer.keys.shape, mask.shape)
-        layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+        if isinstance(layer, PreallocatedLayer):
+            layer.drop_leading(lead)
+        else:
+            layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
     return mask[:, lead:]
 
 
@@ -105,19 +186,54 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class HFEngine:
-    """transformers-backed engine; `model` is an HF *ForCausalLM in eval mode."""
+#: `kv_cache` values: "static" preallocates each generation's cache (PreallocatedLayer), "dynamic" lets
+#: transformers grow it by concatenation, "auto" is static on CUDA and dynamic on the host (where the
+#: host allocator does not suffer from it, and the tested CPU results stay as they were)
+KV_CACHES = ("auto", "static", "dynamic")
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, device: str | torch.device = "cpu"):
-        self.model = model.to(device).eval()
-        self.pad_token_id = pad_token_id
+
+def gpu_placement(device: torch.device, model_dtype: str) -> dict:
+    """The engine's device and dtype beside a trainer on `device`: the trainer's GPU in the model dtype
+    (colocated: the planner counts its weights and KV cache there), or nothing on the host, where the
+    engine keeps the float32 model it was given (what the CPU demo and tests compare against)."""
+    if device.type != "cuda":
+        return {}
+    return {"device": device, "dtype": model_dtype}
+
+
+class HFEngine:
+    """transformers-backed engine; `model` is an HF *ForCausalLM in eval mode. `dtype`: a model dtype
+    name (megappo.models.precision) to cast the model to, None to keep its own; `kv_cache`: KV_CACHES."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, device: str | torch.device = "cpu",
+                 dtype: str | None = None, kv_cache: str = "auto"):
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"unknown kv_cache '{kv_cache}' for the hf engine; choose one of {list(KV_CACHES)}")
         self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=precision_of(dtype).dtype if dtype else None).eval()
+        self.pad_token_id = pad_token_id
         self.dtype = next(self.model.parameters()).dtype
+        self.static_cache = kv_cache == "static" or (kv_cache == "auto" and self.device.type == "cuda")
+        self._kv_store: list[list] = []  # per layer [keys, values] buffers, kept between generations
         self._cache_keyword = cache_keyword(self.model)
         params = dict(self.model.named_parameters())
         params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
         # by checkpoint name: a MoE model's fused experts are per-expert views (megappo.models.hf_experts)
         self._params = checkpoint_views(params, getattr(self.model.config, "model_type", ""))
+
+    def _new_cache(self, rows: int, capacity: int) -> dict:
+        """The cache keyword argument of the prefill: a preallocated cache of `rows` samples and
+        `capacity` positions (static), or none (transformers starts a dynamic one)."""
+        if not self.static_cache:
+            return {}
+        layers = self.model.config.num_hidden_layers
+        if len(self._kv_store) != layers:
+            self._kv_store = [[None, None] for _ in range(layers)]
+        return {self._cache_keyword: Cache(layers=[PreallocatedLayer(store, rows, capacity) for store in self._kv_store])}
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV-cache buffers the engine holds now (static cache; 0 after free_cache)."""
+        return sum(t.numel() * t.element_size() for store in self._kv_store for t in store if t is not None)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
@@ -137,7 +253,8 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         recorder = self._route_recorder() if params.return_routes else contextlib.nullcontext()
         with recorder:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **self._new_cache(num, ids.shape[1] + width))
         if params.return_routes:  # [N, P + R, L, k]: the prompt's, then one position per fed token
             prompt_routes = recorder.take(*ids.shape).repeat_interleave(n, 0)
             prompt_routes[~prompt_mask.bool()] = UNKNOWN
@@ -211,8 +328,12 @@ class HFEngine:
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return {n: tensor_fingerprint(self._params[n]) for n in names if n in self._params}
 
-    def release_memory(self) -> None:  # nothing is cached between calls
-        pass
+    def free_cache(self) -> None:
+        """Drop the KV-cache buffers kept between generations (the next generation allocates them again)."""
+        self._kv_store = []
+
+    def release_memory(self) -> None:  # the weights stay; the only cache is the one free_cache drops
+        self.free_cache()
 
     def resume_memory(self) -> None:
         pass

@@ -22,11 +22,17 @@ the observation (so a default system prompt a template inserts is not repeated; 
 renders the last assistant turn differently, as Qwen3 does, is cut after that turn's closer instead), preceded by
 what the template puts after an assistant turn's stop token (Qwen's "\\n" after <|im_end|>; the
 whole turn closer when the action was cut by its token budget). Without a chat template the
-text is encoded as is.
+text is encoded as is. Observations are checked first (`observation_ids`): one that is not text
+raises a TypeError naming the environment class; one with characters the tokenizer has no
+token for (the built-in character tokenizers encode them as <pad>) raises an ObservationError
+with the fix under the `error` policy (rollout.bad_observation_policy), or is counted
+(env/unknown_char_observations) and warned about once under `warn`.
 
 The result is one `RolloutBatch`: response = actions and observations, `response_mask` 1 on
 action tokens only, `response_attention_mask` 1 on every real token, log-probs of action tokens,
-`env_scores` (the sum of each episode's step rewards) and `env_metrics` (`env/...`).
+`env_scores` (the sum of each episode's step rewards), `env_metrics` (`env/...`, `episode_metrics`)
+and `clipped` (episodes that ran out of `max_new_tokens`: response_length/clip_ratio; an action
+cut by `max_turn_tokens` alone counts in env/action_clip_ratio only).
 
 What an environment raises (its constructor, `reset`, `step`) ends the rollout with a
 `UserCodeError` that names the class and method, the episode's dataset row and prompt, and the turn.
@@ -50,8 +56,9 @@ import torch
 
 from megappo.envs.base import Action, Environment, Episode, StepResult
 from megappo.rollout.engine import left_pad
+from megappo.tokenizer import characters_encoded_as, unknown_token
 from megappo.types import RolloutBatch, SamplingParams
-from megappo.user_code import UserCodeError, user_code_name
+from megappo.user_code import UserCodeError
 
 #: turn t of a step samples with seed + t * TURN_SEED_STRIDE (turn 0: the single-turn seed)
 TURN_SEED_STRIDE = 1_000_003
@@ -69,14 +76,19 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[in
 
 
 class ObservationError(ValueError):
-    """The chat template cannot render an observation turn as a continuation of the episode."""
+    """An observation cannot be appended as tokens: the chat template cannot render its turn as a
+    continuation of the episode, or the tokenizer has no token for some of its characters."""
 
 
 class ObservationEncoder:
     """Observation text -> the token ids appended to an episode after an action (module docstring)."""
 
-    def __init__(self, tokenizer, role: str, use_chat_template: bool):
-        self.tokenizer, self.role = tokenizer, role
+    def __init__(self, tokenizer, role: str, use_chat_template: bool, bad_observation_policy: str = "error"):
+        if bad_observation_policy not in ("error", "warn"):
+            raise ValueError(f"bad_observation_policy={bad_observation_policy!r}: must be 'error' or 'warn'")
+        self.tokenizer, self.role, self.policy = tokenizer, role, bad_observation_policy
+        self.unk = unknown_token(tokenizer)  # read once: it parses the whole tokenizer.json
+        self.warned = False
         self.chat = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
         self.closer: list[int] = []
         if self.chat:
@@ -102,6 +114,25 @@ class ObservationEncoder:
             return self.closer[1:] + turn  # the action's stop token opened the closer: the rest of it
         return self.closer + turn  # the action was cut by its budget: close the assistant turn
 
+    def check(self, text: str, env: type) -> bool:
+        """Whether `text` (an observation of `env`) has characters the tokenizer has no token for:
+        raises ObservationError under the `error` policy; under `warn`, True (printed once)."""
+        chars = characters_encoded_as(self.tokenizer, self.unk, [text])[0]
+        if not chars:
+            return False
+        what = (f"{env_name(env)}.step returned StepResult.observation={text!r:.60} with "
+                f"characters the tokenizer has no token for: {''.join(dict.fromkeys(chars))!r} (encoded as "
+                f"{self.unk!r}, so the model reads that instead)")
+        fix = ("use a tokenizer that has them (model.tokenizer), or write the environment's observations with "
+               "characters the tokenizer has")
+        if self.policy == "error":
+            raise ObservationError(f"{what}. Fix: {fix}; or set rollout.bad_observation_policy=warn to train on such "
+                                   "observations as they are (counted in env/unknown_char_observations).")
+        if not self.warned:
+            self.warned = True
+            print(f"megappo: warning: {what}. Fix: {fix}.\nmegappo: rollout.bad_observation_policy=warn: training on "
+                  "such observations as they are; env/unknown_char_observations counts them per step.", flush=True)
+        return True
 
     def _after_assistant(self, full: list[int]) -> list[int]:
         """The observation turn of `full` when the template renders the assistant turn differently
@@ -118,9 +149,33 @@ class ObservationEncoder:
 
 
 @functools.lru_cache(maxsize=8)
-def observation_encoder(tokenizer, role: str, use_chat_template: bool) -> ObservationEncoder:
-    """One encoder per (tokenizer, role, template use), built on first use."""
-    return ObservationEncoder(tokenizer, role, use_chat_template)
+def observation_encoder(tokenizer, role: str, use_chat_template: bool,
+                        bad_observation_policy: str = "error") -> ObservationEncoder:
+    """One encoder per (tokenizer, role, template use, policy), built on first use."""
+    return ObservationEncoder(tokenizer, role, use_chat_template, bad_observation_policy)
+
+
+def env_name(cls: type) -> str:
+    """How a message names an environment class: module:Class, or path/to/file.py:Class for one loaded from a file."""
+    code = getattr(getattr(cls, "step", None), "__code__", None)  # a file's module is not in sys.modules
+    where = code.co_filename if code is not None and cls.__module__.startswith("megappo_user_") else cls.__module__
+    return f"{where}:{cls.__qualname__}"
+
+
+def observation_ids(env: Environment, result: StepResult, action: Action, encode: ObservationEncoder | Callable
+                    ) -> tuple[list[int], bool]:
+    """The ids of `result.observation` ([] for None) and whether it had unknown characters
+    (`ObservationEncoder.check`); a TypeError naming the environment when it is not text."""
+    text = result.observation
+    if text is None:
+        return [], False
+    if not isinstance(text, str):
+        raise TypeError(f"{env_name(type(env))}.step returned StepResult.observation={text!r:.60} of "
+                        f"type {type(text).__name__}; an observation is text (str) or None. Fix: return the text "
+                        f"of the observation turn, e.g. StepResult(observation=str(...)).")
+    check = getattr(encode, "check", None)  # a plain callable (fixed ids in tests) has no tokenizer to check with
+    unknown = bool(check and check(text, type(env)))
+    return encode(text, action.token_ids), unknown
 
 
 @dataclasses.dataclass
@@ -134,10 +189,13 @@ class _Play:
     action_mask: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
     turns: int = 0
+    actions_cut: int = 0  # actions that ended at a token budget (finish reason "length")
+    unknown_observations: int = 0  # observations with characters the tokenizer has no token for
     score: float = 0.0
     metrics: Counter = dataclasses.field(default_factory=Counter)
     finish_reason: str = "stop"
     done: bool = False  # the environment ended it
+    clipped: bool = False  # it ran out of the episode's token budget (max_new_tokens)
     over: bool = False
 
     def context(self) -> list[int]:
@@ -150,7 +208,7 @@ def episode_of(example) -> Episode:
 
 
 def run_episodes(generate: Generate, examples: Sequence, params: SamplingParams, *,
-                 make_env: Callable[[], Environment], tokenizer, encode_observation: Callable,
+                 make_env: Callable[[], Environment], tokenizer, encode_observation: ObservationEncoder | Callable,
                  max_turns: int, max_turn_tokens: int | None, pad_token_id: int) -> RolloutBatch:
     """`params.n` episodes of every example, played to the end; see the module docstring."""
     plays = [_Play(example=ex, prompt_index=i, env=_made(make_env, ex, tokenizer)) for i, ex in enumerate(examples)
@@ -190,7 +248,7 @@ async def _called(p: _Play, method: str, call, tokenizer, turn: int | None = Non
     except UserCodeError as e:  # code the environment called (a reward function): its own name, our row and turn
         raise e.at(row=p.example.index, turn=turn, prompt=_prompt_text(tokenizer, p.example)) from e.__cause__
     except Exception as e:
-        raise UserCodeError(f"environment {user_code_name(type(p.env))}.{method}", e, row=p.example.index, turn=turn,
+        raise UserCodeError(f"environment {env_name(type(p.env))}.{method}", e, row=p.example.index, turn=turn,
                             prompt=_prompt_text(tokenizer, p.example)) from e
 
 
@@ -233,17 +291,20 @@ def _play_all(loop, generate, examples, plays: list[_Play], params, tokenizer, e
 def _record(p: _Play, action: Action, result: StepResult, encode_observation, max_turns: int, budget: int) -> None:
     """Add a step's reward and counters; end the episode or append its observation."""
     p.turns += 1
+    p.actions_cut += action.finish_reason == "length"
+    p.clipped = action.finish_reason == "length" and len(p.response) >= budget
     p.score += float(result.reward)
     p.metrics.update({k: float(v) for k, v in result.metrics.items()})
     if result.done:
         p.done = p.over = True
         return
     room = budget - len(p.response)
-    obs = [] if result.observation is None else encode_observation(result.observation, action.token_ids)
+    obs, unknown = observation_ids(p.env, result, action, encode_observation)
+    p.unknown_observations += unknown
     if p.turns >= max_turns or len(obs) >= room:
         p.over = True
         if len(obs) >= room:  # no action token fits after the observation: the token budget ran out
-            p.finish_reason = "length"
+            p.finish_reason, p.clipped = "length", True
         return
     p.response += obs
     p.action_mask += [0] * len(obs)
@@ -268,18 +329,23 @@ def _batch(plays: list[_Play], pad_token_id: int, logprob_mode: str) -> RolloutB
                         prompt_index=torch.tensor([p.prompt_index for p in plays], dtype=torch.long),
                         logprob_mode=logprob_mode, response_attention_mask=real,
                         env_scores=torch.tensor([p.score for p in plays], dtype=torch.float32),
-                        env_metrics=episode_metrics(plays))
+                        env_metrics=episode_metrics(plays), clipped=torch.tensor([p.clipped for p in plays]))
 
 
 def episode_metrics(plays: list[_Play]) -> dict[str, float]:
     """env/turns_mean, env/episode_length_mean (response tokens, observations included),
-    env/truncated_frac (episodes the environment did not end: turn or token budget), and the
-    sum over the episodes of every StepResult.metrics key as env/<key>."""
+    env/truncated_frac (episodes the environment did not end: turn or token budget),
+    env/action_clip_ratio (actions that ended at a token budget, of all actions),
+    env/unknown_char_observations (observations with characters the tokenizer has no token for),
+    and the sum over the episodes of every StepResult.metrics key as env/<key>: each key of the
+    environment's `metric_keys` always (0 when no episode reported it), any other when reported."""
     n = len(plays)
     out = {"env/turns_mean": sum(p.turns for p in plays) / n,
            "env/episode_length_mean": sum(len(p.response) for p in plays) / n,
-           "env/truncated_frac": sum(not p.done for p in plays) / n}
-    totals: Counter = Counter()
+           "env/truncated_frac": sum(not p.done for p in plays) / n,
+           "env/action_clip_ratio": sum(p.actions_cut for p in plays) / max(1, sum(p.turns for p in plays)),
+           "env/unknown_char_observations": float(sum(p.unknown_observations for p in plays))}
+    totals: Counter = Counter({k: 0.0 for k in type(plays[0].env).metric_keys})
     for p in plays:
         totals.update(p.metrics)
     out.update({f"env/{k}": float(v) for k, v in sorted(totals.items())})
@@ -289,7 +355,7 @@ def episode_metrics(plays: list[_Play]) -> dict[str, float]:
 # -- the random-policy reference score ---------------------------------------------------------
 
 def random_policy_episode_score(examples: Sequence, make_env: Callable[[], Environment], tokenizer,
-                                encode_observation: Callable, *, vocab_size: int, max_turns: int,
+                                encode_observation: ObservationEncoder, *, vocab_size: int, max_turns: int,
                                 max_turn_tokens: int | None, max_new_tokens: int) -> float:
     """The exact mean episode score (the sum of step rewards) of a policy that draws every action
     token uniformly from the vocabulary, stopping at EOS or the turn's budget, under the same
@@ -327,7 +393,7 @@ def random_policy_episode_score(examples: Sequence, make_env: Callable[[], Envir
             result = await branch.step(action)
             score = float(result.reward)
             if not result.done and turn + 1 < max_turns:
-                obs = [] if result.observation is None else encode_observation(result.observation, action.token_ids)
+                obs = observation_ids(branch, result, action, encode_observation)[0]
                 if len(obs) < max_new_tokens - used - len(ids):
                     score += await value(branch, used + len(ids) + len(obs), turn + 1)
             total += prob * score

@@ -129,6 +129,9 @@ class RemoteEngine:
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return self._call("fingerprints", list(names))
 
+    def free_cache(self) -> None:  # the child's cache lives in the child
+        pass
+
     def release_memory(self) -> None:  # the child keeps its memory; nothing to give back on CPU
         pass
 

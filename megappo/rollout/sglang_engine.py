@@ -434,6 +434,9 @@ class SGLangEngine:
             out[name] = tensor_fingerprint(torch.as_tensor(values, dtype=torch.float32).to(self.dtype))
         return out
 
+    def free_cache(self) -> None:  # the KV cache is SGLang's static pool, planned as held (megappo.plan)
+        pass
+
     def release_memory(self) -> None:
         """GPU: frees the weights and KV cache (memory saver). CPU: flushes the KV cache only."""
         self._engine_call("release_memory_occupation")

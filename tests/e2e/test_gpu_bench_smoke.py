@@ -1,4 +1,5 @@
-"""benchmarks/gpu.py --smoke end to end: every section runs and reports positive numbers.
+"""benchmarks/gpu.py --smoke end to end: every section runs and reports positive numbers, and the
+e2e section's row is what the `megappo train` run's metrics.jsonl says.
 
 The GPU measurement script is run on a GPU machine only now and then; this keeps it from
 rotting in between. On a machine without CUDA the rows that need CUDA and a GPU package
@@ -7,6 +8,7 @@ rotting in between. On a machine without CUDA the rows that need CUDA and a GPU 
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -15,19 +17,29 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: the number that says a row measured something, per section
-KEY_NUMBER = {"mfu": "tflops", "gen": "tokens_per_s", "sync": "gb_per_s"}
+KEY_NUMBER = {"mfu": "tflops", "gen": "tokens_per_s", "sync": "gb_per_s", "e2e": "tokens_per_s"}
 
 
 def test_gpu_bench_smoke(tmp_path):
-    out = tmp_path / "gpu.json"
+    """Through benchmarks/gpu_check.py --smoke (make gpu-check's driver): the GPU-marked tests (skipped
+    here), then gpu.py --smoke; one JSON and one table gather them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--smoke", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--smoke",
+                           "--out", str(tmp_path), "--wheels", str(tmp_path / "no-wheels")],
+                          env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    results = json.loads(out.read_text())
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert list(report["parts"]) == ["tests", "bench"] and report["wheels"] == []
+    assert all(part["status"] == "ok" and part["seconds"] > 0 for part in report["parts"].values()), report["parts"]
+    results = report["parts"]["bench"]["results"]
+    assert results == json.loads((tmp_path / "bench.json").read_text())
+    table = (tmp_path / "gpu-check.txt").read_text()
+    assert table in proc.stdout and "[bench]" in table
     assert results["config"]["settings"]["smoke"] is True
-    assert set(results["sections"]) == {"mfu", "gen", "sync"}
+    assert set(results["sections"]) == {"mfu", "gen", "sync", "e2e"}
+    e2e = results["sections"].pop("e2e")
     for section, rows in results["sections"].items():
         assert not [r["what"] for r in rows if r["status"].startswith("error")], rows
         measured = [r for r in rows if r["status"] == "ok"]
@@ -43,4 +55,19 @@ def test_gpu_bench_smoke(tmp_path):
     mfu = {r["what"]: r["values"] for r in results["sections"]["mfu"] if r["status"] == "ok"}
     assert any("update (PolicyWorker.update" in what for what in mfu)
     assert all(v["mfu_vs_matmul"] > 0 for v in mfu.values())
-    assert "== sync" in proc.stdout and "vs copy_" in proc.stdout
+    assert "== sync" in table and "vs copy_" in table
+    # e2e: one megappo train run of benchmarks/gpu_e2e/tiny.yaml, summarised from its metrics.jsonl
+    (row,) = e2e
+    assert row["status"] == "ok", row
+    with open(tmp_path / "e2e" / "tiny" / "metrics.jsonl") as f:
+        steps = [json.loads(line) for line in f]
+    steady = steps[1:]
+    values = row["values"]
+    assert values["steps"] == len(steps) == results["config"]["settings"]["e2e_steps"]
+    assert values["step_s"] == statistics.median(r["timing_s/step"] for r in steady)
+    assert values["tokens_per_s"] == statistics.median(r["perf/throughput"] for r in steady) > 0
+    assert values["stages_s"]["update_actor"] == statistics.median(r["timing_s/update_actor"] for r in steady)
+    assert values["plan_gib"] > 0 and values["wall_s"] > values["step_s"]
+    if not torch.cuda.is_available():  # no device memory or peak to read on a CPU
+        assert values["peak_mem_gib"] is None and values["mfu_actor"] is None
+    assert "== e2e" in table and "plan GiB" in table

@@ -25,10 +25,12 @@ def train(out, *args, timeout=600):
                            "logging.progress_bar=false", *args], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return proc.stdout
 
 
 def test_demo_learns_to_use_the_environment(tmp_path):
-    train(tmp_path, "run.total_steps=80", "run.val_every=80", "checkpoint.save_every=0")
+    out = train(tmp_path, "run.total_steps=80", "run.val_every=80", "checkpoint.save_every=0")
+    assert "estimator=gae env=lookup" in out  # the start-up line names rollout.env
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "critic/score/mean" in r]
     val = [r for r in rows if "val/score/mean" in r]
@@ -42,8 +44,10 @@ def test_demo_learns_to_use_the_environment(tmp_path):
     assert steps[-1]["env/turns_mean"] > 1.5 and steps[-1]["env/lookups"] >= 48  # of 64 episodes
     # observation tokens are in the trainer's sequences, attended to and left out of the check
     assert max(r["rollout/logprob_diff_max"] for r in steps) < 1e-4
-    for key in ("env/episode_length_mean", "env/truncated_frac", "env/correct", "critic/vf_explained_var"):
+    for key in ("env/episode_length_mean", "env/truncated_frac", "env/action_clip_ratio", "critic/vf_explained_var"):
         assert key in steps[-1], key
+    # LookupEnv's metric_keys are in every step's record, also before any episode answered right
+    assert all("env/correct" in r and "env/lookups" in r for r in steps)
     assert "val/env/turns_mean" in val[-1] and val[-1]["val/score/mean"] > val[0]["val/score/mean"]
 
 

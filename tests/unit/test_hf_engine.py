@@ -248,3 +248,87 @@ def test_the_kv_cache_goes_by_the_name_the_installed_transformers_asks_for(model
     again = HFEngine(old, pad_token_id=PAD).generate(PROMPTS, params)
     assert torch.equal(again.response_ids, batch.response_ids)
     assert torch.equal(again.rollout_log_probs, batch.rollout_log_probs)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_static_kv_cache_equals_the_dynamic_one(model, greedy):
+    """The preallocated cache (the default on CUDA) against transformers' growing one, with rows
+    leaving at EOS (compaction) and shared padding cut (the start moves): the same tokens and
+    log-probs bit for bit; its buffers are allocated once and reused by the next generation,
+    and free_cache gives them up."""
+    params = mixed_length_params(model, greedy)
+    dynamic = HFEngine(model, pad_token_id=PAD, kv_cache="dynamic")
+    static = HFEngine(model, pad_token_id=PAD, kv_cache="static")
+    assert not dynamic.static_cache and static.static_cache
+    want, got = dynamic.generate(MIXED, params), static.generate(MIXED, params)
+    lengths = want.response_mask.sum(1).tolist()
+    assert len(set(lengths)) >= 3 and lengths[0] <= 2  # rows left early, the longest prompt's first
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert torch.equal(got.rollout_log_probs, want.rollout_log_probs)
+    assert dynamic.kv_cache_bytes() == 0
+    cfg = model.config
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    samples, capacity = want.num_samples, want.prompt_ids.shape[1] + params.max_new_tokens
+    assert static.kv_cache_bytes() == samples * capacity * per_position
+    first = [t.data_ptr() for store in static._kv_store for t in store]
+    again = static.generate(MIXED[1:], params)  # fewer, shorter prompts: the same buffers serve
+    assert [t.data_ptr() for store in static._kv_store for t in store] == first
+    assert torch.equal(again.response_ids, dynamic.generate(MIXED[1:], params).response_ids)
+    static.free_cache()
+    assert static.kv_cache_bytes() == 0
+
+
+def test_engine_dtype_and_cache_choice():
+    """`dtype` casts the engine's model (the model dtype on a GPU, megappo.models.precision); the
+    static cache is the default on CUDA only; a GPU trainer puts the engine on its device."""
+    from megappo.rollout.hf_engine import gpu_placement
+
+    engine = HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=3), pad_token_id=PAD, dtype="bfloat16")
+    assert engine.dtype == torch.bfloat16 and not engine.static_cache
+    batch = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=3))
+    assert batch.rollout_log_probs.dtype == torch.float32 and batch.response_mask.all()
+    with pytest.raises(ValueError, match="kv_cache"):
+        HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=3), pad_token_id=PAD, kv_cache="paged")
+    assert gpu_placement(torch.device("cpu"), "bfloat16") == {}
+    assert gpu_placement(torch.device("cuda", 1), "bfloat16") == {"device": torch.device("cuda", 1), "dtype": "bfloat16"}
+
+
+@pytest.mark.gpu
+def test_static_kv_cache_on_cuda_equals_the_dynamic_one():
+    """On the GPU, in bf16: the engine picks the static cache and samples what the dynamic one does."""
+    model = build_hf_model(TINY_CONFIGS["llama"], seed=3)
+    params = mixed_length_params(model, greedy=True)
+    engines = [HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=3), pad_token_id=PAD, device="cuda",
+                        dtype="bfloat16", kv_cache=kind) for kind in ("auto", "dynamic")]
+    assert engines[0].static_cache and not engines[1].static_cache
+    static, dynamic = (e.generate(MIXED, params) for e in engines)
+    assert torch.equal(static.response_ids, dynamic.response_ids)
+    assert torch.allclose(static.rollout_log_probs, dynamic.rollout_log_probs, atol=1e-2, rtol=0)
+    assert engines[0].kv_cache_bytes() > 0
+
+
+def test_the_orchestrator_frees_the_kv_cache_after_each_generation(model):
+    """orchestrator.generate (the step's gen stage) leaves no KV-cache buffers on the engine for
+    the trainer's passes."""
+    from megappo.orchestrator import generate
+
+    engine = HFEngine(model, pad_token_id=PAD, kv_cache="static")
+    rollout_cfg = types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[],
+                                        seed=0, logprob_mode="tempered", env="single_turn")
+    cfg = types.SimpleNamespace(rollout=rollout_cfg, actor=types.SimpleNamespace(moe_routing="off"),
+                                algorithm=types.SimpleNamespace(adv_estimator="grpo"))
+    examples = [types.SimpleNamespace(prompt_ids=p) for p in PROMPTS]
+    run = types.SimpleNamespace(cfg=cfg, engine=engine, train_examples=examples, eos_ids=(),
+                                sampler=types.SimpleNamespace(next_batch=lambda: [0, 2]))
+    calls = []
+    real_generate = engine.generate
+
+    def generate_and_look(*args):
+        out = real_generate(*args)
+        calls.append(engine.kv_cache_bytes())
+        return out
+
+    engine.generate = generate_and_look
+    batch = generate(run, step=1)
+    assert batch.num_samples == 4 and len(calls) == 1 and calls[0] > 0  # the engine held its cache after the call
+    assert engine._kv_store == [] and engine.kv_cache_bytes() == 0

@@ -19,9 +19,9 @@ from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.orchestrator import last_action_token, rollout, to_seqs
 from megappo.parallel.packing import MicroBatching, micro_batch_tensors
 from megappo.rollout.hf_engine import HFEngine
-from megappo.rollout.multiturn import (ObservationEncoder, observation_encoder, random_policy_episode_score,
-                                       run_episodes, turn_seed)
-from megappo.tokenizer import load_tokenizer
+from megappo.rollout.multiturn import (ObservationEncoder, ObservationError, observation_encoder,
+                                       random_policy_episode_score, run_episodes, turn_seed)
+from megappo.tokenizer import char_tokenizer, load_tokenizer
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.user_code import UserCodeError
 
@@ -241,16 +241,48 @@ def test_budgets_masks_and_metrics():
     assert batch.real_response_mask[0].tolist() == [1] * 10
     assert [t[1] for t in eng.turns] == [2, 2, 2] and batch.finish_reasons == ["stop"]
     assert batch.env_scores.tolist() == [0.75]  # three steps of 0.25
+    # one action of three was cut by its turn budget; the episode ended on max_turns, inside max_new_tokens
     assert batch.env_metrics == {"env/turns_mean": 3.0, "env/episode_length_mean": 10.0, "env/truncated_frac": 1.0,
+                                 "env/action_clip_ratio": 1 / 3, "env/unknown_char_observations": 0.0,
                                  "env/len": 6.0, "env/steps": 3.0}
+    assert batch.clip_ratio == 0.0
     assert int(last_action_token(batch.response_mask)[0]) == 9
     # the episode budget: after 2 + 2 tokens, 2 are left: the second action gets them, no observation after it
     batch, eng = play([[8, 1], [9, 9, 9, 1]], max_turns=5, max_turn_tokens=None, max_new_tokens=6, text="12")
     assert batch.response_ids[0].tolist() == [8, 1, 4, 5, 9, 9] and [t[1] for t in eng.turns] == [6, 2]
     assert batch.finish_reasons == ["length"] and batch.env_metrics["env/truncated_frac"] == 1.0
+    assert batch.clip_ratio == 1.0 and batch.env_metrics["env/action_clip_ratio"] == 0.5
     # an observation that leaves no room for an action token is dropped and ends the episode
     batch, eng = play([[8, 1]], max_turns=5, max_turn_tokens=None, max_new_tokens=4, text="12")
     assert batch.response_ids[0].tolist() == [8, 1] and batch.finish_reasons == ["length"] and len(eng.turns) == 1
+    assert batch.clip_ratio == 1.0 and batch.env_metrics["env/action_clip_ratio"] == 0.0
+
+
+class Once(Environment):
+    """Ends every episode after its first action; declares a counter it reports only for a '7'."""
+
+    metric_keys = ("sevens", "actions")
+
+    async def step(self, action):
+        return StepResult(done=True, metrics={"sevens": 1} if action.text == "7" else {})
+
+
+def test_action_budget_ends_are_not_response_budget_ends_and_declared_metrics_are_always_logged():
+    """An action cut by max_turn_tokens that the environment then ends: the reward functions still
+    see finish reason 'length', but the response did not reach max_new_tokens (clip ratio 0, the
+    cut action in env/action_clip_ratio); a declared metric key no episode reported is logged as 0."""
+    tok = load_tokenizer("builtin:digits")
+    eng = Scripted([[9, 9, 9, 1]], tok.eos_token_id)
+    batch = run_episodes(eng.generate, examples(tok, ["1?", "2?"]), SamplingParams(n=2, max_new_tokens=20),
+                         make_env=Once, tokenizer=tok, encode_observation=observation_encoder(tok, "tool", False),
+                         max_turns=3, max_turn_tokens=2, pad_token_id=0)
+    assert batch.finish_reasons == ["length"] * 4 and batch.env_metrics["env/truncated_frac"] == 0.0
+    assert batch.clip_ratio == 0.0 and batch.env_metrics["env/action_clip_ratio"] == 1.0
+    assert batch.env_metrics["env/sevens"] == 0.0 and batch.env_metrics["env/actions"] == 0.0
+    single = RolloutBatch(prompt_ids=torch.zeros(2, 1), prompt_mask=torch.ones(2, 1), response_ids=torch.zeros(2, 1),
+                          response_mask=torch.ones(2, 1), rollout_log_probs=torch.zeros(2, 1),
+                          finish_reasons=["length", "stop"], prompt_index=torch.arange(2))
+    assert single.clip_ratio == 0.5  # single-turn: verl's count of finish reasons
 
 
 def test_last_action_token_skips_observation_holes():
@@ -260,7 +292,7 @@ def test_last_action_token_skips_observation_holes():
 
 def fake_run(env, engine, tok, **rollout):
     cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(env=env, env_args={}, max_turns=4, max_turn_tokens=None,
-                                                              **rollout),
+                                                              bad_observation_policy="error", **rollout),
                                 data=types.SimpleNamespace(apply_chat_template=False))
     return types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tok)
 
@@ -320,16 +352,20 @@ def test_bad_env_is_refused_before_any_model_is_built():
         load_config(DEMO, ["rollout.max_turns=0"])
 
 
-def demo_score() -> float:
-    cfg = load_config(DEMO)
-    tok = load_tokenizer(cfg.model.tokenizer)
-    exs = build_prompts(builtin_rows(cfg.data.builtin, cfg.data.builtin_size, cfg.data.seed), tok,
-                        apply_chat_template=False)[0]
-    env = env_class(cfg.rollout.env)
-    return cfg, tok, exs, env, random_policy_episode_score(
-        exs, lambda: env(**cfg.rollout.env_args), tok, observation_encoder(tok, env.observation_role, False),
-        vocab_size=19, max_turns=cfg.rollout.max_turns, max_turn_tokens=cfg.rollout.max_turn_tokens,
-        max_new_tokens=cfg.rollout.max_new_tokens)
+def demo_score(capsys):
+    """docs/environments.md's snippet that computes the demo's random-policy score, run as is from the
+    repository root: (its config, tokenizer, examples, environment class, score)."""
+    page = open(os.path.join(REPO, "docs", "environments.md")).read()
+    code = re.search(r"```python\n(from megappo.config import load_config.*?random_policy_episode_score.*?)```",
+                     page, re.S).group(1)
+    cwd, names = os.getcwd(), {}
+    os.chdir(REPO)
+    try:
+        exec(compile(code, "docs/environments.md", "exec"), names)
+    finally:
+        os.chdir(cwd)
+    assert capsys.readouterr().out == f"uniform sampling scores {names['score']:.3f}\n"
+    return names["cfg"], names["tok"], names["examples"], names["env"], names["score"]
 
 
 class Uniform:
@@ -355,10 +391,10 @@ class Uniform:
                             prompt_index=torch.arange(len(contexts)).repeat_interleave(params.n))
 
 
-def test_lookup_demo_random_policy_score_is_what_the_recipe_states():
-    """The exact enumeration against episodes of a uniform policy played by the runner itself, and
-    the number the recipe and docs/environments.md quote."""
-    cfg, tok, exs, env, exact = demo_score()
+def test_lookup_demo_random_policy_score_is_what_the_recipe_states(capsys):
+    """The exact enumeration (docs/environments.md's snippet) against episodes of a uniform policy
+    played by the runner itself, and the number the recipe and docs/environments.md quote."""
+    cfg, tok, exs, env, exact = demo_score(capsys)
     assert exact <= 0.2
     n = 4000
     batch = run_episodes(Uniform(19, tok.eos_token_id, 0).generate, exs, SamplingParams(n=n // len(exs) + 1,
@@ -395,28 +431,74 @@ def test_lookup_env_rewards():
     assert [r.reward for r in asyncio.run(episode(("3", "stop")))] == [0.0]
 
 
-def test_the_docs_example_environment_runs_from_a_users_file(tmp_path):
-    """docs/environments.md's GuessEnv, copied as is into the user's own file and named as the page
-    says (`my_env.py:GuessEnv` with env_args), plays episodes through the runner: a wrong guess gets
-    'higher', the right one ends the episode with reward 1 and its metric."""
+def docs_guess_env(tmp_path):
+    """docs/environments.md's GuessEnv, copied as is into the user's own file, as `rollout.env` names it."""
     page = open(os.path.join(REPO, "docs", "environments.md")).read()
     code = re.search(r"```python\n(from megappo.envs.base import .*?class GuessEnv.*?)```", page, re.S).group(1)
     (tmp_path / "my_env.py").write_text(code)
-    env = check_env(f"{tmp_path / 'my_env.py'}:GuessEnv", {"max_guesses": 3})
+    return check_env(f"{tmp_path / 'my_env.py'}:GuessEnv", {"max_guesses": 3})
+
+
+def play_guesses(env, tok, policy="error", guesses=("5", "7")):
+    exs = [dataclasses.replace(e, ground_truth="7") for e in examples(tok, ["1?"])]
+    actions = [tok.encode(g, add_special_tokens=False) + [tok.eos_token_id] for g in guesses]
+    return run_episodes(Scripted(actions, tok.eos_token_id).generate, exs,
+                        SamplingParams(max_new_tokens=20, eos_token_ids=(tok.eos_token_id,)),
+                        make_env=lambda: env(max_guesses=3), tokenizer=tok,
+                        encode_observation=observation_encoder(tok, env.observation_role, False, policy),
+                        max_turns=3, max_turn_tokens=None, pad_token_id=0), actions
+
+
+def test_the_docs_example_environment_runs_from_a_users_file(tmp_path):
+    """docs/environments.md's GuessEnv, named as the page says (`my_env.py:GuessEnv` with env_args),
+    plays episodes through the runner with a tokenizer that has its letters: a wrong guess gets
+    'higher', the right one ends the episode with reward 1 and its metric; its declared metrics are
+    in the record even when no episode reported them."""
+    env = docs_guess_env(tmp_path)
     with pytest.raises(ConfigError, match="max_guesses must be >= 1"):
         check_env(f"{tmp_path / 'my_env.py'}:GuessEnv", {"max_guesses": 0})
-    tok = load_tokenizer("builtin:digits")
-    exs = [dataclasses.replace(e, ground_truth="7") for e in examples(tok, ["1?"])]
-    five, seven = tok.encode("5", add_special_tokens=False), tok.encode("7", add_special_tokens=False)
-    eng = Scripted([five + [tok.eos_token_id], seven + [tok.eos_token_id]], tok.eos_token_id)
-    batch = run_episodes(eng.generate, exs, SamplingParams(max_new_tokens=20, eos_token_ids=(tok.eos_token_id,)),
-                         make_env=lambda: env(max_guesses=3), tokenizer=tok,
-                         encode_observation=observation_encoder(tok, env.observation_role, False),
-                         max_turns=3, max_turn_tokens=None, pad_token_id=0)
+    tok = char_tokenizer("0123456789 abcdefghijklmnopqrstuvwxyz")
+    batch, (five, seven) = play_guesses(env, tok)
     assert batch.env_scores.tolist() == [1.0] and batch.env_metrics["env/solved"] == 1.0
-    assert batch.env_metrics["env/turns_mean"] == 2.0
+    assert batch.env_metrics["env/turns_mean"] == 2.0 and batch.env_metrics["env/bad_format"] == 0.0
+    assert batch.env_metrics["env/unknown_char_observations"] == 0.0
     observation = batch.response_ids[0][~batch.response_mask[0].bool() & batch.real_response_mask[0].bool()]
-    assert observation.tolist() == observation_encoder(tok, "user", False)("higher", five + [tok.eos_token_id])
+    assert observation.tolist() == observation_encoder(tok, "user", False)("higher", five)
+    assert tok.pad_token_id not in observation.tolist()
+
+
+def test_observations_the_tokenizer_cannot_write_are_refused_or_counted(tmp_path, capsys):
+    """The docs' GuessEnv with the demo's builtin:digits: 'higher' has no tokens but would become
+    <pad> tokens. Policy error (the default) stops with the environment, the characters and the
+    fix; warn trains on it, counts it per step and warns once per run."""
+    env = docs_guess_env(tmp_path)
+    tok = load_tokenizer("builtin:digits")
+    with pytest.raises(ObservationError, match=r"my_env.py:GuessEnv.step returned StepResult.observation='higher' "
+                                               r"with characters .*'higer'.*Fix: use a tokenizer .*"
+                                               r"rollout.bad_observation_policy=warn"):
+        play_guesses(env, tok)
+    for _ in range(2):  # two steps
+        batch, _ = play_guesses(env, tok, "warn", guesses=("5", "3", "7"))
+        assert batch.env_metrics["env/unknown_char_observations"] == 2.0  # 'higher', then 'higher'
+        assert batch.env_scores.tolist() == [1.0]
+    out = capsys.readouterr().out
+    assert out.count(f"megappo: warning: {tmp_path}/my_env.py:GuessEnv.step returned StepResult.observation") == 1, out
+    assert "rollout.bad_observation_policy=warn: training on such observations" in out
+
+
+class Counting(Environment):
+    async def step(self, action):
+        return StepResult(observation=7)
+
+
+def test_an_observation_that_is_not_text_names_the_environment():
+    tok = load_tokenizer("builtin:digits")
+    with pytest.raises(TypeError, match=r"test_multiturn:Counting.step returned StepResult.observation=7 of type int"
+                                        r"; an observation is text \(str\) or None. Fix: "):
+        run_episodes(Scripted([[8, 1]], tok.eos_token_id).generate, examples(tok, ["1?"]),
+                     SamplingParams(max_new_tokens=20), make_env=Counting, tokenizer=tok,
+                     encode_observation=observation_encoder(tok, "tool", False), max_turns=3, max_turn_tokens=None,
+                     pad_token_id=0)
 
 
 FAILING_ENV = '''
@@ -452,8 +534,8 @@ def test_what_an_environment_raises_names_its_class_the_row_and_the_turn(tmp_pat
               max_turn_tokens=None, pad_token_id=0)
     with pytest.raises(UserCodeError) as raised:
         run_episodes(eng.generate, exs, SamplingParams(max_new_tokens=20), **kw)
-    assert str(raised.value) == ("environment flaky_env.py:Flaky.step raised KeyError: 'answer' on row 1 (prompt "
-                                 "'2?'), turn 1. Fix: correct that code (its traceback is above).")
+    assert str(raised.value) == (f"environment {tmp_path}/flaky_env.py:Flaky.step raised KeyError: 'answer' on row 1 "
+                                 "(prompt '2?'), turn 1. Fix: correct that code (its traceback is above).")
     assert isinstance(raised.value.__cause__, KeyError)
     assert sorted(env.step.__globals__["CLOSED"]) == [0, 1]
 
@@ -461,6 +543,6 @@ def test_what_an_environment_raises_names_its_class_the_row_and_the_turn(tmp_pat
         raise RuntimeError("no sandbox")
 
     monkeypatch.setattr(env, "reset", broken_reset)
-    with pytest.raises(UserCodeError, match=r"^environment flaky_env.py:Flaky.reset raised RuntimeError: no sandbox "
+    with pytest.raises(UserCodeError, match=r"^environment .*/flaky_env.py:Flaky.reset raised RuntimeError: no sandbox "
                                             r"on row 0 \(prompt '1\?'\)\. Fix"):
         run_episodes(Scripted([[8, 1]], tok.eos_token_id).generate, exs, SamplingParams(max_new_tokens=20), **kw)

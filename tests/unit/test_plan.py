@@ -299,3 +299,25 @@ def test_moe_parameters_split_over_expert_parallel_ranks():
     assert abs((full - ep8) - experts * 7 / 8) < 1e3  # each EP rank holds 1/8 of the experts
     dense = dims_from_hf(KNOWN_MODELS["Qwen3-8B"])
     assert 8.0e9 < total_params(dense) < 8.4e9 and total_params(dense, active=True) == total_params(dense)
+
+
+def test_hf_engine_on_the_gpu_by_hand():
+    """rollout.engine=hf beside a GPU trainer: rank 0's GPU holds the engine's bf16 weights, and its KV
+    cache of a step's samples counts as a phase (sync) or on top of the activations (one_step_off).
+    Qwen2.5-7B, s = 512 + 1024 = 1536, 8 prompts x n=4: 32 rows x 1536 positions x 2 (K, V) x 28 layers
+    x 4 KV heads x 128 x 2 bytes = 2,818,572,288 bytes."""
+    kv = 32 * 1536 * 2 * 28 * 4 * 128 * 2
+    rollout = {"engine": "hf", "max_new_tokens": 1024, "n": 4}
+    sync = make_plan(recipe(rollout=rollout), world_size=1, gpu_mem_gib=400)
+    assert sync.gpu_engine == 2 * QWEN7B_PARAMS and sync.gpu_engine_kv == kv == 2_818_572_288
+    assert sync.phases == max(sync.peak_activation.activations, kv)
+    overlapped = make_plan(recipe(rollout={**rollout, "mode": "one_step_off"}), world_size=1, gpu_mem_gib=400)
+    assert overlapped.total - sync.total == pytest.approx(min(sync.peak_activation.activations, kv))
+    host = make_plan(recipe(rollout={**rollout, "placement": "separate"}), world_size=1, gpu_mem_gib=400)
+    assert host.gpu_engine == host.gpu_engine_kv == 0
+    assert sync.total - host.total == pytest.approx(2 * QWEN7B_PARAMS + max(0, kv - sync.peak_activation.activations))
+    text = format_plan(sync)
+    assert "hf engine on rank 0's GPU" in text and "hf engine weights 14.2" in text
+    tiny_batch = make_plan(recipe(rollout={**rollout, "n": 1}, data={"max_prompt_length": 64, "train_batch_size": 8}),
+                           world_size=1, gpu_mem_gib=400)
+    assert tiny_batch.phases == tiny_batch.peak_activation.activations  # a small cache hides under the activations
