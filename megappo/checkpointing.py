@@ -12,7 +12,8 @@ Layout under `checkpoint.dir` (default `<run.output_dir>/checkpoints`):
       rollout_buffer.pt    rollout.mode=one_step_off / async: the batches already generated for
                            later steps (waited for at save time), with their steps and policy
                            versions; a resume trains on them
-    step_00000020.partial/ a save in progress (or killed): never read, removed by the next save
+    step_00000020.partial/ a save in progress (or killed): never read, removed by the next save;
+                           a resume says that it skips it (and from which step it starts instead)
     latest                 the name of the newest complete checkpoint
 
 A save writes into `step_N.partial/`, renames it to `step_N/` when every rank is done, then
@@ -113,14 +114,26 @@ def find_resume(cfg: Config) -> dict | None:
                               f"{os.path.basename(path)}) that a fresh run would mix with its own. Fix: resume with "
                               "checkpoint.resume=auto, or choose another run.output_dir / checkpoint.dir.")
         return None
-    if path is None:
-        return None
-    with open(os.path.join(path, STATE_FILE)) as f:
-        state = json.load(f)
-    if state.get("format") != FORMAT:
-        raise ConfigError(f"'{path}' is not a {FORMAT} checkpoint (format {state.get('format')!r}).")
-    check_resumable(state["config"], cfg.to_dict(), path)
-    return dict(state, path=path)
+    state = None
+    if path is not None:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+        if state.get("format") != FORMAT:
+            raise ConfigError(f"'{path}' is not a {FORMAT} checkpoint (format {state.get('format')!r}).")
+        check_resumable(state["config"], cfg.to_dict(), path)
+    unfinished = unfinished_saves(root, state["step"] if state else 0)
+    if unfinished:  # a run stopped during a save (a second Ctrl-C, a kill): its step is not there to resume
+        starts = f"resuming from {path} (step {state['step']})" if state else "starting from step 0"
+        warnings.warn(f"{os.path.join(root, unfinished[-1])} is a save that did not finish (the run was stopped "
+                      f"during it), so it cannot be resumed: {starts}.", stacklevel=2)
+    return dict(state, path=path) if state else None
+
+
+def unfinished_saves(root: str, after_step: int) -> list[str]:
+    """The `step_N.partial` directories in `root` with N > `after_step`, oldest first."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n for n in names if n.endswith(".partial") and _STEP_DIR.match(n[:-len(".partial")])
+                  and int(n[len("step_"):-len(".partial")]) > after_step)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -108,6 +108,10 @@ def _train_start_up(args):
     if mismatch and os.environ.get("RANK", "0") == "0" and not relaunching:
         print(f"megappo: warning: {mismatch}", file=sys.stderr, flush=True)
     check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
+    if relaunching or on_ray:  # this process starts the ranks: every row is checked before any starts
+        from megappo.preflight import check_prompts
+
+        check_prompts(cfg)
     with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
         resume = find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
     return cfg, world, on_ray, resume
@@ -187,7 +191,8 @@ def cmd_plan(args) -> int:
     from megappo.plan import format_plan, make_plan
 
     cfg = load_config(args.recipe, args.overrides, args.variant)
-    plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe)
+    plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe,
+                     variant=args.variant)
     print(format_plan(plan))
     others = sorted(set(cfg.variants) - {args.variant})
     if others:
@@ -312,28 +317,73 @@ def main(argv=None) -> int:
 
 def run_reporting_errors(func, *args) -> int:
     """`func(*args)` with megappo's own errors as one `megappo: error: ...` line instead of a
-    traceback: bad input (the message says the fix) exits 2; a run that failed on the way
-    (non-finite losses past run.max_nan_skips, a weight-sync mismatch) exits 1; a collective
-    that timed out or lost a rank (the message names this rank and the stage) exits 3, which
-    the launcher reports only when no other rank failed. Anything else is a bug and keeps its
-    traceback."""
-    from megappo.errors import ConfigError
+    traceback: bad input (the message says the fix) exits 2; the user's own code that failed
+    while the run called it (megappo.user_code.UserCodeError: a reward function, an environment)
+    exits USER_CODE_EXIT after that code's own frames of the traceback, the message last; a run
+    that failed on the way (non-finite losses past run.max_nan_skips, a weight-sync mismatch)
+    exits 1; a collective that timed out or lost a rank (the message names this rank and the
+    stage) exits 3, which the launcher reports only when no other rank failed. A rank that
+    reported its error leaves a note for the others (megappo.parallel.stage.tell_peers); one whose
+    collective then lost it exits with that rank's code and says nothing. Anything else is a bug
+    and keeps its traceback."""
     from megappo.data import DataError
-    from megappo.errors import ModelConfigError
+    from megappo.errors import ConfigError, ModelConfigError
+    from megappo.parallel.launch import USER_CODE_EXIT
+    from megappo.user_code import UserCodeError
 
     try:
         return func(*args)
+    except UserCodeError as e:  # the user's code failed: its own frames, then the message
+        _end_progress_line()
+        print(_user_traceback(e), end="", file=sys.stderr, flush=True)
+        print(f"megappo: error: {e}", file=sys.stderr, flush=True)
+        return _told_peers(USER_CODE_EXIT)
     except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
         _end_progress_line()
         print(f"megappo: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _told_peers(2)
     except RuntimeError as e:
         failure = _run_failure(e)
         _end_progress_line()
         if failure is None:
             raise
+        from megappo.parallel.launch import GAVE_UP_EXIT
+
+        peer = _peer_failure() if failure[1] == GAVE_UP_EXIT else None
+        if peer is not None:  # the rank this one lost reported its own error: that is the one message
+            return peer[1]
         print(f"megappo: error: {failure[0]}", file=sys.stderr, flush=True)
-        return failure[1]
+        return failure[1] if failure[1] == GAVE_UP_EXIT else _told_peers(failure[1])
+
+
+def _user_traceback(e) -> str:
+    """The traceback of what the user's code raised, without megappo's and asyncio's frames
+    (all frames when none is left); empty when it raised nothing (it returned something wrong)."""
+    import asyncio
+    import traceback
+
+    cause = e.cause if isinstance(e.cause, BaseException) else None
+    if cause is None:
+        return ""
+    ours = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(asyncio.__file__))
+    frames = traceback.extract_tb(cause.__traceback__)
+    theirs = [f for f in frames if not f.filename.startswith(ours)] or frames
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
+                    *traceback.format_exception_only(cause)])
+
+
+def _told_peers(code: int) -> int:
+    """Leave the note that this rank ends on the error it reported (when it is a rank of a
+    process group); returns `code`."""
+    stage = sys.modules.get("megappo.parallel.stage")  # never imported: there is no process group
+    if stage is not None:
+        stage.tell_peers(code)
+    return code
+
+
+def _peer_failure() -> tuple[int, int] | None:
+    stage = sys.modules.get("megappo.parallel.stage")
+    return stage.peer_failure() if stage is not None else None
 
 
 def _end_progress_line() -> None:

@@ -164,12 +164,13 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read:
     return scores
 
 
-def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str]]:
+def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str], list[int]]:
     """What a reward function reads of each response (a whole episode: actions and observations):
-    (texts, ground truths, extras, data sources)."""
+    (texts, ground truths, extras, data sources, and the dataset rows a failing function is named with)."""
     texts = run.tokenizer.batch_decode(batch.response_ids * batch.real_response_mask, skip_special_tokens=True)
     extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
-    return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples])
+    return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples],
+            [e.index for e in batch.examples])
 
 
 #: a response is fully correct when its score reaches this (1.0: a correct response under every
@@ -178,13 +179,13 @@ CORRECT_SCORE = 1.0 - 1e-6
 
 
 def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, ground_truths, extras,
-                  data_sources) -> dict[str, float]:
+                  data_sources, rows=None) -> dict[str, float]:
     """`<prefix>/frac_correct`: the fraction of the [N] `scores` that are fully correct (>= 1.0);
     `<prefix>/<name>`: the mean score of each function in reward.metric_functions (logged, not
     trained on) on the same responses."""
     out = {f"{prefix}/frac_correct": (scores >= CORRECT_SCORE).float().mean().item()}
     for name in metric_functions:
-        values = score_batch([name], None, texts, ground_truths, extras, data_sources)
+        values = score_batch([name], None, texts, ground_truths, extras, data_sources, rows)
         out[f"{prefix}/{name}"] = sum(values) / len(values)
     return out
 

@@ -571,9 +571,10 @@ def _bigger_layouts(d: ModelDims, tp: int, pp: int, world_size: int) -> str:
 
 
 def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Optional[float] = None,
-              hf_config: Optional[str] = None, recipe: str = "") -> Plan:
+              hf_config: Optional[str] = None, recipe: str = "", variant: Optional[str] = None) -> Plan:
     """Check the layout (raises ConfigError / ModelConfigError naming the fix) and estimate one GPU's memory.
-    `world_size` / `gpu_mem_gib`: None takes them from the recipe's hardware section."""
+    `world_size` / `gpu_mem_gib`: None takes them from the recipe's hardware section, or from the
+    recipe's `variant` when `cfg` was loaded with one (its name is then what the plan says they came from)."""
     hw = cfg.hardware
     world_source = "hardware.nodes x hardware.gpus_per_node"
     if world_size is None:
@@ -592,9 +593,9 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
         raise ConfigError(f"{e} (world size {world_size} = {world_source}: set hardware.gpus_per_node / hardware.nodes "
                           f"to match, or pass --world-size)") from None
     flags = [flag for flag in (world_source, mem_source) if flag.startswith("--")]
+    section = f"the recipe's hardware section with --variant {variant}" if variant else "the recipe's hardware section"
     hardware = hw.describe(world_size, gpu_mem_gib) + (
-        f" ({' and '.join(flags)}; the rest from the recipe's hardware section)" if flags
-        else " (the recipe's hardware section)")
+        f" ({' and '.join(flags)}; the rest from {section})" if flags else f" ({section})")
     p, m = cfg.parallel, cfg.model
     hf, source = resolve_hf_config(m.path, "model.path", inline=m.hf_config, override=hf_config)
     dims = {"actor": dims_from_hf(hf, m.arch)}

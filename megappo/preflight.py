@@ -12,6 +12,13 @@ process and `create_run` again on every rank, before prompts are tokenized. What
 tokenizer or the rows (the vocabulary size, a row without a prompt, prompts over the length
 limit) is checked by `create_run` before any model is built.
 
+`load_prompts(cfg, tokenizer)` reads the rows (data.train_files / val_files or a built-in
+source), runs the data check on them (megappo.datacheck, per data.bad_row_policy) and tokenizes
+the prompts: rank 0 of `create_run` uses its examples; the CLI also runs it, with the tokenizer
+check against the model's vocabulary (`check_prompts`), in the process that launches the ranks
+(megappo's launcher, Ray), so a bad row, broken JSON or an over-long prompt is refused before any
+rank starts and is the only error on the screen.
+
 Every failure is a ConfigError / DataError / ModelConfigError whose message says the fix.
 
 This module does not know about process groups, weights or PPO.
@@ -21,8 +28,12 @@ from __future__ import annotations
 
 import os
 
+import contextlib
+import io
+
 from megappo.config import Config
-from megappo.data import check_files
+from megappo.data import build_prompts, builtin_rows, builtin_splits, check_files, load_rows
+from megappo.datacheck import check_data, warn_shared_prompts
 from megappo.envs.loading import check_env
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.models.recompute import Recompute
@@ -83,3 +94,48 @@ def check_models(cfg: Config) -> None:
             raise ModelConfigError(f"{where} has vocab_size {dims.vocab_size}, the actor (model) {actor.vocab_size}: "
                                    "every role scores the same token ids. Fix: use a model with the actor's "
                                    "tokenizer and vocabulary.")
+
+
+def _prompt_rows(d) -> tuple[list[dict], list[dict] | None]:
+    """(training rows, validation rows or None) from data.*: files, or a built-in source whose
+    validation rows (when data.val_files is empty) hold out its training prompts."""
+    if d.builtin and not d.val_files:
+        return builtin_splits(d.builtin, d.builtin_size, d.builtin_val_size, d.seed, d.builtin_args)
+    train = builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args) if d.builtin else load_rows(d.train_files)
+    return train, load_rows(d.val_files, "data.val_files") if d.val_files else None
+
+
+def load_prompts(cfg: Config, tokenizer) -> tuple[list, list, dict[str, int]]:
+    """(training examples, validation examples, the long-prompt counts): the rows checked per
+    data.bad_row_policy (its warnings printed) and tokenized; raises DataError naming the fix."""
+    d = cfg.data
+    rows, val_rows = _prompt_rows(d)
+    source = f"data.builtin={d.builtin}" if d.builtin else f"data.train_files {d.train_files}"
+    check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
+                 reward_functions=[*cfg.reward.functions, *cfg.reward.metric_functions])
+    rows = check_data(rows, tokenizer, source=source, **check)
+    kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+              long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template,
+              system_prompt=d.system_prompt, few_shot=d.few_shot)
+    train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files), **kw)
+    val_examples = []
+    if val_rows is not None:
+        val_rows = check_data(val_rows, tokenizer, source=f"data.val_files {d.val_files}" if d.val_files
+                              else f"data.builtin={d.builtin} (validation)", **check)
+        if d.val_files:  # a built-in source's own validation rows are held out by construction
+            warn_shared_prompts(rows, val_rows, prompt_key=d.prompt_key, train_source=source,
+                                val_source=f"data.val_files {d.val_files}")
+        val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
+    return train_examples, val_examples, data_stats
+
+
+def check_prompts(cfg: Config) -> None:
+    """What `create_run` refuses on rank 0 before any model is built, checked here without ranks:
+    the tokenizer against the model's vocabulary, then every row (`load_prompts`). Prints nothing:
+    rank 0 prints the data check's warnings once the run starts."""
+    from megappo.tokenizer import check_vocab, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    check_vocab(tokenizer, dims_from_hf(cfg.model.hf_config or _prepared_hf_config(cfg), cfg.model.arch).vocab_size)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        load_prompts(cfg, tokenizer)

@@ -20,7 +20,8 @@ from the working directory and sys.path) in `reward.functions`, like verl's
 `custom_reward_function`. It is called with megappo's arguments `(response, ground_truth,
 extra)`, or, when it takes `solution_str` (verl's `compute_score(data_source, solution_str,
 ground_truth, extra_info)`), with verl's by name, so a verl reward file works unchanged. It
-returns a number (or, as verl allows, a dict with a "score").
+returns a number (or, as verl allows, a dict with a "score"); when it raises or returns anything
+else, the run ends with a `UserCodeError` that names it and the dataset row (megappo.user_code).
 
 `reads(name)` says which row fields a function needs (`reward_model.ground_truth`, or
 `extra_info.task` / `extra_info.entry` for reasoning-gym); the start-up data check
@@ -41,7 +42,7 @@ import re
 from typing import Any, Callable, Sequence
 
 from megappo.errors import ConfigError
-from megappo.user_code import load_spec
+from megappo.user_code import UserCodeError, load_spec
 
 RewardFn = Callable[[str, Any, dict], float]
 
@@ -211,28 +212,36 @@ def _custom(name: str) -> RewardFn:
     return call
 
 
-def _number(name: str, value: Any) -> float:
+def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row: int | None) -> float:
+    """Your function's score as a float; what it raises or a result that is not a number is a
+    UserCodeError naming the function and the row."""
+    try:
+        value = fn(response, ground_truth, extra, data_source=data_source)
+    except Exception as e:
+        raise UserCodeError(f"reward function '{name}'", e, row=row) from e
     if isinstance(value, dict) and "score" in value:  # verl lets compute_score return {"score": ..., ...}
         value = value["score"]
     if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
         return float(value)
-    raise ConfigError(f"reward function '{name}' returned {value!r} ({type(value).__name__}), not a number. Fix: "
-                      "return a float (e.g. 1.0 for a correct response, 0.0 otherwise).")
+    raise UserCodeError(f"reward function '{name}'", f"returned {value!r} ({type(value).__name__}), not a number",
+                        row=row, fix="return a float (e.g. 1.0 for a correct response, 0.0 otherwise)")
 
 
 def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
                 ground_truths: Sequence[Any], extras: Sequence[dict],
-                data_sources: Sequence[str] | None = None) -> list[float]:
-    """Weighted sum of the named functions' scores for each response."""
+                data_sources: Sequence[str] | None = None, rows: Sequence[int] | None = None) -> list[float]:
+    """Weighted sum of the named functions' scores for each response; `rows`: each response's
+    dataset row, named when your own function fails on it (UserCodeError)."""
     fns = [get_reward_fn(n) for n in names]
     weights = list(weights) if weights is not None else [1.0] * len(fns)
     if len(weights) != len(fns):
         raise ValueError(f"reward.function_weights has {len(weights)} entries for {len(fns)} functions")
     sources = data_sources if data_sources is not None else [None] * len(responses)
+    rows = rows if rows is not None else [None] * len(responses)
     out = []
-    for r, gt, ex, src in zip(responses, ground_truths, extras, sources):
+    for r, gt, ex, src, row in zip(responses, ground_truths, extras, sources, rows):
         total = 0.0
         for w, fn, name in zip(weights, fns, names):
-            total += w * (_number(name, fn(r, gt, ex, data_source=src)) if hasattr(fn, "custom") else fn(r, gt, ex))
+            total += w * (_custom_score(name, fn, r, gt, ex, src, row) if hasattr(fn, "custom") else fn(r, gt, ex))
         out.append(total)
     return out

@@ -29,8 +29,7 @@ import torch
 
 from megappo import checkpointing, interrupts
 from megappo.config import Config
-from megappo.data import PromptSampler, build_prompts, builtin_rows, builtin_splits, load_rows
-from megappo.datacheck import check_data, warn_shared_prompts
+from megappo.data import PromptSampler
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
@@ -42,6 +41,7 @@ from megappo.models.weights import load_hf_weights
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
+from megappo.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.engines import engine_for
@@ -224,15 +224,6 @@ def _optim(section, total_steps: int, updates_per_step: int, use_dist_opt: bool)
                          use_distributed_optimizer=use_dist_opt)
 
 
-def _prompt_rows(d) -> tuple[list[dict], list[dict] | None]:
-    """(training rows, validation rows or None) from data.*: files, or a built-in source whose
-    validation rows (when data.val_files is empty) hold out its training prompts."""
-    if d.builtin and not d.val_files:
-        return builtin_splits(d.builtin, d.builtin_size, d.builtin_val_size, d.seed, d.builtin_args)
-    train = builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args) if d.builtin else load_rows(d.train_files)
-    return train, load_rows(d.val_files, "data.val_files") if d.val_files else None
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """The actor's starting point, read once: what every role's weights and the engine start from."""
@@ -328,22 +319,7 @@ def load_prompts(cfg: Config, ps: ParallelState, tokenizer) -> Prompts:
     train_examples, val_examples, sampler, data_stats = [], [], None, {}
     if ps.is_rank0:
         d = cfg.data
-        rows, val_rows = _prompt_rows(d)
-        source = f"data.builtin={d.builtin}" if d.builtin else f"data.train_files {d.train_files}"
-        check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
-                     reward_functions=[*cfg.reward.functions, *cfg.reward.metric_functions])
-        rows = check_data(rows, tokenizer, source=source, **check)
-        kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                  long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template,
-                  system_prompt=d.system_prompt, few_shot=d.few_shot)
-        train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files), **kw)
-        if val_rows is not None:
-            val_rows = check_data(val_rows, tokenizer, source=f"data.val_files {d.val_files}" if d.val_files
-                                  else f"data.builtin={d.builtin} (validation)", **check)
-            if d.val_files:  # a built-in source's own validation rows are held out by construction
-                warn_shared_prompts(rows, val_rows, prompt_key=d.prompt_key, train_source=source,
-                                    val_source=f"data.val_files {d.val_files}")
-            val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
+        train_examples, val_examples, data_stats = read_prompts(cfg, tokenizer)  # checked, tokenized
         sampler = PromptSampler(len(train_examples), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     steps_per_epoch = broadcast_from_rank0(sampler.batches_per_epoch if sampler else None)
     total_steps = cfg.run.total_steps or steps_per_epoch * cfg.run.total_epochs

@@ -24,8 +24,10 @@ than torchrun's SIGTERM: kill -9, a crash, the OOM killer) or because a collecti
 lost its peer (GAVE_UP_EXIT) is run again on every rank, at most `max_restarts` times, with
 `restart_args` appended to the command (megappo.cli: resume from the latest checkpoint); each
 restart prints one line naming the rank and the cause and calls `on_restart`. A rank's own error
-(bad input, exit 2; a run that failed on the way, such as non-finite losses, exit 1; a bug) and
-a stop on SIGINT / SIGTERM end the run: rerunning would only repeat them, or undo the stop.
+(bad input, exit 2; a run that failed on the way, such as non-finite losses, exit 1; an error in
+the user's own code, USER_CODE_EXIT, after which the launcher prints nothing, so that the rank's
+message stays last; a bug) and a stop on SIGINT / SIGTERM end the run: rerunning would only
+repeat them, or undo the stop.
 
 This module does not know about models or configs.
 """
@@ -42,6 +44,9 @@ from typing import Callable
 
 #: the exit code of a rank whose collective timed out or lost its peer (megappo.cli)
 GAVE_UP_EXIT = 3
+#: the exit code of a rank whose run ended on an error in the user's own code (megappo.user_code.UserCodeError):
+#: that rank printed the one message, so the launcher adds no line of its own
+USER_CODE_EXIT = 4
 #: the exit codes of ranks that stopped on SIGINT / SIGTERM (megappo.interrupts)
 INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
@@ -187,6 +192,8 @@ def _failed(e, signals) -> tuple[int, tuple[int, int] | None]:
         return signals.exit_code or code, None
     if _restartable(code):
         return (code if code > 0 else 1), (rank, code)
+    if code == USER_CODE_EXIT:  # the rank's message (the user's code, the row, the turn) stays the last line
+        return code, None
     print(f"megappo: {_describe(rank, code)}; the other ranks were stopped.", file=sys.stderr, flush=True)
     return code if code > 0 else 1, None
 

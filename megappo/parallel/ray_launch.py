@@ -14,7 +14,8 @@ at the same paths on every node (a shared file system, as under SLURM).
 What comes back to the driver: every output line of every rank (rank 0's as it is, the others'
 after `[rank N] `), and the exit codes. The exit code is 0, or that of the rank that failed, picked
 as megappo.parallel.launch picks it (its own error first, 2 for bad input, then a signal, then a
-rank that gave up waiting for another), after one line that names it; the other ranks are then
+rank that gave up waiting for another), after one line that names it (none after an error in the
+user's own code, USER_CODE_EXIT: that rank's message stays last); the other ranks are then
 stopped (SIGTERM, SIGKILL after STOP_GRACE_S). SIGINT / SIGTERM sent to the driver go on to the
 ranks as SIGINT (stop at a step boundary with a checkpoint, megappo.interrupts) and the driver
 exits with 128 + its signal; a second signal kills the ranks at once. A cluster that cannot be
@@ -33,7 +34,7 @@ import time
 
 from megappo.errors import ConfigError
 from megappo.interrupts import exit_code
-from megappo.parallel.launch import failure_rank_order
+from megappo.parallel.launch import USER_CODE_EXIT, failure_rank_order
 
 #: how long the driver tries to reach the head of the cluster it was given
 CONNECT_TIMEOUT_S = 10.0
@@ -239,6 +240,8 @@ def _exit_code(failures: list[tuple[int, float, int]], signals: list[int]) -> in
     if not failures:
         return 0
     rank, _, code = min(failures, key=lambda f: (failure_rank_order(f[2]), f[1], f[0]))
+    if code == USER_CODE_EXIT:  # the rank's message (the user's code, the row, the turn) stays the last line
+        return code
     how = f"exited with code {code}" if code > 0 else f"was ended by signal {signal.Signals(-code).name}"
     print(f"megappo: rank {rank} failed ({how}); the other ranks were stopped.", file=sys.stderr, flush=True)
     return code if code > 0 else 1

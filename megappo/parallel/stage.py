@@ -16,6 +16,14 @@ Measured with gloo (torch 2.13): a collective whose peer sleeps raises after the
 whose peer died raises at once with "Connection reset by peer". With NCCL a timed-out
 collective is usually reported by NCCL's watchdog, which ends the process itself.
 
+A rank that ends on an error it has reported (megappo.cli) first leaves a note in the process
+group's store (`tell_peers(exit_code)`); a rank whose collective then loses that peer finds it
+(`peer_failure()`) and exits with the same code without a message of its own, so the one error
+stays the last thing on the screen. Under torchrun (megappo's launcher, SLURM) the store is the
+launching agent's and outlives the failed rank; where rank 0 holds the store itself (the Ray
+launcher, a world of one) and rank 0 failed, the note cannot be read and the peers say what
+they saw, as before.
+
 This module does not know about models, configs or PPO.
 """
 
@@ -41,6 +49,36 @@ def set_identity(rank: int, tp_rank: int, pp_rank: int, dp_rank: int, timeout_mi
     """Called by init_parallel: how this rank and the timeout are named in a CollectiveError."""
     _identity["where"] = f"rank {rank} (tp_rank {tp_rank}, pp_rank {pp_rank}, dp_rank {dp_rank})"
     _identity["timeout"] = (f"{timeout_minutes * 60:g} s" if timeout_minutes < 1 else f"{timeout_minutes:g} min")
+
+
+#: the store key of the note a failing rank leaves for the others: "RANK EXIT_CODE"
+_FAILED_KEY = "megappo/failed_rank"
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
+
+
+def tell_peers(exit_code: int) -> None:
+    """Leave the note that this rank ends on its own reported error (best effort: never raises)."""
+    try:
+        store = _store()
+        if store is not None:
+            store.set(_FAILED_KEY, f"{dist.get_rank()} {exit_code}")
+    except Exception:  # the store is gone too: the peers report what they see
+        pass
+
+
+def peer_failure() -> tuple[int, int] | None:
+    """(rank, exit code) of a rank that ended on its own reported error, when one left the note."""
+    try:
+        store = _store()
+        if store is None or not store.check([_FAILED_KEY]):
+            return None
+        rank, code = store.get(_FAILED_KEY).decode().split()
+        return int(rank), int(code)
+    except Exception:  # the store went with the failed rank
+        return None
 
 
 def current_stage() -> str:

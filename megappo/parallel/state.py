@@ -165,17 +165,22 @@ _UPSTREAM_WARNINGS = (
     "`load_state_dict` is deprecated",
     "Please use DTensor instead",
 )
-#: On CPU, TE/apex are absent by design and CUDA stream settings do not apply.
-_CPU_WARNINGS = (
+#: Megatron-Core's notes that TE / apex are absent, from several of its modules as they are imported
+#: (the same text from two of them): on CPU absent by design (not shown); on a GPU each text is
+#: shown once, by rank 0 (every rank has the same installation).
+_TE_APEX_WARNINGS = (
     "Transformer Engine and Apex are not installed",
     "Apex is not installed",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
 )
+#: On CPU, CUDA stream settings do not apply.
+_CPU_WARNINGS = ("CUDA_DEVICE_MAX_CONNECTIONS",)
 
 
-def _quiet_warnings(cpu: bool) -> None:
+def _quiet_warnings(cpu: bool, rank: int) -> None:
     for pattern in _UPSTREAM_WARNINGS + (_CPU_WARNINGS if cpu else ()):
         warnings.filterwarnings("ignore", message=f".*{pattern}")
+    for pattern in _TE_APEX_WARNINGS:
+        warnings.filterwarnings("ignore" if cpu or rank else "once", message=f".*{pattern}")
 
 
 def init_parallel(
@@ -202,7 +207,7 @@ def init_parallel(
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:
         raise ParallelConfigError("parallel.backend=nccl needs CUDA. Fix: parallel.backend=gloo (or auto) on CPU.")
-    _quiet_warnings(cpu=not cuda)
+    _quiet_warnings(cpu=not cuda, rank=rank)
     if not cuda:
         cpu_compat.enable()
     if cuda:

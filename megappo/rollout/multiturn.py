@@ -34,6 +34,9 @@ action tokens only, `response_attention_mask` 1 on every real token, log-probs o
 and `clipped` (episodes that ran out of `max_new_tokens`: response_length/clip_ratio; an action
 cut by `max_turn_tokens` alone counts in env/action_clip_ratio only).
 
+What an environment raises (its constructor, `reset`, `step`) ends the rollout with a
+`UserCodeError` that names the class and method, the episode's dataset row and prompt, and the turn.
+
 Shape legend: N episodes (prompts x n, prompt-major), P prompt length, R response length.
 
 This module does not know about Megatron, PPO, reward functions or configs.
@@ -55,6 +58,7 @@ from megappo.envs.base import Action, Environment, Episode, StepResult
 from megappo.rollout.engine import left_pad
 from megappo.tokenizer import characters_encoded_as, unknown_token
 from megappo.types import RolloutBatch, SamplingParams
+from megappo.user_code import UserCodeError
 
 #: turn t of a step samples with seed + t * TURN_SEED_STRIDE (turn 0: the single-turn seed)
 TURN_SEED_STRIDE = 1_000_003
@@ -207,7 +211,7 @@ def run_episodes(generate: Generate, examples: Sequence, params: SamplingParams,
                  make_env: Callable[[], Environment], tokenizer, encode_observation: ObservationEncoder | Callable,
                  max_turns: int, max_turn_tokens: int | None, pad_token_id: int) -> RolloutBatch:
     """`params.n` episodes of every example, played to the end; see the module docstring."""
-    plays = [_Play(example=ex, prompt_index=i, env=make_env()) for i, ex in enumerate(examples)
+    plays = [_Play(example=ex, prompt_index=i, env=_made(make_env, ex, tokenizer)) for i, ex in enumerate(examples)
              for _ in range(params.n)]
     loop = asyncio.new_event_loop()  # the environments' loop; the engine is called outside it (SGLang runs its own)
     try:
@@ -223,13 +227,38 @@ async def _gather(coroutines: list, return_exceptions: bool = False) -> list:
     return await asyncio.gather(*coroutines, return_exceptions=return_exceptions)
 
 
+def _prompt_text(tokenizer, example) -> str:
+    return tokenizer.decode(list(example.prompt_ids), skip_special_tokens=True)
+
+
+def _made(make_env: Callable[[], Environment], example, tokenizer) -> Environment:
+    """A new environment; what its constructor raises is a UserCodeError naming the class and the row."""
+    try:
+        return make_env()
+    except Exception as e:
+        raise UserCodeError("the constructor of rollout.env", e, row=example.index,
+                            prompt=_prompt_text(tokenizer, example)) from e
+
+
+async def _called(p: _Play, method: str, call, tokenizer, turn: int | None = None):
+    """`await call` of the episode's environment; what it raises is a UserCodeError naming the
+    environment's class and method, the episode's dataset row and the turn."""
+    try:
+        return await call
+    except UserCodeError as e:  # code the environment called (a reward function): its own name, our row and turn
+        raise e.at(row=p.example.index, turn=turn, prompt=_prompt_text(tokenizer, p.example)) from e.__cause__
+    except Exception as e:
+        raise UserCodeError(f"environment {env_name(type(p.env))}.{method}", e, row=p.example.index, turn=turn,
+                            prompt=_prompt_text(tokenizer, p.example)) from e
+
+
 def _play_all(loop, generate, examples, plays: list[_Play], params, tokenizer, encode_observation, max_turns,
               turn_tokens) -> str:
     def gather(coroutines):
         return loop.run_until_complete(_gather(list(coroutines)))
 
     budget = params.max_new_tokens
-    gather(p.env.reset(episode_of(p.example)) for p in plays)
+    gather(_called(p, "reset", p.env.reset(episode_of(p.example)), tokenizer) for p in plays)
     active, turn, logprob_mode = plays, 0, params.logprob_mode
     while active:
         limit = min(turn_tokens, max(budget - len(p.response) for p in active))
@@ -250,7 +279,8 @@ def _play_all(loop, generate, examples, plays: list[_Play], params, tokenizer, e
             p.finish_reason = reason
             actions.append(Action(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=tuple(ids),
                                   finish_reason=reason, turn=turn))
-        results: list[StepResult] = gather(p.env.step(a) for p, a in zip(active, actions))
+        results: list[StepResult] = gather(_called(p, "step", p.env.step(a), tokenizer, turn)
+                                           for p, a in zip(active, actions))
         for p, action, result in zip(active, actions, results):
             _record(p, action, result, encode_observation, max_turns, budget)
         active = [p for p in active if not p.over]

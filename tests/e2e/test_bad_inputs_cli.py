@@ -1,8 +1,10 @@
 """The bad-input catalogue, second half: the cases that need ranks, the tokenizer or the loop.
 
 `megappo train` on the CPU demo recipe, as a user runs it. Bad dataset rows and a tokenizer
-larger than the model are refused after the ranks start but before any model is built: exit
-2, one `megappo: error:` line that says the fix, no output directory. Failures on the way
+larger than the model are refused before any model is built (by the launching process before
+any rank starts when there are several; by rank 0 in a world of one): exit 2, one
+`megappo: error:` line that says the fix, no output directory. An error in the user's own reward
+function ends the run with one message naming it and the row, last (exit 4). Failures on the way
 (tests/e2e/_faults.py injects them into the real CLI) exit 1 with a message and no
 traceback: non-finite losses are skipped and counted, then abort past run.max_nan_skips; a
 weight-sync fingerprint mismatch stops the run at the first sync; a rank that hangs makes the
@@ -48,9 +50,8 @@ def first_error(out: str) -> str:
 
 
 def test_row_without_prompt_on_two_ranks(tmp_path):
-    """Rank 0 reads the data while rank 1 waits: the launcher stops rank 1 and exits with rank
-    0's code 2, not torchrun's 1 and its traceback. (Rank 1 may first notice that rank 0 is
-    gone and say so, exiting 3: the launcher still names rank 0.)"""
+    """Two ranks: the launching process checks every row before it starts them, so the data
+    check's error is the only one (no rank starts, none is reported failed or lost)."""
     rows = digit_rows(8)
     rows[3] = {"question": "3>", "reward_model": {"ground_truth": "4"}}
     code, out = megappo(*SMALL, rows_file(tmp_path, rows), f"run.output_dir={tmp_path / 'run'}")
@@ -58,8 +59,35 @@ def test_row_without_prompt_on_two_ranks(tmp_path):
     assert first_error(out) == f"megappo: error: data check of data.train_files ['{tmp_path}/train.jsonl'] (8 rows):"
     assert ("  1 of 8 rows have no prompt in 'prompt'; e.g. row 3: keys ['question', 'reward_model'] "
             "(data.prompt_key=question?). Fix: give every row a prompt") in out
-    assert "megappo: rank 0 failed (exited with code 2); the other ranks were stopped." in out
-    assert "Traceback" not in out and not (tmp_path / "run").exists()
+    assert out.rstrip().splitlines()[-1].startswith("Fix the rows as said, or set data.bad_row_policy=skip"), out
+    assert "rank" not in out and "Traceback" not in out and not (tmp_path / "run").exists()
+
+
+REWARD_THAT_RAISES = """
+def score(response, ground_truth, extra):
+    if ground_truth == "7":
+        raise ValueError("no scorer for 7 yet")
+    return 0.0
+"""
+
+
+def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path):
+    """Two ranks; the user's reward function raises on the row whose answer is 7 (row 6): its own
+    traceback, then one message naming the function and the row, last on the screen; the other
+    rank exits quietly with it (no lost connection), the launcher adds nothing and does not
+    restart although run.max_restarts allows it."""
+    (tmp_path / "my_reward.py").write_text(REWARD_THAT_RAISES)
+    run = tmp_path / "run"
+    code, out = megappo(*SMALL, rows_file(tmp_path, digit_rows(8)), f"reward.functions=[{tmp_path}/my_reward.py:score]",
+                        "run.max_restarts=1", f"run.output_dir={run}")
+    assert code == 4, out[-4000:]
+    assert out.rstrip().splitlines()[-1] == (
+        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' raised ValueError: no scorer for 7 yet on row "
+        "6. Fix: correct that code (its traceback is above).")
+    traceback = out[out.index("Traceback (most recent call last):"):]
+    assert f'File "{tmp_path}/my_reward.py", line 4, in score' in traceback and "megappo/" not in traceback
+    assert "lost its connection" not in out and "failed (exited" not in out and "restart" not in out
+    assert out.count("megappo: error:") == 1 and not (run / "restarts.jsonl").exists()
 
 
 REFUSED_IN_RANK = {

@@ -45,7 +45,9 @@ def test_auto_resumes_from_latest_and_ignores_partial_saves(tmp_path):
     root = cfg.checkpoint_dir
     fake_checkpoint(root, 2, cfg)
     fake_checkpoint(root, 4, cfg, complete=False)  # a save that was killed
-    state = checkpointing.find_resume(cfg)
+    with pytest.warns(UserWarning, match=r"step_00000004.partial is a save that did not finish \(the run was stopped "
+                                         r"during it\), so it cannot be resumed: resuming from .*step_00000002 \(step 2\)"):
+        state = checkpointing.find_resume(cfg)
     assert state["step"] == 2 and state["path"].endswith("step_00000002")
     assert checkpointing.resolve_checkpoint(str(tmp_path)) == state["path"]  # run dir -> latest step dir
     assert checkpointing.resolve_checkpoint(state["path"]) == state["path"]
@@ -80,6 +82,15 @@ def test_changes_the_checkpoint_depends_on_are_refused(tmp_path, change, needle)
     fake_checkpoint(cfg_at(tmp_path).checkpoint_dir, 2, cfg_at(tmp_path))
     with pytest.raises(ConfigError, match=f"cannot resume from .*{needle}.*Fix: restore those settings"):
         checkpointing.find_resume(cfg_at(tmp_path, **change))
+
+
+def test_a_run_stopped_during_its_first_save_says_it_starts_from_step_0(tmp_path):
+    """A double Ctrl-C during the first save leaves only step_N.partial: the rerun says it starts over."""
+    cfg = cfg_at(tmp_path)
+    fake_checkpoint(cfg.checkpoint_dir, 3, cfg, complete=False)
+    with pytest.warns(UserWarning, match=r"step_00000003.partial is a save that did not finish .*: starting from "
+                                         r"step 0\."):
+        assert checkpointing.find_resume(cfg) is None
 
 
 def test_other_algorithm_changes_warn_and_layout_changes_are_silent(tmp_path):

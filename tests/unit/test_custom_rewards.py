@@ -7,6 +7,7 @@ import pytest
 from megappo import cli
 from megappo.config import ConfigError
 from megappo.rewards import get_reward_fn, reads, score_batch
+from megappo.user_code import UserCodeError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes" / "demo-cpu.yaml")
@@ -23,6 +24,9 @@ def first_digit(response, ground_truth, extra):
 
 def words(response, ground_truth, extra):
     return "one"
+
+def needs_unit(response, ground_truth, extra):
+    return float(response == extra["unit"])
 '''
 
 
@@ -37,9 +41,14 @@ def test_file_functions_with_megappo_and_verl_signatures(tmp_path, monkeypatch):
     assert score_batch(["mine.py:first_digit", "exact_match"], [2.0, 1.0], ["3x", "3"], ["3", "3"],
                        [{"weight": 0.5}, {}]) == [1.0, 3.0]
     assert score_batch([f"{tmp_path}/mine.py:first_digit"], None, ["3"], ["3"], [{}]) == [1.0]  # absolute path
-    with pytest.raises(ConfigError, match=r"reward function 'mine.py:words' returned 'one' \(str\), not a number. "
-                                          "Fix: return a float"):
-        score_batch(["mine.py:words"], None, ["3"], ["3"], [{}])
+    with pytest.raises(UserCodeError, match=r"reward function 'mine.py:words' returned 'one' \(str\), not a number "
+                                            "on row 7. Fix: return a float"):
+        score_batch(["mine.py:words"], None, ["3"], ["3"], [{}], rows=[7])
+    with pytest.raises(UserCodeError) as raised:  # what it raises names it and the row, and keeps the cause
+        score_batch(["exact_match", "mine.py:needs_unit"], None, ["3", "4"], ["3", "4"], [{"unit": "3"}, {}], rows=[5, 9])
+    assert str(raised.value) == ("reward function 'mine.py:needs_unit' raised KeyError: 'unit' on row 9. Fix: correct "
+                                 "that code (its traceback is above).")
+    assert isinstance(raised.value.cause, KeyError) and raised.value.__cause__ is raised.value.cause
     assert reads("mine.py:first_digit") == ("reward_model.ground_truth",)  # as verl's reward manager reads it
     assert reads("reasoning_gym") == ("extra_info.task", "extra_info.entry")
 
@@ -55,7 +64,7 @@ def test_module_function_is_imported_from_the_working_directory(tmp_path, monkey
 BAD = {
     "no file": ("nope.py:score", "file 'nope.py' does not exist (relative paths start at {tmp}). Fix: write "
                                  "reward.functions=[path/to/file.py:function]"),
-    "no function": ("mine.py:score", "'mine.py' has no function 'score' (it has ['first_digit', 'words'])"),
+    "no function": ("mine.py:score", "'mine.py' has no function 'score' (it has ['first_digit', 'needs_unit', 'words'])"),
     "no module": ("no_such_module_xyz:score", "cannot import 'no_such_module_xyz'"),
     "module raises": ("broken.py:score", "importing 'broken.py' raised ZeroDivisionError: division by zero. Fix: "
                                          "correct that file."),

@@ -72,6 +72,21 @@ def test_variants_apply_before_the_command_line(tmp_path):
         config_from_dict({"model": TINY, "variants": {"x": ["variants.y=[]"]}})
 
 
+def test_plan_names_the_variant_its_hardware_came_from(tmp_path, capsys):
+    """`megappo plan R --variant small` took its GPUs and memory from the variant: the first line says so."""
+    from megappo.cli import main
+
+    model = "{architectures: [LlamaForCausalLM], model_type: llama, vocab_size: 32, hidden_size: 64, " \
+            "intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2}"
+    path = recipe(tmp_path, f"model: {{hf_config: {model}}}\nhardware: {{gpus_per_node: 1, gpu_memory_gib: 80}}\n"
+                            "variants:\n  small: [hardware.gpu_memory_gib=40]\n")
+    main(["plan", path, "--variant", "small"])
+    assert "hardware: 1 GPU of 40 GiB (the recipe's hardware section with --variant small)\n" \
+        in capsys.readouterr().out
+    main(["plan", path])
+    assert "hardware: 1 GPU of 80 GiB (the recipe's hardware section)\n" in capsys.readouterr().out
+
+
 def test_cpu_plan_counts_host_memory_per_rank():
     cpu = load_config("recipes/demo-cpu.yaml")
     assert cpu.hardware == HardwareConfig(device="cpu", nodes=1, gpus_per_node=2, gpu_memory_gib=2.0)

@@ -11,7 +11,7 @@ import pytest
 from megappo.recipe import load_config
 from megappo.data import NOT_HELD_OUT, DataError, builtin_rows, builtin_splits, load_rows, prompt_identity
 from megappo.datacheck import shared_prompts, warn_shared_prompts
-from megappo.run import _prompt_rows
+from megappo.preflight import _prompt_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
@@ -38,7 +38,7 @@ def builtin_data():
 
 @pytest.mark.parametrize("name,d", builtin_data(), ids=lambda x: x if isinstance(x, str) else "")
 def test_builtin_validation_prompts_are_not_training_prompts(name, d):
-    train, val = _prompt_rows(d)  # what megappo.run trains and validates on
+    train, val = _prompt_rows(d)  # what megappo.run trains and validates on (megappo.preflight.load_prompts)
     assert len(train) == d.builtin_size and len(val) == d.builtin_val_size
     assert train == builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args)  # training rows as before
     if d.builtin in NOT_HELD_OUT:

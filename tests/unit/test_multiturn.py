@@ -24,6 +24,7 @@ from megappo.rollout.multiturn import (ObservationEncoder, ObservationError, obs
                                        random_policy_episode_score, run_episodes, turn_seed)
 from megappo.tokenizer import char_tokenizer, load_tokenizer
 from megappo.types import RolloutBatch, SamplingParams
+from megappo.user_code import UserCodeError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "recipes", "demo-multiturn-cpu.yaml")
@@ -499,3 +500,50 @@ def test_an_observation_that_is_not_text_names_the_environment():
                      SamplingParams(max_new_tokens=20), make_env=Counting, tokenizer=tok,
                      encode_observation=observation_encoder(tok, "tool", False), max_turns=3, max_turn_tokens=None,
                      pad_token_id=0)
+
+
+FAILING_ENV = '''
+from megappo.envs.base import Environment, StepResult
+
+CLOSED = []
+
+class Flaky(Environment):
+    async def reset(self, episode):
+        self.row = episode.index
+
+    async def step(self, action):
+        if action.turn == 1 and self.row == 1:
+            return {"oops": 1}["answer"]
+        return StepResult(observation="1")
+
+    async def close(self):
+        CLOSED.append(self.row)
+'''
+
+
+def test_what_an_environment_raises_names_its_class_the_row_and_the_turn(tmp_path, monkeypatch):
+    """Row 1's environment raises in its second step: one UserCodeError naming the user's class and
+    method, the row, its prompt and the turn, with the exception as its cause; every environment is
+    still closed. A reset that raises is named the same way, without a turn."""
+    (tmp_path / "flaky_env.py").write_text(FAILING_ENV)
+    monkeypatch.chdir(tmp_path)
+    env = check_env("flaky_env.py:Flaky", {})
+    tok = load_tokenizer("builtin:digits")
+    exs = examples(tok, ["1?", "2?"])
+    eng = Scripted([[8, 1], [9, 1], [10, 1]], tok.eos_token_id)
+    kw = dict(make_env=env, tokenizer=tok, encode_observation=observation_encoder(tok, "tool", False), max_turns=3,
+              max_turn_tokens=None, pad_token_id=0)
+    with pytest.raises(UserCodeError) as raised:
+        run_episodes(eng.generate, exs, SamplingParams(max_new_tokens=20), **kw)
+    assert str(raised.value) == (f"environment {tmp_path}/flaky_env.py:Flaky.step raised KeyError: 'answer' on row 1 "
+                                 "(prompt '2?'), turn 1. Fix: correct that code (its traceback is above).")
+    assert isinstance(raised.value.__cause__, KeyError)
+    assert sorted(env.step.__globals__["CLOSED"]) == [0, 1]
+
+    async def broken_reset(self, episode):
+        raise RuntimeError("no sandbox")
+
+    monkeypatch.setattr(env, "reset", broken_reset)
+    with pytest.raises(UserCodeError, match=r"^environment .*/flaky_env.py:Flaky.reset raised RuntimeError: no sandbox "
+                                            r"on row 0 \(prompt '1\?'\)\. Fix"):
+        run_episodes(Scripted([[8, 1]], tok.eos_token_id).generate, exs, SamplingParams(max_new_tokens=20), **kw)

@@ -28,13 +28,24 @@ NO_SIGNAL = types.SimpleNamespace(stopped_at_once=False, exit_code=None)
     ((launch.GAVE_UP_EXIT, -15), (3, (0, 3))),  # a collective timed out (a hung rank, stopped by torchrun)
     ((1, -15), (1, None)),  # a rank's own failure (a NaN abort, a failed weight sync, a bug)
     ((2, 2), (2, None)),  # bad input
+    ((launch.USER_CODE_EXIT, -15), (4, None)),  # the user's code failed (its rank said so): no restart, no line
+    ((launch.USER_CODE_EXIT, launch.USER_CODE_EXIT), (4, None)),  # ... and the other rank exited quietly with it
     ((130, 130), (130, None)),  # stopped on SIGINT sent to the ranks
     ((143, -15), (143, None)),  # stopped on SIGTERM
 ])
 def test_restart_rule(exitcodes, expected, capsys):
     assert launch._failed(child_failed(*exitcodes), NO_SIGNAL) == expected
     printed = capsys.readouterr().err
-    assert ("the other ranks were stopped" in printed) == (expected[1] is None and expected[0] not in (130, 143))
+    assert ("the other ranks were stopped" in printed) == (expected[1] is None and expected[0] not in (130, 143, 4))
+
+
+def test_ray_driver_adds_no_line_after_an_error_in_the_users_code(capsys):
+    from megappo.parallel.ray_launch import _exit_code
+
+    assert _exit_code([(1, 2.0, launch.USER_CODE_EXIT), (0, 1.0, -15)], []) == launch.USER_CODE_EXIT
+    assert capsys.readouterr().err == ""
+    assert _exit_code([(1, 2.0, 1), (0, 1.0, -15)], []) == 1
+    assert "megappo: rank 1 failed (exited with code 1)" in capsys.readouterr().err
 
 
 def test_no_restart_after_a_signal_to_the_launcher():
@@ -78,3 +89,31 @@ def test_restart_loop_never_restarts_a_run_that_may_not(monkeypatch):
     restarts = []
     assert launch.torchrun(["-m", "x"], max_restarts=5, on_restart=restarts.append) == 2
     assert restarts == []
+
+
+def test_a_failing_rank_leaves_a_note_the_others_read_in_the_store(tmp_path, capsys):
+    """megappo.parallel.stage: the note a rank that reported its own error leaves (rank, exit code),
+    read back through the process group's store; none before it is left. megappo.cli: a rank whose
+    collective lost its peer says so (exit 3) without the note, and with it exits with the peer's
+    code and says nothing."""
+    import torch.distributed as dist
+
+    from megappo.cli import run_reporting_errors
+    from megappo.parallel import stage
+
+    def lost_peer():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:10147")
+
+    assert stage.peer_failure() is None  # no process group: nothing to read, no error
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert stage.peer_failure() is None
+        assert run_reporting_errors(lost_peer) == launch.GAVE_UP_EXIT
+        assert "lost its connection to another rank" in capsys.readouterr().err
+        stage.tell_peers(launch.USER_CODE_EXIT)
+        assert stage.peer_failure() == (0, launch.USER_CODE_EXIT)
+        assert run_reporting_errors(lost_peer) == launch.USER_CODE_EXIT
+        assert capsys.readouterr().err == ""
+    finally:
+        dist.destroy_process_group()
