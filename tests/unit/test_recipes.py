@@ -54,7 +54,7 @@ def test_plan_without_flags_fits_the_recipes_hardware(path, capsys):
 def test_every_variant_fits(path, variant, capsys):
     code, out = plan_cli(capsys, path, "--variant", variant)
     assert code == 0, out
-    assert "\nfits: " in out and "(the recipe's hardware section)" in out
+    assert "\nfits: " in out and f"(the recipe's hardware section with --variant {variant})" in out
     assert variant in header(path), f"the header's 'Other hardware' does not describe variant {variant}"
 
 
