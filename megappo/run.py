@@ -28,6 +28,7 @@ from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
+from megappo.models.lora import NO_LORA, LoRA, base_view
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import OptimSettings, make_trainable
@@ -195,6 +196,15 @@ def recompute_of(cfg: Config, role: str) -> Recompute:
     return Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute")
 
 
+def lora_of(cfg: Config, role: str) -> LoRA:
+    """A role's LoRA adapters: `actor.lora` / `critic.lora`; none for the forward-only roles."""
+    if role not in ("actor", "critic") or not getattr(cfg, role).lora.enabled:
+        return NO_LORA
+    section = getattr(cfg, role).lora
+    return LoRA(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
+                targets=LoRA.megatron_targets(section.target_modules, f"{role}.lora.target_modules"))
+
+
 def _hf_source(cfg: Config):
     """(HF config dict, weights: a directory or an in-memory state dict, the HF model or None)."""
     if cfg.model.path:
@@ -289,7 +299,7 @@ def create_run(cfg: Config) -> Run:
                         layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                         sequence_parallel=p.sequence_parallel, value_head_seed=cfg.model.seed_init,
-                        recompute=recompute_of(cfg, role),
+                        recompute=recompute_of(cfg, role), lora=lora_of(cfg, role),
                         **({"moe_enable_routing_replay": True} if replays and role in ("actor", "ref") else {}))
         load_hf_weights(m, source)
         return m
@@ -309,8 +319,9 @@ def create_run(cfg: Config) -> Run:
                                                                       cfg.updates_per_step("actor"),
                                                                       p.use_distributed_optimizer)))
     ref = None
-    if cfg.needs_ref:
-        ref = PolicyWorker(model("ref"), batching=batching("ref"), temperature=cfg.rollout.temperature or 1.0,
+    if cfg.needs_ref:  # with actor.lora: the actor's own weights with the adapters off, no second copy
+        ref_model = base_view(actor_model) if cfg.ref_is_actor_base else model("ref")
+        ref = PolicyWorker(ref_model, batching=batching("ref"), temperature=cfg.rollout.temperature or 1.0,
                            routing=RouteReplay() if replays else None)
     critic = None
     if cfg.use_critic:
@@ -352,7 +363,7 @@ def create_run(cfg: Config) -> Run:
             print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
         print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(train_examples)}"
               f"{_long_prompts_note(data_stats, cfg.data.max_prompt_length)} | steps={total_steps} | "
-              f"critic={'on' if critic else 'off'} ref={'on' if ref else 'off'} | "
+              f"critic={'on' if critic else 'off'} ref={_ref_note(cfg) if ref else 'off'}{_lora_note(cfg)} | "
               f"estimator={cfg.algorithm.adv_estimator}", flush=True)
         if len(layouts) > 1:
             print("megappo: per-role layouts: " + ", ".join(
@@ -365,6 +376,17 @@ def create_run(cfg: Config) -> Run:
                sampler=sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress, total_steps=total_steps,
                start_step=start_step, nan_skips=nan_skips, last_saved_step=start_step if resume else None,
                rollouts=rollouts)
+
+
+def _ref_note(cfg: Config) -> str:
+    return "actor's base (adapters off)" if cfg.ref_is_actor_base else "on"
+
+
+def _lora_note(cfg: Config) -> str:
+    """' | lora: actor r=8 alpha=16' for the roles with adapters, or ''."""
+    roles = [f"{role} r={lora.rank} alpha={lora.alpha:g}" for role in ("actor", "critic")
+             for lora in [lora_of(cfg, role)] if lora.enabled]
+    return f" | lora: {', '.join(roles)}" if roles else ""
 
 
 def _long_prompts_note(stats: dict[str, int], limit: int) -> str:

@@ -1,6 +1,7 @@
 """LoRA adapters in Megatron's tensor-parallel layers (megappo.models.lora) equal a plain-torch
 LoRA on the HF model after 3 AdamW steps, at TP2 and PP2; the base view (adapters off) gives the
-base model's log-probs bit-exactly (workers/lora_worker.py)."""
+base model's log-probs bit-exactly; a LoRA trainer checkpoint resumes bit-identically in
+float32 and bf16 (workers/lora_worker.py)."""
 
 import pytest
 
@@ -13,3 +14,5 @@ def test_lora_equals_plain_torch_reference(layout):
     assert "ALL OK" in out
     for family in ("llama", "qwen2"):
         assert f"OK {family} lora tp={layout[0]} pp={layout[1]}" in out, family
+    for dtype in ("float32", "bfloat16"):
+        assert f"OK lora resume {dtype} tp={layout[0]} pp={layout[1]}" in out, dtype
