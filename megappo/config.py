@@ -221,6 +221,7 @@ class LoRAConfig(_Section):
     rank: int = 0  # adapter rank r; 0: no LoRA, every weight trains (verl: lora_rank)
     alpha: float = 16.0  # the adapters' update is scaled by alpha / rank (verl: lora_alpha)
     dropout: float = 0.0  # dropout on the adapters' input, in training passes only
+    modules_to_save: list[str] = dataclasses.field(default_factory=list)  # modules trained fully next to the adapters (peft's name): lm_head, embed_tokens (tied embeddings: both); a model trained from random init needs lm_head, whose frozen random rows cap its logits
     target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])  # all-linear, Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; fused ones are adapted together)
 
     def check(self) -> None:
@@ -231,6 +232,7 @@ class LoRAConfig(_Section):
         _require(0 <= self.dropout < 1, f"{P}dropout={self.dropout} must be in [0, 1). Fix: e.g. {P}dropout=0.0.")
         try:
             LoRA.megatron_targets(self.target_modules)
+            LoRA.saved_modules(self.modules_to_save)
         except ValueError as e:
             raise ConfigError(f"{P}{e}") from None
         _require(bool(self.target_modules), f"{P}target_modules=[] adapts nothing. Fix: {P}target_modules=[all-linear].")

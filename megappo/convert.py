@@ -111,7 +111,9 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
     meta = read_metadata(ckpt_dir)
     dims = ModelDims(**meta["dims"])
     # the dtype it was saved in (checkpoints before megappo recorded it were float32)
-    lora = LoRA(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])}) if meta.get("lora") else LoRA()
+    saved = meta.get("lora")
+    lora = LoRA(**{**saved, "targets": tuple(saved["targets"]), "modules_to_save": tuple(saved["modules_to_save"])}
+                ) if saved else LoRA()
     model = build_model(dims, ps, role=meta["role"], dtype=meta.get("dtype", "float32"), lora=lora)
     load_model(model, ckpt_dir)  # a LoRA model's adapters too: its export is merged (and peft's adapter)
     return export_hf(model, out_dir, meta["hf_config"], read_aux_files(os.path.join(ckpt_dir, "hf"), everything=True),
@@ -157,14 +159,18 @@ def write_peft_adapter(model: MegatronModel, out_dir: str, hf_config: dict) -> N
     from safetensors.torch import save_file
 
     adapters = list(iter_adapter_tensors(model))  # (HF module name, lora_A | lora_B, tensor)
+    trained = model.lora.trained_prefixes(model.dims.tie_word_embeddings)
+    saved = list(iter_hf_tensors(model, only=trained)) if trained else []  # modules_to_save, whole
     if model.ps.rank != 0:
         return
     tensors = {f"base_model.model.{module}.{which}.weight": t.contiguous() for module, which, t in adapters}
+    tensors.update({f"base_model.model.{name}": t.contiguous() for name, t in saved})
     lora = model.lora
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "target_modules": sorted({module.rpartition(".")[2] for module, _, _ in adapters}),
-              "base_model_name_or_path": hf_config.get("_name_or_path") or None, "modules_to_save": None,
+              "base_model_name_or_path": hf_config.get("_name_or_path") or None,
+              "modules_to_save": sorted({name.split(".")[-2] for name, _ in saved}) or None,
               "use_rslora": False, "init_lora_weights": True}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})

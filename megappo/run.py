@@ -202,7 +202,8 @@ def lora_of(cfg: Config, role: str) -> LoRA:
         return NO_LORA
     section = getattr(cfg, role).lora
     return LoRA(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
-                targets=LoRA.megatron_targets(section.target_modules, f"{role}.lora.target_modules"))
+                targets=LoRA.megatron_targets(section.target_modules, f"{role}.lora.target_modules"),
+                modules_to_save=LoRA.saved_modules(section.modules_to_save, f"{role}.lora.modules_to_save"))
 
 
 def _hf_source(cfg: Config):

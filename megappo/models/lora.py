@@ -3,7 +3,8 @@
 `apply_lora(model, LoRA(rank=8, ...))` gives every targeted `ColumnParallelLinear` /
 `RowParallelLinear` of a built model two adapter matrices and adds their low-rank update
 to the layer's output, y = W x + (alpha / r) * B (A x), then freezes every other parameter
-(a critic's value head stays trainable). The base weights keep their names, so HF loading,
+(a critic's value head stays trainable, and so do `modules_to_save`, peft's name for modules
+trained fully next to the adapters: lm_head, embed_tokens). The base weights keep their names, so HF loading,
 the name map and checkpoints of the base model are unchanged; the adapters are parameters
 of the same layer (`<layer>.lora_a`, `<layer>.lora_b`).
 
@@ -44,6 +45,8 @@ TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column",
 HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
               "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
 ALL_LINEAR = "all-linear"
+#: modules that train fully next to the adapters (peft's modules_to_save): HF name -> Megatron prefix
+SAVED_MODULES = {"lm_head": "output_layer", "embed_tokens": "embedding"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class LoRA:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = tuple(TARGETS)  # Megatron linear names
+    modules_to_save: tuple[str, ...] = ()  # HF names of modules that train fully (SAVED_MODULES)
 
     @property
     def enabled(self) -> bool:
@@ -77,6 +81,25 @@ class LoRA:
                 raise ModelConfigError(f"{key}: '{name}' is not a linear layer megappo adapts. Fix: choose from "
                                        f"{[ALL_LINEAR, *TARGETS, *HF_TARGETS]}.")
         return tuple(t for t in TARGETS if t in out)
+
+    @staticmethod
+    def saved_modules(names: Iterable[str], key: str = "modules_to_save") -> tuple[str, ...]:
+        """HF names of fully trained modules, from HF or Megatron names."""
+        megatron = {v: k for k, v in SAVED_MODULES.items()}
+        out = []
+        for name in names:
+            if name not in SAVED_MODULES and name not in megatron:
+                raise ModelConfigError(f"{key}: '{name}' is not a module megappo trains next to adapters. Fix: "
+                                       f"choose from {list(SAVED_MODULES)}.")
+            out.append(megatron.get(name, name))
+        return tuple(m for m in SAVED_MODULES if m in out)
+
+    def trained_prefixes(self, tied_embeddings: bool) -> tuple[str, ...]:
+        """Megatron name prefixes of the fully trained modules (tied embeddings: both or neither)."""
+        saved = set(self.modules_to_save)
+        if tied_embeddings and saved:
+            saved = set(SAVED_MODULES)
+        return tuple(f"{SAVED_MODULES[m]}." for m in SAVED_MODULES if m in saved)
 
 
 NO_LORA = LoRA()
@@ -176,8 +199,9 @@ def _adapt(module: torch.nn.Module, kind: str, lora: LoRA, name: str, seed: int)
 
 def apply_lora(model, lora: LoRA, *, seed: int = 0, trainable_prefixes: tuple[str, ...] = ()) -> int:
     """Adapt `model`'s targeted linears (a MegatronModel, before make_trainable wraps it) and freeze
-    everything else except parameters whose global name starts with one of `trainable_prefixes`
-    (a critic's value head: 'output_layer.'). Returns the number of adapted layers on this rank."""
+    everything else except `lora.modules_to_save` and parameters whose global name starts with one
+    of `trainable_prefixes` (a critic's value head: 'output_layer.'). Returns the number of adapted
+    layers on this rank."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     kinds = {ColumnParallelLinear: "column", RowParallelLinear: "row"}
@@ -199,8 +223,9 @@ def apply_lora(model, lora: LoRA, *, seed: int = 0, trainable_prefixes: tuple[st
                                    "are not). Fix: set model.layer_spec=local, or leave it out of target_modules.")
         _adapt(module, kind, lora, layer, seed)
         adapted += 1
+    trained = tuple(trainable_prefixes) + lora.trained_prefixes(model.dims.tie_word_embeddings)
     for name, _, param in model.named_parameters():
-        param.requires_grad_(name.startswith(trainable_prefixes) if trainable_prefixes else False)
+        param.requires_grad_(name.startswith(trained) if trained else False)
     model.lora = lora
     return adapted
 
