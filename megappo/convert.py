@@ -163,7 +163,8 @@ def write_peft_adapter(model: MegatronModel, out_dir: str, hf_config: dict) -> N
     saved = list(iter_hf_tensors(model, only=trained)) if trained else []  # modules_to_save, whole
     if model.ps.rank != 0:
         return
-    tensors = {f"base_model.model.{module}.{which}.weight": t.contiguous() for module, which, t in adapters}
+    # q, k and v (gate and up) share one A: each gets its own copy in the file
+    tensors = {f"base_model.model.{module}.{which}.weight": t.clone() for module, which, t in adapters}
     tensors.update({f"base_model.model.{name}": t.contiguous() for name, t in saved})
     lora = model.lora
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
