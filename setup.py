@@ -34,7 +34,8 @@ setup(
         "ray": ["ray>=2.10"],  # --launcher ray (megappo.parallel.ray_launch)
         "data": ["pyarrow", "reasoning-gym==0.1.25"],  # Parquet datasets, procedural tasks
         "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "tensorboard", "wandb",
-                 "ray>=2.10"],  # tests/e2e/test_ray_launcher.py
+                 "ray>=2.10",  # tests/e2e/test_ray_launcher.py
+                 "peft"],  # a LoRA export loads with peft (tests/e2e/test_lora.py)
     },
     entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
 )

@@ -188,6 +188,34 @@ class RecomputeConfig(_Section):
                  f"{P}modules=[] recomputes nothing. Fix: set {P}modules=[core_attn], or {P}granularity=none.")
 
 
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig(_Section):
+    """LoRA adapters of a trained role (megappo.models.lora; docs/lora.md): the base weights stay frozen."""
+
+    rank: int = 0  # adapter rank r; 0: no LoRA, every weight trains (verl: lora_rank)
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / rank (verl: lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input, in training passes only
+    modules_to_save: list[str] = dataclasses.field(default_factory=list)  # modules trained fully next to the adapters (peft's name): lm_head, embed_tokens (tied embeddings: both); a model trained from random init needs lm_head, whose frozen random rows cap its logits
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])  # all-linear, Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; fused ones are adapted together)
+
+    def check(self) -> None:
+        from megappo.models.lora import LoRA
+
+        _at_least(self, rank=0)
+        _require(self.alpha > 0, f"{P}alpha={self.alpha} must be > 0. Fix: e.g. {P}alpha=16 (often 2 x rank).")
+        _require(0 <= self.dropout < 1, f"{P}dropout={self.dropout} must be in [0, 1). Fix: e.g. {P}dropout=0.0.")
+        try:
+            LoRA.megatron_targets(self.target_modules)
+            LoRA.saved_modules(self.modules_to_save)
+        except ValueError as e:
+            raise ConfigError(f"{P}{e}") from None
+        _require(bool(self.target_modules), f"{P}target_modules=[] adapts nothing. Fix: {P}target_modules=[all-linear].")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
 def _check_trained_role(role: Any) -> None:
     _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1, max_tokens_per_micro_batch=1)
     _require(role.grad_clip > 0, f"{P}grad_clip={role.grad_clip} must be > 0. Fix: e.g. {P}grad_clip=1.0.")
@@ -214,6 +242,7 @@ class ActorConfig(_Section):
     is_truncate: float = 2.0  # is_correct: truncation of rollout importance weights
     moe_routing: Literal["recompute", "replay"] = "recompute"  # MoE: replay: the actor's and reference's passes use the experts the rollout engine chose per token (routing replay); recompute: their own routers choose
     recompute: RecomputeConfig = _default(RecomputeConfig)  # activation recomputation (gradient checkpointing) of the actor's training passes
+    lora: LoRAConfig = _default(LoRAConfig)  # LoRA adapters instead of training every weight; the reference policy is then the actor with its adapters off (no second copy)
     optim: OptimConfig = _default(OptimConfig)  # optimizer and LR schedule
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
@@ -252,6 +281,7 @@ class CriticConfig(_Section):
     grad_clip: float = 1.0  # global gradient-norm clip
     loss_agg_mode: LossAggMode = "token-mean"  # reduction of the value loss
     recompute: RecomputeConfig = _default(RecomputeConfig)  # activation recomputation (gradient checkpointing) of the critic's training passes
+    lora: LoRAConfig = _default(LoRAConfig)  # LoRA adapters on the critic's trunk (its value head trains fully)
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))  # optimizer
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
 
@@ -553,6 +583,9 @@ class Config(_Section):
                  f"actor.moe_routing=replay records the engine's routes of single-turn responses; multi-turn "
                  f"episodes (rollout.env={self.rollout.env}) have no single record yet. Fix: set "
                  f"actor.moe_routing=recompute or rollout.env=single_turn.")
+        _require(not self.ref_is_actor_base or all(v is None for v in dataclasses.astuple(self.ref.parallel)),
+                 "with actor.lora the reference policy is the actor with its adapters off (no model of its own), "
+                 "so ref.parallel does not apply. Fix: remove ref.parallel.")
         for role in self.model_roles:
             tp, pp, vpp = self.layout(role)
             _require(vpp is None or pp > 1, f"{role}.parallel.vpp={vpp} needs a pipeline (pp > 1), but {role}'s pp is "
@@ -594,6 +627,11 @@ class Config(_Section):
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
+    def ref_is_actor_base(self) -> bool:
+        """The reference log-probs come from the actor with its LoRA adapters off: no reference model."""
+        return self.needs_ref and self.actor.lora.enabled
+
+    @property
     def roles(self) -> tuple[str, ...]:
         """The Megatron models this run builds (the reward model aside)."""
         return ("actor",) + (("critic",) if self.use_critic else ()) + (("ref",) if self.needs_ref else ())
@@ -628,7 +666,9 @@ class Config(_Section):
         return self.checkpoint.dir or f"{self.run.output_dir.rstrip('/')}/checkpoints"
 
     def layout(self, role: Literal["actor", "critic", "ref", "reward"]) -> tuple[int, int, Optional[int]]:
-        """(tp, pp, vpp) of a role: its own `<role>.parallel` fields, else the shared `parallel`."""
+        """(tp, pp, vpp) of a role: its own `<role>.parallel` fields, else the shared `parallel` (a
+        reference that is the actor's base: the actor's)."""
+        role = "actor" if role == "ref" and self.ref_is_actor_base else role
         own, shared = getattr(self, role).parallel, self.parallel
         tp = own.tp or shared.tp
         pp = own.pp or shared.pp
@@ -637,6 +677,7 @@ class Config(_Section):
 
     def expert_parallel(self, role: Literal["actor", "critic", "ref", "reward"]) -> int:
         """A role's expert-parallel size: its own `<role>.parallel.ep`, else `parallel.ep`."""
+        role = "actor" if role == "ref" and self.ref_is_actor_base else role
         return getattr(self, role).parallel.ep or self.parallel.ep
 
     @property
@@ -850,6 +891,10 @@ _NOT_HERE = {
     (RewardConfig, "recompute"): "the reward model only runs forward passes, which keep no activations for backward, "
                                  "so there is nothing to recompute. Fix: remove it (recomputation is for the trained "
                                  "roles: actor.recompute, critic.recompute).",
+    (RefConfig, "lora"): "the reference policy is the base model: with actor.lora it is the actor with its adapters "
+                         "off, without it a frozen copy. Fix: remove it (adapters are set with actor.lora).",
+    (RewardConfig, "lora"): "the reward model is not trained, so it has no adapters. Fix: remove it (adapters are "
+                            "for the trained roles: actor.lora, critic.lora).",
 }
 
 

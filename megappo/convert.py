@@ -29,7 +29,8 @@ from megappo.models.forward import gather_vocab_logits, run_micro_batches
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
 from megappo.models.hf_reference import ShardedSafetensorsWriter
 from megappo.models.precision import LOGIT_TOL
-from megappo.models.weights import HFWeights, iter_hf_tensors, load_hf_weights
+from megappo.models.lora import LoRA
+from megappo.models.weights import HFWeights, iter_adapter_tensors, iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import ParallelState
 
 #: Files besides weights that an HF model directory carries along (tokenizer, templates).
@@ -110,8 +111,11 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
     meta = read_metadata(ckpt_dir)
     dims = ModelDims(**meta["dims"])
     # the dtype it was saved in (checkpoints before megappo recorded it were float32)
-    model = build_model(dims, ps, role=meta["role"], dtype=meta.get("dtype", "float32"))
-    load_model(model, ckpt_dir)
+    saved = meta.get("lora")
+    lora = LoRA(**{**saved, "targets": tuple(saved["targets"]), "modules_to_save": tuple(saved["modules_to_save"])}
+                ) if saved else LoRA()
+    model = build_model(dims, ps, role=meta["role"], dtype=meta.get("dtype", "float32"), lora=lora)
+    load_model(model, ckpt_dir)  # a LoRA model's adapters too: its export is merged (and peft's adapter)
     return export_hf(model, out_dir, meta["hf_config"], read_aux_files(os.path.join(ckpt_dir, "hf"), everything=True),
                      verify=verify, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
 
@@ -136,10 +140,43 @@ def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dic
                 if name != "config.json":
                     with open(os.path.join(tmp, name), "wb") as f:
                         f.write(data)
+        if model.lora.enabled and not model.has_value_head:
+            write_peft_adapter(model, os.path.join(tmp, PEFT_DIR), hf_config)
         dist.barrier()
         if verify:
             results = verify_model(model, tmp)
     return results
+
+
+#: where export_hf writes a LoRA actor's adapters in peft's format, next to the merged weights
+PEFT_DIR = "adapter"
+
+
+def write_peft_adapter(model: MegatronModel, out_dir: str, hf_config: dict) -> None:
+    """Collective: a LoRA model's adapters as a peft adapter directory written by global rank 0
+    (adapter_config.json + adapter_model.safetensors, peft's names `base_model.model.<module>.lora_A.weight`),
+    loadable with peft's PeftModel.from_pretrained(<the base HF model>, out_dir)."""
+    from safetensors.torch import save_file
+
+    adapters = list(iter_adapter_tensors(model))  # (HF module name, lora_A | lora_B, tensor)
+    trained = model.lora.trained_prefixes(model.dims.tie_word_embeddings)
+    saved = list(iter_hf_tensors(model, only=trained)) if trained else []  # modules_to_save, whole
+    if model.ps.rank != 0:
+        return
+    # q, k and v (gate and up) share one A: each gets its own copy in the file
+    tensors = {f"base_model.model.{module}.{which}.weight": t.clone() for module, which, t in adapters}
+    tensors.update({f"base_model.model.{name}": t.contiguous() for name, t in saved})
+    lora = model.lora
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+              "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "target_modules": sorted({module.rpartition(".")[2] for module, _, _ in adapters}),
+              "base_model_name_or_path": hf_config.get("_name_or_path") or None,
+              "modules_to_save": sorted({name.split(".")[-2] for name, _ in saved}) or None,
+              "use_rslora": False, "init_lora_weights": True}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def verify_model(model: MegatronModel, hf_dir: str, *, tol: float | None = None, seed: int = 0) -> dict:

@@ -34,6 +34,7 @@ from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
+from megappo.models.lora import NO_LORA, LoRA, base_view
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import OptimSettings, make_trainable
@@ -205,6 +206,16 @@ def recompute_of(cfg: Config, role: str) -> Recompute:
     return Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute")
 
 
+def lora_of(cfg: Config, role: str) -> LoRA:
+    """A role's LoRA adapters: `actor.lora` / `critic.lora`; none for the forward-only roles."""
+    if role not in ("actor", "critic") or not getattr(cfg, role).lora.enabled:
+        return NO_LORA
+    section = getattr(cfg, role).lora
+    return LoRA(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
+                targets=LoRA.megatron_targets(section.target_modules, f"{role}.lora.target_modules"),
+                modules_to_save=LoRA.saved_modules(section.modules_to_save, f"{role}.lora.modules_to_save"))
+
+
 def _hf_source(cfg: Config):
     """(HF config dict, weights: a directory or an in-memory state dict, the HF model or None)."""
     if cfg.model.path:
@@ -254,11 +265,15 @@ class RolePlan:
     roles: tuple[str, ...]  # the Megatron models this run builds: actor, and critic / ref / reward as needed
     routing_replay: bool  # MoE: the actor's and reference's routers replay the engine's expert choices
     recompute: dict[str, Recompute]  # activation recomputation per role
+    lora: dict[str, LoRA]  # LoRA adapters per trained role (megappo.models.lora); absent: none
+    ref_is_actor_base: bool  # the reference is the actor with its adapters off, not a model of its own
 
     @classmethod
     def of(cls, cfg: Config) -> RolePlan:
         return cls(roles=cfg.model_roles, routing_replay=cfg.actor.moe_routing == "replay",
-                   recompute={role: recompute_of(cfg, role) for role in cfg.model_roles})
+                   recompute={role: recompute_of(cfg, role) for role in cfg.model_roles},
+                   lora={role: lora_of(cfg, role) for role in ("actor", "critic") if lora_of(cfg, role).enabled},
+                   ref_is_actor_base=cfg.ref_is_actor_base)
 
 
 @dataclasses.dataclass
@@ -354,7 +369,7 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
                         layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                         sequence_parallel=cfg.parallel.sequence_parallel, value_head_seed=cfg.model.seed_init,
-                        recompute=plan.recompute[role],
+                        recompute=plan.recompute[role], lora=plan.lora.get(role, NO_LORA),
                         **({"moe_enable_routing_replay": True} if replays(role) else {}))
         load_hf_weights(m, weights)
         return m
@@ -373,7 +388,9 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
                          trainable=trainable("actor", actor_model))
     ref = critic = reward_model = None
     if "ref" in plan.roles:
-        ref = PolicyWorker(model("ref"), batching=_batching(cfg, "ref"), temperature=temperature,
+        # with actor.lora: the actor's own weights with the adapters off, no second copy
+        ref_model = base_view(actor.model) if plan.ref_is_actor_base else model("ref")
+        ref = PolicyWorker(ref_model, batching=_batching(cfg, "ref"), temperature=temperature,
                            routing=RouteReplay() if replays("ref") else None)
     if "critic" in plan.roles:
         critic_model = model("critic", cfg.critic.path or source.weights)
@@ -437,13 +454,25 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
         print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
     print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(prompts.train)}"
           f"{_long_prompts_note(prompts.stats, cfg.data.max_prompt_length)} | steps={prompts.total_steps} | "
-          f"critic={'on' if roles.critic else 'off'} ref={'on' if roles.ref else 'off'} | "
+          f"critic={'on' if roles.critic else 'off'} ref={_ref_note(cfg) if roles.ref else 'off'}"
+          f"{_lora_note(cfg)} | "
           f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}", flush=True)
     if any(state is not ps for state in layouts.values()):
         print("megappo: per-role layouts: " + ", ".join(
             f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
             for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)]), flush=True)
     return logger, progress
+
+
+def _ref_note(cfg: Config) -> str:
+    return "actor's base (adapters off)" if cfg.ref_is_actor_base else "on"
+
+
+def _lora_note(cfg: Config) -> str:
+    """' | lora: actor r=8 alpha=16' for the roles with adapters, or ''."""
+    roles = [f"{role} r={lora.rank} alpha={lora.alpha:g}" for role in ("actor", "critic")
+             for lora in [lora_of(cfg, role)] if lora.enabled]
+    return f" | lora: {', '.join(roles)}" if roles else ""
 
 
 def _long_prompts_note(stats: dict[str, int], limit: int) -> str:

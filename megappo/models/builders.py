@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from megappo.models.hf_config import ModelConfigError, ModelDims, transformer_config
+from megappo.models.lora import NO_LORA, LoRA, apply_lora
 from megappo.models.name_map import NameMap, TensorRule, global_param_name, name_map_for
 from megappo.models.precision import Precision, precision_of
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
@@ -75,6 +76,7 @@ class MegatronModel:
     name_map: NameMap
     ps: ParallelState
     padded_vocab: int
+    lora: LoRA = NO_LORA  # the adapters megappo.models.lora.apply_lora added (rank 0: none)
 
     @property
     def precision(self) -> Precision:
@@ -85,14 +87,17 @@ class MegatronModel:
         return self.role in VALUE_ROLES
 
     def named_parameters(self) -> Iterator[tuple[str, TensorRule, torch.nn.Parameter]]:
-        """(global Megatron name, rule, local shard) for every parameter on this rank (global layer
-        numbers, and global expert numbers: this EP rank's experts are ep_rank * E/ep + k)."""
+        """(global Megatron name, rule, local shard) for every parameter of the model's name map on
+        this rank (global layer numbers, and global expert numbers: this EP rank's experts are
+        ep_rank * E/ep + k); LoRA adapters are not among them (megappo.models.lora)."""
         expert_offset = self.ps.ep_rank * (self.dims.num_experts // self.ps.ep)
         for chunk in self.chunks:
             module = unwrap(chunk)
             # layers of a chunk are contiguous; layer_number is global and 1-based
             offset = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
             for local_name, param in module.named_parameters():
+                if getattr(param, "lora_adapter", False):
+                    continue
                 name = global_param_name(local_name, offset, expert_offset)
                 yield name, self.name_map.rule(name), param
 
@@ -174,16 +179,26 @@ def build_model(
     value_head_bias: bool = True,
     value_head_seed: int = 0,
     recompute: Recompute = NO_RECOMPUTE,
+    lora: LoRA = NO_LORA,
     **config_overrides,
 ) -> MegatronModel:
     """Build this rank's chunks of a role's model (in the layout `ps`). Weights are randomly
     initialised; load real ones with `megappo.models.weights.load_hf_weights`. `recompute`: the
-    activation recomputation of a trained role (megappo.models.recompute)."""
+    activation recomputation of a trained role (megappo.models.recompute); `lora`: its LoRA
+    adapters (megappo.models.lora; every other weight frozen but a value head)."""
+    if lora.enabled and role not in TRAINED_ROLES:
+        raise ModelConfigError(f"LoRA adapters are for the trained roles (actor, critic), not the {role} model.")
+    if lora.enabled and layer_spec == "auto":
+        layer_spec = "local"  # Megatron's tensor-parallel linears, which megappo.models.lora adapts (TE's fused ones not)
     with ps.active():
-        return _build_model(dims, ps, role=role, dtype=dtype, layer_spec=layer_spec,
-                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                            value_head_bias=value_head_bias, value_head_seed=value_head_seed, recompute=recompute,
-                            **config_overrides)
+        model = _build_model(dims, ps, role=role, dtype=dtype, layer_spec=layer_spec,
+                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                             value_head_bias=value_head_bias, value_head_seed=value_head_seed, recompute=recompute,
+                             **config_overrides)
+        if lora.enabled:
+            apply_lora(model, lora, seed=value_head_seed, trainable_prefixes=("output_layer.",) if role in VALUE_ROLES
+                       else ())
+    return model
 
 
 def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible_by, value_head_bias,

@@ -95,6 +95,7 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
     if model.ps.rank == 0:
         meta = {"format": "megappo-model-v1", "role": model.role, "with_optimizer": with_optimizer,
                 "expert_parallel": model.ps.ep, "dtype": model.precision.name,
+                "lora": dataclasses.asdict(model.lora) if model.lora.enabled else None,
                 "dims": dataclasses.asdict(model.dims), "hf_config": hf_config}
         with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)

@@ -8,7 +8,8 @@ message.
 
 `iter_full_params(model)`: a collective over the model's ranks that yields (global
 Megatron name, full tensor) on global rank 0, stage after stage, TP shards gathered on
-each stage, and routed experts gathered over the expert-parallel group. `iter_hf_tensors`
+each stage, and routed experts gathered over the expert-parallel group (a LoRA model's adapted
+weights with their update merged in: megappo.models.lora.merged_shard). `iter_hf_tensors`
 adds the name-map transform (HF names, vocab unpadded, QKV/fc1 unfused). Nothing here holds
 more than one full tensor at a time.
 
@@ -17,6 +18,7 @@ This module does not know about PPO, engines or checkpoints of the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Iterator, Mapping
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel
 from megappo.errors import ModelConfigError
+from megappo.models.lora import merged_shard
 from megappo.models.name_map import global_param_name, merge_tp_shards, shard_for_tp
 from megappo.parallel.state import in_layout
 
@@ -120,24 +123,56 @@ def _full_shape(shape: torch.Size, tp_dim: int | None, tp: int) -> tuple[int, ..
     return tuple(out)
 
 
-@torch.no_grad()
-def iter_full_params(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(model: MegatronModel, dst: int = 0,
+                     only: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: every rank of the model must run it to the end. Yields (global Megatron
     name, full tensor) on global rank `dst` (which must be the tp0/dp0 rank of stage 0);
     other ranks yield nothing. Routed experts are gathered over the expert-parallel group as
     well (its ranks are data-parallel ranks 0..ep-1): each local expert k of the dp0 rank is
-    followed by expert r * E/ep + k of every other EP rank r."""
+    followed by expert r * E/ep + k of every other EP rank r. `only`: just the names starting
+    with one of these prefixes."""
+    entries = [(n, r, p) for n, r, p in model.named_parameters() if r.export and n.startswith(only or "")]
+    return _iter_full(model, entries, dst, merged_shard)
+
+
+def iter_adapter_tensors(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective, as `iter_full_params`: (HF module name, 'lora_A' | 'lora_B', full tensor) of a
+    LoRA model's adapters on rank `dst`, in peft's form: one (A, B) per HF projection, so an
+    adapter of a fused Megatron layer (qkv, gate|up) is split like its weight, B by rows, and
+    its A is shared by the projections it fuses (the same update, W_q + s B_q A, ...)."""
+    entries = []
+    for name, rule, param in model.named_parameters():
+        layer = getattr(param, "lora_layer", None)
+        if layer is None:
+            continue
+        for which in ("lora_a", "lora_b"):
+            split = (which == "lora_b") == (layer.lora_kind == "column")  # the TP-split one
+            tensor_rule = dataclasses.replace(rule, tp_dim=rule.tp_dim if split else None, glu=rule.glu and split)
+            entries.append((f"{name}.{which}", tensor_rule, getattr(layer, which)))
+    for name, full in _iter_full(model, entries, dst, torch.Tensor.detach):
+        weight_name, _, which = name.rpartition(".")
+        rule = model.name_map.rule(weight_name)
+        hf_names = [n.removesuffix(".weight") for n in rule.hf]
+        if which == "lora_a":
+            yield from ((n, "lora_A", full) for n in hf_names)
+        else:
+            yield from ((n, "lora_B", part) for n, part in zip(hf_names, rule.to_hf(full)))
+
+
+@torch.no_grad()
+def _iter_full(model: MegatronModel, entries: list, dst: int, value) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_full_params` over (global name, rule, parameter) `entries`, each gathered as `value(parameter)`."""
     ps = model.ps
     if ps.dp_rank >= ps.ep:  # a replica (data or expert-data parallel) of what ranks below hold
         return
     experts_only = ps.dp_rank != 0  # ep_rank > 0: contributes its experts, nothing else
-    local = [(n, r, p) for n, r, p in model.named_parameters() if r.export and (r.expert or not experts_only)]
+    local = [(n, r, p) for n, r, p in entries if r.expert or not experts_only]
     pp_ranks = dist.get_process_group_ranks(ps.pp_group)
     for stage in range(ps.pp):
         if experts_only:
             if ps.pp_rank == stage:
                 for _, rule, param in local:
-                    _gather_ep(_gather_tp(param.detach(), rule, ps), ps)
+                    _gather_ep(_gather_tp(value(param), rule, ps), ps)
             continue
         meta = None
         if ps.pp_rank == stage:
@@ -151,7 +186,7 @@ def iter_full_params(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, 
             continue
         if ps.pp_rank == stage:
             for name, rule, param in local:
-                full = _gather_tp(param.detach(), rule, ps)
+                full = _gather_tp(value(param), rule, ps)
                 fulls = _gather_ep(full, ps) if rule.expert else [full]
                 if ps.tp_rank != 0:
                     continue
@@ -193,8 +228,9 @@ def _gather_tp(shard: torch.Tensor, rule, ps) -> torch.Tensor:
     return merge_tp_shards(parts, rule)
 
 
-def iter_hf_tensors(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model: MegatronModel, dst: int = 0,
+                    only: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """`iter_full_params` through the name map: (HF name, tensor) on rank `dst`."""
-    for name, full in iter_full_params(model, dst):
+    for name, full in iter_full_params(model, dst, only):
         rule = model.name_map.rule(name)
         yield from zip(rule.hf, rule.to_hf(full))

@@ -289,3 +289,31 @@ def test_expert_parallel_per_role():
         build(parallel={"ep": 2, "tp": 2}).validate_world(2)
     with pytest.raises(ConfigError, match="parallel.ep"):
         build(parallel={"ep": 0})
+
+
+def test_lora_settings_and_their_refusals():
+    """actor.lora / critic.lora: names mapped to Megatron's layers; the reference becomes the actor's base
+    (its layout the actor's); wrong names, ref.lora, reward.lora and ref.parallel with it are refused."""
+    from megappo.run import lora_of
+
+    kl = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 2}, "actor": {"use_kl_loss": True,
+          "parallel": {"tp": 2}, "lora": {"rank": 8, "target_modules": ["q_proj", "down_proj"],
+                                          "modules_to_save": ["lm_head"]}}}
+    cfg = build(**kl)
+    lora = lora_of(cfg, "actor")
+    assert lora.targets == ("linear_qkv", "linear_fc2") and lora.scale == 2.0 and lora.modules_to_save == ("lm_head",)
+    assert cfg.ref_is_actor_base and cfg.layout("ref") == cfg.layout("actor") == (2, 1, None)
+    assert not lora_of(cfg, "critic").enabled and not lora_of(cfg, "ref").enabled
+    assert not build().ref_is_actor_base and not lora_of(build(), "actor").enabled
+    for sections, message in [
+        ({"actor": {"lora": {"rank": 8, "target_modules": ["qkv"]}}},
+         r"actor\.lora\.target_modules: 'qkv' is not a linear layer megappo adapts\. Fix: choose from"),
+        ({"actor": {"lora": {"rank": 8, "modules_to_save": ["norm"]}}}, r"actor\.lora\.modules_to_save: 'norm'"),
+        ({"actor": {"lora": {"rank": -1}}}, r"actor\.lora\.rank"),
+        ({"critic": {"lora": {"rank": 4, "alpha": 0}}}, r"critic\.lora\.alpha=0.* must be > 0"),
+        ({"ref": {"lora": {"rank": 4}}}, r"ref\.lora: the reference policy is the base model"),
+        ({"reward": {"lora": {"rank": 4}}}, r"reward\.lora: the reward model is not trained"),
+        ({**kl, "ref": {"parallel": {"tp": 1}}}, r"ref\.parallel does not apply\. Fix: remove ref\.parallel"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            build(**sections)
