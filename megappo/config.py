@@ -189,6 +189,37 @@ class RecomputeConfig(_Section):
 
 
 
+#: LoRA (megappo.models.lora uses these tables): Megatron linear -> its parallel kind; HF projection ->
+#: the Megatron linear that fuses it; modules trained fully next to adapters (peft's modules_to_save)
+TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column", "linear_fc2": "row"}
+HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+              "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+ALL_LINEAR = "all-linear"
+SAVED_MODULES = {"lm_head": "output_layer", "embed_tokens": "embedding"}  # HF name -> Megatron prefix
+
+
+def lora_targets(names: list[str] | tuple[str, ...], key: str = "target_modules") -> tuple[str, ...]:
+    """Megatron linear names from user names: Megatron's, HF's (q_proj, ...), or all-linear. HF
+    projections fused in one Megatron layer (q/k/v, gate/up) are adapted together."""
+    out = []
+    for name in names:
+        _require(name == ALL_LINEAR or name in TARGETS or name in HF_TARGETS,
+                 f"{key}: '{name}' is not a linear layer megappo adapts. Fix: choose from "
+                 f"{[ALL_LINEAR, *TARGETS, *HF_TARGETS]}.")
+        out.extend(TARGETS if name == ALL_LINEAR else [HF_TARGETS.get(name, name)])
+    return tuple(t for t in TARGETS if t in out)
+
+
+def lora_saved_modules(names: list[str] | tuple[str, ...], key: str = "modules_to_save") -> tuple[str, ...]:
+    """HF names of modules trained fully next to adapters, from HF or Megatron names."""
+    megatron = {v: k for k, v in SAVED_MODULES.items()}
+    for name in names:
+        _require(name in SAVED_MODULES or name in megatron, f"{key}: '{name}' is not a module megappo trains next "
+                 f"to adapters. Fix: choose from {list(SAVED_MODULES)}.")
+    out = [megatron.get(name, name) for name in names]
+    return tuple(m for m in SAVED_MODULES if m in out)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig(_Section):
     """LoRA adapters of a trained role (megappo.models.lora; docs/lora.md): the base weights stay frozen."""
@@ -200,16 +231,11 @@ class LoRAConfig(_Section):
     target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])  # all-linear, Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; fused ones are adapted together)
 
     def check(self) -> None:
-        from megappo.models.lora import LoRA
-
         _at_least(self, rank=0)
         _require(self.alpha > 0, f"{P}alpha={self.alpha} must be > 0. Fix: e.g. {P}alpha=16 (often 2 x rank).")
         _require(0 <= self.dropout < 1, f"{P}dropout={self.dropout} must be in [0, 1). Fix: e.g. {P}dropout=0.0.")
-        try:
-            LoRA.megatron_targets(self.target_modules)
-            LoRA.saved_modules(self.modules_to_save)
-        except ValueError as e:
-            raise ConfigError(f"{P}{e}") from None
+        lora_targets(self.target_modules, f"{P}target_modules")
+        lora_saved_modules(self.modules_to_save, f"{P}modules_to_save")
         _require(bool(self.target_modules), f"{P}target_modules=[] adapts nothing. Fix: {P}target_modules=[all-linear].")
 
     @property

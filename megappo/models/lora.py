@@ -40,13 +40,7 @@ import torch.nn.functional as F
 
 from megappo.models.hf_config import ModelConfigError
 
-#: Megatron linear name -> its parallel kind; the HF projections each one fuses
-TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column", "linear_fc2": "row"}
-HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
-              "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
-ALL_LINEAR = "all-linear"
-#: modules that train fully next to the adapters (peft's modules_to_save): HF name -> Megatron prefix
-SAVED_MODULES = {"lm_head": "output_layer", "embed_tokens": "embedding"}
+from megappo.config import ALL_LINEAR, HF_TARGETS, SAVED_MODULES, TARGETS, lora_saved_modules, lora_targets  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,32 +61,8 @@ class LoRA:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    @staticmethod
-    def megatron_targets(names: Iterable[str], key: str = "target_modules") -> tuple[str, ...]:
-        """Megatron linear names from user names: Megatron's, HF's (q_proj, ...), or all-linear.
-        HF projections fused in one Megatron layer (q/k/v, gate/up) are adapted together."""
-        out = []
-        for name in names:
-            if name == ALL_LINEAR:
-                out.extend(TARGETS)
-            elif name in TARGETS or name in HF_TARGETS:
-                out.append(HF_TARGETS.get(name, name))
-            else:
-                raise ModelConfigError(f"{key}: '{name}' is not a linear layer megappo adapts. Fix: choose from "
-                                       f"{[ALL_LINEAR, *TARGETS, *HF_TARGETS]}.")
-        return tuple(t for t in TARGETS if t in out)
-
-    @staticmethod
-    def saved_modules(names: Iterable[str], key: str = "modules_to_save") -> tuple[str, ...]:
-        """HF names of fully trained modules, from HF or Megatron names."""
-        megatron = {v: k for k, v in SAVED_MODULES.items()}
-        out = []
-        for name in names:
-            if name not in SAVED_MODULES and name not in megatron:
-                raise ModelConfigError(f"{key}: '{name}' is not a module megappo trains next to adapters. Fix: "
-                                       f"choose from {list(SAVED_MODULES)}.")
-            out.append(megatron.get(name, name))
-        return tuple(m for m in SAVED_MODULES if m in out)
+    megatron_targets = staticmethod(lora_targets)
+    saved_modules = staticmethod(lora_saved_modules)
 
     def trained_prefixes(self, tied_embeddings: bool) -> tuple[str, ...]:
         """Megatron name prefixes of the fully trained modules (tied embeddings: both or neither)."""
