@@ -22,6 +22,9 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   main_grad buffer that the distributed optimizer does not shard); fp32 master weights P x 4 (half
   precision only) and Adam moments P x 8, both / d with parallel.use_distributed_optimizer (a MoE
   model's experts / (d / ep), their expert-data-parallel ranks).
+  LoRA roles (actor.lora / critic.lora, megappo.models.lora): the frozen base weights P x 2/4 plus
+  the adapters (`lora_params`); gradients, master weights and Adam moments for the adapters,
+  modules_to_save and a value head only; a reference that is the actor's base holds no weights.
   ref / reward model: weights only. P is the worst pipeline stage's share: layers / pp of each
   layer's matrices / tp (norms replicated; a MoE layer's experts / ep, its router replicated), plus
   the embedding / tp on the first stage and the
@@ -75,7 +78,7 @@ import math
 import os
 from typing import Any, Optional
 
-from megappo.config import Config
+from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
 from megappo.models.recompute import Recompute
@@ -216,6 +219,21 @@ def stage_params(d: ModelDims, *, tp: int, pp: int, stage: str, value_head: bool
         elif not d.tie_word_embeddings or stage == "last":  # tied and pp > 1: the last stage keeps a copy
             n += vpad * h / tp
     return n
+
+
+def lora_params(d: ModelDims, *, tp: int, pp: int, rank: int, targets: tuple[str, ...], ep: int = 1) -> float:
+    """LoRA adapter parameters one GPU holds on a pipeline stage (megappo.models.lora's sharding):
+    column-parallel layers (qkv, fc1) hold A [r, in] whole and B [out/tp, r]; row-parallel ones
+    (proj, fc2) A [r, in/tp] and B [out, r]. A MoE layer's experts are each adapted (/ ep)."""
+    h, q, kv = d.hidden_size, d.num_heads * d.head_dim, d.num_query_groups * d.head_dim
+    attn = {"linear_qkv": rank * h + (q + 2 * kv) * rank / tp, "linear_proj": rank * q / tp + h * rank}
+    def mlp(f: int) -> float:
+        per = {"linear_fc1": rank * h + 2 * f * rank / tp, "linear_fc2": rank * f / tp + h * rank}
+        return sum(v for k, v in per.items() if k in targets)
+    share = _moe_share(d)
+    per_layer = (sum(v for k, v in attn.items() if k in targets) + (1 - share) * mlp(d.ffn_hidden_size)
+                 + share * d.num_experts / ep * mlp(d.moe_ffn_hidden_size or 0))
+    return d.num_layers // pp * per_layer
 
 
 # -- activations ----------------------------------------------------------------------------------
@@ -448,11 +466,42 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         experts = d.num_layers // pp * _moe_share(d) * d.num_experts / ep * 3 * d.hidden_size * d.moe_ffn_hidden_size / tp
         sharded = (n - experts) / shard + experts / (max(1, dp // ep) if p.use_distributed_optimizer else 1)
         phase = f"{role} update" + (f", {recompute.granularity} recomputation" if recompute.enabled else "")
+        if section.lora.rank:  # frozen base weights: gradients and optimizer state for the adapters only
+            adapters, trained = _lora_trained(cfg, role, d, tp=tp, pp=pp, stage=stage, ep=ep)
+            return RoleMemory(role, n + adapters, weights=(n + adapters) * db, grads=trained * 4,
+                              master=trained / shard * 4 if db < 4 else 0.0, adam=trained / shard * 8,
+                              activations=act, phase=phase + f", LoRA r={section.lora.rank}",
+                              recompute_saving=max(0.0, saving))
         return RoleMemory(role, n, weights=n * db, grads=n * 4, master=sharded * 4 if db < 4 else 0.0,
                           adam=sharded * 8, activations=act, phase=phase, recompute_saving=max(0.0, saving))
     act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
+    if role == "ref" and cfg.ref_is_actor_base:  # the actor's weights with its adapters off: nothing of its own
+        return RoleMemory(role, 0.0, weights=0.0, grads=0.0, master=0.0, adam=0.0, activations=act,
+                          phase="ref forward (the actor's base)")
     return RoleMemory(role, n, weights=n * db, grads=0.0, master=0.0, adam=0.0, activations=act,
                       phase=f"{role} forward")
+
+
+def _lora_trained(cfg: Config, role: str, d: ModelDims, *, tp: int, pp: int, stage: str,
+                  ep: int) -> tuple[float, float]:
+    """(adapter parameters, parameters trained) of a LoRA role on one GPU: the adapters, plus
+    modules_to_save (lm_head / embed_tokens, vocab / tp on their stages) and a critic's value head,
+    which are among the base weights already counted."""
+    lora = getattr(cfg, role).lora
+    adapters = lora_params(d, tp=tp, pp=pp, rank=lora.rank, targets=lora_targets(lora.target_modules), ep=ep)
+    n = adapters
+    saved = set(lora_saved_modules(lora.modules_to_save))
+    if saved and d.tie_word_embeddings:
+        saved = {"lm_head", "embed_tokens"}
+    vocab_rows = d.padded_vocab_size(tp, cfg.model.make_vocab_size_divisible_by) * d.hidden_size / tp
+    if "embed_tokens" in saved and stage in ("all", "first"):
+        n += vocab_rows
+    if role == "actor" and "lm_head" in saved and stage in ("all", "last") and not (
+            d.tie_word_embeddings and stage == "all"):
+        n += vocab_rows
+    if role == "critic" and stage in ("all", "last"):
+        n += d.hidden_size + 1  # the value head
+    return adapters, n
 
 
 def _engine_args(cfg: Config) -> tuple[int, float]:

@@ -114,9 +114,16 @@ class _Adapted:
 
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         name, axis = ("lora_b", 0) if self.lora_kind == "column" else ("lora_a", 1)
-        state.update(make_sharded_tensors_for_checkpoint({name: getattr(self, name)}, prefix, {name: axis},
-                                                         sharded_offsets, tp_group=self.tp_group,
-                                                         dp_cp_group=metadata["dp_cp_group"]))
+        split = make_sharded_tensors_for_checkpoint({name: getattr(self, name)}, prefix, {name: axis},
+                                                    sharded_offsets, tp_group=self.tp_group,
+                                                    dp_cp_group=metadata["dp_cp_group"])
+        if self.lora_glu:  # fc1's B rows are [gate_k; up_k] per TP rank, as its weight's: split like it
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            split = {k: apply_swiglu_sharded_factory(v, sharded_offsets,
+                                                     (metadata or {}).get("singleton_local_shards", False))
+                     for k, v in split.items()}
+        state.update(split)
         return state
 
 
@@ -163,6 +170,7 @@ def _adapt(module: torch.nn.Module, kind: str, lora: LoRA, name: str, seed: int)
     if kind == "row" and module.sequence_parallel and not getattr(module, "explicit_expert_comm", False):
         module.lora_b.sequence_parallel = True  # each rank's gradient covers its sequence slice: summed over TP
     module.lora_kind, module.lora_scale, module.lora_dropout, module.lora_on = kind, lora.scale, lora.dropout, True
+    module.lora_glu = name.endswith("linear_fc1") and module.config.gated_linear_unit
     module.__class__ = _adapted_class(type(module))
     weight.lora_layer = module  # merged_shard finds the adapters from the base weight
 
@@ -196,8 +204,22 @@ def apply_lora(model, lora: LoRA, *, seed: int = 0, trainable_prefixes: tuple[st
     trained = tuple(trainable_prefixes) + lora.trained_prefixes(model.dims.tie_word_embeddings)
     for name, _, param in model.named_parameters():
         param.requires_grad_(name.startswith(trained) if trained else False)
+    for chunk in model.chunks:
+        embedding = getattr(chunk, "embedding", None)  # the first pipeline stage's
+        if embedding is not None:
+            embedding.register_forward_hook(_output_requires_grad)
     model.lora = lora
     return adapted
+
+
+def _output_requires_grad(module, args, output):
+    """A frozen embedding's output made part of the graph: Megatron's full recomputation checkpoints
+    each layer with a reentrant autograd Function, which is skipped in backward (and with it every
+    adapter inside) when none of its inputs requires grad (what peft's enable_input_require_grads
+    does for transformers)."""
+    if not output.requires_grad and torch.is_grad_enabled():
+        output.requires_grad_(True)
+    return output
 
 
 def adapter_parameters(chunks: Iterable[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -228,11 +250,17 @@ def adapters_off(chunks: Iterable[torch.nn.Module]):
 @torch.no_grad()
 def merged_shard(param: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a weight with its adapter's update merged in (W_k + s B_k A or
-    W_k + s B A_k, in the weight's dtype; computed in fp32); the tensor itself when not adapted."""
+    W_k + s B A_k, in the weight's dtype); the tensor itself when not adapted. B A is summed over
+    the rank one outer product at a time in fp32, in the same order for every element, so each
+    merged number is the same at every TP layout (a matmul's blocking depends on the shard's shape,
+    and a different fp32 sum can round to another bf16 number)."""
     module = getattr(param, "lora_layer", None)
     if module is None:
         return param.detach()
-    delta = module.lora_b.float() @ module.lora_a.float()
+    a, b = module.lora_a.float(), module.lora_b.float()
+    delta = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    for k in range(a.shape[0]):
+        delta.addcmul_(b[:, k:k + 1], a[k:k + 1, :])
     return (param.float() + module.lora_scale * delta).to(param.dtype)
 
 

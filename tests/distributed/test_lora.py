@@ -1,7 +1,7 @@
 """LoRA adapters in Megatron's tensor-parallel layers (megappo.models.lora) equal a plain-torch
 LoRA on the HF model after 3 AdamW steps, at TP2 and PP2; the base view (adapters off) gives the
 base model's log-probs bit-exactly; a LoRA trainer checkpoint resumes bit-identically in
-float32 and bf16 (workers/lora_worker.py)."""
+float32 and bf16; full recomputation gives the adapters bit-equal gradients (workers/lora_worker.py)."""
 
 import pytest
 
@@ -16,3 +16,4 @@ def test_lora_equals_plain_torch_reference(layout):
         assert f"OK {family} lora tp={layout[0]} pp={layout[1]}" in out, family
     for dtype in ("float32", "bfloat16"):
         assert f"OK lora resume {dtype} tp={layout[0]} pp={layout[1]}" in out, dtype
+    assert f"OK lora recompute tp={layout[0]} pp={layout[1]}" in out

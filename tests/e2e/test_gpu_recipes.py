@@ -37,7 +37,7 @@ Variants that differ from another case only in hardware and layout become the sa
 and so do the 4gpu variants, whose micro-batches of 1 with packing only change how the same
 sequences are split into micro-batches. To keep CI under 50 minutes, some variants also run as a
 case that differs in one thing another case runs (the model family at a layout, TP2 for DP2, GRPO
-at PP2, recomputation on, KL in the reward): 8 runs for 6 recipes and 26 variants. `COLLAPSED`
+at PP2, recomputation on, KL in the reward): 9 runs for 7 recipes and 27 variants. `COLLAPSED`
 writes down which runs as which and why, and a test checks that the resolved configs are equal
 but for exactly the keys it names. What cannot run on CPU:
 sequence parallelism (above; the value head under it: tests/distributed/test_value_head_sp.py),
@@ -126,6 +126,7 @@ COLLAPSED = {
                                            "recomputation", RECOMPUTE),
     "llama3.3-70b-ppo-64gpu.yaml:h200": ("llama3.3-70b-ppo-64gpu.yaml:long-4k", "PP4 instead of PP8: PP2; without "
                                          "recomputation", RECOMPUTE),
+    "llama3.3-70b-lora-grpo-8gpu.yaml:h200": ("llama3.3-70b-lora-grpo-8gpu.yaml", "a larger SGLang pool only", ()),
 }
 #: the case whose resumed run is also compared with a run straight through 2 steps (bf16, PPO, DP2 with
 #: the distributed optimizer: sharded optimizer state in the checkpoint)

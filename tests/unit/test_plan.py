@@ -322,3 +322,25 @@ def test_hf_engine_on_the_gpu_by_hand():
     tiny_batch = make_plan(recipe(rollout={**rollout, "n": 1}, data={"max_prompt_length": 64, "train_batch_size": 8}),
                            world_size=1, gpu_mem_gib=400)
     assert tiny_batch.phases == tiny_batch.peak_activation.activations  # a small cache hides under the activations
+
+
+def test_lora_memory_by_hand():
+    """Qwen2.5-7B GRPO with a KL loss, actor.lora rank 8 on all linears, tp=1: per layer A and B of
+    qkv 8*3584 + (3584 + 2*512)*8, proj 8*3584 + 3584*8, fc1 8*3584 + 2*18944*8, fc2 8*18944 + 3584*8
+    = 634,880 numbers, x 28 layers = 17,776,640 adapters: the only gradients (fp32) and optimizer state
+    (fp32 master + Adam moments); the reference is the actor's base, so it holds no weights."""
+    lora = {"rank": 8, "alpha": 16}
+    grpo = dict(algorithm={"adv_estimator": "grpo"}, rollout={"engine": "hf", "max_new_tokens": 1024, "n": 2},
+                actor={"ppo_mini_batch_size": 8, "micro_batch_size": 1, "use_kl_loss": True, "lora": lora})
+    full = {r.role: r for r in make_plan(recipe(**{**grpo, "actor": {**grpo["actor"], "lora": {}}}), world_size=1).roles}
+    roles = {r.role: r for r in make_plan(recipe(**grpo), world_size=1).roles}
+    adapters = 17_776_640
+    actor = roles["actor"]
+    assert actor.params == full["actor"].params + adapters and actor.weights == actor.params * 2
+    assert (actor.grads, actor.master, actor.adam) == (adapters * 4, adapters * 4, adapters * 8)
+    assert actor.activations == full["actor"].activations and actor.phase.endswith(", LoRA r=8")
+    assert roles["ref"].weights == 0 and roles["ref"].activations == full["ref"].activations
+    assert full["ref"].weights == full["actor"].weights and roles["ref"].phase == "ref forward (the actor's base)"
+    saved = {r.role: r for r in make_plan(recipe(**{**grpo, "actor": {**grpo["actor"], "lora": {
+        **lora, "modules_to_save": ["lm_head"]}}}), world_size=1).roles}["actor"]
+    assert saved.grads == (adapters + 152_064 * 3584) * 4  # lm_head trains fully (vocab padded to 152,064)

@@ -19,7 +19,8 @@ from megappo.plan import make_plan
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
 GPU_RECIPES = {"qwen2.5-7b-ppo-8gpu.yaml", "llama3.1-8b-grpo-8gpu.yaml", "qwen2.5-72b-ppo-64gpu.yaml",
-               "llama3.3-70b-ppo-64gpu.yaml", "qwen3-8b-ppo-8gpu.yaml", "qwen3-30b-a3b-grpo-32gpu.yaml"}
+               "llama3.3-70b-ppo-64gpu.yaml", "qwen3-8b-ppo-8gpu.yaml", "qwen3-30b-a3b-grpo-32gpu.yaml",
+               "llama3.3-70b-lora-grpo-8gpu.yaml"}
 VARIANTS = [(path, name) for path in RECIPES for name in load_config(path).variants]
 
 
@@ -80,7 +81,9 @@ def test_gpu_recipe_header(name):
     assert "Hardware:" in comment and "Other hardware:" in comment
     assert "--world-size" not in comment  # the hardware section is the world; no flag to remember
     cfg = load_config(path)
-    assert cfg.model.dtype == "bfloat16" and cfg.model.layer_spec == "te" and cfg.rollout.engine == "sglang"
+    # LoRA adapts Megatron's local layers (TE's fused ones are not adapted: docs/lora.md)
+    spec = "local" if cfg.actor.lora.enabled else "te"
+    assert cfg.model.dtype == "bfloat16" and cfg.model.layer_spec == spec and cfg.rollout.engine == "sglang"
     assert cfg.model.path.startswith("/models/") and cfg.data.train_files[0].endswith(".parquet")
     assert set(cfg.reward.functions) <= {"gsm8k", "math_boxed"}
     assert {"tp_size", "mem_fraction_static"} <= set(cfg.rollout.sglang)
