@@ -632,6 +632,13 @@ class Config(_Section):
                  f"actor.old_logprob={self.actor.old_logprob} would take the stale engine's log-probs as the "
                  "old policy's. Fix: set actor.old_logprob=is_correct (recommended: recomputes them and weights "
                  "each token by the truncated importance ratio) or actor.old_logprob=recompute.")
+        for role in ("actor", "critic"):
+            lora, recompute = getattr(self, role).lora, getattr(self, role).recompute
+            _require(not (lora.enabled and lora.dropout) or recompute.granularity == "none",
+                     f"{role}.lora.dropout={lora.dropout} with {role}.recompute.granularity={recompute.granularity}: "
+                     "the recomputed forward would draw other dropout masks than the first, so the gradients would "
+                     f"be wrong. Fix: set {role}.lora.dropout=0 (RL with LoRA rarely uses it) or "
+                     f"{role}.recompute.granularity=none.")
         for role in ("actor", "critic") if self.use_critic else ("actor",):
             mini, micro = getattr(self, role).ppo_mini_batch_size, getattr(self, role).micro_batch_size
             _require(self.data.train_batch_size % mini == 0,

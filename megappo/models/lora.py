@@ -4,9 +4,9 @@
 `RowParallelLinear` of a built model two adapter matrices and adds their low-rank update
 to the layer's output, y = W x + (alpha / r) * B (A x), then freezes every other parameter
 (a critic's value head stays trainable, and so do `modules_to_save`, peft's name for modules
-trained fully next to the adapters: lm_head, embed_tokens). The base weights keep their names, so HF loading,
-the name map and checkpoints of the base model are unchanged; the adapters are parameters
-of the same layer (`<layer>.lora_a`, `<layer>.lora_b`).
+trained fully next to the adapters: lm_head, embed_tokens). The base weights keep their names,
+so HF loading, the name map and checkpoints of the base model are unchanged; the adapters are
+parameters of the same layer (`<layer>.lora_a`, `<layer>.lora_b`).
 
 Sharding follows the layer's own (legend: r rank, I / O the full input / output size, tp):
   column-parallel (linear_qkv, linear_fc1):  A [r, I] replicated, B [O/tp, r] split on dim 0
@@ -22,9 +22,12 @@ layer's global name, so every TP/PP/EP layout starts from the same adapters; B s
 zero, so a fresh adapter changes nothing. Dropout on the adapter input applies only in
 passes that build a graph (training), never in log-prob passes.
 
-`adapters_off(chunks)` / `BaseView`: the base model's forward (the reference policy for free).
+`adapters_off(chunks)` / `base_view(model)`: the base model's forward (the reference policy for
+free). With full recomputation a frozen embedding's output is marked as requiring grad, or
+Megatron's reentrant checkpoints would skip every adapter in backward.
 
-This module does not know about PPO, configs, checkpoints' files or engines.
+The names users may write (all-linear, q_proj, lm_head, ...) and their checks live in
+megappo.config's tables. This module does not know about PPO, checkpoint files or engines.
 """
 
 from __future__ import annotations
@@ -38,9 +41,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from megappo.models.hf_config import ModelConfigError
-
-from megappo.config import ALL_LINEAR, HF_TARGETS, SAVED_MODULES, TARGETS, lora_saved_modules, lora_targets  # noqa: F401
+from megappo.config import SAVED_MODULES, TARGETS, lora_saved_modules, lora_targets
+from megappo.errors import ModelConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +160,7 @@ def _adapt(module: torch.nn.Module, kind: str, lora: LoRA, name: str, seed: int)
     out_local, in_local = weight.shape
     a_full = _init_a((lora.rank, in_local * (tp if kind == "row" else 1)), name, seed)
     a = a_full.chunk(tp, dim=1)[tp_rank] if kind == "row" else a_full
-    b = torch.zeros(out_local if kind == "column" else out_local, lora.rank)
+    b = torch.zeros(out_local, lora.rank)  # column: [O/tp, r]; row: [O, r]
     module.lora_a = torch.nn.Parameter(a.to(device=weight.device, dtype=weight.dtype).contiguous())
     module.lora_b = torch.nn.Parameter(b.to(device=weight.device, dtype=weight.dtype))
     split = module.lora_b if kind == "column" else module.lora_a

@@ -314,6 +314,8 @@ def test_lora_settings_and_their_refusals():
         ({"ref": {"lora": {"rank": 4}}}, r"ref\.lora: the reference policy is the base model"),
         ({"reward": {"lora": {"rank": 4}}}, r"reward\.lora: the reward model is not trained"),
         ({**kl, "ref": {"parallel": {"tp": 1}}}, r"ref\.parallel does not apply\. Fix: remove ref\.parallel"),
+        ({"critic": {"lora": {"rank": 4, "dropout": 0.1}, "recompute": {"granularity": "full"}}},
+         r"critic\.lora\.dropout=0\.1 with critic\.recompute\.granularity=full.*Fix: set critic\.lora\.dropout=0"),
     ]:
         with pytest.raises(ConfigError, match=message):
             build(**sections)
