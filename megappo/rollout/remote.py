@@ -34,6 +34,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import traceback
 from multiprocessing.reduction import ForkingPickler
@@ -80,6 +81,7 @@ class RemoteEngine:
     from the same model (the child runs the very same code on the same weights)."""
 
     def __init__(self, model_source, *, pad_token_id: int, cores: Sequence[int] = ()):
+        _quiet_lost_handshakes()
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child_conn, model_source, pad_token_id, tuple(cores)),
@@ -216,6 +218,26 @@ class RemoteEngine:
                        "log above may say why (out of memory: a smaller rollout batch or max_new_tokens). The engine "
                        "cannot be used any more; rerun to resume from the last checkpoint.")
         raise EngineCrashed(self._crash)
+
+
+def _quiet_lost_handshakes() -> None:
+    """Keep a dead child's half-done file-descriptor handshake off the screen. The weight buckets'
+    shared memory crosses by fd: multiprocessing's resource_sharer thread in this process hands each
+    fd over a socket, and when the child dies in the middle (killed, out of memory) that thread
+    prints a ConnectionResetError traceback through sys.excepthook and serves on. The death itself
+    is reported by the waiting call (EngineCrashed, one line naming the process and the signal)."""
+    previous = sys.excepthook
+    if getattr(previous, "megappo_quiet_handshakes", False):
+        return
+
+    def hook(kind, value, tb):
+        frames = traceback.extract_tb(tb) if tb else []
+        if issubclass(kind, (OSError, EOFError)) and any("resource_sharer" in f.filename for f in frames):
+            return
+        previous(kind, value, tb)
+
+    hook.megappo_quiet_handshakes = True
+    sys.excepthook = hook
 
 
 def _serve(conn, model_source, pad_token_id: int, cores: tuple[int, ...]) -> None:
