@@ -8,7 +8,10 @@ on global rank 0 measures, in the same run:
   * bridge sync: HF tensors delivered into the hf engine per second (TP gather + PP send +
     name-map unfuse + bucketed load), with and without fingerprint verification;
   * baseline: a plain memcpy (Tensor.copy_) of the same bytes into the same engine tensors;
-  * hf engine sampling tokens/s vs transformers' own `generate` with the same settings.
+  * hf engine sampling tokens/s vs transformers' own `generate` with the same settings;
+  * with --lora-rank R: the sync of a LoRA actor (rank R on every linear: megappo.models.lora), whose
+    bridge merges W + s B A shard by shard before the same gather, and the adapters' size (what an
+    adapter-only sync would move; not built yet).
 Prints a table with the ratios.
 """
 
@@ -32,6 +35,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gen-batch", type=int, default=8)
     p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--lora-rank", type=int, default=0)
     args = p.parse_args()
 
     from megappo.parallel.launch import ensure_ranks
@@ -57,7 +61,7 @@ def main():
     engine = HFEngine(build_hf_model(cfg, seed=0), pad_token_id=0) if ps.rank == 0 else None
     rows = []
 
-    def timed_sync(verify):
+    def timed_sync(verify, model=model):
         bridge = WeightBridge(model, engine, bucket_bytes=args.bucket_mb << 20, verify_every=1 if verify else 0)
         times, nbytes = [], 0
         for _ in range(args.repeats):
@@ -69,6 +73,16 @@ def main():
 
     t_sync, nbytes = timed_sync(verify=False)
     t_verify, _ = timed_sync(verify=True)
+    if args.lora_rank:
+        from megappo.models.lora import LoRA, adapter_parameters
+
+        adapted = build_model(dims_from_hf(cfg), ps, lora=LoRA(rank=args.lora_rank))
+        for _, b in adapter_parameters(adapted.chunks):  # non-zero adapters: the merge does real work
+            torch.nn.init.normal_(b, std=1e-3)
+        t_lora, _ = timed_sync(verify=False, model=adapted)
+        local = sum(p.numel() * p.element_size() for _, p in adapter_parameters(adapted.chunks))
+        adapter_bytes = torch.tensor([float(local)])
+        dist.all_reduce(adapter_bytes)  # TP-replicated halves counted once per rank: an upper bound
     if ps.rank == 0:
         params = dict(engine.model.named_parameters())
         sources = {n: t.detach().clone() for n, t in params.items()}
@@ -84,6 +98,8 @@ def main():
         rows.append(("memcpy of the same bytes (baseline)", t_copy, gb / t_copy, 1.0))
         rows.append((f"bridge sync TP{args.tp}xPP{args.pp}", t_sync, gb / t_sync, t_copy / t_sync))
         rows.append((f"bridge sync TP{args.tp}xPP{args.pp} + verify", t_verify, gb / t_verify, t_copy / t_verify))
+        if args.lora_rank:
+            rows.append((f"bridge sync, LoRA r={args.lora_rank} merged", t_lora, gb / t_lora, t_copy / t_lora))
 
         prompts = [[(7 * i + j) % args.vocab + 1 for j in range(16)] for i in range(args.gen_batch)]
         sp = SamplingParams(temperature=1.0, max_new_tokens=args.gen_tokens, seed=0)
@@ -105,6 +121,9 @@ def main():
         print(f"{'what':44s} {'seconds':>9s} {'GB/s':>8s} {'vs memcpy':>10s}")
         for name, t, rate, ratio in rows:
             print(f"{name:44s} {t:9.3f} {rate:8.2f} {ratio:9.2f}x")
+        if args.lora_rank:
+            print(f"LoRA r={args.lora_rank} adapters: at most {adapter_bytes.item() / 1e6:.1f} MB summed over ranks "
+                  f"({adapter_bytes.item() / nbytes:.1%} of the merged weights' {nbytes / 1e6:.0f} MB)")
         print(f"\n{'generation (batch ' + str(args.gen_batch) + ', ' + str(args.gen_tokens) + ' new tokens)':44s} "
               f"{'seconds':>9s} {'tokens/s':>9s}")
         print(f"{'hf engine (megappo)':44s} {t_engine:9.3f} {tokens / t_engine:9.1f}")
