@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megappo import checkpointing, interrupts
-from megappo.config import Config
+from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.data import PromptSampler
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
@@ -212,8 +212,8 @@ def lora_of(cfg: Config, role: str) -> LoRA:
         return NO_LORA
     section = getattr(cfg, role).lora
     return LoRA(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
-                targets=LoRA.megatron_targets(section.target_modules, f"{role}.lora.target_modules"),
-                modules_to_save=LoRA.saved_modules(section.modules_to_save, f"{role}.lora.modules_to_save"))
+                targets=lora_targets(section.target_modules, f"{role}.lora.target_modules"),
+                modules_to_save=lora_saved_modules(section.modules_to_save, f"{role}.lora.modules_to_save"))
 
 
 def _hf_source(cfg: Config):
@@ -272,7 +272,7 @@ class RolePlan:
     def of(cls, cfg: Config) -> RolePlan:
         return cls(roles=cfg.model_roles, routing_replay=cfg.actor.moe_routing == "replay",
                    recompute={role: recompute_of(cfg, role) for role in cfg.model_roles},
-                   lora={role: lora_of(cfg, role) for role in ("actor", "critic") if lora_of(cfg, role).enabled},
+                   lora={role: lora for role in ("actor", "critic") for lora in [lora_of(cfg, role)] if lora.enabled},
                    ref_is_actor_base=cfg.ref_is_actor_base)
 
 

@@ -41,7 +41,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from megappo.config import SAVED_MODULES, TARGETS, lora_saved_modules, lora_targets
+from megappo.config import SAVED_MODULES, TARGETS
 from megappo.errors import ModelConfigError
 
 
@@ -62,9 +62,6 @@ class LoRA:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-    megatron_targets = staticmethod(lora_targets)
-    saved_modules = staticmethod(lora_saved_modules)
 
     def trained_prefixes(self, tied_embeddings: bool) -> tuple[str, ...]:
         """Megatron name prefixes of the fully trained modules (tied embeddings: both or neither)."""

@@ -39,19 +39,13 @@ from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.models.training import OptimSettings, make_trainable, train_step
 from megappo.models.weights import iter_adapter_tensors, iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import init_parallel
+from training_worker import reference_steps, token_weights  # the same loss, weights and AdamW reference
 
 STEPS, LR, WD, CLIP, WARMUP, RANK, ALPHA, SEED = 3, 1e-3, 0.1, 0.05, 1, 4, 8.0, 3
 HF_OF = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
          "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 MODULE_OF = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 SCOPE_OF = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
-
-
-def token_weights(ids):
-    gen = torch.Generator().manual_seed(7)
-    w = torch.randn(ids.shape, generator=gen)
-    w[:, :3] = 0.0
-    return w
 
 
 class ReferenceLoRA:
@@ -95,16 +89,7 @@ def reference(cfg, ids, w):
     hf = build_hf_model(cfg, seed=5).train()
     lora = ReferenceLoRA(hf, cfg)
     opt = torch.optim.AdamW(lora.trainable(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
-    n_tokens = (w != 0).sum()
-    for step in range(STEPS):
-        for g in opt.param_groups:
-            g["lr"] = LR * step / WARMUP if step < WARMUP else LR
-        opt.zero_grad()
-        logp = hf(input_ids=ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = (logp * w[:, 1:]).sum() / n_tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(lora.trainable(), CLIP)
-        opt.step()
+    reference_steps(hf, opt, lora.trainable(), ids, w, lr=LR, clip=CLIP, steps=STEPS, warmup=WARMUP)
     return lora
 
 

@@ -37,17 +37,24 @@ def reference(cfg, ids, w):
     no_decay = [p for n, p in hf.named_parameters() if p.ndim <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    reference_steps(hf, opt, list(hf.parameters()), ids, w, lr=LR, clip=CLIP)
+    return hf.state_dict()
+
+
+def reference_steps(hf, opt, params, ids, w, *, lr: float, clip: float, steps: int = STEPS, warmup: int = WARMUP):
+    """`steps` AdamW steps of the HF model in one process on the token-weighted log-prob loss, the
+    gradient of `params` clipped to a global norm of `clip` (the reference of training_worker and
+    lora_worker)."""
     n_tokens = (w != 0).sum()
-    for step in range(STEPS):
+    for step in range(steps):
         for g in opt.param_groups:  # linear warmup as Megatron and HF schedulers: lr * step / warmup
-            g["lr"] = LR * step / WARMUP if step < WARMUP else LR
+            g["lr"] = lr * step / warmup if step < warmup else lr
         opt.zero_grad()
         logp = hf(input_ids=ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = (logp * w[:, 1:]).sum() / n_tokens
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
-    return hf.state_dict()
 
 
 def check(ps, family, dist_opt):
