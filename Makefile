@@ -43,7 +43,7 @@ endif
 # tests/sglang/setup_venv.sh), so SGLang's pins never touch the main environment.
 test-sglang:
 	venv="$$(PYTHON=$(PYTHON) bash tests/sglang/setup_venv.sh)" && \
-	PYTHONPATH=$(CURDIR) "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/sglang
+	PYTHONPATH=$(CURDIR) "$$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/sglang
 
 test-unit:
 	$(PYTHON) -m pytest -q tests/unit
