@@ -10,8 +10,9 @@ on global rank 0 measures, in the same run:
   * baseline: a plain memcpy (Tensor.copy_) of the same bytes into the same engine tensors;
   * hf engine sampling tokens/s vs transformers' own `generate` with the same settings;
   * with --lora-rank R: the sync of a LoRA actor (rank R on every linear: megappo.models.lora), whose
-    bridge merges W + s B A shard by shard before the same gather, and the adapters' size (what an
-    adapter-only sync would move; not built yet).
+    bridge merges W + s B A shard by shard before the same gather, and the adapter-only sync
+    (rollout.lora_sync=adapters: after the first sync, which sends the base, only the adapters in
+    peft's form move) into a second hf engine; its bytes are the bytes it moved.
 Prints a table with the ratios.
 """
 
@@ -61,9 +62,12 @@ def main():
     engine = HFEngine(build_hf_model(cfg, seed=0), pad_token_id=0) if ps.rank == 0 else None
     rows = []
 
-    def timed_sync(verify, model=model):
-        bridge = WeightBridge(model, engine, bucket_bytes=args.bucket_mb << 20, verify_every=1 if verify else 0)
+    def timed_sync(verify, model=model, engine=engine, lora_sync="merged"):
+        bridge = WeightBridge(model, engine, bucket_bytes=args.bucket_mb << 20, verify_every=1 if verify else 0,
+                              lora_sync=lora_sync)
         times, nbytes = [], 0
+        if lora_sync == "adapters":
+            bridge.sync()  # the first sync sends the base weights too; later ones are timed
         for _ in range(args.repeats):
             dist.barrier()
             stats = bridge.sync()
@@ -80,6 +84,10 @@ def main():
         for _, b in adapter_parameters(adapted.chunks):  # non-zero adapters: the merge does real work
             torch.nn.init.normal_(b, std=1e-3)
         t_lora, _ = timed_sync(verify=False, model=adapted)
+        adapter_engine = HFEngine(build_hf_model(cfg, seed=0), pad_token_id=0) if ps.rank == 0 else None
+        t_adapters, adapters_moved = timed_sync(verify=False, model=adapted, engine=adapter_engine,
+                                                lora_sync="adapters")
+        t_adapters_verify, _ = timed_sync(verify=True, model=adapted, engine=adapter_engine, lora_sync="adapters")
         local = sum(p.numel() * p.element_size() for _, p in adapter_parameters(adapted.chunks))
         adapter_bytes = torch.tensor([float(local)])
         dist.all_reduce(adapter_bytes)  # TP-replicated halves counted once per rank: an upper bound
@@ -95,11 +103,17 @@ def main():
             times.append(time.perf_counter() - start)
         t_copy = statistics.median(times)
         gb = nbytes / 1e9
-        rows.append(("memcpy of the same bytes (baseline)", t_copy, gb / t_copy, 1.0))
-        rows.append((f"bridge sync TP{args.tp}xPP{args.pp}", t_sync, gb / t_sync, t_copy / t_sync))
-        rows.append((f"bridge sync TP{args.tp}xPP{args.pp} + verify", t_verify, gb / t_verify, t_copy / t_verify))
+        rows.append(("memcpy of the same bytes (baseline)", nbytes, t_copy, gb / t_copy, 1.0))
+        rows.append((f"bridge sync TP{args.tp}xPP{args.pp}", nbytes, t_sync, gb / t_sync, t_copy / t_sync))
+        rows.append((f"bridge sync TP{args.tp}xPP{args.pp} + verify", nbytes, t_verify, gb / t_verify,
+                     t_copy / t_verify))
         if args.lora_rank:
-            rows.append((f"bridge sync, LoRA r={args.lora_rank} merged", t_lora, gb / t_lora, t_copy / t_lora))
+            rows.append((f"bridge sync, LoRA r={args.lora_rank} merged", nbytes, t_lora, gb / t_lora, t_copy / t_lora))
+            agb = adapters_moved / 1e9
+            rows.append((f"bridge sync, LoRA r={args.lora_rank} adapters only", adapters_moved, t_adapters,
+                         agb / t_adapters, t_copy / t_adapters))
+            rows.append(("  ... + verify", adapters_moved, t_adapters_verify, agb / t_adapters_verify,
+                         t_copy / t_adapters_verify))
 
         prompts = [[(7 * i + j) % args.vocab + 1 for j in range(16)] for i in range(args.gen_batch)]
         sp = SamplingParams(temperature=1.0, max_new_tokens=args.gen_tokens, seed=0)
@@ -118,12 +132,15 @@ def main():
         print(f"\nmodel: hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
               f"({gb * 1e3:.0f} MB of fp32 HF tensors), ranks={ps.world_size}, bucket={args.bucket_mb} MB, "
               f"threads/rank={torch.get_num_threads()}")
-        print(f"{'what':44s} {'seconds':>9s} {'GB/s':>8s} {'vs memcpy':>10s}")
-        for name, t, rate, ratio in rows:
-            print(f"{name:44s} {t:9.3f} {rate:8.2f} {ratio:9.2f}x")
+        print(f"{'what':44s} {'MB moved':>9s} {'seconds':>9s} {'GB/s':>8s} {'vs memcpy':>10s}")
+        for name, moved, t, rate, ratio in rows:
+            print(f"{name:44s} {moved / 1e6:9.1f} {t:9.3f} {rate:8.2f} {ratio:9.2f}x")
         if args.lora_rank:
-            print(f"LoRA r={args.lora_rank} adapters: at most {adapter_bytes.item() / 1e6:.1f} MB summed over ranks "
-                  f"({adapter_bytes.item() / nbytes:.1%} of the merged weights' {nbytes / 1e6:.0f} MB)")
+            print(f"LoRA r={args.lora_rank} adapters: {adapter_bytes.item() / 1e6:.1f} MB of parameters summed over "
+                  f"ranks ({adapter_bytes.item() / nbytes:.1%} of the merged weights' {nbytes / 1e6:.0f} MB); the "
+                  f"adapter-only sync moves {adapters_moved / 1e6:.1f} MB ({adapters_moved / nbytes:.1%}; q/k/v and "
+                  f"gate/up each get their shared A) in {t_adapters:.3f} s, {t_sync / t_adapters:.1f}x faster than "
+                  f"the plain sync and {t_lora / t_adapters:.1f}x faster than the merged one")
         print(f"\n{'generation (batch ' + str(args.gen_batch) + ', ' + str(args.gen_tokens) + ' new tokens)':44s} "
               f"{'seconds':>9s} {'tokens/s':>9s}")
         print(f"{'hf engine (megappo)':44s} {t_engine:9.3f} {tokens / t_engine:9.1f}")

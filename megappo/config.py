@@ -405,6 +405,7 @@ class RolloutConfig(_Section):
     update_bucket_mb: int = 512  # weight-sync bucket size in MiB
     verify_every: int = 1  # fingerprint-verify the engine weights every k-th sync; 0: never
     sync_mode: Literal["tensor", "distributed", "disk"] = "tensor"  # how weights reach the engine
+    lora_sync: Literal["merged", "adapters"] = "merged"  # actor.lora: merged sends W + s B A (any engine); adapters sends the base once, then only the adapters and modules_to_save (hf engine, colocated; docs/lora.md)
     sglang: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through to sglang.Engine
     val_temperature: float = 0.0  # validation sampling temperature
     val_n: int = 1  # validation samples per prompt
@@ -445,6 +446,12 @@ class RolloutConfig(_Section):
         _require(self.top_k == -1 or self.top_k >= 1, f"{P}top_k={self.top_k} must be -1 (off) or >= 1.")
         _require(self.engine == "sglang" or self.sync_mode == "tensor",
                  f"{P}sync_mode={self.sync_mode} needs {P}engine=sglang. Fix: set {P}sync_mode=tensor.")
+        _require(self.lora_sync == "merged" or self.engine == "hf",
+                 f"{P}lora_sync=adapters needs {P}engine=hf: loading LoRA adapters into SGLang is not wired in "
+                 f"megappo. Fix: set {P}lora_sync=merged (every engine takes the merged weights).")
+        _require(self.lora_sync == "merged" or self.placement == "colocated",
+                 f"{P}lora_sync=adapters needs {P}placement=colocated: the separate engine process does not take "
+                 f"adapters. Fix: set {P}lora_sync=merged or {P}placement=colocated.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,6 +639,9 @@ class Config(_Section):
                  f"actor.old_logprob={self.actor.old_logprob} would take the stale engine's log-probs as the "
                  "old policy's. Fix: set actor.old_logprob=is_correct (recommended: recomputes them and weights "
                  "each token by the truncated importance ratio) or actor.old_logprob=recompute.")
+        _require(self.rollout.lora_sync == "merged" or self.actor.lora.enabled,
+                 "rollout.lora_sync=adapters syncs the actor's LoRA adapters, but actor.lora is off (rank 0). Fix: "
+                 "set actor.lora.rank (e.g. 8) or rollout.lora_sync=merged.")
         for role in ("actor", "critic"):
             lora, recompute = getattr(self, role).lora, getattr(self, role).recompute
             _require(not (lora.enabled and lora.dropout) or recompute.granularity == "none",

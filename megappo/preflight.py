@@ -72,6 +72,10 @@ def check_models(cfg: Config) -> None:
     if cfg.actor.moe_routing == "replay" and not (actor.is_moe and is_moe_arch(actor.arch)):
         raise ModelConfigError(f"actor.moe_routing=replay needs a Mixture-of-Experts actor; {actor.arch} is dense. "
                                "Fix: set actor.moe_routing=recompute.")
+    if cfg.rollout.lora_sync == "adapters" and actor.is_moe:
+        raise ModelConfigError(f"rollout.lora_sync=adapters: {actor.arch} is a Mixture-of-Experts model, whose "
+                               "experts transformers fuses into tensors with no per-expert linear to adapt. Fix: "
+                               "set rollout.lora_sync=merged.")
     sources = {"actor": ("model", actor), "ref": ("model", actor), "critic": ("model", actor)}
     if cfg.use_critic and cfg.critic.path:
         sources["critic"] = ("critic.path", dims_from_hf(load_hf_config(cfg.critic.path)))

@@ -419,7 +419,8 @@ def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, acto
         engine = engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device)
         rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit)
     bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None,
-                          bucket_bytes=cfg.rollout.update_bucket_mb << 20, verify_every=cfg.rollout.verify_every)
+                          bucket_bytes=cfg.rollout.update_bucket_mb << 20, verify_every=cfg.rollout.verify_every,
+                          lora_sync=cfg.rollout.lora_sync)
     return engine, rollouts, bridge
 
 

@@ -9,7 +9,7 @@ message.
 `iter_full_params(model)`: a collective over the model's ranks that yields (global
 Megatron name, full tensor) on global rank 0, stage after stage, TP shards gathered on
 each stage, and routed experts gathered over the expert-parallel group (a LoRA model's adapted
-weights with their update merged in: megappo.models.lora.merged_shard). `iter_hf_tensors`
+weights with their update merged in: megappo.models.lora.merged_shard, unless merged=False). `iter_hf_tensors`
 adds the name-map transform (HF names, vocab unpadded, QKV/fc1 unfused). Nothing here holds
 more than one full tensor at a time.
 
@@ -123,16 +123,17 @@ def _full_shape(shape: torch.Size, tp_dim: int | None, tp: int) -> tuple[int, ..
     return tuple(out)
 
 
-def iter_full_params(model: MegatronModel, dst: int = 0,
-                     only: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(model: MegatronModel, dst: int = 0, only: tuple[str, ...] = (),
+                     merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: every rank of the model must run it to the end. Yields (global Megatron
     name, full tensor) on global rank `dst` (which must be the tp0/dp0 rank of stage 0);
     other ranks yield nothing. Routed experts are gathered over the expert-parallel group as
     well (its ranks are data-parallel ranks 0..ep-1): each local expert k of the dp0 rank is
     followed by expert r * E/ep + k of every other EP rank r. `only`: just the names starting
-    with one of these prefixes."""
+    with one of these prefixes. `merged=False`: a LoRA model's base weights as they are, without
+    their adapters' update (what an engine that applies the adapters itself takes)."""
     entries = [(n, r, p) for n, r, p in model.named_parameters() if r.export and n.startswith(only or "")]
-    return _iter_full(model, entries, dst, merged_shard)
+    return _iter_full(model, entries, dst, merged_shard if merged else torch.Tensor.detach)
 
 
 def iter_adapter_tensors(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -228,9 +229,9 @@ def _gather_tp(shard: torch.Tensor, rule, ps) -> torch.Tensor:
     return merge_tp_shards(parts, rule)
 
 
-def iter_hf_tensors(model: MegatronModel, dst: int = 0,
-                    only: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model: MegatronModel, dst: int = 0, only: tuple[str, ...] = (),
+                    merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """`iter_full_params` through the name map: (HF name, tensor) on rank `dst`."""
-    for name, full in iter_full_params(model, dst, only):
+    for name, full in iter_full_params(model, dst, only, merged):
         rule = model.name_map.rule(name)
         yield from zip(rule.hf, rule.to_hf(full))

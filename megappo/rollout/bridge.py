@@ -7,6 +7,13 @@ padding and the tensors are cast to the engine's dtype and grouped into buckets 
 `bucket_bytes`; the engine loads each bucket as it arrives. Rank 0 therefore holds one
 bucket at a time, never the whole model.
 
+LoRA actors sync one of two ways (`lora_sync`). `merged` (any engine): W + s B A per weight,
+the same tensors as a model without adapters. `adapters` (an engine with `enable_adapters`, the hf
+engine): the first sync sends the base weights as they are (unmerged) and the adapters in peft's
+form (`<module>.lora_A.weight`, `<module>.lora_B.weight`; `iter_adapter_tensors`), every later one
+only the adapters and the fully trained `modules_to_save`: r x (in + out) numbers per adapted
+projection instead of its in x out. Both are the same collective on every rank.
+
 Verification (every `verify_every` syncs; 0 = never): the trainer side fingerprints each
 tensor as it is sent, the engine fingerprints what it holds afterwards, and any difference
 raises `WeightSyncError` on every rank (an error, not a warning).
@@ -27,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel
-from megappo.models.weights import iter_hf_tensors
+from megappo.models.weights import iter_adapter_tensors, iter_hf_tensors
 from megappo.rollout.engine import (
     Bucket, RolloutEngine, WeightSyncError, compare_fingerprints, iter_buckets,
 )
@@ -46,21 +53,42 @@ class SyncStats:
                 "perf/weight_sync_gbps": self.bytes / 1e9 / max(self.seconds, 1e-9)}
 
 
+#: how a LoRA actor's weights reach the engine (module docstring)
+LORA_SYNCS = ("merged", "adapters")
+
+
 class WeightBridge:
     """Streams the actor's weights into a rollout engine held by global rank 0."""
 
     def __init__(self, model: MegatronModel, engine: RolloutEngine | None, *, bucket_bytes: int = 512 << 20,
-                 verify_every: int = 1, engine_dtype: torch.dtype | None = None):
+                 verify_every: int = 1, engine_dtype: torch.dtype | None = None, lora_sync: str = "merged"):
         if model.ps.rank == 0 and engine is None:
             raise ValueError("global rank 0 owns the rollout engine; pass it to the bridge there")
+        assert lora_sync in LORA_SYNCS, lora_sync
+        assert lora_sync == "merged" or model.lora.enabled, "adapter-only sync of a model without adapters"
         self.model, self.engine = model, engine
         self.bucket_bytes, self.verify_every = bucket_bytes, verify_every
         self.engine_dtype = engine_dtype
+        self.adapters_only = lora_sync == "adapters"
         self.syncs = 0
+
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: this sync's (HF name, tensor) pairs on rank 0 (every rank must drain it)."""
+        if not self.adapters_only:
+            yield from iter_hf_tensors(self.model)
+            return
+        if self.syncs == 1:  # the engine's base becomes exactly the trainer's
+            yield from iter_hf_tensors(self.model, merged=False)
+        else:
+            saved = self.model.lora.trained_prefixes(self.model.dims.tie_word_embeddings)
+            if saved:
+                yield from iter_hf_tensors(self.model, only=saved)
+        for module, which, tensor in iter_adapter_tensors(self.model):
+            yield f"{module}.{which}.weight", tensor
 
     def _stream(self, stats: SyncStats, fingerprints: dict[str, torch.Tensor] | None) -> Iterator[Bucket]:
         def tensors():
-            for name, tensor in iter_hf_tensors(self.model):
+            for name, tensor in self._hf_tensors():
                 if self.engine_dtype is not None:
                     tensor = tensor.to(self.engine_dtype)
                 if fingerprints is not None:
@@ -83,9 +111,11 @@ class WeightBridge:
         start = time.perf_counter()
         expected: dict[str, torch.Tensor] | None = {} if verify else None
         if ps.rank == 0:
+            if self.adapters_only and self.syncs == 1:
+                self.engine.enable_adapters(self.model.lora.scale)
             self.engine.update_weights(self._stream(stats, expected))
         else:
-            for _ in iter_hf_tensors(self.model):
+            for _ in self._hf_tensors():
                 pass
         bad: list[str] = []
         if verify and ps.rank == 0:

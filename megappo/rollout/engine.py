@@ -5,6 +5,11 @@ token ids and receives the actor's weights as HF-named tensors, bucket by bucket
 the bridge (`megappo.rollout.bridge`). Implementations: `hf` (transformers, CPU default)
 and `sglang` (GPU); `megappo.rollout.engines` builds them (this module imports none of them).
 
+An engine that applies LoRA adapters itself (the hf engine) also has `enable_adapters(scale)`:
+the bridge calls it once before its first adapter-only sync (`rollout.lora_sync=adapters`), after
+which updates may carry `<module>.lora_A.weight` / `<module>.lora_B.weight` and `fingerprints`
+resolves those names too. Engines without it take merged weights only.
+
 Fingerprints: `tensor_fingerprint(t)` is an exact integer function of a tensor's bits,
 computed on the tensor's own device; the trainer side and the engine side compute it on
 the same dtype, so equal weights give equal fingerprints and a changed bit changes them.

@@ -7,6 +7,9 @@ the log-prob of every sampled token under the tempered or untempered distributio
 (`SamplingParams.logprob_mode`). Weights are updated in place from the bridge's buckets of
 HF-named tensors; tied embeddings are updated once through `model.embed_tokens.weight`.
 MoE models take per-expert checkpoint names, written into transformers' fused expert tensors.
+LoRA adapters (`rollout.lora_sync=adapters`): after `enable_adapters(scale)`, tensors named
+`<module>.lora_A.weight` / `<module>.lora_B.weight` (peft's names) go into `LinearAdapters`, which
+adds their update to those nn.Linear outputs; the base weights stay as the bridge last sent them.
 The KV cache goes in and comes out under the name the model's forward declares (`cache_keyword`):
 `cache` in transformers 5.24 (which deprecates `past_key_values` and warns on it), `past_key_values`
 in earlier releases such as the SGLang lane's 5.19.
@@ -39,6 +42,7 @@ import inspect
 from typing import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from megappo.models.hf_experts import checkpoint_views
@@ -201,6 +205,60 @@ def gpu_placement(device: torch.device, model_dtype: str) -> dict:
     return {"device": device, "dtype": model_dtype}
 
 
+class LinearAdapters:
+    """LoRA adapters applied by the hf engine: y = W x + scale * B (A x) on the named nn.Linear
+    modules of `model` (HF names like `model.layers.0.self_attn.q_proj`), through forward hooks,
+    so generation runs the model's own forward unchanged. A [r, in] and B [out, r] per module,
+    held in `dtype` on the module's device (q/k/v and gate/up arrive with the same A, one copy
+    each: what peft's adapter files hold). A module gets its hook when its first tensor arrives;
+    until both its tensors did, it adds nothing.
+
+    This class does not know about Megatron or the bridge."""
+
+    SUFFIXES = {".lora_A.weight": 0, ".lora_B.weight": 1}
+
+    def __init__(self, model: torch.nn.Module, scale: float, dtype: torch.dtype):
+        self.model, self.scale, self.dtype = model, scale, dtype
+        self.tensors: dict[str, torch.Tensor] = {}  # by full name (<module>.lora_A.weight)
+        self._pairs: dict[str, list] = {}  # module name -> [A, B]
+
+    @classmethod
+    def split(cls, name: str) -> tuple[str, int] | None:
+        """(module name, 0 for A | 1 for B) of an adapter tensor's name; None for another name."""
+        for suffix, which in cls.SUFFIXES.items():
+            if name.endswith(suffix):
+                return name.removesuffix(suffix), which
+        return None
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        module_name, which = self.split(name)
+        try:
+            linear = self.model.get_submodule(module_name)
+        except AttributeError:
+            linear = None
+        if not isinstance(linear, torch.nn.Linear):
+            raise KeyError(f"the hf engine's model has no linear layer '{module_name}' for adapter '{name}'")
+        rank_dim = 0 if which == 0 else 1
+        expected = linear.in_features if which == 0 else linear.out_features
+        if tensor.dim() != 2 or tensor.shape[1 - rank_dim] != expected:
+            raise ValueError(f"'{name}': shape {tuple(tensor.shape)} does not fit {module_name} "
+                             f"({linear.in_features} -> {linear.out_features})")
+        held = self.tensors[name] = tensor.to(device=linear.weight.device, dtype=self.dtype).contiguous()
+        if module_name not in self._pairs:
+            self._pairs[module_name] = [None, None]
+            linear.register_forward_hook(self._hook(self._pairs[module_name]))
+        self._pairs[module_name][which] = held
+
+    def _hook(self, pair: list):
+        def add_update(module, args, out):
+            a, b = pair
+            if a is None or b is None:
+                return out
+            return out + self.scale * F.linear(F.linear(args[0], a), b)
+        return add_update
+
+
 class HFEngine:
     """transformers-backed engine; `model` is an HF *ForCausalLM in eval mode. `dtype`: a model dtype
     name (megappo.models.precision) to cast the model to, None to keep its own; `kv_cache`: KV_CACHES."""
@@ -220,6 +278,15 @@ class HFEngine:
         params.update({n: b for n, b in self.model.named_buffers() if n in self.model.state_dict()})
         # by checkpoint name: a MoE model's fused experts are per-expert views (megappo.models.hf_experts)
         self._params = checkpoint_views(params, getattr(self.model.config, "model_type", ""))
+        self.adapters: LinearAdapters | None = None  # LoRA adapters, after enable_adapters
+
+    def enable_adapters(self, scale: float) -> None:
+        """Take LoRA adapters (`<module>.lora_A.weight` / `.lora_B.weight`) in later updates and add
+        scale * B (A x) to those modules' outputs (scale = alpha / rank). Called once, before the first
+        update that carries adapters; the base weights keep coming by their own names."""
+        if self.adapters is None:
+            self.adapters = LinearAdapters(self.model, scale, self.dtype)
+        assert self.adapters.scale == scale, (self.adapters.scale, scale)
 
     def _new_cache(self, rows: int, capacity: int) -> dict:
         """The cache keyword argument of the prefill: a preallocated cache of `rows` samples and
@@ -314,6 +381,9 @@ class HFEngine:
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
         for bucket in buckets:
             for name, tensor in bucket:
+                if self.adapters is not None and LinearAdapters.split(name):
+                    self.adapters.load(name, tensor)
+                    continue
                 target = self._params.get(name)
                 if target is None:
                     raise KeyError(f"the hf engine's model has no tensor '{name}'")
@@ -326,7 +396,8 @@ class HFEngine:
 
     @torch.no_grad()
     def fingerprints(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        return {n: tensor_fingerprint(self._params[n]) for n in names if n in self._params}
+        held = {**self._params, **(self.adapters.tensors if self.adapters is not None else {})}
+        return {n: tensor_fingerprint(held[n]) for n in names if n in held}
 
     def free_cache(self) -> None:
         """Drop the KV-cache buffers kept between generations (the next generation allocates them again)."""

@@ -1,6 +1,8 @@
 """LoRA through the CLI (docs/lora.md): the CPU demo learns with rank-8 adapters, and `megappo
 export` writes merged weights plus a peft adapter directory that peft loads on top of the base
-model, giving the same logits and greedy answers as the merged export."""
+model, giving the same logits and greedy answers as the merged export. The run syncs the engine with
+adapters only (rollout.lora_sync=adapters); the merged sync is covered by tests/distributed/test_lora.py
+and the LoRA recipe case of tests/e2e/test_gpu_recipes.py."""
 
 import json
 import os
@@ -16,11 +18,12 @@ def test_demo_learns_with_lora_and_exports_a_peft_adapter(tmp_path):
     """The demo (random-init tiny Llama, PPO with a critic) with rank-8 adapters on all linears of the
     actor (its lm_head trained fully: a random-init model's frozen head caps its logits, docs/lora.md;
     lr 3e-3) and of the critic (its value head trains fully): the reward goes from ~0.03 to >= 0.35
-    over steps 51-60 (measured 0.71; 0.45 with a fully trained critic; full fine-tuning reaches 0.8)."""
+    over steps 51-60 (measured 0.71 with the merged sync and 0.71 with adapters; 0.45 with a fully trained
+    critic; full fine-tuning reaches 0.8)."""
     run_dir, out_dir = tmp_path / "run", tmp_path / "hf"
     code, out = cli("train", "recipes/demo-cpu.yaml", f"run.output_dir={run_dir}", f"run.total_steps={STEPS}",
                     "actor.lora.rank=8", "actor.lora.modules_to_save=[lm_head]", "actor.optim.lr=3e-3",
-                    "critic.lora.rank=8",
+                    "critic.lora.rank=8", "rollout.lora_sync=adapters",
                     "run.val_every=0", "run.val_before_train=false", "logging.progress_bar=false")
     assert code == 0, out[-6000:]
     assert "lora: actor r=8 alpha=16, critic r=8 alpha=16" in out, out[-3000:]

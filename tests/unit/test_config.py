@@ -293,7 +293,8 @@ def test_expert_parallel_per_role():
 
 def test_lora_settings_and_their_refusals():
     """actor.lora / critic.lora: names mapped to Megatron's layers; the reference becomes the actor's base
-    (its layout the actor's); wrong names, ref.lora, reward.lora and ref.parallel with it are refused."""
+    (its layout the actor's); wrong names, ref.lora, reward.lora and ref.parallel with it are refused, and so is
+    rollout.lora_sync=adapters without actor.lora, with SGLang, with placement=separate or for a MoE model."""
     from megappo.run import lora_of
 
     kl = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 2}, "actor": {"use_kl_loss": True,
@@ -316,6 +317,22 @@ def test_lora_settings_and_their_refusals():
         ({**kl, "ref": {"parallel": {"tp": 1}}}, r"ref\.parallel does not apply\. Fix: remove ref\.parallel"),
         ({"critic": {"lora": {"rank": 4, "dropout": 0.1}, "recompute": {"granularity": "full"}}},
          r"critic\.lora\.dropout=0\.1 with critic\.recompute\.granularity=full.*Fix: set critic\.lora\.dropout=0"),
+        ({"rollout": {"lora_sync": "adapters"}}, r"rollout\.lora_sync=adapters .* actor\.lora is off.*Fix: set "
+                                                 r"actor\.lora\.rank"),
+        ({"actor": {"lora": {"rank": 8}}, "rollout": {"lora_sync": "adapters", "engine": "sglang"}},
+         r"rollout\.lora_sync=adapters needs rollout\.engine=hf: loading LoRA adapters into SGLang is not wired"
+         r".*Fix: set rollout\.lora_sync=merged"),
+        ({"actor": {"lora": {"rank": 8}}, "rollout": {"lora_sync": "adapters", "placement": "separate"}},
+         r"rollout\.lora_sync=adapters needs rollout\.placement=colocated.*Fix: set rollout\.lora_sync=merged"),
     ]:
         with pytest.raises(ConfigError, match=message):
             build(**sections)
+    assert build(actor={"lora": {"rank": 8}}, rollout={"lora_sync": "adapters"}).rollout.lora_sync == "adapters"
+    from megappo.models.hf_reference import TINY_CONFIGS
+    from megappo.preflight import ModelConfigError, check_models
+
+    moe = build(model={"hf_config": TINY_CONFIGS["qwen3_moe"]}, actor={"lora": {"rank": 8}},
+                rollout={"lora_sync": "adapters"})
+    with pytest.raises(ModelConfigError, match=r"rollout\.lora_sync=adapters: .* Mixture-of-Experts .*Fix: set "
+                                               r"rollout\.lora_sync=merged"):
+        check_models(moe)

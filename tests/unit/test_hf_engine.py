@@ -332,3 +332,38 @@ def test_the_orchestrator_frees_the_kv_cache_after_each_generation(model):
     batch = generate(run, step=1)
     assert batch.num_samples == 4 and len(calls) == 1 and calls[0] > 0  # the engine held its cache after the call
     assert engine._kv_store == [] and engine.kv_cache_bytes() == 0
+
+
+def test_lora_adapters_equal_the_merged_weights(model):
+    """rollout.lora_sync=adapters: adapters loaded by peft's names (q/k/v sharing one A) give the log-probs
+    of an engine holding the merged weights W + s B A, their fingerprints resolve, and a wrong name or
+    shape is refused."""
+    import copy
+
+    rank, scale, gen = 4, 2.0, torch.Generator().manual_seed(0)
+    merged_model = copy.deepcopy(model)
+    adapted = HFEngine(copy.deepcopy(model), pad_token_id=PAD)
+    adapted.enable_adapters(scale)
+    merged, bucket = {}, []
+    attn = "model.layers.0.self_attn"
+    a = torch.randn(rank, model.config.hidden_size, generator=gen) * 0.1
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        linear = merged_model.get_submodule(f"{attn}.{proj}")
+        b = torch.randn(linear.out_features, rank, generator=gen) * 0.1
+        bucket += [(f"{attn}.{proj}.lora_A.weight", a), (f"{attn}.{proj}.lora_B.weight", b)]
+        merged[f"{attn}.{proj}.weight"] = linear.weight.detach() + scale * b @ a
+    adapted.update_weights([bucket])
+    reference = HFEngine(merged_model, pad_token_id=PAD)
+    reference.update_weights([list(merged.items())])
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    got, want = adapted.generate(PROMPTS, params), reference.generate(PROMPTS, params)
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert (got.rollout_log_probs - want.rollout_log_probs).abs().max() < 1e-5
+    names = [n for n, _ in bucket] + [f"{attn}.o_proj.weight"]
+    fps = adapted.fingerprints(names)
+    assert set(fps) == set(names)
+    assert all(torch.equal(fps[n], adapted.fingerprint_of(n, t)) for n, t in bucket)
+    with pytest.raises(KeyError, match="no linear layer 'model.layers.0.self_attn.nope'"):
+        adapted.update_weights([[(f"{attn}.nope.lora_A.weight", a)]])
+    with pytest.raises(ValueError, match="does not fit"):
+        adapted.update_weights([[(f"{attn}.q_proj.lora_A.weight", a.T)]])
