@@ -7,6 +7,11 @@ tokens dropped) equal those of transformers' routers, at EP2 (2 ranks) and PP2xE
 with MoE needs sequence parallelism, which is GPU-only). workers/bridge_worker.py at EP2:
 a sync into the hf engine (transformers' fused experts) is bit-exact, fingerprints compare
 per checkpoint name, and the engine's log-probs equal the Megatron actor's.
+workers/checkpoint_worker.py with `moe` at EP2: exact resume, weights resharded to EP1 bit for bit,
+optimizer state refused across the EP1 / EP>1 boundary; and LoRA adapters on every linear, the
+experts' included: every expert's adapter trains on both EP ranks while the base (experts included)
+stays frozen and out of the optimizer, a LoRA trainer checkpoint resumes bit-exactly, and the
+merged weights reshard to EP1 bit for bit.
 """
 
 import pytest
@@ -36,6 +41,9 @@ def test_moe_bridge_sync_at_ep2():
 
 def test_moe_checkpoint_at_ep2(tmp_path):
     # exact resume at EP2 (chained expert optimizer), weights resharded to EP1 bit for bit,
-    # and optimizer state across the EP1 / EP>1 boundary refused with the fix named
+    # and optimizer state across the EP1 / EP>1 boundary refused with the fix named; then the same
+    # with LoRA adapters on the experts (rank 4, all linears): they train, resume and reshard exactly
     out = run_torchrun("checkpoint_worker.py", 2, str(tmp_path), "moe")
     assert "OK moe: exact resume at ep=2; weights resharded to ep=1 bit-exact" in out and "ALL OK" in out
+    assert "OK moe lora: 24 expert adapters B trained at ep=2" in out  # 3 MoE layers x 4 experts x fc1, fc2
+    assert "exact resume" in out.split("OK moe lora:")[1] and "merged weights resharded to ep=1 bit-exact" in out

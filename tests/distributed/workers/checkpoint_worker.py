@@ -10,7 +10,13 @@ bit. Then the same checkpoint loads at another layout (PP=2, or DP=2 for the dis
 optimizer: resharding on load) and the 2 steps must agree with the reference to 1e-5.
 With `moe`: a tiny Qwen3-MoE trained at EP=2 (each rank holds half the experts) resumes exactly
 at EP=2; its weights load at EP=1 (DP=2, every rank all experts) bit for bit; its optimizer
-state at EP=1 is refused with the fix named (plain optimizer only).
+state at EP=1 is refused with the fix named (plain optimizer only). Then the same model with rank-4
+LoRA adapters on every linear, the experts' fc1 / fc2 included (megappo.models.lora), at EP=2:
+after 2 AdamW steps every expert's adapter B has moved off zero on both EP ranks, the frozen base
+(expert weights included) is bit-identical, and the optimizer holds the adapters only; a fresh
+model that loads the trainer checkpoint takes the next step bit-identically to the straight run
+(every local parameter, adapters included); the checkpoint's weights load at EP=1 (load_model, as
+megappo export loads them) with the same merged weights (W + s B A, `iter_full_params`) bit for bit.
 With `bf16`: the models in bfloat16 (Megatron's mixed-precision optimizer: bf16 weights, float32
 master weights and Adam moments), case by case over actor and critic, plain and distributed
 optimizer, TP2 / PP2 / DP2 / EP2, tied (Qwen2) and untied (Llama) embeddings: the resumed run's
@@ -31,8 +37,9 @@ from megappo.models.checkpoint import load_model, load_trainable, save_model, sa
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
 from megappo.models.hf_experts import checkpoint_state
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.models.lora import NO_LORA, LoRA, adapter_parameters
 from megappo.models.training import OptimSettings, make_trainable, train_step
-from megappo.models.weights import iter_hf_tensors, load_hf_weights
+from megappo.models.weights import iter_full_params, iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import init_parallel
 from training_worker import token_weights
 
@@ -40,8 +47,9 @@ CFG = TINY_CONFIGS["llama"]
 DIMS = dims_from_hf(CFG)
 
 
-def trainable_at(ps, dist_opt: bool, init_seed: int, *, role: str = "actor", dtype: str = "float32"):
-    model = build_model(DIMS, ps, role=role, dtype=dtype)
+def trainable_at(ps, dist_opt: bool, init_seed: int, *, role: str = "actor", dtype: str = "float32",
+                 lora: LoRA = NO_LORA):
+    model = build_model(DIMS, ps, role=role, dtype=dtype, lora=lora)
     load_hf_weights(model, checkpoint_state(build_hf_model(CFG, seed=init_seed)))
     return make_trainable(model, OptimSettings(lr=1e-3, min_lr=1e-4, weight_decay=0.1, clip_grad=0.5, warmup_steps=1,
                                                total_steps=6, decay_style="linear", use_distributed_optimizer=dist_opt))
@@ -130,6 +138,52 @@ def check(out: str, dist_opt: bool, moe: bool = False) -> None:
         assert worst <= 1e-5, f"dist_opt={dist_opt}: resumed at tp={tp} pp={pp} dp={ps.dp} differs by {worst}"
         print(f"OK dist_opt={dist_opt}: exact resume at tp=2; resharded resume at tp={tp} pp={pp} dp={ps.dp} "
               f"max diff {worst:.1e}", flush=True)
+
+
+def check_moe_lora(out: str) -> None:
+    """LoRA on the experts at EP=2: they train, resume exactly and reshard to EP=1 (module docstring)."""
+    ps = relayout(1, 1, ep=2)
+    ckpt = os.path.join(out, "moe_lora")
+    lora = LoRA(rank=4, alpha=8.0)  # every linear: qkv, proj and the dense and expert fc1 / fc2
+    original = trainable_at(ps, False, init_seed=5, lora=lora)
+    model = original.model
+    base = {n: p.clone() for n, _, p in model.named_parameters()}  # the frozen weights (no adapters)
+    adapters = dict(adapter_parameters(model.chunks))
+    expert_b = {n: p for n, p in adapters.items() if ".experts." in n and n.endswith("lora_b")}
+    experts_here = DIMS.num_experts // ps.ep * sum(i not in CFG["mlp_only_layers"] for i in range(DIMS.num_layers))
+    assert len(expert_b) == 2 * experts_here, sorted(expert_b)  # fc1 and fc2 of each local expert
+    in_optimizer = {id(p) for g in original.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for p in adapters.values()}, "the optimizer must hold the adapters and nothing else"
+    train(ps, original, 2)
+    still = [n for n, p in expert_b.items() if not p.abs().max() > 0]
+    assert not still, f"rank {ps.rank}: expert adapters B still zero after 2 steps: {still[:3]}"
+    moved = [n for n, _, p in model.named_parameters() if not torch.equal(p, base[n])]
+    assert not moved, f"rank {ps.rank}: frozen base weights changed: {moved[:3]}"
+    save_trainable(original, ckpt, CFG)
+    at_save = {n: full.clone() for n, full in iter_full_params(model)}  # merged: W + s B A
+    train(ps, original, 1)
+
+    resumed = trainable_at(ps, False, init_seed=9, lora=lora)
+    load_trainable(resumed, ckpt)
+    train(ps, resumed, 1)
+    pairs = [(n, a, b) for (n, a), (_, b) in zip(model.chunks[0].named_parameters(),
+                                                 resumed.model.chunks[0].named_parameters())]
+    unequal = [n for n, a, b in pairs if not torch.equal(a, b)]
+    assert not unequal, f"rank {ps.rank}: the resumed LoRA step differs from the straight run: {unequal[:3]}"
+    n_moved = torch.tensor([len(expert_b)])
+    dist.all_reduce(n_moved)
+
+    ps = relayout(1, 1, ep=1)  # DP=2: every rank holds all experts and their adapters
+    other = trainable_at(ps, False, init_seed=9, lora=lora)
+    load_model(other.model, ckpt)  # the weights (adapters too) of the trainer checkpoint, as megappo export does
+    got = dict(iter_full_params(other.model))
+    if ps.rank == 0:
+        assert got.keys() == at_save.keys(), sorted(got.keys() ^ at_save.keys())[:3]
+        unequal = [k for k in at_save if not torch.equal(at_save[k], got[k])]
+        assert not unequal, f"moe lora: merged weights at ep=1 differ from ep=2: {unequal[:3]}"
+        print(f"OK moe lora: {int(n_moved)} expert adapters B trained at ep=2, frozen base bit-identical, "
+              f"optimizer holds adapters only; exact resume ({len(pairs)} tensors on rank 0); merged weights "
+              f"resharded to ep=1 bit-exact", flush=True)
 
 
 def optimizer_tensors(trainable) -> list[torch.Tensor]:
@@ -222,6 +276,7 @@ def main():
         CFG = TINY_CONFIGS["qwen3_moe"]
         DIMS = dims_from_hf(CFG)
         check(out, dist_opt=False, moe=True)
+        check_moe_lora(out)
     else:
         for dist_opt in (False, True):
             check(out, dist_opt)
