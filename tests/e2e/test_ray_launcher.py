@@ -1,7 +1,7 @@
 """`megappo train --launcher ray` (megappo.parallel.ray_launch) on a real Ray cluster started on this
 machine (`ray start --head --num-cpus 2 --block`, ended by its process id): the demo's 2 ranks run as
 Ray actors, their output and exit codes come back to the driver. Ctrl-C (SIGINT) on the driver
-stops the ranks with a checkpoint; the same command again resumes and the demo learns. A rank
+stops the ranks with a checkpoint; the same command again resumes and finishes the run. A rank
 killed with SIGKILL ends the run with a line that names it; an unreachable or too small cluster is
 bad input (exit 2, the fix named). Skipped where Ray is not installed (`pip install -e '.[ray]'`;
 `make install-test` installs it)."""
@@ -69,9 +69,10 @@ def train(*args):
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-#: the demo's first 30 steps without validation: the mean score of steps 21-30 is 0.37 (0.04 over the
-#: first 5), the same on any launcher, interrupted or not (exact resume)
-STEPS, LEARNED = 30, 0.25
+#: a short run of the demo without validation: stopped after a few steps, resumed to the end. Learning
+#: does not depend on the launcher (tests/e2e/test_cli_demo.py: the demo learns; tests/e2e/test_resume.py
+#: and test_interrupts.py: an interrupted run resumes bit for bit), so it is not measured here again
+STEPS = 12
 SHORT = [f"run.total_steps={STEPS}", "run.val_every=0", "run.val_before_train=false"]
 
 
@@ -81,7 +82,7 @@ def training_rows(run_dir):
     return [r for r in rows if "critic/score/mean" in r]
 
 
-def test_ray_launcher_runs_the_demo_resumes_after_ctrl_c_and_learns(ray_address, tmp_path):
+def test_ray_launcher_runs_the_demo_and_resumes_after_ctrl_c(ray_address, tmp_path):
     run_dir = tmp_path / "run"
     args = ["--launcher", "ray", "--ray-address", ray_address, f"run.output_dir={run_dir}",
             "logging.progress_bar=false", *SHORT]
@@ -106,9 +107,6 @@ def test_ray_launcher_runs_the_demo_resumes_after_ctrl_c_and_learns(ray_address,
     assert "done: " in out and "Traceback" not in out
     rows = training_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    first5 = sum(r["critic/score/mean"] for r in rows[:5]) / 5
-    last10 = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
-    assert first5 <= 0.2 and last10 >= LEARNED, f"the demo did not learn under Ray: {first5:.2f} -> {last10:.2f}"
 
 
 def test_ray_launcher_reports_a_killed_rank(ray_address, tmp_path):

@@ -2,7 +2,7 @@
 this machine by tests/slurm_helpers.py): `sbatch` submits the CPU demo recipe, `scancel` mid-run
 stops it with a checkpoint (SLURM sends SIGTERM to every process of the step first; the ranks
 stop at a step boundary, megappo.interrupts), and the same sbatch again resumes from that
-checkpoint and finishes the demo's first 30 steps, learning as it does under torchrun. The SLURM
+checkpoint and finishes the run's 12 steps, each step once. The SLURM
 daemons are installed with apt-get when missing on a root Debian machine (CI); elsewhere the test
 is skipped with the command that installs them."""
 
@@ -30,9 +30,10 @@ def local_slurm(tmp_path_factory):
         slurm.stop()
 
 
-#: the demo's first 30 steps without validation: the mean score of steps 21-30 is 0.37 (0.04 over the
-#: first 5), the same under any launcher, interrupted or not (exact resume)
-STEPS, LEARNED = 30, 0.25
+#: a short run of the demo without validation: stopped after a few steps, resumed to the end. Learning
+#: does not depend on the launcher (tests/e2e/test_cli_demo.py: the demo learns; tests/e2e/test_resume.py
+#: and test_interrupts.py: an interrupted run resumes bit for bit), so it is not measured here again
+STEPS = 12
 SHORT = [f"run.total_steps={STEPS}", "run.val_every=0", "run.val_before_train=false"]
 
 
@@ -55,7 +56,7 @@ def test_slurm_sbatch_runs_the_demo_and_resumes_after_scancel(local_slurm, tmp_p
     first = local_slurm.sbatch(*submit, env=env, cwd=REPO)
     local_slurm.wait_running(first)
     end = time.monotonic() + 600
-    while len(training_rows(run_dir)) < 3:  # mid-run: a few steps done, most of the 30 to go
+    while len(training_rows(run_dir)) < 3:  # mid-run: a few steps done, most of the 12 to go
         state = local_slurm.job(first)["JobState"]
         assert state == "RUNNING" and time.monotonic() < end, (state, local_slurm.logs(), _out(tmp_path, first))
         time.sleep(1)
@@ -75,9 +76,6 @@ def test_slurm_sbatch_runs_the_demo_and_resumes_after_scancel(local_slurm, tmp_p
     assert f"megappo: resumed from {run_dir}/checkpoints/step_{step:08d} (step {step})" in out
     rows = training_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step once: the first job's, then the rest
-    first5 = sum(r["critic/score/mean"] for r in rows[:5]) / 5
-    last10 = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
-    assert first5 <= 0.2 and last10 >= LEARNED, f"the demo did not learn under SLURM: {first5:.2f} -> {last10:.2f}"
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
 
 
