@@ -170,34 +170,47 @@ def check(ps, family):
               f"merged_diff={worst_merged:.2e} (B moved {moved_b:.2e})", flush=True)
 
 
+TINY = TINY_CONFIGS["llama"]
+
+
+def square_loss(logits, mb):
+    """A loss that moves every weight: the checks below need training, not a task."""
+    return logits.float().square().mean() * 1e-3, None
+
+
+def dp_micro_batches(ps, seed: int) -> tuple[torch.Tensor, list[dict]]:
+    """8 random rows of 12 tokens, and this data-parallel rank's share in micro-batches of 2."""
+    ids = torch.randint(0, dims_from_hf(TINY).vocab_size, (8, 12), generator=torch.Generator().manual_seed(seed))
+    per_rank = ids.shape[0] // ps.dp
+    return ids, [{"input_ids": ids[ps.dp_rank * per_rank:][i:i + 2]} for i in range(0, per_rank, 2)]
+
+
+def lora_trainable(ps, lora: LoRA, *, dtype: str = "float32", recompute=NO_RECOMPUTE, total_steps: int = 4):
+    """The tiny Llama (HF weights of seed 5) with `lora`, under AdamW at lr 1e-2."""
+    m = build_model(dims_from_hf(TINY), ps, role="actor", dtype=dtype, lora=lora, recompute=recompute)
+    load_hf_weights(m, build_hf_model(TINY, seed=5).state_dict())
+    return make_trainable(m, OptimSettings(lr=1e-2, total_steps=total_steps))
+
+
 def check_resume(ps, dtype: str):
     """Adapters and their Adam state saved by save_trainable and loaded into a fresh LoRA model
     continue bit-identically (the next step's adapters torch.equal), base weights included."""
-    cfg = TINY_CONFIGS["llama"]
-    dims = dims_from_hf(cfg)
-    ids = torch.randint(0, dims.vocab_size, (8, 12), generator=torch.Generator().manual_seed(1))
-    per_rank = ids.shape[0] // ps.dp
-    mbs = [{"input_ids": ids[ps.dp_rank * per_rank:][i:i + 2]} for i in range(0, per_rank, 2)]
-
-    def loss_fn(logits, mb):
-        return logits.float().square().mean() * 1e-3, None
+    _, mbs = dp_micro_batches(ps, seed=1)
 
     def build():
-        m = build_model(dims, ps, role="actor", dtype=dtype, lora=LoRA(rank=RANK, alpha=ALPHA))
-        load_hf_weights(m, build_hf_model(cfg, seed=5).state_dict())
-        return make_trainable(m, OptimSettings(lr=1e-2, total_steps=4))
+        return lora_trainable(ps, LoRA(rank=RANK, alpha=ALPHA), dtype=dtype)
 
     box = [tempfile.mkdtemp(prefix="lora-resume-") if ps.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     path = os.path.join(box[0], "ckpt")
     first = build()
     for _ in range(2):
-        train_step(first, mbs, loss_fn)
-    save_trainable(first, path, hf_config=cfg)
+        train_step(first, mbs, square_loss)
+    save_trainable(first, path, hf_config=TINY)
     meta = load_trainable(second := build(), path)
     assert meta["lora"]["rank"] == RANK, meta.get("lora")
     for t in (first, second):
-        train_step(t, mbs, loss_fn)
+        train_step(t, mbs, square_loss)
     pairs = [(a, b) for a, b in zip(first.model.chunks[0].parameters(), second.model.chunks[0].parameters())]
     assert all(torch.equal(a, b) for a, b in pairs), f"{dtype}: resumed LoRA training differs"
     moved = max(p.abs().max().item() for n, p in adapter_parameters(first.model.chunks) if n.endswith("lora_b"))
@@ -211,17 +224,13 @@ def check_recompute(ps):
     """Full recomputation gives the adapters the same gradients (bit-equal): Megatron checkpoints each
     layer with a reentrant autograd Function, which backward skips when no input requires grad, as
     a frozen embedding's output would not without megappo.models.lora's hook."""
-    cfg = TINY_CONFIGS["llama"]
-    dims = dims_from_hf(cfg)
-    ids = torch.randint(0, dims.vocab_size, (4, 12), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, dims_from_hf(TINY).vocab_size, (4, 12), generator=torch.Generator().manual_seed(2))
     mbs = [{"input_ids": ids[i:i + 2], "attention_mask": torch.ones_like(ids[i:i + 2])} for i in range(0, 4, 2)]
     grads = []
     for recompute in (NO_RECOMPUTE, Recompute("full")):
-        m = build_model(dims, ps, role="actor", lora=LoRA(rank=RANK, alpha=ALPHA), recompute=recompute)
-        load_hf_weights(m, build_hf_model(cfg, seed=5).state_dict())
-        trainable = make_trainable(m, OptimSettings(lr=1e-2, total_steps=2))
-        train_step(trainable, mbs, lambda logits, mb: (logits.float().square().mean() * 1e-3, None))
-        grads.append([p.main_grad.clone() for _, p in adapter_parameters(m.chunks)])
+        trainable = lora_trainable(ps, LoRA(rank=RANK, alpha=ALPHA), recompute=recompute, total_steps=2)
+        train_step(trainable, mbs, square_loss)
+        grads.append([p.main_grad.clone() for _, p in adapter_parameters(trainable.model.chunks)])
     assert any(g.abs().max() > 0 for g in grads[0]), "no adapter gradient"
     assert all(torch.equal(a, b) for a, b in zip(*grads)), "full recomputation changed the adapters' gradients"
     if ps.rank == 0:
@@ -230,25 +239,15 @@ def check_recompute(ps):
 
 def check_adapter_sync(ps, dtype: str):
     """rollout.lora_sync=adapters against merged (module docstring)."""
-    cfg = TINY_CONFIGS["llama"]
-    dims = dims_from_hf(cfg)
-    ids = torch.randint(0, dims.vocab_size, (8, 12), generator=torch.Generator().manual_seed(4))
-    per_rank = ids.shape[0] // ps.dp
-    mbs = [{"input_ids": ids[ps.dp_rank * per_rank:][i:i + 2]} for i in range(0, per_rank, 2)]
-
-    def loss_fn(logits, mb):
-        return logits.float().square().mean() * 1e-3, None
-
-    model = build_model(dims, ps, role="actor", dtype=dtype,
-                        lora=LoRA(rank=RANK, alpha=ALPHA, modules_to_save=("lm_head",)))
-    load_hf_weights(model, build_hf_model(cfg, seed=5).state_dict())
-    trainable = make_trainable(model, OptimSettings(lr=1e-2, total_steps=4))
-    engines = {mode: HFEngine(build_hf_model(cfg, seed=7), pad_token_id=0, dtype=dtype) if ps.rank == 0 else None
+    ids, mbs = dp_micro_batches(ps, seed=4)
+    trainable = lora_trainable(ps, LoRA(rank=RANK, alpha=ALPHA, modules_to_save=("lm_head",)), dtype=dtype)
+    model = trainable.model
+    engines = {mode: HFEngine(build_hf_model(TINY, seed=7), pad_token_id=0, dtype=dtype) if ps.rank == 0 else None
                for mode in ("merged", "adapters")}  # other weights than the trainer's: the first sync sets them
     bridges = {mode: WeightBridge(model, engine, lora_sync=mode) for mode, engine in engines.items()}
     stats = {}
     for _ in range(2):
-        train_step(trainable, mbs, loss_fn)
+        train_step(trainable, mbs, square_loss)
         stats = {mode: bridge.sync() for mode, bridge in bridges.items()}  # raises if verification fails
     moved = sum(t.numel() * t.element_size() for _, _, t in iter_adapter_tensors(model))
     moved += sum(t.numel() * t.element_size() for _, t in iter_hf_tensors(model, only=("output_layer.",)))
@@ -261,7 +260,7 @@ def check_adapter_sync(ps, dtype: str):
     with torch.no_grad():
         lp = {mode: m(input_ids=ids).logits.float().log_softmax(-1) for mode, m in models.items()}
     diff = (lp["merged"] - lp["adapters"]).abs().max().item()
-    moved_lp = (lp["merged"] - build_hf_model(cfg, seed=5)(input_ids=ids).logits.float().log_softmax(-1)).abs().max()
+    moved_lp = (lp["merged"] - build_hf_model(TINY, seed=5)(input_ids=ids).logits.float().log_softmax(-1)).abs().max()
     assert moved_lp > 1e-3, f"training did not change the synced model ({moved_lp})"
     assert diff <= (1e-5 if dtype == "float32" else 5e-2), (dtype, diff)
     if dtype == "float32":
