@@ -365,8 +365,9 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
         rows.append(wrapped)
         return rows
     actor = holder.pop("actor")
-    update_args = dict(mini_batch_size=b.settings.micro_batches, epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
-                       clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
+    update_args = dict(mini_batch_size=b.settings.micro_batches, epochs=1, loss_mode="vanilla",
+                       loss_knobs=dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0),
+                       loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
                        kl_loss_coef=0.0, kl_loss_type="low_var_kl", seed=0)
     rows.append(throughput_row(b, update, dims, lambda exp: lambda: actor.update(exp, **update_args),
                                training=True, gpu_only=gpu_only))

@@ -242,6 +242,78 @@ class LoRAConfig(_Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
+#: verl 0.9.1's policy losses (megappo.ppo.policy_losses.POLICY_LOSSES; a unit test keeps the two equal)
+POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+                     "cispo", "bypass_mode")
+#: verl 0.9.1's advantage estimators (megappo.ppo.advantages.ESTIMATORS; a unit test keeps the two equal)
+ADV_ESTIMATORS = ("gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
+                  "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline",
+                  "tir_optimal_token_baseline")
+#: verl's rejection-sampling statistics (algorithm.rollout_correction.rollout_rs, comma-separated)
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig(_Section):
+    """The actor's policy loss (megappo.ppo.policy_losses; docs/ppo-math.md), verl's actor.policy_loss."""
+
+    loss_mode: Literal[POLICY_LOSS_MODES] = "vanilla"  # vanilla (clipped PPO), gspo, cispo, sapo, gpg, dppo_tv, dppo_kl, clip_cov, kl_cov, geo_mean, dro; bypass_mode goes with algorithm.rollout_correction.bypass_mode=true
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: lower bound of the covariance of the tokens it may cut
+    clip_cov_ub: float = 5.0  # clip_cov: upper bound of that covariance
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens (largest covariance) given the |log ratio| penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: weight of that penalty
+    dro_beta: Optional[float] = None  # dro: weight of the quadratic log-ratio penalty (required, > 0)
+
+    def check(self) -> None:
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            _require(getattr(self, name) > 0, f"{P}{name}={getattr(self, name)} must be > 0. Fix: e.g. {P}{name}=0.0002.")
+        _require(self.clip_cov_lb < self.clip_cov_ub, f"{P}clip_cov_lb={self.clip_cov_lb} must be below "
+                 f"{P}clip_cov_ub={self.clip_cov_ub}. Fix: e.g. {P}clip_cov_lb=1.0 {P}clip_cov_ub=5.0.")
+        _require(self.ppo_kl_coef >= 0, f"{P}ppo_kl_coef={self.ppo_kl_coef} must be >= 0. Fix: e.g. {P}ppo_kl_coef=0.1.")
+        _require(self.loss_mode != "dro" or (self.dro_beta is not None and self.dro_beta > 0),
+                 f"{P}loss_mode=dro needs {P}dro_beta > 0 (the weight of its quadratic log-ratio penalty), got "
+                 f"{self.dro_beta}. Fix: e.g. {P}dro_beta=0.1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig(_Section):
+    """Correction of the engine/trainer mismatch (megappo.ppo.rollout_correction; docs/ppo-math.md), verl's
+    algorithm.rollout_correction: importance weights and rejection of tokens or sequences, from the
+    trainer's and the engine's log-probs."""
+
+    rollout_is: Optional[Literal["token", "sequence"]] = None  # importance weights per token or per sequence; null: none
+    rollout_is_threshold: Union[float, str] = 2.0  # a number: truncate the weights there (TIS); "lower_upper" (e.g. "0.5_2.0"): zero the weights outside (IcePop)
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean (decoupled mode)
+    rollout_rs: Optional[str] = None  # reject tokens/sequences whose divergence passes the threshold: one or more (comma-separated) of token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3
+    rollout_rs_threshold: Union[float, str, None] = None  # one per rollout_rs option (comma-separated) or one for all; k1 options take "lower_upper" ratio bounds (or an upper u: [1/u, u])
+    bypass_mode: bool = False  # true: the engine's log-probs are the old policy's (2 policies, no recomputation) and the loss forms the weights from the current ones; false: decoupled (3 policies)
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass_mode: the clipped PPO loss against the engine's log-probs, or REINFORCE weighted by the IS weights
+
+    def check(self) -> None:
+        options = [o.strip() for o in (self.rollout_rs or "").split(",") if o.strip()]
+        bad = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
+        _require(not bad, f"{P}rollout_rs: {bad} not among {list(ROLLOUT_RS_OPTIONS)}. Fix: use those names, "
+                          "comma-separated (e.g. token_k1,seq_mean_k3).")
+        _require(self.rollout_rs is None or bool(options), f"{P}rollout_rs is empty. Fix: set it to null or an option.")
+        _require(not options or self.rollout_rs_threshold is not None,
+                 f"{P}rollout_rs={self.rollout_rs} needs {P}rollout_rs_threshold. Fix: e.g. {P}rollout_rs_threshold=2.0 "
+                 "(k1 options: lower_upper, e.g. 0.5_2.0).")
+        _require(not (self.bypass_mode and self.rollout_is_batch_normalize),
+                 f"{P}rollout_is_batch_normalize=true with {P}bypass_mode=true: in bypass mode the loss forms the weights "
+                 "per micro-batch, so their 'batch' mean would depend on how sequences fall into micro-batches. Fix: set "
+                 f"{P}bypass_mode=false (decoupled: weights of the whole batch) or {P}rollout_is_batch_normalize=false.")
+        _require(self.loss_type == "ppo_clip" or self.bypass_mode,
+                 f"{P}loss_type={self.loss_type} applies in bypass mode only. Fix: set {P}bypass_mode=true or "
+                 f"{P}loss_type=ppo_clip.")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is corrected or the engine's log-probs replace the recomputed ones."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
 def _check_trained_role(role: Any) -> None:
     _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1, max_tokens_per_micro_batch=1)
     _require(role.grad_clip > 0, f"{P}grad_clip={role.grad_clip} must be > 0. Fix: e.g. {P}grad_clip=1.0.")
@@ -264,8 +336,11 @@ class ActorConfig(_Section):
     kl_loss_coef: float = 0.001  # weight of that KL term
     kl_loss_type: KLEstimator = "low_var_kl"  # KL estimator of that term
     grad_clip: float = 1.0  # global gradient-norm clip
-    old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"  # source of old log-probs
+    old_logprob: Literal["recompute", "bypass", "is_correct"] = "recompute"  # source of old log-probs; bypass and is_correct are presets of algorithm.rollout_correction (bypass_mode=true; rollout_is=token with threshold is_truncate)
     is_truncate: float = 2.0  # is_correct: truncation of rollout importance weights
+    policy_loss: PolicyLossConfig = _default(PolicyLossConfig)  # which policy loss (loss_mode) and its knobs
+    tau_pos: float = 1.0  # policy_loss.loss_mode=sapo: gate temperature of positive advantages
+    tau_neg: float = 1.05  # policy_loss.loss_mode=sapo: gate temperature of negative advantages
     moe_routing: Literal["recompute", "replay"] = "recompute"  # MoE: replay: the actor's and reference's passes use the experts the rollout engine chose per token (routing replay); recompute: their own routers choose
     recompute: RecomputeConfig = _default(RecomputeConfig)  # activation recomputation (gradient checkpointing) of the actor's training passes
     lora: LoRAConfig = _default(LoRAConfig)  # LoRA adapters instead of training every weight; the reference policy is then the actor with its adapters off (no second copy)
@@ -284,6 +359,8 @@ class ActorConfig(_Section):
         _require(self.kl_loss_coef >= 0, f"{P}kl_loss_coef={self.kl_loss_coef} must be >= 0. Fix: use 0.0 or "
                                          f"{P}use_kl_loss=false to disable.")
         _require(self.is_truncate >= 1, f"{P}is_truncate={self.is_truncate} must be >= 1. Fix: e.g. 2.0.")
+        _require(self.tau_pos > 0 and self.tau_neg > 0, f"{P}tau_pos={self.tau_pos} and {P}tau_neg={self.tau_neg} "
+                 f"must be > 0 (SAPO's gate temperatures). Fix: e.g. {P}tau_pos=1.0 {P}tau_neg=1.05.")
 
     @property
     def clip_low(self) -> float:
@@ -364,14 +441,16 @@ class KLCtrlConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                           "remax"] = "gae"  # advantage estimator; gae needs the critic
+    adv_estimator: Literal[ADV_ESTIMATORS] = "gae"  # advantage estimator (docs/ppo-math.md); gae needs the critic
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
     use_kl_in_reward: bool = False  # subtract kl_coef * KL(actor || ref) from token rewards; needs ref
     kl_penalty: KLEstimator = "kl"  # KL estimator of the in-reward penalty
     kl_ctrl: KLCtrlConfig = _default(KLCtrlConfig)  # its coefficient controller
+    gdpo_reward_keys: Optional[list[str]] = None  # gdpo: the reward.functions normalised apart (each one a component); null: every function
+    gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per component; null: all 1.0
+    rollout_correction: RolloutCorrectionConfig = _default(RolloutCorrectionConfig)  # importance weights / rejection for the engine-trainer mismatch
 
     def check(self) -> None:
         for name in ("gamma", "lam"):
@@ -388,7 +467,9 @@ class AlgorithmConfig(_Section):
     @property
     def grouped(self) -> bool:
         """Estimators whose baseline is the other samples of the same prompt."""
-        return self.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline")
+        return self.adv_estimator in ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
+                                      "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline",
+                                      "tir_optimal_token_baseline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,7 +689,7 @@ class Config(_Section):
                          f"it like hardware.gpus_per_node=4 or parallel.tp=2.")
         _require(self.critic.enable is not False or not self.algorithm.needs_critic,
                  "algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Fix: set critic.enable=null "
-                 "(auto) or choose algorithm.adv_estimator=grpo/rloo/reinforce_plus_plus.")
+                 "(auto) or choose an outcome estimator, e.g. algorithm.adv_estimator=grpo.")
         _require(not self.algorithm.grouped or n >= 2,
                  f"algorithm.adv_estimator={est} compares samples of the same prompt, but rollout.n={n}. "
                  f"Fix: set rollout.n >= 2 (e.g. rollout.n=8).")
@@ -634,6 +715,36 @@ class Config(_Section):
                      f"{key}={own} is smaller than the longest sequence, data.max_prompt_length + "
                      f"rollout.max_new_tokens = {longest}: such a sequence would fit no micro-batch. Fix: set "
                      f"{key} >= {longest} (or lower the lengths).")
+        keys, weights = self.gdpo_components, self.algorithm.gdpo_reward_weights
+        _require(self.algorithm.adv_estimator != "gdpo" or bool(keys),
+                 "algorithm.adv_estimator=gdpo normalises each reward component apart, but reward.functions is empty. "
+                 "Fix: list the components in reward.functions (e.g. [format_reward, exact_match]).")
+        unknown = [k for k in keys if k not in self.reward.functions]
+        _require(not unknown, f"algorithm.gdpo_reward_keys: {unknown} are not in reward.functions "
+                              f"{self.reward.functions}. Fix: name functions of reward.functions (each one a component).")
+        _require(weights is None or len(weights) == len(keys),
+                 f"algorithm.gdpo_reward_weights has {len(weights or ())} entries for {len(keys)} components. Fix: give "
+                 "one weight per component of algorithm.gdpo_reward_keys, or null (all 1.0).")
+        rc = self.algorithm.rollout_correction
+        _require(self.actor.old_logprob == "recompute" or not rc.enabled,
+                 f"actor.old_logprob={self.actor.old_logprob} is a preset of algorithm.rollout_correction, which is set "
+                 "as well; megappo will not guess which one you meant. Fix: remove actor.old_logprob and write it with "
+                 "algorithm.rollout_correction: is_correct = rollout_is=token rollout_is_threshold=<actor.is_truncate>; "
+                 "bypass = bypass_mode=true.")
+        mode = self.actor.policy_loss.loss_mode
+        bypass = self.bypass_old_logprobs
+        _require(mode != "bypass_mode" or bypass,
+                 "actor.policy_loss.loss_mode=bypass_mode takes the engine's log-probs as the old policy's, but they are "
+                 "recomputed. Fix: set algorithm.rollout_correction.bypass_mode=true (it selects that loss itself).")
+        _require(not rc.bypass_mode or mode in ("vanilla", "bypass_mode"),
+                 f"algorithm.rollout_correction.bypass_mode=true trains with verl's bypass loss (loss_type="
+                 f"{rc.loss_type}), not actor.policy_loss.loss_mode={mode} (verl would replace it silently). Fix: "
+                 f"set algorithm.rollout_correction.bypass_mode=false to train with {mode} (decoupled correction), or "
+                 "remove actor.policy_loss.loss_mode.")
+        _require(not self.algorithm.adv_estimator.endswith("optimal_token_baseline") or not bypass,
+                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs the trainer's old log-probs and their "
+                 "sum of squared probabilities, which bypass mode does not compute. Fix: set actor.old_logprob=recompute "
+                 "and algorithm.rollout_correction.bypass_mode=false.")
         _require(self.rollout.mode == "sync" or self.actor.old_logprob in ("recompute", "is_correct"),
                  f"rollout.mode={self.rollout.mode} trains on samples of the previous policy version, but "
                  f"actor.old_logprob={self.actor.old_logprob} would take the stale engine's log-probs as the "
@@ -664,6 +775,31 @@ class Config(_Section):
     @property
     def use_critic(self) -> bool:
         return self.algorithm.needs_critic if self.critic.enable is None else self.critic.enable
+
+    @property
+    def rollout_correction(self) -> RolloutCorrectionConfig:
+        """The correction this run applies: algorithm.rollout_correction, or what the actor.old_logprob preset
+        means (is_correct: token weights truncated at actor.is_truncate; bypass: the engine's log-probs are old)."""
+        presets = {"is_correct": dict(rollout_is="token", rollout_is_threshold=self.actor.is_truncate),
+                   "bypass": dict(bypass_mode=True)}
+        preset = presets.get(self.actor.old_logprob)
+        return RolloutCorrectionConfig(**preset) if preset else self.algorithm.rollout_correction
+
+    @property
+    def gdpo_components(self) -> list[str]:
+        """GDPO's reward components: algorithm.gdpo_reward_keys, else every reward function."""
+        keys = self.algorithm.gdpo_reward_keys
+        return list(self.reward.functions if keys is None else keys)
+
+    @property
+    def bypass_old_logprobs(self) -> bool:
+        """The engine's log-probs are the old policy's: the actor does not recompute them."""
+        return self.rollout_correction.bypass_mode
+
+    @property
+    def policy_loss_mode(self) -> str:
+        """The registry entry the actor trains with (bypass mode has its own)."""
+        return "bypass_mode" if self.bypass_old_logprobs else self.actor.policy_loss.loss_mode
 
     @property
     def needs_ref(self) -> bool:

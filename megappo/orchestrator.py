@@ -26,6 +26,7 @@ from megappo.parallel.stage import stage
 from megappo.perf import flop_rate_metrics, peak_memory
 from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
+from megappo.ppo.rollout_correction import rollout_correction
 from megappo.rewards import score_batch
 from megappo.rollout.bridge import logprob_mismatch
 from megappo.rollout.multiturn import observation_encoder, run_episodes
@@ -55,10 +56,11 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         batch = broadcast_from_rank0(run.rollouts.next_batch(step, lambda k: generate(run, k))
                                      if run.ps.is_rank0 else None)
     seqs = to_seqs(batch)
-    old_lp = entropy = None  # bypass: the engine's log-probs are the old ones, no recompute
-    if run.cfg.actor.old_logprob != "bypass":
+    old_lp = entropy = sum_pi_sq = None  # bypass: the engine's log-probs are the old ones, no recompute
+    if not run.cfg.bypass_old_logprobs:
         with timed(m, "old_log_prob"):
-            old_lp, entropy = run.actor.log_probs(seqs, with_entropy=True)
+            old_lp, entropy, sum_pi_sq = run.actor.log_probs(seqs, with_entropy=True,
+                                                             with_sum_pi_squared=needs_sum_pi_squared(run.cfg))
     with timed(m, "ref"):
         ref_lp = run.ref.log_probs(seqs) if run.ref else None
     with timed(m, "values"):
@@ -72,7 +74,8 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                 read = responses(run, batch)  # decoded once for the rewards and the score metrics
                 scores = rewards(run, batch, rm_scores, read)
                 m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
-            exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m)
+            exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m, sum_pi_squared=sum_pi_sq,
+                                  components=reward_components(run, read))
             m.update(rollout_metrics(batch, scores, exp, entropy))
             run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
         exp = broadcast_from_rank0(exp)
@@ -190,8 +193,20 @@ def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, gr
     return out
 
 
+def needs_sum_pi_squared(cfg) -> bool:
+    """The optimal-token-baseline estimators read sum_v p_v^2 of the old policy at every response token."""
+    return cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+def reward_components(run: Run, read: tuple) -> torch.Tensor | None:
+    """[N, K] each GDPO component's score (one reward function each, unweighted); None for other estimators."""
+    if run.cfg.algorithm.adv_estimator != "gdpo":
+        return None
+    return torch.tensor([score_batch([name], None, *read) for name in run.cfg.gdpo_components]).T.float()
+
+
 def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,
-                    m: dict) -> Experience:
+                    m: dict, *, sum_pi_squared=None, components=None) -> Experience:
     cfg = run.cfg
     mask = batch.response_mask
     last = last_action_token(mask)
@@ -207,14 +222,29 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
         token_rewards, kl_metrics = apply_kl_penalty(token_scores, old_lp, ref_lp, mask, run.kl_ctrl,
                                                      kl_penalty=cfg.algorithm.kl_penalty)
         m.update(kl_metrics)
-    is_weights = None
-    if cfg.actor.old_logprob == "is_correct":
-        is_weights = torch.exp((old_lp - rollout_lp) * mask).clamp(max=cfg.actor.is_truncate) * mask
-        m["rollout/is_weight_mean"] = (is_weights.sum() / mask.sum().clamp(min=1)).item()
-    adv, ret = advantages(cfg.algorithm, token_rewards, mask, values, batch)
+    is_weights, mask = correct_rollout(cfg.rollout_correction, old_lp, rollout_lp, mask, m)
+    adv, ret = advantages(cfg.algorithm, token_rewards, mask, values, batch, old_log_probs=old_lp,
+                          sum_pi_squared=sum_pi_squared, rollout_is_weights=is_weights, reward_components=components,
+                          reward_component_weights=cfg.algorithm.gdpo_reward_weights)
     m["critic/rewards/mean"] = (token_rewards.sum(-1)).mean().item()
-    return Experience(seqs=seqs, old_log_probs=old_lp, advantages=adv, ref_log_probs=ref_lp, values=values,
-                      returns=ret, rollout_is_weights=is_weights)
+    return Experience(seqs=dataclasses.replace(seqs, response_mask=mask), old_log_probs=old_lp, advantages=adv,
+                      ref_log_probs=ref_lp, values=values, returns=ret, rollout_is_weights=is_weights)
+
+
+def correct_rollout(rc, old_lp, rollout_lp, mask, m: dict):
+    """Decoupled rollout correction (megappo.ppo.rollout_correction), once for the whole batch: ([N, R]
+    importance weights or None, [N, R] the response mask with rejected tokens 0). Bypass mode corrects
+    inside the loss instead, so here it changes nothing."""
+    if not rc.enabled or rc.bypass_mode or not mask.any():
+        return None, mask
+    is_weights, kept, metrics = rollout_correction(
+        old_lp, rollout_lp, mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+        rollout_rs_threshold=rc.rollout_rs_threshold)
+    m.update(metrics)
+    if is_weights is not None:  # megappo's name before rollout_corr/*; kept for actor.old_logprob=is_correct runs
+        m["rollout/is_weight_mean"] = (is_weights.sum() / mask.sum()).item()
+    return is_weights, kept
 
 
 def last_action_token(mask: torch.Tensor) -> torch.Tensor:
@@ -224,12 +254,12 @@ def last_action_token(mask: torch.Tensor) -> torch.Tensor:
     return ((cols * mask.bool()).amax(-1) - 1).clamp(min=0) if mask.shape[1] else mask.new_zeros(mask.shape[0])
 
 
-def advantages(algo, token_rewards, mask, values, batch: RolloutBatch):
+def advantages(algo, token_rewards, mask, values, batch: RolloutBatch, **inputs):
     """The estimator named in the config, given every input it might need."""
     return compute_advantage(algo.adv_estimator, token_level_rewards=token_rewards, response_mask=mask,
                              values=values, index=batch.prompt_index, gamma=algo.gamma, lam=algo.lam,
                              reward_baselines=batch.reward_baselines,
-                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, **inputs)
 
 
 def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> dict[str, float]:

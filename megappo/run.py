@@ -87,7 +87,7 @@ class Run:
     def actor_update_args(self, step: int) -> dict:
         a = self.cfg.actor
         return dict(mini_batch_size=a.ppo_mini_batch_size * self.cfg.rollout.n, epochs=a.ppo_epochs,
-                    clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
+                    loss_mode=self.cfg.policy_loss_mode, loss_knobs=policy_loss_knobs(self.cfg),
                     loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
                     kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, seed=self.cfg.run.seed * 7919 + step)
 
@@ -191,6 +191,18 @@ def export_files(model_cfg, tokenizer) -> dict[str, bytes]:
             own.pop("generation_config.json", None)
         files.update(own)
     return files
+
+
+def policy_loss_knobs(cfg: Config) -> dict:
+    """Every knob a policy loss may take (megappo.ppo.policy_losses; each loss reads those it uses): the
+    clip ratios, actor.policy_loss.*, SAPO's temperatures and, in bypass mode, the rollout correction's."""
+    a, rc = cfg.actor, cfg.rollout_correction
+    knobs = dict(clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
+                 tau_pos=a.tau_pos, tau_neg=a.tau_neg,
+                 **{k: v for k, v in dataclasses.asdict(a.policy_loss).items() if k != "loss_mode"})
+    if rc.bypass_mode:
+        knobs.update({k: v for k, v in dataclasses.asdict(rc).items() if k != "bypass_mode"})
+    return knobs
 
 
 def _trained(actor: PolicyWorker, critic: ValueWorker | None) -> dict:

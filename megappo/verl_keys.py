@@ -120,6 +120,11 @@ OTHERWISE: dict[str, str] = {
         "critic.recompute are the trained roles')",
     "actor_rollout_ref.model.use_remove_padding": "megappo packs sequences without padding by default "
                                                   "(actor.packing, critic.packing, ...; false pads them)",
+    "actor_rollout_ref.actor.calculate_sum_pi_squared": "megappo computes the sum of squared probabilities in the "
+                                                        "old-log-prob pass when algorithm.adv_estimator is "
+                                                        "optimal_token_baseline or tir_optimal_token_baseline",
+    "actor_rollout_ref.actor.policy_loss.rollout_correction": "write algorithm.rollout_correction.* (verl copies it "
+                                                              "there itself in bypass mode)",
     "actor_rollout_ref.actor.use_dynamic_bsz": "with actor.packing (the default) micro-batches are sized by "
                                                "actor.max_tokens_per_micro_batch",
 }

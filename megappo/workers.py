@@ -18,6 +18,7 @@ This module does not know about the rollout engine, rewards or the step's order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,10 @@ from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import Trainable, train_step
 from megappo.parallel.comm import gather_to_rank0
 from megappo.parallel.packing import MicroBatching, PassCounter, Select, micro_batch_tensors, sequence_lengths
-from megappo.parallel.vocab_parallel import vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy
+from megappo.parallel.vocab_parallel import (vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy,
+                                             vocab_parallel_sum_pi_squared)
 from megappo.ppo import losses as ppo_losses
+from megappo.ppo.policy_losses import compute_policy_loss
 from megappo.ppo.kl import kl_penalty
 from megappo.ppo.stats import masked_mean
 from megappo.rollout.routes import fill_unknown
@@ -199,36 +202,47 @@ class PolicyWorker(_Passes):
         return _placed(vocab_parallel_log_probs(logits, labels, self.model.ps.tp_group)[0], mb, width), None
 
     @torch.no_grad()
-    def log_probs(self, seqs: SeqBatch, *, with_entropy: bool = False):
-        """[N, R] log-probs (and [N, R] entropy) on rank 0; None elsewhere."""
+    def log_probs(self, seqs: SeqBatch, *, with_entropy: bool = False, with_sum_pi_squared: bool = False):
+        """[N, R] log-probs on rank 0, None elsewhere; with_entropy: (log-probs, [N, R] entropy);
+        with_sum_pi_squared: (log-probs, entropy or None, [N, R] sum over the vocabulary of p^2 of the
+        same tempered softmax: what the optimal-token-baseline estimators read)."""
         mbs = self._split(seqs, None, "response", {})
 
         def on_output(logits, mb):
             lp, ent = self._token_stats(logits, mb, with_entropy)
-            out = torch.stack([lp, ent], 1) if with_entropy else lp[:, None]
-            return logits.new_zeros(()), out * mb["response_mask"][:, None]
+            cols = [lp] + ([ent] if with_entropy else []) + ([self._sum_pi_squared(logits, mb)] if with_sum_pi_squared
+                                                              else [])
+            return logits.new_zeros(()), torch.stack(cols, 1) * mb["response_mask"][:, None]
 
         results = run_micro_batches(self.model, mbs, on_output, forward_only=True, routing=self.routing)
         stacked = self._gather(mbs, results, seqs.size)
-        if stacked is None:
-            return (None, None) if with_entropy else None
-        return (stacked[:, 0], stacked[:, 1]) if with_entropy else stacked[:, 0]
+        cols = [None] * (1 + with_entropy + with_sum_pi_squared) if stacked is None else list(stacked.unbind(1))
+        if with_sum_pi_squared:
+            return cols[0], cols[1] if with_entropy else None, cols[-1]
+        return (cols[0], cols[1]) if with_entropy else cols[0]
 
-    def update(self, exp: Experience, *, mini_batch_size: int, epochs: int, clip_ratio_low: float,
-               clip_ratio_high: float, clip_ratio_c: float, loss_agg_mode: str, entropy_coeff: float,
-               use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str, seed: int) -> dict[str, float]:
-        """PPO epochs over mini-batches (sequences), one optimizer step per mini-batch."""
+    def _sum_pi_squared(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
+        """[1, K, V_pad/tp] selected logits -> [m, R] sum of p^2 of the tempered softmax."""
+        sps = vocab_parallel_sum_pi_squared(self._scaled(logits), self.model.ps.tp_group)
+        return _placed(sps[0], mb, mb["response_mask"].shape[1])
+
+    def update(self, exp: Experience, *, mini_batch_size: int, epochs: int, loss_mode: str, loss_knobs: dict,
+               loss_agg_mode: str, entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
+               seed: int) -> dict[str, float]:
+        """PPO epochs over mini-batches (sequences), one optimizer step per mini-batch. The policy loss is
+        `POLICY_LOSSES[loss_mode]` (megappo.ppo.policy_losses) given the `loss_knobs` it takes."""
         assert self.trainable is not None, "the reference model is not trained"
         first_micro_batch = [True]
+        parts = itertools.count()  # clip_cov draws its tokens from a generator seeded per micro-batch part
 
         def loss_for(counts):
             def on_output(logits, mb):
                 lp, ent = self._token_stats(logits, mb, entropy=True)  # logged always
                 mask = mb["response_mask"]
-                pg_loss, m = ppo_losses.policy_loss(
-                    old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
-                    clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                    loss_agg_mode=loss_agg_mode, rollout_is_weights=mb.get("isw"), **counts)
+                pg_loss, m = compute_policy_loss(
+                    loss_mode, old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
+                    loss_agg_mode=loss_agg_mode, rollout_is_weights=mb.get("isw"),
+                    generator=torch.Generator().manual_seed(seed * 100_003 + next(parts)), **loss_knobs, **counts)
                 loss = pg_loss
                 ent_loss = ppo_losses.agg_loss(ent, mask, loss_agg_mode, **counts)
                 if entropy_coeff:
@@ -331,6 +345,8 @@ def _mini_batches(n: int, size: int, dp: int, seed: int) -> list[torch.Tensor]:
 
 
 _PER_STEP = ("grad_norm", "/lr", "skipped_steps")
+#: metrics a loss computes over its own part (bypass mode's rollout_corr/*), not parts of a global mean
+_PER_PART = ("rollout_corr/",)
 
 
 def _reduce_metrics(model: MegatronModel, metrics: dict[str, list[float]]) -> dict[str, float]:
@@ -347,6 +363,9 @@ def _reduce_metrics(model: MegatronModel, metrics: dict[str, list[float]]) -> di
             out[key] = sum(first) / len(first)
         elif key.endswith("first_micro_batch"):
             out[key] = first[0]  # DP replica 0's first micro-batch
+        elif key.startswith(_PER_PART):  # each part's own statistic (verl averages them over micro-batches)
+            values = [v for p in parts for v in p.get(key, ())]
+            out[key] = sum(values) / len(values)
         else:
             out[key] = sum(sum(p.get(key, ())) for p in parts) / steps
     return out

@@ -1,6 +1,6 @@
 """Log-probs and entropy from vocabulary-sharded logits, without gathering the vocabulary.
 
-Owns: `vocab_parallel_log_probs`, `vocab_parallel_entropy` and
+Owns: `vocab_parallel_log_probs`, `vocab_parallel_entropy`, `vocab_parallel_sum_pi_squared` and
 `vocab_parallel_log_probs_and_entropy` (one autograd function with a hand-written backward).
 Does not know about PPO, models or Megatron: the TP group comes in as an argument.
 
@@ -184,3 +184,21 @@ def vocab_parallel_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Ten
                                          block_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both at once, sharing the max / sum-of-exp reductions: ([B, T] log-probs, [B, T] entropy)."""
     return _VocabParallelStats.apply(logits, labels, tp_group, True, _budget(logits, block_elements))
+
+
+@torch.no_grad()
+def vocab_parallel_sum_pi_squared(logits: torch.Tensor, tp_group=None, *,
+                                  block_elements: int | None = None) -> torch.Tensor:
+    """[B, T, V/tp] shard -> [B, T] sum over the full vocabulary of p_j^2, p = softmax(logits)
+    (verl's `sum_pi_squared`, which the optimal-token-baseline estimators read). Forward only.
+    With s = logits - global max: sum_j p_j^2 = sum_j exp(2 s_j) / Z^2, three all-reduces per block.
+    The reference is `(torch.softmax(full_logits, -1) ** 2).sum(-1)`."""
+    B, T, shard = logits.shape
+    out = logits.new_empty((B, T), dtype=_compute_dtype(logits))
+    for bs, ts in _blocks(B, T, shard, _budget(logits, block_elements)):
+        x = _block(logits, bs, ts)
+        m = _all_reduce(x.amax(dim=-1), dist.ReduceOp.MAX, tp_group)
+        e = (x - m.unsqueeze(-1)).exp()
+        z = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, tp_group)
+        out[bs, ts] = _all_reduce(e.square().sum(-1), dist.ReduceOp.SUM, tp_group) / z.square()
+    return out

@@ -105,7 +105,8 @@ def test_wrong_types_name_the_path(sections, needle):
 
 
 def test_literal_errors_list_the_choices():
-    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: 'grpoo' is not one of \['gae', 'grpo', 'rloo'.*"
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: 'grpoo' is not one of \['gae', 'grpo', "
+                                          r"'grpo_vectorized', 'rloo'.*"
                                           r"Did you mean 'grpo'\?"):
         build(algorithm={"adv_estimator": "grpoo"})
     with pytest.raises(ConfigError, match=r"actor.kl_loss_type: 'k4' is not one of \['kl', 'k1'.*'low_var_kl\+'"):

@@ -59,7 +59,8 @@ def update(ps, dims, weights, exp, batching, recompute: Recompute, dtype: str):
     load_hf_weights(critic, weights["critic"])
     a = PolicyWorker(actor, batching=batching, temperature=0.7, trainable=make_trainable(actor, settings))
     c = ValueWorker(critic, batching=batching, trainable=make_trainable(critic, settings))
-    metrics = a.update(exp, mini_batch_size=N, epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+    metrics = a.update(exp, mini_batch_size=N, epochs=1, loss_mode="vanilla",
+                       loss_knobs=dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0),
                        loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                        kl_loss_type="low_var_kl", seed=3)
     metrics.update(c.update(exp, mini_batch_size=N, epochs=1, cliprange_value=0.2, loss_agg_mode="token-mean", seed=3))

@@ -114,8 +114,9 @@ def main():
                              trainable=make_trainable(model, settings))
     exp = Experience(seqs=seqs, old_log_probs=batch.rollout_log_probs, advantages=torch.randn(ids.shape[0],
                      batch.response_mask.shape[1], generator=torch.Generator().manual_seed(1)) * batch.response_mask)
-    m = trainable.update(exp, mini_batch_size=ids.shape[0], epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
-                         clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
+    m = trainable.update(exp, mini_batch_size=ids.shape[0], epochs=1,
+                         loss_mode="vanilla", loss_knobs=dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0),
+                         loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
                          kl_loss_coef=0.0, kl_loss_type="low_var_kl", seed=0)
     if dist.get_rank() == 0:
         kl = abs(m["actor/ppo_kl_first_micro_batch"])
