@@ -39,7 +39,7 @@ log(l) <= statistic <= log(u): the bounds apply to exp(k1) = pi_rollout / pi_tra
 INVERSE of the IS ratio (as in verl; equal to bounds on r when l = 1/u). Others keep
 statistic <= u.
 
-Differences from verl (all outside the cases verl runs without error, except the last):
+Differences from verl:
   - ESS of all-zero weights (e.g. IcePop rejecting every token) is 0.0 here; verl divides by
     zero (ZeroDivisionError).
   - A k1 RS threshold of 0 raises ValueError naming the key (verl: ZeroDivisionError); NaN
