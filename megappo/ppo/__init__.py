@@ -7,6 +7,8 @@
               the KL penalty in the reward
   losses      loss aggregation with global counts, clipped policy / value losses,
               full-vocabulary log-probs and entropy, entropy and KL loss terms
+  rollout_correction  rollout IS weights (token / sequence, TIS / IcePop) and rejection
+              masks with verl's metrics, verl's presets, the bypass-mode losses
 
 No torch.distributed, no megatron, no config objects: scalars and cross-rank counts come
 in as arguments. The vocabulary-parallel log-probs live in megappo.parallel.vocab_parallel.
