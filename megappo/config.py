@@ -9,7 +9,8 @@ methods (`dp_size(world)`), and derived values are properties, never fields fill
 Owns: the recipe schema, defaults, validation, conversion of plain data to typed fields and back
 (`Config.to_dict()`). Reading recipes (YAML, dotted overrides, variants, verl keys) is
 megappo.recipe's: `load_config`, `config_from_dict`. Knows nothing about torch, models or
-processes: imports nothing from megappo but its errors, so recipes can be checked anywhere.
+processes: imports nothing from megappo but its errors and the rollout-correction grammar
+(megappo.correction_spec), so recipes can be checked anywhere.
 The reference for every field is docs/config.md.
 """
 
@@ -25,6 +26,7 @@ import types
 import typing
 from typing import Any, Literal, Optional, Union
 
+from megappo import correction_spec
 from megappo.errors import P, ConfigError  # noqa: F401 - ConfigError re-exported: megappo.config.ConfigError
 
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -249,9 +251,6 @@ POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "cl
 ADV_ESTIMATORS = ("gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
                   "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline",
                   "tir_optimal_token_baseline")
-#: verl's rejection-sampling statistics (algorithm.rollout_correction.rollout_rs, comma-separated)
-ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
-                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,18 +291,10 @@ class RolloutCorrectionConfig(_Section):
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass_mode: the clipped PPO loss against the engine's log-probs, or REINFORCE weighted by the IS weights
 
     def check(self) -> None:
-        options = [o.strip() for o in (self.rollout_rs or "").split(",") if o.strip()]
-        bad = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
-        _require(not bad, f"{P}rollout_rs: {bad} not among {list(ROLLOUT_RS_OPTIONS)}. Fix: use those names, "
-                          "comma-separated (e.g. token_k1,seq_mean_k3).")
-        _require(self.rollout_rs is None or bool(options), f"{P}rollout_rs is empty. Fix: set it to null or an option.")
-        _require(not options or self.rollout_rs_threshold is not None,
-                 f"{P}rollout_rs={self.rollout_rs} needs {P}rollout_rs_threshold. Fix: e.g. {P}rollout_rs_threshold=2.0 "
-                 "(k1 options: lower_upper, e.g. 0.5_2.0).")
-        _require(not (self.bypass_mode and self.rollout_is_batch_normalize),
-                 f"{P}rollout_is_batch_normalize=true with {P}bypass_mode=true: in bypass mode the loss forms the weights "
-                 "per micro-batch, so their 'batch' mean would depend on how sequences fall into micro-batches. Fix: set "
-                 f"{P}bypass_mode=false (decoupled: weights of the whole batch) or {P}rollout_is_batch_normalize=false.")
+        try:
+            correction_spec.validate(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).replace("algorithm.rollout_correction.", P)) from None
         _require(self.loss_type == "ppo_clip" or self.bypass_mode,
                  f"{P}loss_type={self.loss_type} applies in bypass mode only. Fix: set {P}bypass_mode=true or "
                  f"{P}loss_type=ppo_clip.")

@@ -337,3 +337,59 @@ def test_lora_settings_and_their_refusals():
     with pytest.raises(ModelConfigError, match=r"rollout\.lora_sync=adapters: .* Mixture-of-Experts .*Fix: set "
                                                r"rollout\.lora_sync=merged"):
         check_models(moe)
+
+
+def test_policy_losses_rollout_correction_and_estimators_and_their_refusals():
+    """actor.policy_loss / algorithm.rollout_correction (verl's keys): the presets actor.old_logprob=is_correct and
+    bypass mean the correction they stand for; combinations that verl would resolve silently are refused with the
+    fix named; the config's lists of losses and estimators are the registries' (megappo.ppo)."""
+    from megappo.ppo.advantages import ESTIMATORS
+    from megappo.ppo.policy_losses import POLICY_LOSSES
+
+    assert set(config_module.POLICY_LOSS_MODES) == set(POLICY_LOSSES)
+    assert set(config_module.ADV_ESTIMATORS) == set(ESTIMATORS)
+    grpo = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 2}}
+    is_correct = build(actor={"old_logprob": "is_correct", "is_truncate": 3.0})
+    assert (is_correct.rollout_correction.rollout_is, is_correct.rollout_correction.rollout_is_threshold) == ("token", 3.0)
+    assert build(actor={"old_logprob": "bypass"}).policy_loss_mode == "bypass_mode"
+    assert build(actor={"policy_loss": {"loss_mode": "gspo"}}).policy_loss_mode == "gspo"
+    assert not build().rollout_correction.enabled
+    rc = build(algorithm={"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": "0.5_2.0",
+                                                 "rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2,0.01"}})
+    assert rc.rollout_correction.rollout_is_threshold == "0.5_2.0" and not rc.bypass_old_logprobs
+    gdpo = build(algorithm={"adv_estimator": "gdpo"}, rollout={"n": 2}, reward={"functions": ["gsm8k", "math"]})
+    assert gdpo.gdpo_components == ["gsm8k", "math"] and gdpo.algorithm.grouped
+    for sections, message in [
+        ({"actor": {"old_logprob": "is_correct"}, "algorithm": {"rollout_correction": {"rollout_is": "token"}}},
+         r"actor\.old_logprob=is_correct is a preset of algorithm\.rollout_correction.*Fix: remove actor\.old_logprob"),
+        ({"actor": {"policy_loss": {"loss_mode": "bypass_mode"}}},
+         r"loss_mode=bypass_mode takes the engine's log-probs.*Fix: set algorithm\.rollout_correction\.bypass_mode=true"),
+        ({"actor": {"policy_loss": {"loss_mode": "gspo"}}, "algorithm": {"rollout_correction": {"bypass_mode": True}}},
+         r"bypass_mode=true trains with verl's bypass loss.*not actor\.policy_loss\.loss_mode=gspo"),
+        ({"actor": {"policy_loss": {"loss_mode": "dro"}}}, r"actor\.policy_loss\.loss_mode=dro needs actor\.policy_loss\.dro_beta"),
+        ({"actor": {"policy_loss": {"loss_mode": "gspoo"}}}, r"'gspoo' is not one of .*Did you mean 'gspo'"),
+        ({"actor": {"policy_loss": {"clip_cov_ratio": 0}}}, r"actor\.policy_loss\.clip_cov_ratio=0.* must be > 0"),
+        ({"actor": {"tau_neg": 0}}, r"actor\.tau_pos=1\.0 and actor\.tau_neg=0.* must be > 0"),
+        ({"algorithm": {"rollout_correction": {"rollout_rs": "token_k4"}}},
+         r"algorithm\.rollout_correction\.rollout_rs: unknown option 'token_k4'\. Fix: choose from"),
+        ({"algorithm": {"rollout_correction": {"rollout_rs": "token_k1"}}},
+         r"algorithm\.rollout_correction\.rollout_rs_threshold is required when algorithm\.rollout_correction\.rollout_rs"),
+        ({"algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "2_0.5"}}},
+         r"rollout_is_threshold='2_0\.5': the lower bound exceeds the upper bound\. Fix"),
+        ({"algorithm": {"rollout_correction": {"rollout_is": "tokens"}}}, r"'tokens' is not one of \['token', 'sequence'\]"),
+        ({"algorithm": {"rollout_correction": {"bypass_mode": True, "rollout_is_batch_normalize": True}}},
+         r"rollout_is_batch_normalize=true needs decoupled mode.*Fix: set algorithm\.rollout_correction\.bypass_mode=false"),
+        ({"algorithm": {"rollout_correction": {"loss_type": "reinforce"}}},
+         r"loss_type=reinforce applies in bypass mode only"),
+        ({**grpo, "algorithm": {"adv_estimator": "optimal_token_baseline"}, "actor": {"old_logprob": "bypass"}},
+         r"adv_estimator=optimal_token_baseline needs the trainer's old log-probs"),
+        ({"algorithm": {"adv_estimator": "gdpo"}, "rollout": {"n": 2}},
+         r"adv_estimator=gdpo normalises each reward component apart, but reward\.functions is empty"),
+        ({"algorithm": {"adv_estimator": "gdpo", "gdpo_reward_keys": ["acc"]}, "rollout": {"n": 2},
+          "reward": {"functions": ["gsm8k"]}}, r"gdpo_reward_keys: \['acc'\] are not in reward\.functions"),
+        ({"algorithm": {"adv_estimator": "gdpo", "gdpo_reward_weights": [1.0, 2.0]}, "rollout": {"n": 2},
+          "reward": {"functions": ["gsm8k"]}}, r"gdpo_reward_weights has 2 entries for 1 components"),
+        ({"algorithm": {"adv_estimator": "opo"}}, r"adv_estimator=opo compares samples of the same prompt"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            build(**sections)

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from megappo.ppo.losses import AGG_MODES, agg_loss, global_counts, policy_loss, policy_loss_reference
+from megappo.correction_spec import (
+    RS_OPTIONS, RsBounds, parse_is_threshold, parse_rs_options, parse_rs_thresholds, validate,
+)
 from megappo.ppo.rollout_correction import (
-    PRESETS, RS_OPTIONS, RsBounds, bypass_mode_loss, is_weights, offpolicy_metrics, parse_is_threshold,
-    parse_rs_options, parse_rs_thresholds, reinforce_loss, rejection_mask, rollout_correction, validate,
+    PRESETS, bypass_mode_loss, is_weights, offpolicy_metrics, reinforce_loss, rejection_mask, rollout_correction,
 )
 
 T = torch.tensor
