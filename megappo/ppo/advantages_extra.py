@@ -21,8 +21,10 @@ only the action tokens: returns and the cumulative weight W are sums over action
 the response, observations included), as verl does. `tir_optimal_token_baseline` compares them
 action token by action token: the r-th action token of one trajectory is baselined against the
 r-th action tokens of the others, wherever observations pushed them, and trajectories without
-any action token leave their group. For single-turn responses without masked middle spans the
-two agree except for how empty responses count.
+any action token leave their group. For right-padded responses without observation spans the
+two give the same numbers, except (with handle_zero_tail=False) in a group where all responses
+but one are empty: `optimal_token_baseline` baselines that response against itself (advantage
+~0), the TIR variant leaves it alone in its group (advantage = return).
 """
 
 from __future__ import annotations

@@ -462,6 +462,15 @@ def test_tir_drops_empty_trajectories_from_their_group():
     assert adv.shape == (2, 0)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_both_optimal_token_baselines_agree_on_right_padded_single_turn_responses(seed):
+    b = _batch(seed)
+    lengths = b["response_mask"].sum(-1, keepdim=True)
+    b["response_mask"] = (torch.arange(b["response_mask"].shape[1]) < lengths).float()  # no observation spans
+    args = _otb_args(b, with_is=True)
+    _close(compute_tir_optimal_token_baseline_advantage(**args)[0], compute_optimal_token_baseline_advantage(**args)[0])
+
+
 def test_optimal_token_baseline_ignores_nan_on_masked_tokens():
     mask = T([[1, 1, 0.0], [1, 1, 1]])
     inputs = dict(token_level_rewards=_outcome([1.0, 0.0], mask), response_mask=mask, index=[0, 0], **_pi_half(mask))
