@@ -3,6 +3,8 @@
   stats       masked sum / mean / var / whiten
   advantages  GAE (vectorised, with the reverse loop as reference), GRPO, RLOO,
               REINFORCE++, REINFORCE++-baseline, ReMax; the `ESTIMATORS` registry
+  advantages_extra  OPO, GPG, GRPO pass@k, GDPO, optimal token baselines (plain and
+              multi-turn), registered in advantages.ESTIMATORS
   kl          KL estimators (k1/k2/k3/abs and straight-through "+"), KL controllers,
               the KL penalty in the reward
   losses      loss aggregation with global counts, clipped policy / value losses,

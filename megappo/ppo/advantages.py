@@ -1,11 +1,14 @@
 """Advantage estimators with verl 0.9.1 semantics, chosen by name from `ESTIMATORS`.
 
 Owns: GAE (a vectorised fast path and the plain reverse loop it is tested against),
-GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax, and `compute_advantage`, which
-calls an estimator by name with the inputs it declares.
+GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax, the `ESTIMATORS` registry (which also
+holds OPO, GPG, GRPO pass@k, GDPO and the optimal token baselines of
+`megappo.ppo.advantages_extra`), and `compute_advantage`, which calls an estimator by name
+with the inputs it declares.
 Does not know about configs, process groups or where the rewards came from.
 
-Shape legend: [B, T] = (sequences, response tokens); [B] = one value per sequence.
+Shape legend: [B, T] = (sequences, response tokens); [B] = one value per sequence;
+[B, K] = one column per reward component.
 Every estimator returns (advantages [B, T], returns [B, T]). Inputs:
   token_level_rewards [B, T]  the sequence score on its last response token, minus any in-reward KL
   response_mask       [B, T]  1 on tokens the policy generated; 0 on padding and on tool /
@@ -14,18 +17,44 @@ Every estimator returns (advantages [B, T], returns [B, T]). Inputs:
   index               [B]     group id per sequence (a tensor, array or list of hashables):
                               equal ids = samples of the same prompt (verl's `uid`)
   reward_baselines    [B]     reward of the greedy sample (remax)
+  reward_components   [B, K]  each sample's score per reward component (gdpo; None: K = 1, the score)
+  reward_component_weights    K floats (gdpo, verl's algorithm.gdpo_reward_weights; None: all 1)
+  old_log_probs       [B, T]  log pi_old(a_t) from the actor's old-log-prob pass (otb)
+  sum_pi_squared      [B, T]  sum over the vocabulary of pi_old(v)^2 at the same positions, from
+                              the same (temperature-scaled) distribution as old_log_probs (otb)
+  rollout_is_weights  [B, T]  optional truncated IS weights rho; otb scales its weights by rho^2
+and scalars gamma, lam, epsilon, norm_adv_by_std_in_grpo, f_norm (gpg), handle_zero_tail (otb).
 
-| name | advantages | returns |
-|---|---|---|
-| gae | GAE(gamma, lam); masked tokens carry nextvalue and lastgaelam unchanged; whitened over the mask | raw advantages + values |
-| grpo | (score - group mean) / (group std + epsilon), unbiased std; singleton: mean 0, std 1; `norm_adv_by_std_in_grpo=False` only subtracts the mean | = advantages |
-| rloo | (score - mean of the other samples) = n/(n-1) (score - group mean); a singleton keeps its score | = advantages |
-| reinforce_plus_plus | returns whitened over the mask, times the mask | discounted return-to-go; masked tokens carry it without discount and get 0 |
-| reinforce_plus_plus_baseline | (score - group mean, singleton mean 0) on every response token, whitened over the mask | = advantages |
-| remax | return-to-go - reward_baselines on response tokens | undiscounted return-to-go of rewards * mask |
+| name | inputs besides token_level_rewards, response_mask | advantages | returns |
+|---|---|---|---|
+| gae | values; gamma, lam | GAE(gamma, lam); masked tokens carry nextvalue and lastgaelam unchanged; whitened over the mask | raw advantages + values |
+| grpo, grpo_vectorized | index; epsilon, norm_adv_by_std_in_grpo | (score - group mean) / (group std + epsilon), unbiased std; singleton: mean 0, std 1; `norm_adv_by_std_in_grpo=False` only subtracts the mean | = advantages |
+| rloo | index | (score - mean of the other samples) = n/(n-1) (score - group mean); a singleton keeps its score | = advantages |
+| rloo_vectorized | index | as rloo, but a singleton gets 0 (verl's vectorised form) | = advantages |
+| reinforce_plus_plus | gamma | returns whitened over the mask, times the mask | discounted return-to-go; masked tokens carry it without discount and get 0 |
+| reinforce_plus_plus_baseline | index | (score - group mean, singleton mean 0) on every response token, whitened over the mask | = advantages |
+| remax | reward_baselines | return-to-go - reward_baselines on response tokens | undiscounted return-to-go of rewards * mask |
+| opo | index | score - sum(len * score) / sum(len) over the group, len = mask sum; singleton: score | = advantages |
+| gpg | index; f_norm | alpha (score - group mean) / f_norm, alpha = B / max(1, #nonzero scores in the batch); singleton mean 0 | = advantages |
+| grpo_passk | index; epsilon, norm_adv_by_std_in_grpo | best of the group: (best - second best) / (group std + epsilon); all others 0; groups of >= 2 | = advantages |
+| gdpo | index, reward_components?, reward_component_weights?; epsilon, norm_adv_by_std_in_grpo | sum_k w_k grpo(component k), whitened over the mask | = advantages |
+| optimal_token_baseline | index, old_log_probs, sum_pi_squared, rollout_is_weights?; handle_zero_tail, epsilon | G_t - B_t, B_t = sum_group G_t W_t / (sum_group W_t + epsilon) per column t, W_t = cumulative sum over action tokens of (1 - 2 pi + sum pi^2) rho^2; singleton B = 0 | undiscounted return-to-go G of rewards * mask |
+| tir_optimal_token_baseline | as optimal_token_baseline | the same per action-token rank (observation spans squeezed out, empty trajectories left out of the group) | as optimal_token_baseline |
 
 "score" is token_level_rewards summed over T. Outcome estimators mask their output with
 `response_mask`; GAE does not (verl): masked positions hold the carried, whitened value.
+
+What differs from verl 0.9.1 (every estimator is otherwise verl's function, tested against
+a transcription of its loop):
+  - verl's trainer calls grpo_vectorized and gdpo without norm_adv_by_std_in_grpo (so with
+    True); here they take it like grpo does. epsilon is never passed by verl's trainer.
+  - grpo_passk takes norm_adv_by_std_in_grpo as an argument (verl reads config).
+  - gdpo takes the component scores as a [B, K] tensor, not as non_tensor_batch keys plus the
+    attention mask; the numbers are the same (see its docstring).
+  - opo: a group whose responses are all empty gets 0 where verl gets NaN (0 / 0 baseline) on
+    its masked tokens. gpg does not take verl's `alpha` argument, which verl overwrites.
+  - the optimal token baselines drop NaN/inf at masked positions of old_log_probs,
+    sum_pi_squared and rollout_is_weights (verl multiplies by the mask: NaN stays NaN).
 """
 
 from __future__ import annotations
@@ -36,6 +65,11 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from megappo.ppo.advantages_extra import (
+    compute_gdpo_outcome_advantage, compute_gpg_outcome_advantage, compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage, compute_optimal_token_baseline_advantage,
+    compute_tir_optimal_token_baseline_advantage,
+)
 from megappo.ppo.stats import masked_whiten
 
 # -- GAE and the masked discounted scan ---------------------------------------------------------
@@ -185,6 +219,15 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     return advantages, advantages
 
 
+def compute_rloo_vectorized_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index):
+    """verl's rloo_vectorized: rloo, except that a singleton group gets 0, not its score."""
+    with torch.no_grad():
+        advantages, _ = compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+        _, _, n = _group_mean_std_size(token_level_rewards.sum(-1), index)
+        advantages = advantages * (n > 1).unsqueeze(-1)
+    return advantages, advantages
+
+
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,
                                                            response_mask: torch.Tensor, index):
     with torch.no_grad():
@@ -237,6 +280,23 @@ ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
     "remax": compute_remax_outcome_advantage,
+    "grpo_vectorized": compute_grpo_outcome_advantage,  # verl's vectorised form: the same numbers
+    "rloo_vectorized": compute_rloo_vectorized_outcome_advantage,
+    "opo": compute_opo_outcome_advantage,
+    "gpg": compute_gpg_outcome_advantage,
+    "grpo_passk": compute_grpo_passk_outcome_advantage,
+    "gdpo": compute_gdpo_outcome_advantage,
+    "optimal_token_baseline": compute_optimal_token_baseline_advantage,
+    "tir_optimal_token_baseline": compute_tir_optimal_token_baseline_advantage,
+}
+
+# where a caller gets the inputs that not every trainer step has
+_INPUT_SOURCES = {
+    "values": "critic values: enable the critic",
+    "reward_baselines": "the reward of each prompt's greedy sample",
+    "old_log_probs": "the actor's old-log-prob pass",
+    "sum_pi_squared": "sum over the vocabulary of pi^2 per response token, from the actor's old-log-prob pass",
+    "index": "the prompt each sample came from",
 }
 
 
@@ -255,19 +315,23 @@ def estimator_inputs(name: str) -> tuple[str, ...]:
 
 def compute_advantage(name: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Call the estimator `name` with the subset of `inputs` it accepts (keyword names as in
-    the table above, plus gamma, lam, epsilon, norm_adv_by_std_in_grpo). Inputs it does not
+    the module docstring). Inputs it does not
     use are ignored, so a caller can pass everything it has; a missing one raises."""
     fn = get_estimator(name)
     params = inspect.signature(fn).parameters
     missing = [p for p in estimator_inputs(name) if inputs.get(p) is None]
     if missing:
-        raise ValueError(f"advantage estimator '{name}' needs {missing}")
+        sources = "; ".join(f"{p}: {_INPUT_SOURCES[p]}" for p in missing if p in _INPUT_SOURCES)
+        given = sorted(k for k, v in inputs.items() if v is not None)
+        raise ValueError(f"advantage estimator '{name}' needs {missing} but got only {given}"
+                         + (f" ({sources})" if sources else ""))
     return fn(**{k: v for k, v in inputs.items() if k in params and v is not None})
 
 
 __all__: Sequence[str] = (
     "ESTIMATORS", "compute_advantage", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_remax_outcome_advantage", "compute_rloo_outcome_advantage", "estimator_inputs", "gae_fast",
+    "compute_remax_outcome_advantage", "compute_rloo_outcome_advantage", "compute_rloo_vectorized_outcome_advantage",
+    "estimator_inputs", "gae_fast",
     "gae_reference", "get_estimator", "masked_discounted_scan", "reinforce_plus_plus_returns_reference",
 )

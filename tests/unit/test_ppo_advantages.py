@@ -154,7 +154,7 @@ def test_remax_by_hand():
 # -- registry ------------------------------------------------------------------------------------
 
 def test_registry_and_compute_advantage_by_name():
-    assert set(ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"}
+    assert {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"} <= set(ESTIMATORS)
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'.*'gae'"):
         get_estimator("ppo")
     assert estimator_inputs("gae") == ("token_level_rewards", "values", "response_mask")
