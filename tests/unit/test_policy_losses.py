@@ -293,7 +293,7 @@ REFERENCES = {"vanilla": ref_vanilla, "dppo_tv": ref_dppo_tv, "dppo_kl": ref_dpp
 
 # knobs that make every loss do something: clip_cov draws several tokens, kl_cov penalises several
 KNOBS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "clip_cov_ratio": 0.1,
-         "clip_cov_lb": 0.5, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.1, "ppo_kl_coef": 0.1, "dro_beta": 0.3,
+         "clip_cov_lb": 0.1, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.1, "ppo_kl_coef": 0.1, "dro_beta": 0.3,
          "tau_pos": 1.0, "tau_neg": 1.05}
 
 
@@ -304,10 +304,12 @@ def _knobs_for(fn, knobs):
 
 def _batch(seed, B=8, L=7, dtype=F64, empty_row=True):
     """old / new log-probs, advantages, mask with left / right padding, a masked middle span and
-    (optionally) an empty row, rollout IS weights; some advantages exactly 0."""
+    (optionally) an empty row, rollout IS weights; the advantages of row 3 are exactly 0."""
     gen = torch.Generator().manual_seed(seed)
     old = -3 * torch.rand(B, L, generator=gen, dtype=F64) - 0.05
-    new = (old + 0.3 * torch.randn(B, L, generator=gen, dtype=F64)).clamp(max=-1e-3)
+    spread = torch.full((B, 1), 0.3, dtype=F64)
+    spread[-2:] = 1.5  # the last two rows move far: dual-clip, DPPO's masks and truncation
+    new = (old + spread * torch.randn(B, L, generator=gen, dtype=F64)).clamp(max=-1e-3)
     adv = 1.5 * torch.randn(B, L, generator=gen, dtype=F64)
     adv[3, :] = 0.0
     mask = (torch.rand(B, L, generator=gen) > 0.2).to(F64)
@@ -429,6 +431,38 @@ def test_ratios_exactly_at_the_clip_bounds(name):
     knobs = {**KNOBS, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
     for mode in ("token-mean", "seq-mean-token-mean"):
         _compare(name, old, old.clone(), adv, mask, mode, weights, knobs)
+
+
+@pytest.mark.parametrize("name", VERL_NAMES)
+def test_extreme_ratios_and_near_certain_tokens(name):
+    """Log ratios beyond verl's clamps (+-20 per token, 10 for GSPO's sequence ratio) and
+    tokens of probability 1 - 1e-9 (DPPO-KL's 1e-8 guards), against verl's functions."""
+    gen = torch.Generator().manual_seed(7)
+    old = -3 * torch.rand(4, 5, generator=gen, dtype=F64)
+    old[0], old[1, :3] = -30.0, -1e-9
+    new = old + 0.3 * torch.randn(4, 5, generator=gen, dtype=F64)
+    new[0] = -5.0  # d = 25 on every token: row 0's sequence ratio exceeds exp(10)
+    new[1, :3] = T([-1e-3, -1e-7, -2e-9])
+    new[2, 0] = -45.0
+    new = new.clamp(max=-1e-12)
+    # p_old = 0.975 -> p = 1 - 1e-7: binary KL 0.284 just above clip_ratio_high = 0.28 (0.226 with 1e-6 guards)
+    old[1, 3], new[1, 3] = math.log(0.975), -1e-7
+    adv = torch.randn(4, 5, generator=gen, dtype=F64)
+    adv[0, :2], adv[0, 2:], adv[1, 3] = 1.0, -1.0, 1.0
+    for mode in ("token-mean", "seq-mean-token-sum"):
+        _compare(name, old, new, adv, torch.ones(4, 5, dtype=F64), mode, None, KNOBS)
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_masks_on_a_grid_across_their_bounds(name):
+    """p_old in {0.1, 0.5, 0.9} x p on a fine grid, both advantage signs: the divergence crosses
+    clip_ratio_low / high at many tokens, so any shift of a bound changes the mask."""
+    p = torch.linspace(0.005, 0.995, 60, dtype=F64)
+    old = torch.log(T([0.1, 0.5, 0.9], dtype=F64)).repeat_interleave(2).unsqueeze(-1).expand(6, 60)
+    new = torch.log(p).expand(6, 60)
+    adv = T([1.0, -1.0], dtype=F64).repeat(3).unsqueeze(-1).expand(6, 60)
+    metrics = _compare(name, old, new, adv, torch.ones(6, 60, dtype=F64), "token-mean", None, KNOBS)
+    assert 0.2 < metrics["actor/pg_clipfrac"] < 0.8
 
 
 @pytest.mark.parametrize("name", VERL_NAMES)
