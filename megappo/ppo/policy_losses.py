@@ -19,28 +19,34 @@ tensor}, only the names verl's function returns. rollout_is_weights (detached by
 caller) multiply the per-token loss before aggregation.
 
 Notation: d = log_prob - old_log_prob, r = exp(clamp(d, -20, 20)), r' = exp(d) (no
-clamp), p = exp(log_prob), p_old = exp(old_log_prob), sg = stop-gradient, lo/hi =
-clip_ratio_low/high, c = clip_ratio_c, n = valid tokens of the part, [.] = 0/1 indicator.
+clamp), p = exp(log_prob), p_old = exp(old_log_prob), sg = stop-gradient, n = valid
+tokens of the part, [.] = 0/1 indicator; lo, hi, c = the knobs clip_ratio_low,
+clip_ratio_high, clip_ratio_c.
 
-| loss | per-token loss l | knobs | verl function (core_algos.py) | what differs from verl |
+| loss | per-token loss l | knobs | verl (core_algos.py) | differs from verl |
 |---|---|---|---|---|
-| vanilla | A>=0: -A min(r, 1+hi); A<0: -A min(max(r, 1-lo), c) | clip_ratio_low/high, clip_ratio_c | compute_policy_loss_vanilla | closed form of the same max/min (losses.py) |
-| dppo_tv | -A sg(min(r, c)) log_prob v; v = [p - p_old <= hi] if A>0 else [p - p_old >= -lo] | clip_ratio_low/high, clip_ratio_c | compute_policy_loss_dppo_tv | none (see clip_ratio_c below) |
-| dppo_kl | as dppo_tv; v = [KL or p <= p_old] if A>0 else [KL' or p >= p_old], KL = binary KL(p_old, p) <= hi (KL' <= lo) | clip_ratio_low/high, clip_ratio_c | compute_policy_loss_dppo_kl | none (see clip_ratio_c below) |
-| gspo | max(-A s, -A clip(s, 1-lo, 1+hi)), s = exp(min(sg(row mean of d) + log_prob - sg(log_prob), 10)) | clip_ratio_low/high | compute_policy_loss_gspo | default loss_agg_mode token-mean (verl's signature says seq-mean-token-mean, but verl's actor always passes actor.loss_agg_mode) |
-| sapo | -A (4/tau) sigmoid(tau (r - 1)), tau = tau_pos if A>0 else tau_neg | tau_pos, tau_neg | compute_policy_loss_sapo | none; always seq-mean-token-mean, loss_agg_mode is ignored (as verl) |
+| vanilla | A>=0: -A min(r, 1+hi); A<0: -A min(max(r, 1-lo), c) | lo, hi, c | compute_policy_loss_vanilla | closed form of verl's max/min |
+| dppo_tv | -A sg(min(r, c)) log_prob v, v = [p - p_old <= hi] if A>0 else [p - p_old >= -lo] | lo, hi, c | compute_policy_loss_dppo_tv | c's default (below) |
+| dppo_kl | as dppo_tv with v = [KL <= hi or p <= p_old] if A>0 else [KL <= lo or p >= p_old] | lo, hi, c | compute_policy_loss_dppo_kl | c's default (below) |
+| gspo | max(-A s, -A clip(s, 1-lo, 1+hi)), s = exp(min(sg(row mean of d) + log_prob - sg(log_prob), 10)) | lo, hi | compute_policy_loss_gspo | default loss_agg_mode (below) |
+| sapo | -A (4/tau) sigmoid(tau (r - 1)), tau = tau_pos if A>0 else tau_neg; always seq-mean-token-mean | tau_pos, tau_neg | compute_policy_loss_sapo | none |
 | gpg | -A log_prob | - | compute_policy_loss_gpg | none |
-| clip_cov | max(-A r', -A clip(r', 1-lo, 1+hi)) corr; corr = 0 on max(1, floor(clip_cov_ratio n)) tokens drawn among the unclipped ones with lb < cov < ub | clip_ratio_low/high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator | compute_policy_loss_clip_cov | the draw uses `generator` (verl: the global RNG) |
+| clip_cov | max(-A r', -A clip(r', 1-lo, 1+hi)) keep, keep = 0 on drawn tokens (below) | lo, hi, clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator | compute_policy_loss_clip_cov | the RNG (below) |
 | kl_cov | -A r' + ppo_kl_coef abs(d) on the max(1, floor(kl_cov_ratio n)) tokens of largest cov, -A r' elsewhere | kl_cov_ratio, ppo_kl_coef | compute_policy_loss_kl_cov | none |
-| geo_mean | per row: -mean(A) exp(mean of sign(A) min(sign(A) d, sign(A) clip(d, -lo, hi))) times the geometric mean of w | clip_ratio_low/high | compute_policy_loss_geo_mean | divides by non-empty rows (global_seqs), not torch.mean over the part's rows |
+| geo_mean | per row: -mean(A) exp(row mean of sign(A) min(sign(A) d, sign(A) clip(d, -lo, hi))) | lo, hi | compute_policy_loss_geo_mean | the row divisor (below) |
 | dro | -(A log_prob - dro_beta/2 d^2) | dro_beta (required) | compute_policy_loss_dro | none |
-| cispo | -sg(clip(r, 1-lo, 1+hi)) A log_prob | clip_ratio_low/high | compute_policy_loss_cispo | none |
+| cispo | -sg(clip(r, 1-lo, 1+hi)) A log_prob | lo, hi | compute_policy_loss_cispo | none |
 
+KL = binary KL(Bernoulli(p_old) || Bernoulli(p)) with 1e-8 guards. clip_cov draws max(1, floor(clip_cov_ratio n))
+tokens at random among the valid ones that the clip did not already cut with
+clip_cov_lb < cov < clip_cov_ub. geo_mean multiplies each row by the geometric mean of its
+rollout IS weights and aggregates rows (loss_agg_mode is ignored, as in verl; it assumes
+sequence-level advantages, as verl does).
 cov = (A - mean A) (log_prob - mean log_prob) over the part's valid tokens (log_prob detached).
 Metrics: actor/ppo_kl = token mean of -d (clamped where the loss clamps d; kl_cov: of abs(d));
 actor/pg_clipfrac / actor/pg_clipfrac_lower as each verl function defines them (0 where verl
 returns a constant 0: gspo and cispo lower, sapo both; clip_cov: the fraction of tokens with
-corr = 0); gpg returns none.
+keep = 0); gpg returns none.
 bypass_mode and reinforce (rollout correction) live in megappo.ppo.rollout_correction.
 
 Split invariance. Every loss keeps the contract of megappo.ppo.losses (its module docstring):
@@ -57,7 +63,7 @@ micro-batches always hold whole sequences (megappo.parallel.packing). Exceptions
     are given, exactly as verl does per micro-batch, so the selection (and the loss) depends on
     the micro-batch split; only the aggregation of the chosen per-token losses is split-invariant.
 
-Other differences from verl, common to all losses:
+Other differences from verl:
   - metrics are 0-dim tensors (verl: Python floats via .item()), token means over
     global_tokens when given (verl: the part's own masked mean);
   - a part with no valid token gives loss 0 (verl's token-mean gives NaN), and masked
@@ -70,6 +76,8 @@ Other differences from verl, common to all losses:
     same part gives the same tokens). A caller that passes its own generator must save its
     state with the checkpoint for an exact resume. As in verl, the generator is used only
     when there is at least one candidate token.
+  - gspo: loss_agg_mode defaults to token-mean like every loss here; verl's signature says
+    seq-mean-token-mean, but verl's actor always passes actor.loss_agg_mode (token-mean by default).
   - dppo_tv / dppo_kl: verl reads clip_ratio_c with config.get("clip_ratio_c", 20.0); verl's
     ActorConfig always has clip_ratio_c (default 3.0), so verl's trainer uses 3.0 unless set,
     and megappo's trainer passes actor.clip_ratio_c the same way. The function default here
