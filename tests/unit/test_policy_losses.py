@@ -16,7 +16,7 @@ from megappo.ppo.policy_losses import (
 T = torch.tensor
 F64 = torch.float64
 VERL_NAMES = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
-              "cispo"]
+              "cispo"]  # bypass_mode, the registry's twelfth, is tested in test_rollout_correction.py
 
 
 # -- verl 0.9.1, written out (the references) ------------------------------------------------------
@@ -568,7 +568,7 @@ def test_float32_agrees_with_float64_and_bf16_runs(name):
 # -- the registry and the dispatcher -----------------------------------------------------------------
 
 def test_the_registry_holds_verls_names_and_one_calling_convention():
-    assert sorted(POLICY_LOSSES) == sorted(VERL_NAMES)
+    assert sorted(POLICY_LOSSES) == sorted(VERL_NAMES + ["bypass_mode"])
     for name, fn in POLICY_LOSSES.items():
         params = inspect.signature(fn).parameters
         assert list(params)[:4] == list(TENSOR_INPUTS), name
@@ -592,6 +592,9 @@ def test_knobs_and_their_verl_defaults():
         "geo_mean": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
         "dro": {"dro_beta": None},
         "cispo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
+        "bypass_mode": {"loss_type": "ppo_clip", "rollout_is": None, "rollout_is_threshold": 2.0,
+                        "rollout_is_batch_normalize": False, "rollout_rs": None, "rollout_rs_threshold": None,
+                        "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0},
     }
     for name, knobs in expected.items():
         params = inspect.signature(get_policy_loss(name)).parameters
@@ -601,7 +604,7 @@ def test_knobs_and_their_verl_defaults():
 
 def test_unknown_loss_names_the_config_key_and_the_choices():
     with pytest.raises(ValueError, match=r"unknown policy loss 'ppo' \(actor.policy_loss.loss_mode\); "
-                                         r"choose from \['cispo', 'clip_cov'"):
+                                         r"choose from \['bypass_mode', 'cispo', 'clip_cov'"):
         get_policy_loss("ppo")
     with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
         compute_policy_loss("ppo")
