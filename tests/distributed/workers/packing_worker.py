@@ -34,7 +34,7 @@ from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import init_parallel
-from megappo.ppo.losses import AGG_MODES
+from megappo.ppo.losses import AGG_MODES, global_counts
 from megappo.ppo.policy_losses import compute_policy_loss
 from megappo.workers import Experience, PolicyWorker, SeqBatch, ValueWorker
 
@@ -246,7 +246,7 @@ def check_policy_losses(ps, family: str, vpp, dtype: str) -> None:
         if ps.rank == 0:
             loss, want = compute_policy_loss(mode, old_log_prob=old, log_prob=ref_lp * mask, advantages=adv,
                                              response_mask=mask, loss_agg_mode=agg, rollout_is_weights=weights,
-                                             **CLIP, **knobs)
+                                             **CLIP, **knobs, **global_counts(mask))  # bypass: counts before rejection
             for key, value in {"actor/pg_loss": loss, **want}.items():
                 if key.startswith("rollout_corr/"):  # each part's own statistic, averaged over parts
                     continue
