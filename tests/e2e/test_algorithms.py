@@ -1,6 +1,7 @@
 """The other algorithms and options through the CLI, 2 steps each on the demo task:
 critic-free estimators, KL as a loss and in the reward (adaptive), the three old-log-prob
-modes, and a reward model next to the rule-based reward."""
+modes, verl 0.9.1's newer policy losses, estimators and rollout correction (decoupled and
+bypass), and a reward model next to the rule-based reward."""
 
 import json
 import os
@@ -22,6 +23,24 @@ CASES = {
     "reinforce++_bypass+reward_kl": ["algorithm.adv_estimator=reinforce_plus_plus", "actor.old_logprob=bypass",
                                       "algorithm.use_kl_in_reward=true"],
     "remax": ["algorithm.adv_estimator=remax", "rollout.n=2"],
+    # verl 0.9.1's losses, estimators and rollout correction (docs/ppo-math.md); one_step_off: the correction
+    # sees a policy one version behind
+    "gspo+seq_is+rs+one_step_off": ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.policy_loss.loss_mode=gspo",
+                                    "actor.loss_agg_mode=seq-mean-token-mean", "rollout.mode=one_step_off",
+                                    "algorithm.rollout_correction.rollout_is=sequence",
+                                    "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                                    "algorithm.rollout_correction.rollout_rs_threshold=0.01"],
+    "bypass_reinforce+icepop+rs": ["algorithm.adv_estimator=grpo_passk", "rollout.n=2",
+                                   "algorithm.rollout_correction.bypass_mode=true",
+                                   "algorithm.rollout_correction.loss_type=reinforce",
+                                   "algorithm.rollout_correction.rollout_is=token",
+                                   "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
+                                   "algorithm.rollout_correction.rollout_rs=token_k1",
+                                   "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
+    "cispo+gdpo": ["algorithm.adv_estimator=gdpo", "rollout.n=2", "actor.policy_loss.loss_mode=cispo",
+                   "reward.functions=[digit_successor,exact_match]", "algorithm.gdpo_reward_weights=[1.0,0.5]"],
+    "otb+token_tis": ["algorithm.adv_estimator=optimal_token_baseline", "rollout.n=2",
+                      "algorithm.rollout_correction.rollout_is=token", "actor.policy_loss.loss_mode=sapo"],
 }
 
 
@@ -49,9 +68,20 @@ def test_algorithm_runs(tmp_path, case):
     if "bypass" in case:  # old log-probs are the engine's: the first micro-batch sees a tiny mismatch
         assert abs(last["actor/ppo_kl_first_micro_batch"]) < 1e-4
         assert "timing_s/old_log_prob" not in last  # and the actor does not recompute them
-        assert "actor/reward_kl_penalty" in last  # KL in the reward from the engine's log-probs
     else:
         assert "timing_s/old_log_prob" in last and "rollout/logprob_diff_max" in last
+    if "reward_kl" in case:
+        assert "actor/reward_kl_penalty" in last  # KL in the reward from the engine's log-probs
+    if "bypass_reinforce" in case:  # the loss forms weights and rejection per micro-batch (averaged)
+        assert 0 < last["rollout_corr/rollout_is_mean"] <= 5.0
+        assert 0 <= last["rollout_corr/rollout_rs_masked_fraction"] <= 1
+    if "seq_is+rs" in case:  # decoupled: once per batch, from the recomputed old log-probs
+        for key in ("rollout_corr/rollout_is_seq_mean", "rollout_corr/rollout_rs_seq_mean_k3_masked_fraction",
+                    "rollout_corr/kl", "rollout_corr/chi2_seq", "rollout/is_weight_mean"):
+            assert key in last, key
+        assert last["rollout/staleness"] == 1 and rows[0]["rollout_corr/kl"] == pytest.approx(0, abs=1e-4)
+    if "token_tis" in case:
+        assert 0 < last["rollout_corr/rollout_is_mean"] <= 2.0 and "rollout_corr/rollout_is_eff_sample_size" in last
 
 
 def test_reward_model_adds_its_score(tmp_path):
