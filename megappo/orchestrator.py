@@ -33,7 +33,7 @@ from megappo.rollout.multiturn import observation_encoder, run_episodes
 from megappo.run import Run
 from megappo.samples import pick_samples
 from megappo.types import RolloutBatch, SamplingParams
-from megappo.workers import Experience, SeqBatch, pass_metrics
+from megappo.workers import Experience, SeqBatch, TokenStats, pass_metrics
 
 
 class NonFiniteLossError(RuntimeError):
@@ -56,11 +56,10 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         batch = broadcast_from_rank0(run.rollouts.next_batch(step, lambda k: generate(run, k))
                                      if run.ps.is_rank0 else None)
     seqs = to_seqs(batch)
-    old_lp = entropy = sum_pi_sq = None  # bypass: the engine's log-probs are the old ones, no recompute
+    old = TokenStats(None)  # bypass: the engine's log-probs are the old ones, no recompute
     if not run.cfg.bypass_old_logprobs:
         with timed(m, "old_log_prob"):
-            old_lp, entropy, sum_pi_sq = run.actor.log_probs(seqs, with_entropy=True,
-                                                             with_sum_pi_squared=needs_sum_pi_squared(run.cfg))
+            old = run.actor.token_stats(seqs, entropy=True, sum_pi_squared=needs_sum_pi_squared(run.cfg))
     with timed(m, "ref"):
         ref_lp = run.ref.log_probs(seqs) if run.ref else None
     with timed(m, "values"):
@@ -74,9 +73,9 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                 read = responses(run, batch)  # decoded once for the rewards and the score metrics
                 scores = rewards(run, batch, rm_scores, read)
                 m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
-            exp = make_experience(run, batch, seqs, scores, old_lp, ref_lp, values, m, sum_pi_squared=sum_pi_sq,
-                                  components=reward_components(run, read))
-            m.update(rollout_metrics(batch, scores, exp, entropy))
+            exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
+                                  sum_pi_squared=old.sum_pi_squared, components=reward_components(run, read))
+            m.update(rollout_metrics(batch, scores, exp, old.entropy))
             run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
         exp = broadcast_from_rank0(exp)
     if run.critic:

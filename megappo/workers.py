@@ -74,6 +74,15 @@ class Experience:
     rollout_is_weights: torch.Tensor | None = None
 
 
+@dataclasses.dataclass
+class TokenStats:
+    """Per-token results of one policy pass, [N, R] each, on rank 0 (None elsewhere or when not asked)."""
+
+    log_probs: torch.Tensor | None
+    entropy: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+
+
 class _Passes:
     """What every role shares: splitting a pass into micro-batches (packed or padded, per its
     MicroBatching), counting its model FLOPs, and collecting per-row results on rank 0."""
@@ -202,24 +211,28 @@ class PolicyWorker(_Passes):
         return _placed(vocab_parallel_log_probs(logits, labels, self.model.ps.tp_group)[0], mb, width), None
 
     @torch.no_grad()
-    def log_probs(self, seqs: SeqBatch, *, with_entropy: bool = False, with_sum_pi_squared: bool = False):
-        """[N, R] log-probs on rank 0, None elsewhere; with_entropy: (log-probs, [N, R] entropy);
-        with_sum_pi_squared: (log-probs, entropy or None, [N, R] sum over the vocabulary of p^2 of the
-        same tempered softmax: what the optimal-token-baseline estimators read)."""
+    def log_probs(self, seqs: SeqBatch, *, with_entropy: bool = False):
+        """[N, R] log-probs (and [N, R] entropy) on rank 0; None elsewhere."""
+        stats = self.token_stats(seqs, entropy=with_entropy)
+        return (stats.log_probs, stats.entropy) if with_entropy else stats.log_probs
+
+    @torch.no_grad()
+    def token_stats(self, seqs: SeqBatch, *, entropy: bool = False, sum_pi_squared: bool = False) -> "TokenStats":
+        """One pass: the [N, R] log-probs and, if asked, entropy and sum over the vocabulary of p^2 (of the
+        same tempered softmax: what the optimal-token-baseline estimators read), on rank 0 (None elsewhere)."""
         mbs = self._split(seqs, None, "response", {})
 
         def on_output(logits, mb):
-            lp, ent = self._token_stats(logits, mb, with_entropy)
-            cols = [lp] + ([ent] if with_entropy else []) + ([self._sum_pi_squared(logits, mb)] if with_sum_pi_squared
-                                                              else [])
+            lp, ent = self._token_stats(logits, mb, entropy)
+            cols = [lp] + ([ent] if entropy else []) + ([self._sum_pi_squared(logits, mb)] if sum_pi_squared else [])
             return logits.new_zeros(()), torch.stack(cols, 1) * mb["response_mask"][:, None]
 
         results = run_micro_batches(self.model, mbs, on_output, forward_only=True, routing=self.routing)
         stacked = self._gather(mbs, results, seqs.size)
-        cols = [None] * (1 + with_entropy + with_sum_pi_squared) if stacked is None else list(stacked.unbind(1))
-        if with_sum_pi_squared:
-            return cols[0], cols[1] if with_entropy else None, cols[-1]
-        return (cols[0], cols[1]) if with_entropy else cols[0]
+        if stacked is None:
+            return TokenStats(None)
+        cols = stacked.unbind(1)
+        return TokenStats(cols[0], cols[1] if entropy else None, cols[-1] if sum_pi_squared else None)
 
     def _sum_pi_squared(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
         """[1, K, V_pad/tp] selected logits -> [m, R] sum of p^2 of the tempered softmax."""

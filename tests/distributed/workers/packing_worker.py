@@ -101,8 +101,9 @@ def forward_passes(ps, dims, hf, hf_tok, seqs: SeqBatch, vpp, dtype: str):
     critic = build_model(dims, ps, role="critic", dtype=dtype)
     load_hf_weights(critic, hf_tok.state_dict())
     for kind, batching in batchings(ps, vpp).items():
-        lp, ent, sps = PolicyWorker(actor, batching=batching, temperature=TEMP).log_probs(
-            seqs, with_entropy=True, with_sum_pi_squared=True)
+        stats = PolicyWorker(actor, batching=batching, temperature=TEMP).token_stats(seqs, entropy=True,
+                                                                                     sum_pi_squared=True)
+        lp, ent, sps = stats.log_probs, stats.entropy, stats.sum_pi_squared
         values = ValueWorker(critic, batching=batching).values(seqs)
         yield kind, lp, ent, values, ValueWorker(critic, batching=batching).scores(seqs), sps
 
