@@ -53,13 +53,21 @@ def test_demo_learns_to_use_the_environment(tmp_path):
 
 def test_multi_turn_run_resumes_exactly(tmp_path):
     """Per-turn seeds: 4 steps straight equal 2 steps, then a resumed run to 4; in bf16, the dtype of
-    every GPU recipe (the multi-turn runner's observation masks and per-turn log-probs in bf16)."""
-    args = ["checkpoint.save_every=2", "run.val_every=2", "model.dtype=bfloat16"]
+    every GPU recipe (the multi-turn runner's observation masks and per-turn log-probs in bf16). With
+    verl's multi-turn estimator (tir_optimal_token_baseline: the action tokens of each episode packed
+    across observation spans) and rollout correction (token IS, token_k3 rejection) on those masks."""
+    args = ["checkpoint.save_every=2", "run.val_every=2", "model.dtype=bfloat16", "rollout.n=2",
+            "data.train_batch_size=32", "algorithm.adv_estimator=tir_optimal_token_baseline",
+            "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=1e-6"]
     train(tmp_path / "straight", "run.total_steps=4", *args)
     train(tmp_path / "resumed", "run.total_steps=2", *args)
     train(tmp_path / "resumed", "run.total_steps=4", *args)
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r for r in straight if r["step"] > 2] == [r for r in resumed if r["step"] > 2]
     assert any("env/turns_mean" in r for r in straight)
+    trained = [r for r in straight if "critic/score/mean" in r]
+    assert all("rollout_corr/rollout_is_mean" in r for r in trained)
+    assert any(r["rollout_corr/rollout_rs_masked_fraction"] > 0 for r in trained)  # bf16's mismatch rejects some
     # engine (float32 compute with the bf16 weights) and trainer (bf16) on the action tokens
     assert all(r["rollout/logprob_diff_mean"] < COMPARE_TOL["bfloat16"] for r in straight if "critic/score/mean" in r)
