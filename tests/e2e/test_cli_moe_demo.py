@@ -50,7 +50,10 @@ def test_moe_demo_with_routing_replay(tmp_path, dtype):
     experts) is tested at EP2 and PP2 in tests/distributed/test_routing_replay.py."""
     proc = train("recipes/demo-moe-cpu.yaml", f"run.output_dir={tmp_path}", "logging.progress_bar=false",
                  "actor.moe_routing=replay", "actor.use_kl_loss=true", "run.total_steps=6", "run.val_every=0",
-                 "run.val_before_train=false", f"model.dtype={dtype}")
+                 "run.val_before_train=false", f"model.dtype={dtype}",
+                 # rollout correction beside replay: sequence IS weights and token rejection on the replayed passes
+                 "algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_rs=token_k2",
+                 "algorithm.rollout_correction.rollout_rs_threshold=0.05")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -63,6 +66,7 @@ def test_moe_demo_with_routing_replay(tmp_path, dtype):
         else:
             assert r["rollout/logprob_diff_mean"] < COMPARE_TOL[dtype], r["rollout/logprob_diff_mean"]
         assert abs(r["actor/ppo_kl_first_micro_batch"]) < 1e-6
+        assert 0 < r["rollout_corr/rollout_is_mean"] <= 2.0 and 0 <= r["rollout_corr/rollout_rs_masked_fraction"] < 0.5
 
 
 def test_routing_replay_needs_an_moe_actor(tmp_path):

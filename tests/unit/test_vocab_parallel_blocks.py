@@ -7,6 +7,7 @@ import torch
 
 from megappo.parallel.vocab_parallel import (
     vocab_parallel_entropy, vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy,
+    vocab_parallel_sum_pi_squared,
 )
 from megappo.ppo.losses import entropy_from_logits, log_probs_from_logits
 
@@ -88,3 +89,16 @@ def test_a_block_size_below_one_is_refused():
     full, labels = logits_and_labels("random")
     with pytest.raises(ValueError, match="block_elements must be >= 1"):
         vocab_parallel_log_probs(full[:, P - 1:-1], labels, block_elements=0)
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding", "peaked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_pi_squared_equals_the_softmax_reference_in_any_block_size(kind, dtype):
+    """sum_v p_v^2 (the optimal-token-baseline estimators' input) against softmax(logits)^2 summed in
+    float64, -inf padding included; the block size changes no bit."""
+    full, _ = logits_and_labels(kind, dtype)
+    want = torch.softmax(full.double(), -1).square().sum(-1)
+    whole = vocab_parallel_sum_pi_squared(full, block_elements=WHOLE)
+    assert (whole - want).abs().max() < 1e-6
+    for block in (V, 3 * V, 7):
+        assert torch.equal(vocab_parallel_sum_pi_squared(full, block_elements=block), whole)
