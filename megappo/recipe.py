@@ -17,6 +17,7 @@ and checks are megappo.config's. Knows nothing about torch, models or processes.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import Any, Optional, Sequence
 
@@ -99,6 +100,22 @@ def config_from_dict(data: dict) -> Config:
 _PROMPT_SOURCES = {"data.train_files": ("builtin", None), "data.builtin": ("train_files", [])}
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe YAML 1.1, except that a number never holds '_' (YAML 1.2 has no such numbers): verl's
+    "lower_upper" thresholds such as `0.5_2` (algorithm.rollout_correction.*_threshold) stay strings
+    instead of becoming 0.52, and `1_000` is a string the field's type check refuses."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, re.compile("(?!.*_)" + rx.pattern, rx.flags) if tag.endswith((":int", ":float")) else rx)
+            for tag, rx in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def _yaml(text) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def apply_override(data: dict, override: str) -> None:
     """Set `a.b.c=value` in the raw recipe `data`; the value is parsed as YAML. Unknown keys are errors.
 
@@ -111,7 +128,7 @@ def apply_override(data: dict, override: str) -> None:
     if not raw.strip():
         raise ConfigError(f"override '{override}' has no value. Fix: write {key}=null for None or {key}='' for empty.")
     try:
-        value = yaml.safe_load(raw)
+        value = _yaml(raw)
     except yaml.YAMLError:
         value = raw  # e.g. an unbalanced '[': the field's type check reports it
     node, tp = data, Config
@@ -151,7 +168,7 @@ def load_config(path: str | None, overrides: Sequence[str] = (), variant: Option
     if path is not None:
         try:
             with open(path) as f:
-                data = yaml.safe_load(f)
+                data = _yaml(f)
         except OSError as e:
             raise ConfigError(f"cannot read recipe '{path}': {e.strerror}. Fix: check the path.") from None
         except yaml.YAMLError as e:

@@ -357,6 +357,12 @@ def test_policy_losses_rollout_correction_and_estimators_and_their_refusals():
     rc = build(algorithm={"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": "0.5_2.0",
                                                  "rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2,0.01"}})
     assert rc.rollout_correction.rollout_is_threshold == "0.5_2.0" and not rc.bypass_old_logprobs
+    # YAML 1.1 would read 0.5_5 as the number 0.55: megappo's loader keeps numbers with '_' as strings
+    icepop = load_config(None, ["model.path=m", "algorithm.rollout_correction.rollout_is=token",
+                                "algorithm.rollout_correction.rollout_is_threshold=0.5_5"])
+    assert icepop.algorithm.rollout_correction.rollout_is_threshold == "0.5_5"
+    with pytest.raises(ConfigError, match=r"actor\.ppo_epochs: expected int"):
+        load_config(None, ["model.path=m", "actor.ppo_epochs=1_0"])
     gdpo = build(algorithm={"adv_estimator": "gdpo"}, rollout={"n": 2}, reward={"functions": ["gsm8k", "math"]})
     assert gdpo.gdpo_components == ["gsm8k", "math"] and gdpo.algorithm.grouped
     for sections, message in [

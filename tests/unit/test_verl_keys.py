@@ -109,3 +109,39 @@ def test_verl_recipe_with_gradient_checkpointing_gets_megappos_setting():
     assert "  critic.model.enable_gradient_checkpointing: write critic.recompute.granularity=full" in str(e.value)
     fixed = config_from_dict({"model": {"path": "/m"}, "actor": {"recompute": {"granularity": "full"}}})
     assert (fixed.actor.recompute.granularity, fixed.critic.recompute.granularity) == ("full", "none")
+
+
+#: verl 0.9.1's keys of its newer algorithms (issue 36): the policy loss under the actor, rollout correction
+#: and GDPO under algorithm (the same path in megappo, so accepted as written)
+NEW_ALGORITHM_KEYS = {
+    "actor_rollout_ref.actor.policy_loss.loss_mode=gspo": "actor.policy_loss.loss_mode",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.001": "actor.policy_loss.clip_cov_ratio",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_lb=1.0": "actor.policy_loss.clip_cov_lb",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ub=5.0": "actor.policy_loss.clip_cov_ub",
+    "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.001": "actor.policy_loss.kl_cov_ratio",
+    "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.1": "actor.policy_loss.ppo_kl_coef",
+    "actor_rollout_ref.actor.policy_loss.dro_beta=0.1": "actor.policy_loss.dro_beta",
+    "actor_rollout_ref.actor.tau_pos=1.0": "actor.tau_pos",
+    "actor_rollout_ref.actor.tau_neg=1.05": "actor.tau_neg",
+}
+
+
+@pytest.mark.parametrize("override", list(NEW_ALGORITHM_KEYS))
+def test_verls_newer_algorithm_keys_are_named_and_megappos_spelling_is_accepted(override):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=f"megappo's is '{NEW_ALGORITHM_KEYS[override]}'"):
+        load_config(DEMO, [override])
+    load_config(DEMO, [f"{NEW_ALGORITHM_KEYS[override]}={value}"])
+
+
+def test_verls_rollout_correction_and_gdpo_keys_are_megappos():
+    cfg = load_config(DEMO, [
+        "algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold=0.5_2.0",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true", "algorithm.rollout_correction.rollout_rs=seq_sum_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", "algorithm.rollout_correction.bypass_mode=false",
+        "algorithm.rollout_correction.loss_type=ppo_clip", "algorithm.adv_estimator=gdpo", "rollout.n=2",
+        "reward.functions=[digit_successor,exact_match]", "algorithm.gdpo_reward_keys=[digit_successor,exact_match]",
+        "algorithm.gdpo_reward_weights=[1.0,0.5]"])
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_is_batch_normalize) == (
+        "sequence", "0.5_2.0", "seq_sum_k1", True)
