@@ -402,6 +402,10 @@ class RewardConfig(_Section):
     # rule functions logged, not trained on: critic/score/<name> and val/score/<name> are their mean
     # scores (e.g. [reasoning_gym_exact], the exact answer, beside the partial-credit reasoning_gym)
     metric_functions: list[str] = dataclasses.field(default_factory=list)
+    # your own function returning NaN or inf: error (end the run, exit 4, naming it and the row) or
+    # warn (score 0, warn once per function, count reward/bad_values)
+    bad_value_policy: Literal["error", "warn"] = "error"
+    timeout_s: float = 60.0  # your own function's limit per call (rank 0); past it the run ends naming it and the row; 0: none
     model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
     model_weight: float = 1.0  # weight of the reward model's score in the sum
     micro_batch_size: int = 4  # reward-model sequences per forward on one replica (without packing)
@@ -411,6 +415,8 @@ class RewardConfig(_Section):
 
     def check(self) -> None:
         _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1)
+        _require(self.timeout_s >= 0, f"{P}timeout_s={self.timeout_s} must be >= 0. Fix: e.g. {P}timeout_s=60 "
+                 f"(0: no limit).")
         n_w, n_f = len(self.function_weights or ()), len(self.functions)
         _require(self.function_weights is None or n_w == n_f,
                  f"{P}function_weights has {n_w} entries for {n_f} {P}functions. Fix: give one weight per function "

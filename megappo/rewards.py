@@ -22,6 +22,12 @@ extra)`, or, when it takes `solution_str` (verl's `compute_score(data_source, so
 ground_truth, extra_info)`), with verl's by name, so a verl reward file works unchanged. It
 returns a number (or, as verl allows, a dict with a "score"); when it raises or returns anything
 else, the run ends with a `UserCodeError` that names it and the dataset row (megappo.user_code).
+Its value is checked (`RewardChecks`, set from the recipe by `configure(cfg.reward)`): NaN or inf
+is refused the same way (`reward.bad_value_policy=error`) or scored 0, warned once per function
+and counted (`warn`; `bad_value_count()`); a magnitude above LARGE_REWARD is warned once per
+function; a call that takes longer than `reward.timeout_s` ends the run naming the function, the
+row and the limit (`call_with_timeout`). The built-in functions return 0, 0.5 or 1 and are not
+checked.
 
 `reads(name)` says which row fields a function needs (`reward_model.ground_truth`, or
 `extra_info.task` / `extra_info.entry` for reasoning-gym); the start-up data check
@@ -33,12 +39,17 @@ This module does not know about tokenizers, models or process groups.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fractions
 import functools
 import inspect
+import math
 import numbers
 import re
+import signal
+import sys
+import threading
 from typing import Any, Callable, Sequence
 
 from megappo.errors import ConfigError
@@ -212,19 +223,122 @@ def _custom(name: str) -> RewardFn:
     return call
 
 
+#: a reward of larger magnitude is warned about once per function: the critic's squared error and
+#: the advantages overflow or swamp everything else (1e30 gave critic/vf_loss=inf)
+LARGE_REWARD = 1e6
+
+
+@dataclasses.dataclass
+class RewardChecks:
+    """How your functions' values and calls are checked (reward.bad_value_policy, reward.timeout_s),
+    what has been warned about, and the responses scored 0 for a non-finite value."""
+
+    bad_value_policy: str = "error"
+    timeout_s: float = 60.0
+    warned: set = dataclasses.field(default_factory=set)  # (function, what)
+    bad_values: int = 0
+
+
+_checks = RewardChecks()
+
+
+def configure(cfg) -> None:
+    """Check your functions as the recipe's `reward` section says (megappo.run, on every rank)."""
+    global _checks
+    _checks = RewardChecks(bad_value_policy=cfg.bad_value_policy, timeout_s=cfg.timeout_s)
+
+
+def bad_value_count() -> int:
+    """Responses scored 0 so far because your function returned NaN or inf (bad_value_policy=warn)."""
+    return _checks.bad_values
+
+
+class _TimedOut(BaseException):  # not an Exception: a function's own `except Exception` does not swallow it
+    pass
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """fn(), or _TimedOut after `timeout_s` seconds (0: no limit).
+
+    On the main thread (rank 0's orchestrator) a SIGALRM timer interrupts the call where it is:
+    Python code, sleeps and I/O, and C loops that check for signals (`re`), and the function
+    stays on the main thread, where reward code that uses signals itself (verl's math scorers)
+    works. Elsewhere, or when a timer is already set, the call runs on a daemon thread that is
+    given up at the timeout (a daemon: a hung call does not keep the process alive at exit)."""
+    if timeout_s <= 0:
+        return fn()
+    if (threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+            and signal.getitimer(signal.ITIMER_REAL)[0] == 0):
+        def alarm(signum, frame):
+            raise _TimedOut
+
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+    result: list = []
+
+    def target():
+        try:
+            result.append((True, fn()))
+        except BaseException as e:  # handed to the caller's thread
+            result.append((False, e))
+
+    thread = threading.Thread(target=target, name="megappo-reward-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        raise _TimedOut
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _warn_once(name: str, what: str, text: str) -> None:
+    if (name, what) not in _checks.warned:
+        _checks.warned.add((name, what))
+        print(f"megappo: warning: {text}", file=sys.stderr, flush=True)
+
+
 def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row: int | None) -> float:
-    """Your function's score as a float; what it raises or a result that is not a number is a
-    UserCodeError naming the function and the row."""
+    """Your function's score as a float; what it raises, a result that is not a number, NaN or inf
+    (reward.bad_value_policy=error) and a call past reward.timeout_s are a UserCodeError naming
+    the function and the row."""
+    code = f"reward function '{name}'"
     try:
-        value = fn(response, ground_truth, extra, data_source=data_source)
+        value = call_with_timeout(lambda: fn(response, ground_truth, extra, data_source=data_source),
+                                  _checks.timeout_s)
+    except _TimedOut:
+        raise UserCodeError(code, f"did not return within reward.timeout_s={_checks.timeout_s:g} s", row=row,
+                            fix="make it return sooner on such responses, or raise reward.timeout_s (0: no "
+                                "limit)") from None
     except Exception as e:
-        raise UserCodeError(f"reward function '{name}'", e, row=row) from e
+        raise UserCodeError(code, e, row=row) from e
     if isinstance(value, dict) and "score" in value:  # verl lets compute_score return {"score": ..., ...}
         value = value["score"]
-    if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
-        return float(value)
-    raise UserCodeError(f"reward function '{name}'", f"returned {value!r} ({type(value).__name__}), not a number",
-                        row=row, fix="return a float (e.g. 1.0 for a correct response, 0.0 otherwise)")
+    if not isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
+        raise UserCodeError(code, f"returned {value!r} ({type(value).__name__}), not a number",
+                            row=row, fix="return a float (e.g. 1.0 for a correct response, 0.0 otherwise)")
+    value = float(value)
+    at = "" if row is None else f" on row {row}"
+    if not math.isfinite(value):
+        if _checks.bad_value_policy == "error":
+            raise UserCodeError(code, f"returned {value}, not a finite number", row=row,
+                                fix="return a finite float, or set reward.bad_value_policy=warn to score such "
+                                    "responses 0")
+        _checks.bad_values += 1
+        _warn_once(name, "non-finite", f"{code} returned {value}{at}; reward.bad_value_policy=warn: such responses "
+                                       "are scored 0 (warned once; counted in reward/bad_values).")
+        return 0.0
+    if abs(value) > LARGE_REWARD:
+        _warn_once(name, "large", f"{code} returned {value:g}{at}, beyond |reward| > {LARGE_REWARD:g} (warned once): "
+                                  "the critic's loss and the advantages overflow or swamp everything else. Fix: "
+                                  "scale its rewards to a few units (e.g. [-1, 1]).")
+    return value
 
 
 def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],

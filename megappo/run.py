@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from megappo import checkpointing, interrupts
+from megappo import checkpointing, interrupts, rewards
 from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.data import PromptSampler
 from megappo.metrics import MetricLogger, Progress, console
@@ -303,6 +303,7 @@ def create_run(cfg: Config) -> Run:
     p = cfg.parallel
     ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
+    rewards.configure(cfg.reward)  # how your reward functions' values and calls are checked
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
         resume = checkpointing.find_resume(cfg)  # refusals come before any model is built
     torch.manual_seed(cfg.run.seed)

@@ -2,7 +2,8 @@
 
 `ensure_ranks(n)`: inside torchrun (WORLD_SIZE set) it checks the world size and returns;
 otherwise, for n > 1, it re-executes the current command on n ranks with torchrun
-(`--standalone --nproc_per_node n`, run in this process) and exits with the exit code of the
+(`--standalone` semantics on 127.0.0.1: `--nnodes 1 --rdzv-backend c10d --rdzv-endpoint
+127.0.0.1:0 --local-addr 127.0.0.1 --nproc_per_node n`, run in this process) and exits with the exit code of the
 rank that failed (2 when it reported bad input), not torchrun's 1 and its traceback. Which
 rank failed is decided by how it ended, not by which exit the operating system reported first:
 its own error first, then a signal (a crash, the OOM killer), then a rank that gave up waiting
@@ -29,6 +30,11 @@ the user's own code, USER_CODE_EXIT, after which the launcher prints nothing, so
 message stays last; a bug) and a stop on SIGINT / SIGTERM end the run: rerunning would only
 repeat them, or undo the stop.
 
+Network: every store this launcher hosts listens on 127.0.0.1 only (megappo.parallel.listen:
+torch's own TCPStore listens on every interface, whatever address it is given), and the ranks
+use the loopback interface for gloo (GLOO_SOCKET_IFNAME, unless set): a run started this way
+opens no port beyond loopback (docs/launchers.md).
+
 This module does not know about models or configs.
 """
 
@@ -40,7 +46,10 @@ import os
 import signal
 import sys
 import threading
+import uuid
 from typing import Callable
+
+from megappo.parallel.listen import LOOPBACK, loopback_interface, loopback_rendezvous
 
 #: the exit code of a rank whose collective timed out or lost its peer (megappo.cli)
 GAVE_UP_EXIT = 3
@@ -76,11 +85,19 @@ def ensure_ranks(n: int, *, max_restarts: int = 0, restart_args: tuple[str, ...]
     if n == 1:
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # gloo's sockets: loopback, not the hostname's address
     main_spec = getattr(sys.modules["__main__"], "__spec__", None)
     # `python -m pkg.mod` must stay a module run so the package is importable in the ranks
     target = ["-m", main_spec.name] if main_spec is not None else [sys.argv[0]]
-    raise SystemExit(torchrun(["--standalone", "--nproc_per_node", str(n), *target, *sys.argv[1:]],
+    raise SystemExit(torchrun([*one_node_args(), "--nproc_per_node", str(n), *target, *sys.argv[1:]],
                               max_restarts=max_restarts, restart_args=restart_args, on_restart=on_restart))
+
+
+def one_node_args() -> list[str]:
+    """torchrun's `--standalone` (a c10d rendezvous of one node on a free port), on 127.0.0.1
+    instead of `localhost` and the host's name: the ranks' MASTER_ADDR is 127.0.0.1."""
+    return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:0", "--rdzv-id",
+            uuid.uuid4().hex, "--local-addr", LOOPBACK]
 
 
 def torchrun(argv: list[str], *, max_restarts: int = 0, restart_args: tuple[str, ...] = (),
@@ -128,7 +145,7 @@ def _attempt(argv: list[str]) -> tuple[int, tuple[int, int] | None]:
     if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
         argv = ["--signals-to-handle", "SIGHUP,SIGQUIT", *argv]
     args = parse_args(argv)
-    with Forwarder() as signals, _RankGroups():
+    with Forwarder() as signals, _RankGroups(), loopback_rendezvous():
         try:
             run(args)
         except ChildFailedError as e:

@@ -30,7 +30,6 @@ import datetime
 import functools
 import os
 import re
-import socket
 import warnings
 
 import torch
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from megappo.errors import ConfigError
 from megappo.parallel import cpu_compat, stage
+from megappo.parallel.listen import LOOPBACK, store_server
 
 
 class ParallelConfigError(ConfigError):
@@ -151,12 +151,6 @@ def _torchrun_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 #: Upstream warnings that say nothing actionable to a megappo user, on every device:
 #: megatron-core 0.16.1's own config default, and torch's deprecations inside
 #: megatron-core's dist-checkpointing code.
@@ -217,11 +211,13 @@ def init_parallel(
         device = torch.device("cpu")
 
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
+        store = None
+        if "MASTER_ADDR" not in os.environ:  # a world of one: its store listens on loopback only
+            store = store_server(LOOPBACK, 0, 1, timeout=datetime.timedelta(minutes=timeout_minutes))
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(store.port)
         dist.init_process_group(
             backend=backend,
+            store=store,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),

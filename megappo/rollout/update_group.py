@@ -4,7 +4,8 @@ SGLang's `update_weights_from_distributed` receives weights over a process group
 own, separate from both the trainer's world and the engine's TP world: rank 0 is the
 trainer (the sender), ranks 1..tp are the engine's TP workers. Each side joins with
 `init_custom_process_group` semantics: a TCP rendezvous at `master_address:master_port`
-(the trainer side hosts the store), keys prefixed with the group name, then torch's own
+(the trainer side hosts the store, listening on that address only: megappo.parallel.listen;
+127.0.0.1 by default, megappo.rollout.sglang_engine's `update_address`), keys prefixed with the group name, then torch's own
 process-group constructor. `open_update_group` does the trainer's half the same way, so the
 two halves meet in the same store namespace.
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from megappo.parallel.listen import store_server
 from megappo.rollout.engine import Bucket
 
 
@@ -42,8 +44,10 @@ def open_update_group(*, master_address: str, master_port: int, world_size: int,
     """Join (rank 0: host) the weight-update group; every member calls this with the same address and name."""
     timeout = datetime.timedelta(seconds=timeout_s)
     # not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE) it would only connect, and no one would host
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          multi_tenant=True)
+    if rank == 0:  # listens on master_address only (torch's own TCPStore would listen on every interface)
+        store = store_server(master_address, master_port, world_size, timeout=timeout, multi_tenant=True)
+    else:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
                                               group_name=group_name, timeout=timeout)

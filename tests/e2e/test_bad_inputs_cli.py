@@ -90,6 +90,28 @@ def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path):
     assert out.count("megappo: error:") == 1 and not (run / "restarts.jsonl").exists()
 
 
+REWARD_THAT_RETURNS_NAN = """
+def score(response, ground_truth, extra):
+    return float("nan") if ground_truth == "4" else 0.0
+"""
+
+
+def test_a_nan_from_the_users_reward_function_is_the_one_message(tmp_path):
+    """Two ranks; the user's reward function returns NaN on the row whose answer is 4 (row 3):
+    refused at once (reward.bad_value_policy=error) with one message naming it and the row, last,
+    exit 4; no step is trained on it."""
+    (tmp_path / "my_reward.py").write_text(REWARD_THAT_RETURNS_NAN)
+    run = tmp_path / "run"
+    code, out = megappo(*SMALL, rows_file(tmp_path, digit_rows(8)), f"reward.functions=[{tmp_path}/my_reward.py:score]",
+                        f"run.output_dir={run}")
+    assert code == 4, out[-4000:]
+    assert out.rstrip().splitlines()[-1] == (
+        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' returned nan, not a finite number on row 3. "
+        "Fix: return a finite float, or set reward.bad_value_policy=warn to score such responses 0.")
+    assert out.count("megappo: error:") == 1 and "Traceback" not in out and "failed (exited" not in out
+    assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()
+
+
 REFUSED_IN_RANK = {
     "long prompt, policy error": (["data.long_prompt_policy=error", "data.max_prompt_length=3"],
                                   "prompt has 6 tokens > data.max_prompt_length=3. Fix: raise data.max_prompt_length"),

@@ -1,0 +1,108 @@
+"""What your own reward function returns and how long it takes: NaN / inf refused (or scored 0
+and counted under reward.bad_value_policy=warn), huge values warned once, a hung call ended at
+reward.timeout_s naming the function and the row (megappo.rewards)."""
+
+import threading
+import time
+
+import pytest
+
+from megappo import rewards
+from megappo.config import ConfigError, RewardConfig
+from megappo.rewards import score_batch
+from megappo.user_code import UserCodeError
+
+MINE = '''
+import time
+
+def by_answer(response, ground_truth, extra):
+    return {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "huge": 1e30}.get(ground_truth, 1.0)
+
+def hangs(response, ground_truth, extra):
+    if ground_truth == "hang":
+        time.sleep(30)
+    return 1.0
+
+def swallows(response, ground_truth, extra):  # a broad except does not hide the timeout
+    try:
+        time.sleep(30)
+    except Exception:
+        return 0.0
+'''
+
+
+@pytest.fixture
+def mine(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text(MINE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rewards, "_checks", rewards.RewardChecks())
+    return lambda fn: f"mine.py:{fn}"
+
+
+def configure(**fields):
+    rewards.configure(RewardConfig(**fields))
+
+
+@pytest.mark.parametrize("answer,shown", [("nan", "nan"), ("inf", "inf"), ("-inf", "-inf")])
+def test_non_finite_reward_is_refused_naming_the_function_and_row(mine, answer, shown):
+    with pytest.raises(UserCodeError) as raised:
+        score_batch([mine("by_answer")], None, ["a", "b"], ["1", answer], [{}, {}], rows=[4, 11])
+    assert str(raised.value) == (f"reward function 'mine.py:by_answer' returned {shown}, not a finite number on row "
+                                 "11. Fix: return a finite float, or set reward.bad_value_policy=warn to score such "
+                                 "responses 0.")
+
+
+def test_warn_policy_scores_zero_warns_once_and_counts(mine, capsys):
+    configure(bad_value_policy="warn")
+    got = score_batch([mine("by_answer")], [2.0], list("abcd"), ["nan", "1", "inf", "nan"], [{}] * 4, rows=[0, 1, 2, 3])
+    assert got == [0.0, 2.0, 0.0, 0.0]
+    assert rewards.bad_value_count() == 3
+    err = capsys.readouterr().err
+    assert err == ("megappo: warning: reward function 'mine.py:by_answer' returned nan on row 0; "
+                   "reward.bad_value_policy=warn: such responses are scored 0 (warned once; counted in "
+                   "reward/bad_values).\n")
+
+
+def test_huge_reward_passes_with_one_warning_naming_the_function(mine, capsys):
+    assert score_batch([mine("by_answer")], None, ["a", "b"], ["huge", "huge"], [{}, {}], rows=[5, 6]) == [1e30, 1e30]
+    err = capsys.readouterr().err
+    assert err.count("megappo: warning:") == 1
+    assert err.startswith("megappo: warning: reward function 'mine.py:by_answer' returned 1e+30 on row 5, beyond "
+                          "|reward| > 1e+06 (warned once)")
+
+
+@pytest.mark.parametrize("fn", ["hangs", "swallows"])
+def test_a_hung_call_ends_at_the_timeout_naming_function_row_and_limit(mine, fn):
+    configure(timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(UserCodeError) as raised:
+        score_batch([mine(fn)], None, ["a", "b"], ["1", "hang"], [{}, {}], rows=[2, 8])
+    assert time.monotonic() - start < 5
+    assert str(raised.value) == (f"reward function 'mine.py:{fn}' did not return within reward.timeout_s=0.5 s on row "
+                                 f"{2 if fn == 'swallows' else 8}. Fix: make it return sooner on such responses, or "
+                                 "raise reward.timeout_s (0: no limit).")
+
+
+def test_off_the_main_thread_the_call_runs_on_a_daemon_thread(mine):
+    configure(timeout_s=0.5)
+    caught = []
+
+    def score():
+        try:
+            score_batch([mine("hangs")], None, ["a"], ["hang"], [{}], rows=[3])
+        except UserCodeError as e:
+            caught.append(str(e))
+
+    worker = threading.Thread(target=score)
+    worker.start()
+    worker.join(10)
+    assert caught and "did not return within reward.timeout_s=0.5 s on row 3" in caught[0]
+    assert all(t.daemon for t in threading.enumerate() if t.name == "megappo-reward-call")
+    # the timer is gone and a fast call goes through on the main thread
+    assert score_batch([mine("hangs")], None, ["a"], ["1"], [{}]) == [1.0]
+
+
+def test_timeout_zero_is_no_limit_and_negative_is_refused(mine):
+    assert rewards.call_with_timeout(lambda: 7, 0) == 7
+    with pytest.raises(ConfigError, match=r"timeout_s=-1.0 must be >= 0"):
+        RewardConfig(timeout_s=-1)
