@@ -71,7 +71,9 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         if run.ps.is_rank0:
             with timed(m, "reward"):
                 read = responses(run, batch)  # decoded once for the rewards and the score metrics
+                bad_before = run.reward_checks.bad_values
                 scores = rewards(run, batch, rm_scores, read)
+                m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
                 m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
                                   sum_pi_squared=old.sum_pi_squared, components=reward_components(run, read))
@@ -160,7 +162,8 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read:
     cfg = run.cfg.reward
     scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
     if cfg.functions:
-        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, *(read or responses(run, batch))))
+        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, *(read or responses(run, batch)),
+                                           checks=run.reward_checks))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
     return scores
@@ -201,7 +204,8 @@ def reward_components(run: Run, read: tuple) -> torch.Tensor | None:
     """[N, K] each GDPO component's score (one reward function each, unweighted); None for other estimators."""
     if run.cfg.algorithm.adv_estimator != "gdpo":
         return None
-    return torch.tensor([score_batch([name], None, *read) for name in run.cfg.gdpo_components]).T.float()
+    return torch.tensor([score_batch([name], None, *read, checks=run.reward_checks)
+                         for name in run.cfg.gdpo_components]).T.float()
 
 
 def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,

@@ -22,9 +22,10 @@ extra)`, or, when it takes `solution_str` (verl's `compute_score(data_source, so
 ground_truth, extra_info)`), with verl's by name, so a verl reward file works unchanged. It
 returns a number (or, as verl allows, a dict with a "score"); when it raises or returns anything
 else, the run ends with a `UserCodeError` that names it and the dataset row (megappo.user_code).
-Its value is checked (`RewardChecks`, set from the recipe by `configure(cfg.reward)`): NaN or inf
+Its value is checked (`RewardChecks`, built from the recipe's reward section and given to
+`score_batch` by the caller): NaN or inf
 is refused the same way (`reward.bad_value_policy=error`) or scored 0, warned once per function
-and counted (`warn`; `bad_value_count()`); a magnitude above LARGE_REWARD is warned once per
+and counted (`warn`; `RewardChecks.bad_values`); a magnitude above LARGE_REWARD is warned once per
 function; a call that takes longer than `reward.timeout_s` ends the run naming the function, the
 row and the limit (`call_with_timeout`). The built-in functions return 0, 0.5 or 1 and are not
 checked.
@@ -238,19 +239,10 @@ class RewardChecks:
     warned: set = dataclasses.field(default_factory=set)  # (function, what)
     bad_values: int = 0
 
-
-_checks = RewardChecks()
-
-
-def configure(cfg) -> None:
-    """Check your functions as the recipe's `reward` section says (megappo.run, on every rank)."""
-    global _checks
-    _checks = RewardChecks(bad_value_policy=cfg.bad_value_policy, timeout_s=cfg.timeout_s)
-
-
-def bad_value_count() -> int:
-    """Responses scored 0 so far because your function returned NaN or inf (bad_value_policy=warn)."""
-    return _checks.bad_values
+    @classmethod
+    def of(cls, reward_cfg) -> "RewardChecks":
+        """The checks the recipe's `reward` section asks for."""
+        return cls(bad_value_policy=reward_cfg.bad_value_policy, timeout_s=reward_cfg.timeout_s)
 
 
 class _TimedOut(BaseException):  # not an Exception: a function's own `except Exception` does not swallow it
@@ -298,22 +290,23 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     return value
 
 
-def _warn_once(name: str, what: str, text: str) -> None:
-    if (name, what) not in _checks.warned:
-        _checks.warned.add((name, what))
+def _warn_once(checks: RewardChecks, name: str, what: str, text: str) -> None:
+    if (name, what) not in checks.warned:
+        checks.warned.add((name, what))
         print(f"megappo: warning: {text}", file=sys.stderr, flush=True)
 
 
-def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row: int | None) -> float:
+def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row: int | None,
+                  checks: RewardChecks) -> float:
     """Your function's score as a float; what it raises, a result that is not a number, NaN or inf
     (reward.bad_value_policy=error) and a call past reward.timeout_s are a UserCodeError naming
     the function and the row."""
     code = f"reward function '{name}'"
     try:
         value = call_with_timeout(lambda: fn(response, ground_truth, extra, data_source=data_source),
-                                  _checks.timeout_s)
+                                  checks.timeout_s)
     except _TimedOut:
-        raise UserCodeError(code, f"did not return within reward.timeout_s={_checks.timeout_s:g} s", row=row,
+        raise UserCodeError(code, f"did not return within reward.timeout_s={checks.timeout_s:g} s", row=row,
                             fix="make it return sooner on such responses, or raise reward.timeout_s (0: no "
                                 "limit)") from None
     except Exception as e:
@@ -326,16 +319,16 @@ def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, 
     value = float(value)
     at = "" if row is None else f" on row {row}"
     if not math.isfinite(value):
-        if _checks.bad_value_policy == "error":
+        if checks.bad_value_policy == "error":
             raise UserCodeError(code, f"returned {value}, not a finite number", row=row,
                                 fix="return a finite float, or set reward.bad_value_policy=warn to score such "
                                     "responses 0")
-        _checks.bad_values += 1
-        _warn_once(name, "non-finite", f"{code} returned {value}{at}; reward.bad_value_policy=warn: such responses "
+        checks.bad_values += 1
+        _warn_once(checks, name, "non-finite", f"{code} returned {value}{at}; reward.bad_value_policy=warn: such responses "
                                        "are scored 0 (warned once; counted in reward/bad_values).")
         return 0.0
     if abs(value) > LARGE_REWARD:
-        _warn_once(name, "large", f"{code} returned {value:g}{at}, beyond |reward| > {LARGE_REWARD:g} (warned once): "
+        _warn_once(checks, name, "large", f"{code} returned {value:g}{at}, beyond |reward| > {LARGE_REWARD:g} (warned once): "
                                   "the critic's loss and the advantages overflow or swamp everything else. Fix: "
                                   "scale its rewards to a few units (e.g. [-1, 1]).")
     return value
@@ -343,9 +336,12 @@ def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, 
 
 def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
                 ground_truths: Sequence[Any], extras: Sequence[dict],
-                data_sources: Sequence[str] | None = None, rows: Sequence[int] | None = None) -> list[float]:
+                data_sources: Sequence[str] | None = None, rows: Sequence[int] | None = None, *,
+                checks: RewardChecks | None = None) -> list[float]:
     """Weighted sum of the named functions' scores for each response; `rows`: each response's
-    dataset row, named when your own function fails on it (UserCodeError)."""
+    dataset row, named when your own function fails on it (UserCodeError); `checks`: how your
+    functions' values and calls are checked (None: the defaults, error on NaN/inf, 60 s)."""
+    checks = RewardChecks() if checks is None else checks
     fns = [get_reward_fn(n) for n in names]
     weights = list(weights) if weights is not None else [1.0] * len(fns)
     if len(weights) != len(fns):
@@ -356,6 +352,6 @@ def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses
     for r, gt, ex, src, row in zip(responses, ground_truths, extras, sources, rows):
         total = 0.0
         for w, fn, name in zip(weights, fns, names):
-            total += w * (_custom_score(name, fn, r, gt, ex, src, row) if hasattr(fn, "custom") else fn(r, gt, ex))
+            total += w * (_custom_score(name, fn, r, gt, ex, src, row, checks) if hasattr(fn, "custom") else fn(r, gt, ex))
         out.append(total)
     return out

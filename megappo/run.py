@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from megappo import checkpointing, interrupts, rewards
+from megappo import checkpointing, interrupts
+from megappo.rewards import RewardChecks
 from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.data import PromptSampler
 from megappo.metrics import MetricLogger, Progress, console
@@ -78,6 +79,7 @@ class Run:
     nan_skips: int = 0  # steps skipped for non-finite losses so far (carried across resumes)
     last_saved_step: int | None = None
     rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
+    reward_checks: RewardChecks | None = None  # how your reward functions are checked (reward.bad_value_policy, timeout_s)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -303,7 +305,6 @@ def create_run(cfg: Config) -> Run:
     p = cfg.parallel
     ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
-    rewards.configure(cfg.reward)  # how your reward functions' values and calls are checked
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
         resume = checkpointing.find_resume(cfg)  # refusals come before any model is built
     torch.manual_seed(cfg.run.seed)
@@ -324,7 +325,8 @@ def create_run(cfg: Config) -> Run:
                critic_hf_config=critic_hf_config, engine=engine, bridge=bridge, train_examples=prompts.train,
                val_examples=prompts.val, sampler=prompts.sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress,
                total_steps=prompts.total_steps, start_step=start_step, nan_skips=nan_skips,
-               last_saved_step=start_step if resume else None, rollouts=rollouts)
+               last_saved_step=start_step if resume else None, rollouts=rollouts,
+               reward_checks=RewardChecks.of(cfg.reward))
 
 
 def model_source(cfg: Config) -> ModelSource:

@@ -35,12 +35,12 @@ def swallows(response, ground_truth, extra):  # a broad except does not hide the
 def mine(tmp_path, monkeypatch):
     (tmp_path / "mine.py").write_text(MINE)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(rewards, "_checks", rewards.RewardChecks())
     return lambda fn: f"mine.py:{fn}"
 
 
-def configure(**fields):
-    rewards.configure(RewardConfig(**fields))
+def checks(**fields) -> rewards.RewardChecks:
+    """The checks a run builds from its recipe's reward section."""
+    return rewards.RewardChecks.of(RewardConfig(**fields))
 
 
 @pytest.mark.parametrize("answer,shown", [("nan", "nan"), ("inf", "inf"), ("-inf", "-inf")])
@@ -53,10 +53,11 @@ def test_non_finite_reward_is_refused_naming_the_function_and_row(mine, answer, 
 
 
 def test_warn_policy_scores_zero_warns_once_and_counts(mine, capsys):
-    configure(bad_value_policy="warn")
-    got = score_batch([mine("by_answer")], [2.0], list("abcd"), ["nan", "1", "inf", "nan"], [{}] * 4, rows=[0, 1, 2, 3])
+    warn = checks(bad_value_policy="warn")
+    got = score_batch([mine("by_answer")], [2.0], list("abcd"), ["nan", "1", "inf", "nan"], [{}] * 4, rows=[0, 1, 2, 3],
+                      checks=warn)
     assert got == [0.0, 2.0, 0.0, 0.0]
-    assert rewards.bad_value_count() == 3
+    assert warn.bad_values == 3
     err = capsys.readouterr().err
     assert err == ("megappo: warning: reward function 'mine.py:by_answer' returned nan on row 0; "
                    "reward.bad_value_policy=warn: such responses are scored 0 (warned once; counted in "
@@ -73,10 +74,9 @@ def test_huge_reward_passes_with_one_warning_naming_the_function(mine, capsys):
 
 @pytest.mark.parametrize("fn", ["hangs", "swallows"])
 def test_a_hung_call_ends_at_the_timeout_naming_function_row_and_limit(mine, fn):
-    configure(timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(UserCodeError) as raised:
-        score_batch([mine(fn)], None, ["a", "b"], ["1", "hang"], [{}, {}], rows=[2, 8])
+        score_batch([mine(fn)], None, ["a", "b"], ["1", "hang"], [{}, {}], rows=[2, 8], checks=checks(timeout_s=0.5))
     assert time.monotonic() - start < 5
     assert str(raised.value) == (f"reward function 'mine.py:{fn}' did not return within reward.timeout_s=0.5 s on row "
                                  f"{2 if fn == 'swallows' else 8}. Fix: make it return sooner on such responses, or "
@@ -84,12 +84,11 @@ def test_a_hung_call_ends_at_the_timeout_naming_function_row_and_limit(mine, fn)
 
 
 def test_off_the_main_thread_the_call_runs_on_a_daemon_thread(mine):
-    configure(timeout_s=0.5)
     caught = []
 
     def score():
         try:
-            score_batch([mine("hangs")], None, ["a"], ["hang"], [{}], rows=[3])
+            score_batch([mine("hangs")], None, ["a"], ["hang"], [{}], rows=[3], checks=checks(timeout_s=0.5))
         except UserCodeError as e:
             caught.append(str(e))
 
