@@ -112,16 +112,40 @@ def _train_start_up(args):
         from megappo.preflight import check_prompts
 
         check_prompts(cfg)
-    with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
-        resume = find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
-    return cfg, world, on_ray, resume
+    lock = _lock_run(cfg)  # another live run in these directories: refused before anything is written
+    try:
+        with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
+            resume = find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
+    except BaseException:
+        lock.release()
+        raise
+    return cfg, world, on_ray, resume, lock
+
+
+def _lock_run(cfg):
+    """The run's lock on run.output_dir and checkpoint.dir (megappo.runlock), taken by the process
+    that lives as long as the run: this one when it launches the ranks or is the only rank, global
+    rank 0 under an outside launcher; the ranks a launcher started find its token and go on."""
+    from megappo.runlock import RunLock, acquire
+
+    if os.environ.get("RANK", "0") != "0":
+        return RunLock([])
+    dirs = [cfg.run.output_dir, cfg.checkpoint_dir]
+    what = "run.output_dir" if os.path.realpath(dirs[0]) == os.path.realpath(dirs[1]) or \
+        os.path.realpath(dirs[1]).startswith(os.path.realpath(dirs[0]) + os.sep) else "run.output_dir / checkpoint.dir"
+    return acquire(dirs, what=what)
 
 
 def cmd_train(args) -> int:
     from megappo import interrupts
 
     with interrupts.held_during_start_up():  # Ctrl-C while torch is imported: raised after it
-        cfg, world, on_ray, resume = _train_start_up(args)
+        cfg, world, on_ray, resume, lock = _train_start_up(args)
+    with lock:  # released at every end: return, exception, interrupt; by the OS at a crash
+        return _train(args, cfg, world, on_ray, resume)
+
+
+def _train(args, cfg, world, on_ray, resume) -> int:
     from megappo.parallel.launch import ensure_ranks
 
     if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:

@@ -8,7 +8,8 @@ checkpoint of another model is refused before any tensor is read.
 
 `save_model` / `load_model`: weights only. `save_trainable` / `load_trainable`: weights,
 Megatron optimizer state (Adam moments, step; the distributed optimizer's shards in the
-'fully_reshardable' format) and the LR scheduler, so training continues exactly.
+'fully_reshardable' format) and the LR scheduler, so training continues exactly. Loading
+runs no code from the files: every pickle in them is read restricted (megappo.models.safe_pickle).
 
 This module does not know about trainer state (step, data cursor, RNG: megappo.checkpointing).
 """
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel, unwrap
 from megappo.models.hf_config import ModelConfigError, ModelDims
+from megappo.models.safe_pickle import load_dist_checkpoint
 from megappo.parallel.state import in_layout
 
 META_FILE = "megappo_model.json"
@@ -110,11 +112,9 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
 @in_layout
 def load_model(model: MegatronModel, ckpt_dir: str) -> dict:
     """Collective: load `ckpt_dir` into the model at its current layout; returns metadata."""
-    from megatron.core import dist_checkpointing
-
     meta = read_metadata(ckpt_dir)
     check_compatible(model, meta, ckpt_dir)
-    loaded = dist_checkpointing.load(_sharded_state(model), ckpt_dir)
+    loaded = load_dist_checkpoint(_sharded_state(model), ckpt_dir)
     _load_chunks(model, loaded)
     return meta
 
@@ -123,8 +123,6 @@ def load_model(model: MegatronModel, ckpt_dir: str) -> dict:
 def load_trainable(trainable, ckpt_dir: str) -> dict:
     """Collective: load weights, optimizer state and LR scheduler saved by `save_trainable`
     into `trainable` at its current layout (TP/PP/DP may differ from the saver's)."""
-    from megatron.core import dist_checkpointing
-
     model = trainable.model
     meta = read_metadata(ckpt_dir)
     check_compatible(model, meta, ckpt_dir)
@@ -149,7 +147,7 @@ def load_trainable(trainable, ckpt_dir: str) -> dict:
     state = dict(model_state,
                  optimizer=trainable.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=OPTIM_METADATA),
                  scheduler=trainable.scheduler.state_dict())
-    loaded = dist_checkpointing.load(state, ckpt_dir)
+    loaded = load_dist_checkpoint(state, ckpt_dir)
     _load_chunks(model, loaded)
     with _adam_step_kept_out(trainable.optimizer):
         trainable.optimizer.load_state_dict(loaded["optimizer"])

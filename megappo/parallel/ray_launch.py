@@ -40,6 +40,9 @@ from megappo.parallel.launch import USER_CODE_EXIT, failure_rank_order
 CONNECT_TIMEOUT_S = 10.0
 #: how long a placement group may wait for a busy cluster's resources to free up
 PLACEMENT_TIMEOUT_S = 300.0
+#: the driver's variables every rank gets as well: the run lock's token (megappo.runlock.TOKEN_ENV),
+#: so rank 0 knows the driver holds the run's lock
+INHERITED_ENV = ("MEGAPPO_RUN_LOCK",)
 #: SIGTERM -> SIGKILL for the ranks left when one failed
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
@@ -184,6 +187,7 @@ def launch(argv: list[str], world: int, address: str = "auto", gpu: bool = False
         for env in envs:
             env.update({"PYTHONPATH": pythonpath} if pythonpath else {})
             env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+            env.update({k: os.environ[k] for k in INHERITED_ENV if k in os.environ})
         ray.get([a.start.remote(argv, env, os.getcwd()) for a, env in zip(actors, envs)])
         return _supervise(ray, actors)
     finally:
