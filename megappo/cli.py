@@ -130,10 +130,10 @@ def _lock_run(cfg):
 
     if os.environ.get("RANK", "0") != "0":
         return RunLock([])
-    dirs = [cfg.run.output_dir, cfg.checkpoint_dir]
-    what = "run.output_dir" if os.path.realpath(dirs[0]) == os.path.realpath(dirs[1]) or \
-        os.path.realpath(dirs[1]).startswith(os.path.realpath(dirs[0]) + os.sep) else "run.output_dir / checkpoint.dir"
-    return acquire(dirs, what=what)
+    out, ckpt = os.path.realpath(cfg.run.output_dir), os.path.realpath(cfg.checkpoint_dir)
+    if ckpt == out or ckpt.startswith(out + os.sep):  # the output directory's lock covers its checkpoints
+        return acquire([cfg.run.output_dir], what="run.output_dir")  # (and creates no checkpoint directory)
+    return acquire([cfg.run.output_dir, cfg.checkpoint_dir], what="run.output_dir / checkpoint.dir")
 
 
 def cmd_train(args) -> int:
