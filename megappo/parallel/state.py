@@ -211,10 +211,7 @@ def init_parallel(
         device = torch.device("cpu")
 
     if not dist.is_initialized():
-        store = None
-        if "MASTER_ADDR" not in os.environ:  # a world of one: its store listens on loopback only
-            store = store_server(LOOPBACK, 0, 1, timeout=datetime.timedelta(minutes=timeout_minutes))
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(store.port)
+        store = _world_store(rank, world, datetime.timedelta(minutes=timeout_minutes))
         dist.init_process_group(
             backend=backend,
             store=store,
@@ -230,6 +227,23 @@ def init_parallel(
                             device=device, env=(rank, world, local))
     stage.set_identity(ps.rank, ps.tp_rank, ps.pp_rank, ps.dp_rank, timeout_minutes)  # the shared layout names ranks
     return ps
+
+
+def _world_store(rank: int, world: int, timeout: datetime.timedelta):
+    """The store the process group starts from, hosted so that it listens on one address only
+    (megappo.parallel.listen): a world of one hosts its own on 127.0.0.1; ranks that no torchrun agent
+    started (megappo's Ray launcher sets MASTER_ADDR / MASTER_PORT itself) meet at rank 0's store on
+    MASTER_ADDR. None under torchrun: its agent hosts the store (on loopback when megappo launched it)."""
+    if "MASTER_ADDR" not in os.environ:  # a world of one
+        store = store_server(LOOPBACK, 0, 1, timeout=timeout)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(store.port)
+        return store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        return store_server(host, port, world, timeout=timeout)
+    return dist.TCPStore(host, port, world, False, timeout=timeout)
 
 
 def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, ep: int = 1, seed: int = 1234,
