@@ -214,13 +214,14 @@ def cmd_hardware(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from megappo.checkpointing import resolve_checkpoint
+    from megappo.checkpointing import check_model_dir, resolve_checkpoint
     from megappo.convert import check_output_dir
     from megappo.models.checkpoint import read_metadata
     from megappo.models.hf_config import ModelDims
     from megappo.parallel.launch import ensure_ranks
 
     ckpt = os.path.join(resolve_checkpoint(args.checkpoint), args.role)
+    check_model_dir(ckpt)  # its files against the digests recorded at save, before anything reads them
     ModelDims(**read_metadata(ckpt)["dims"]).check_layout(args.tp, args.pp, names=("--tp", "--pp"))
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp)
@@ -340,7 +341,8 @@ def run_reporting_errors(func, *args) -> int:
         return _told_peers(USER_CODE_EXIT)
     except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
         _end_progress_line()
-        print(f"megappo: error: {e}", file=sys.stderr, flush=True)
+        if not getattr(e, "every_rank", False) or int(os.environ.get("RANK", 0)) == 0:  # a CheckpointError every
+            print(f"megappo: error: {e}", file=sys.stderr, flush=True)              # rank raised: rank 0 says it
         return _told_peers(2)
     except RuntimeError as e:
         failure = _run_failure(e)
