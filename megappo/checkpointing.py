@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.config import Config
-from megappo.errors import CheckpointError, ConfigError
+from megappo.errors import CheckpointError, CheckpointWarning, ConfigError
 from megappo.data import PromptExample
 from megappo.types import RolloutBatch
 
@@ -146,7 +146,7 @@ def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
     if unfinished:  # a run stopped during a save (a second Ctrl-C, a kill): its step is not there to resume
         starts = f"resuming from {path} (step {state['step']})" if state else "starting from step 0"
         warnings.warn(f"{os.path.join(root, unfinished[-1])} is a save that did not finish (the run was stopped "
-                      f"during it), so it cannot be resumed: {starts}.", stacklevel=2)
+                      f"during it), so it cannot be resumed: {starts}.", CheckpointWarning, stacklevel=2)
     return dict(state, path=path) if state else None
 
 
@@ -165,12 +165,12 @@ def _intact_checkpoint(root: str, latest: str, full: bool) -> tuple[str, dict]:
                 problem = f"{os.path.join(path, STATE_FILE)}: cannot be read ({type(e).__name__}: {e})"
             else:
                 if problem == NOT_VERIFIED:
-                    warnings.warn(f"checkpoint {path} is {NOT_VERIFIED}.", stacklevel=3)
+                    warnings.warn(f"checkpoint {path} is {NOT_VERIFIED}.", CheckpointWarning, stacklevel=3)
                 if damaged:
                     warnings.warn(f"falling back to {path} (step {state['step']}), the newest intact checkpoint.",
-                                  stacklevel=3)
+                                  CheckpointWarning, stacklevel=3)
                 return path, state
-        warnings.warn(f"checkpoint {path} is damaged: {problem}; skipping it.", stacklevel=3)
+        warnings.warn(f"checkpoint {path} is damaged: {problem}; skipping it.", CheckpointWarning, stacklevel=3)
         damaged.append(problem)
     raise CheckpointError(f"no intact checkpoint in {root}: {len(damaged)} damaged (newest: {damaged[0]}). Fix: "
                           f"restore the damaged files from a copy, or start a new run (another run.output_dir, or "
@@ -217,8 +217,8 @@ def _owner(rel: str, world: int) -> int:
 
 def write_digests(step_dir: str, rank: int, world: int) -> None:
     """digests/rank_R.json: size and digest of each file of `step_dir` that rank `rank` wrote."""
-    files = {rel: {"size": os.path.getsize(os.path.join(step_dir, rel)), "digest": file_digest(os.path.join(step_dir, rel))}
-             for rel in _files(step_dir) if _owner(rel, world) == rank}
+    files = {rel: {"size": os.path.getsize(file), "digest": file_digest(file)}
+             for rel in _files(step_dir) if _owner(rel, world) == rank for file in [os.path.join(step_dir, rel)]}
     os.makedirs(os.path.join(step_dir, DIGESTS), exist_ok=True)
     _write_atomic(os.path.join(step_dir, DIGESTS, f"rank_{rank:05d}.json"),
                   json.dumps({"format": DIGEST_FORMAT, "hash": HASH, "rank": rank, "files": files}, indent=1))
@@ -265,14 +265,15 @@ def check_model_dir(model_dir: str) -> None:
         return
     problem = check_files(step_dir, prefix=os.path.basename(os.path.normpath(model_dir)) + os.sep)
     if problem == NOT_VERIFIED:
-        warnings.warn(f"checkpoint {step_dir} is {NOT_VERIFIED}.", stacklevel=2)
+        warnings.warn(f"checkpoint {step_dir} is {NOT_VERIFIED}.", CheckpointWarning, stacklevel=2)
     elif problem:
         raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}. Fix: export an earlier step_NNNNNNNN "
                               f"directory of {os.path.dirname(step_dir)}, or restore the file from a copy.")
 
 
 def log_traceback(root: str, e: BaseException) -> str:
-    """Append `e`'s traceback to `root`/errors.log (best effort); returns that file's path."""
+    """Append `e`'s traceback to `root`/errors.log; returns " (traceback in FILE)", or "" when it
+    cannot be written (a full disk)."""
     import traceback
 
     log = os.path.join(root, ERROR_LOG)
@@ -282,8 +283,18 @@ def log_traceback(root: str, e: BaseException) -> str:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             f.write(f"--- rank {rank}\n{''.join(traceback.format_exception(e))}")
     except OSError:  # a full disk: the one line still says what happened
-        pass
-    return log
+        return ""
+    return f" (traceback in {log})"
+
+
+def _nearly_full(path: str) -> bool:
+    """Whether the file system of `path` has under 1% (or 16 MiB) free: a save that failed there ran
+    out of space even when the error does not say so (torch's zip writer: 'unexpected pos')."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return False
+    return usage.free < max(16 << 20, usage.total // 100)
 
 
 def _no_space(e: BaseException) -> bool:
@@ -291,7 +302,7 @@ def _no_space(e: BaseException) -> bool:
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
-        if x is None or id(x) in seen:
+        if not isinstance(x, BaseException) or id(x) in seen:
             continue
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno == errno.ENOSPC:
@@ -359,17 +370,23 @@ def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg
     try:
         return _save(path_root, step, trainables, trainer, cfg, hf_config=hf_config, hf_files=hf_files,
                      critic_hf_config=critic_hf_config, rank=rank, keep_last=keep_last, rollout_buffer=rollout_buffer)
-    except Exception as e:
-        if not _no_space(e):
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        log = log_traceback(path_root, e)
+        # a CheckpointException is raised on every rank, with every rank's failure on rank 0 (the
+        # coordinator), which reports it; the others end quietly
+        if type(e).__name__ == "CheckpointException" and rank != 0:
+            log_traceback(path_root, e)
+            raise CheckpointError(f"saving step {step} to {path_root} failed (rank 0 says why)", every_rank=True) from None
+        if not _no_space(e) and not _nearly_full(path_root):
+            raise
+        log = log_traceback(cfg.run.output_dir, e)  # not on the full disk, when checkpoint.dir is elsewhere
         previous = latest_checkpoint(path_root)
         resumes = f"it resumes from {previous} ('latest' still names it)" if previous else "it starts from step 0"
-        collective = type(e).__name__ == "CheckpointException"  # torch.distributed.checkpoint: raised on every rank
-        raise CheckpointError(f"no space left on the device of {path_root} while saving step {step} (traceback in "
-                              f"{log}). Fix: free space there (delete {step_dir_name(step)}.partial, lower "
+        raise CheckpointError(f"no space left on the device of {path_root} while saving step {step}{log}. Fix: "
+                              f"free space there (delete {step_dir_name(step)}.partial, lower "
                               f"checkpoint.keep_last, or set checkpoint.dir to a larger disk), then rerun the same "
-                              f"command: {resumes}.", every_rank=collective) from None
+                              f"command: {resumes}.", every_rank=False) from None
 
 
 def _save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg: Config, *, hf_config: dict,
@@ -427,8 +444,8 @@ def load(path: str, trainables: dict, rank: int) -> None:
         log = log_traceback(os.path.dirname(path), e)
         older = "" if os.path.isdir(os.path.join(path, DIGESTS)) else f" (it is {NOT_VERIFIED})"
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"cannot read checkpoint {path}{older}: {type(e).__name__}: {first} (traceback in "
-                              f"{log}). Fix: write an earlier step_NNNNNNNN into {os.path.join(os.path.dirname(path), LATEST)} "
+        raise CheckpointError(f"cannot read checkpoint {path}{older}: {type(e).__name__}: {first}{log}. Fix: write "
+                              f"an earlier step_NNNNNNNN into {os.path.join(os.path.dirname(path), LATEST)} "
                               f"to resume from it, or restore the files from a copy.") from None
     if rng is not None:
         _set_rng_state(rng)

@@ -125,6 +125,11 @@ def cmd_train(args) -> int:
     from megappo.parallel.launch import ensure_ranks
 
     if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
+        from megappo.checkpointing import find_resume
+
+        with warnings.catch_warnings(action="ignore"):  # the ranks say which file is damaged, if they start
+            resume = find_resume(cfg, verify="full")  # the digests too, before saying there is nothing to do
+    if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
         print(f"nothing to do: {resume['path']} is at step {resume['step']} and run.total_steps="
               f"{cfg.run.total_steps}. Raise run.total_steps to train longer, or export the models: "
               f"megappo export {cfg.run.output_dir} OUT_DIR", flush=True)
@@ -308,12 +313,28 @@ def main(argv=None) -> int:
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = getattr(args, "overrides", []) + extra  # overrides after an option: `R.yaml --world-size 8 k=v`
+    _one_line_warnings()
     try:
         return run_reporting_errors(args.func, args)
     except KeyboardInterrupt:  # Ctrl-C before the training loop handles it (megappo.interrupts)
         if int(os.environ.get("RANK", 0)) == 0:
             print("megappo: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def _one_line_warnings() -> None:
+    """megappo.errors.CheckpointWarning as one `megappo: warning: ...` line (others as Python shows them)."""
+    from megappo.errors import CheckpointWarning
+
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, CheckpointWarning):
+            print(f"megappo: warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
 
 
 def run_reporting_errors(func, *args) -> int:

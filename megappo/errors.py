@@ -43,3 +43,8 @@ class CheckpointError(ConfigError):
     def __init__(self, message: str, *, every_rank: bool = False):
         super().__init__(message)
         self.every_rank = every_rank
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint that was skipped (damaged, unfinished), fallen back to, or read unverified;
+    the CLI shows it as one `megappo: warning: ...` line."""

@@ -279,9 +279,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_latest_is_kept(tmp_path, monk
     message = str(caught.value)
     assert "\n" not in message and not caught.value.every_rank
     assert message.startswith(f"no space left on the device of {root} while saving step 4 (traceback in "
-                              f"{os.path.join(root, 'errors.log')}). Fix: free space there")
+                              f"{os.path.join(str(tmp_path), 'errors.log')}). Fix: free space there")
     assert message.endswith(f"it resumes from {os.path.join(root, 'step_00000002')} ('latest' still names it).")
-    assert "OSError: [Errno 28]" in open(os.path.join(root, "errors.log")).read()
+    assert "OSError: [Errno 28]" in open(os.path.join(str(tmp_path), "errors.log")).read()
     assert open(os.path.join(root, "latest")).read() == "step_00000002"
 
 
