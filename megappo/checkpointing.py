@@ -438,15 +438,20 @@ def load(path: str, trainables: dict, rank: int) -> None:
             load_trainable(trainable, os.path.join(path, role))
         rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
         rng = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
-    except (ConfigError, ModelConfigError):
+    except (ConfigError, ModelConfigError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:  # a damaged file that no digest covered (a checkpoint of an older megappo)
+    except BaseException as e:  # a damaged file that no digest covered (a checkpoint of an older megappo)
+        from megappo.parallel.stage import as_collective_error
+
+        if as_collective_error(e) is not None:  # a lost peer: megappo.cli reports that
+            raise
         log = log_traceback(os.path.dirname(path), e)
         older = "" if os.path.isdir(os.path.join(path, DIGESTS)) else f" (it is {NOT_VERIFIED})"
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(f"cannot read checkpoint {path}{older}: {type(e).__name__}: {first}{log}. Fix: write "
                               f"an earlier step_NNNNNNNN into {os.path.join(os.path.dirname(path), LATEST)} "
-                              f"to resume from it, or restore the files from a copy.") from None
+                              f"to resume from it, or restore the files from a copy.",
+                              every_rank=type(e).__name__ == "CheckpointException") from None
     if rng is not None:
         _set_rng_state(rng)
     elif rank == 0:

@@ -301,3 +301,27 @@ def test_a_save_removes_only_its_own_unfinished_directory(tmp_path, monkeypatch)
                               critic_hf_config=None, rank=0, keep_last=2)
     assert sorted(os.listdir(root)) == ["latest", "other.partial", "step_00000004", "step_00000009.partial"]
     assert not os.path.exists(os.path.join(path, "stale")) and checkpointing.check_files(path) is None
+
+
+def test_a_checkpoint_that_cannot_be_read_is_one_line_with_the_traceback_in_errors_log(tmp_path, monkeypatch):
+    """An older checkpoint (no digests) whose .metadata is cut short: Megatron's AssertionError
+    becomes one line naming the checkpoint and the fix."""
+    from megappo.models import checkpoint as model_checkpoint
+
+    cfg = cfg_at(tmp_path)
+    path = fake_checkpoint(cfg.checkpoint_dir, 2, cfg, digests=False)
+
+    def unreadable(trainable, ckpt_dir):
+        assert None, "metadata is None"
+
+    monkeypatch.setattr(model_checkpoint, "load_trainable", unreadable)
+    with pytest.raises(CheckpointError) as caught:
+        checkpointing.load(path, {"actor": None}, rank=0)
+    message = str(caught.value)
+    log = os.path.join(cfg.checkpoint_dir, "errors.log")
+    assert "\n" not in message
+    assert message == (f"cannot read checkpoint {path} (it is not verified (no digests: written by an older megappo)): "
+                       f"AssertionError: metadata is None (traceback in {log}). Fix: write an earlier step_NNNNNNNN "
+                       f"into {os.path.join(cfg.checkpoint_dir, 'latest')} to resume from it, or restore the files "
+                       "from a copy.")
+    assert "in unreadable" in open(log).read()
