@@ -9,17 +9,27 @@ Layout under `checkpoint.dir` (default `<run.output_dir>/checkpoints`):
                            model-parallel tracker (tensors and numbers only: loaded weights_only)
       trainer_state.json   step, sampler epoch/cursor, KL coefficient, NaN-skip counter, the
                            resolved config; written last inside the directory
+      digests/rank_00000.json  size and blake2b digest of every file that rank wrote (rank R: its
+                           own `__R_*.distcp` shards and rng file; rank 0: everything else), written
+                           before the directory is renamed to its final name
       rollout_buffer.pt    rollout.mode=one_step_off / async: the batches already generated for
                            later steps (waited for at save time), with their steps and policy
                            versions; a resume trains on them
-    step_00000020.partial/ a save in progress (or killed): never read, removed by the next save;
-                           a resume says that it skips it (and from which step it starts instead)
+    step_00000020.partial/ a save in progress (or killed): never read, removed by the next save of
+                           that step; a resume says that it skips it (and from which step it starts)
     latest                 the name of the newest complete checkpoint
+    errors.log             tracebacks of checkpoint errors (the console gets one line)
 
 A save writes into `step_N.partial/`, renames it to `step_N/` when every rank is done, then
 replaces `latest` through an atomic rename; only after that are checkpoints beyond
-`keep_last` deleted. A process killed at any moment leaves `latest` naming a complete
-checkpoint. The rollout sampling seed is `rollout.seed + step`, so it needs no state.
+`keep_last` deleted (`_prune`: counted among steps up to the one just saved, and never the newest
+checkpoint that preceded steps skipped for non-finite losses). A process killed at any moment
+leaves `latest` naming a complete checkpoint. The rollout sampling seed is `rollout.seed + step`,
+so it needs no state.
+
+Integrity (`check_files`): before a resume reads a checkpoint, its files are checked against the
+digests recorded at save; a damaged one is named in one line and the resume falls back to the
+newest intact checkpoint before it (`find_resume`). `check_model_dir` does the same for export.
 
 Resume (`checkpoint.resume`): `auto` continues from `latest` when there is one, `must`
 refuses to start without one, `off` starts fresh (and refuses to write into a checkpoint
@@ -32,6 +42,8 @@ This module does not know the order of a PPO step or how models are built.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
 import json
 import os
 import random
@@ -44,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.config import Config
-from megappo.errors import ConfigError
+from megappo.errors import CheckpointError, CheckpointWarning, ConfigError
 from megappo.data import PromptExample
 from megappo.types import RolloutBatch
 
@@ -52,7 +64,13 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 ROLLOUT_BUFFER = "rollout_buffer.pt"
 FORMAT = "megappo-trainer-v1"
+DIGESTS = "digests"
+DIGEST_FORMAT = "megappo-digests-v1"
+HASH = "blake2b-128"
+ERROR_LOG = "errors.log"
+NOT_VERIFIED = "not verified (no digests: written by an older megappo)"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.pt)$")  # Megatron's shards, our rng files
 
 # Changing these on resume would make the checkpoint meaningless or the data stream skip
 # or repeat prompts: refused. Other algorithm / optimisation / rollout changes are allowed
@@ -97,10 +115,14 @@ def resolve_checkpoint(path: str) -> str:
                       "pointer). Fix: pass a run directory, its checkpoints/ directory, or a step_NNNNNNNN directory.")
 
 
-def find_resume(cfg: Config) -> dict | None:
+def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
     """The trainer state to resume from (with its 'path'), per checkpoint.resume; None to start fresh.
 
-    Reads only small JSON files, so every refusal comes before any model is built.
+    The checkpoint `latest` names is checked first (`check_files`; `verify`: "sizes" reads no
+    shard, "full" also compares digests: collective when a process group is up, each rank hashing
+    a share of the files). A damaged one is named in one warning and the newest intact checkpoint
+    before it is taken instead, saying so; none left: CheckpointError. Every refusal comes
+    before any model is built.
     """
     root, mode = cfg.checkpoint_dir, cfg.checkpoint.resume
     path = latest_checkpoint(root) if os.path.isdir(root) else None
@@ -116,8 +138,7 @@ def find_resume(cfg: Config) -> dict | None:
         return None
     state = None
     if path is not None:
-        with open(os.path.join(path, STATE_FILE)) as f:
-            state = json.load(f)
+        path, state = _intact_checkpoint(root, path, full=verify == "full")
         if state.get("format") != FORMAT:
             raise ConfigError(f"'{path}' is not a {FORMAT} checkpoint (format {state.get('format')!r}).")
         check_resumable(state["config"], cfg.to_dict(), path)
@@ -125,8 +146,172 @@ def find_resume(cfg: Config) -> dict | None:
     if unfinished:  # a run stopped during a save (a second Ctrl-C, a kill): its step is not there to resume
         starts = f"resuming from {path} (step {state['step']})" if state else "starting from step 0"
         warnings.warn(f"{os.path.join(root, unfinished[-1])} is a save that did not finish (the run was stopped "
-                      f"during it), so it cannot be resumed: {starts}.", stacklevel=2)
+                      f"during it), so it cannot be resumed: {starts}.", CheckpointWarning, stacklevel=2)
     return dict(state, path=path) if state else None
+
+
+def _intact_checkpoint(root: str, latest: str, full: bool) -> tuple[str, dict]:
+    """(path, trainer state) of the newest checkpoint from `latest` down that passes its check."""
+    older = sorted((n for n in os.listdir(root) if _STEP_DIR.match(n) and n < os.path.basename(latest)
+                    and os.path.isfile(os.path.join(root, n, STATE_FILE))), reverse=True)
+    damaged = []
+    for path in [latest, *(os.path.join(root, n) for n in older)]:
+        problem = _check_everywhere(path, full)
+        if problem is None or problem == NOT_VERIFIED:
+            try:
+                with open(os.path.join(path, STATE_FILE)) as f:
+                    state = json.load(f)
+            except (OSError, ValueError) as e:
+                problem = f"{os.path.join(path, STATE_FILE)}: cannot be read ({type(e).__name__}: {e})"
+            else:
+                if problem == NOT_VERIFIED:
+                    warnings.warn(f"checkpoint {path} is {NOT_VERIFIED}.", CheckpointWarning, stacklevel=3)
+                if damaged:
+                    warnings.warn(f"falling back to {path} (step {state['step']}), the newest intact checkpoint.",
+                                  CheckpointWarning, stacklevel=3)
+                return path, state
+        warnings.warn(f"checkpoint {path} is damaged: {problem}; skipping it.", CheckpointWarning, stacklevel=3)
+        damaged.append(problem)
+    raise CheckpointError(f"no intact checkpoint in {root}: {len(damaged)} damaged (newest: {damaged[0]}). Fix: "
+                          f"restore the damaged files from a copy, or start a new run (another run.output_dir, or "
+                          f"checkpoint.resume=off with a fresh checkpoint.dir).", every_rank=True)
+
+
+def _check_everywhere(path: str, full: bool) -> str | None:
+    """`check_files` of `path`; with a process group, every rank hashes a share of the files and
+    all take the same answer (the first problem, by rank)."""
+    if not (full and dist.is_available() and dist.is_initialized()):
+        return check_files(path, full=full)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = check_files(path, full=True, share=(rank, world))
+    found = [None] * world
+    dist.all_gather_object(found, mine)
+    return next((p for p in found if p is not None), None)
+
+
+def file_digest(path: str, chunk: int = 8 << 20) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(step_dir: str) -> list[str]:
+    """Every file under `step_dir` (relative paths, sorted), the digests and temporaries excluded."""
+    out = []
+    for here, dirs, names in os.walk(step_dir):
+        rel = os.path.relpath(here, step_dir)
+        if rel == DIGESTS:
+            continue
+        out += [os.path.normpath(os.path.join(rel, n)) for n in names if not n.endswith(".tmp")]
+    return sorted(out)
+
+
+def _owner(rel: str, world: int) -> int:
+    """The rank that records `rel`'s digest: the one that wrote it (rank 0 for shared files)."""
+    m = _RANK_FILE.match(os.path.basename(rel))
+    rank = int(m.group(1) or m.group(2)) if m else 0
+    return rank if rank < world else 0
+
+
+def write_digests(step_dir: str, rank: int, world: int) -> None:
+    """digests/rank_R.json: size and digest of each file of `step_dir` that rank `rank` wrote."""
+    files = {rel: {"size": os.path.getsize(file), "digest": file_digest(file)}
+             for rel in _files(step_dir) if _owner(rel, world) == rank for file in [os.path.join(step_dir, rel)]}
+    os.makedirs(os.path.join(step_dir, DIGESTS), exist_ok=True)
+    _write_atomic(os.path.join(step_dir, DIGESTS, f"rank_{rank:05d}.json"),
+                  json.dumps({"format": DIGEST_FORMAT, "hash": HASH, "rank": rank, "files": files}, indent=1))
+
+
+def check_files(step_dir: str, *, full: bool = True, prefix: str = "", share: tuple[int, int] = (0, 1)) -> str | None:
+    """None when every file recorded in `step_dir`'s digests (under `prefix`) is there with its
+    size (and, `full`, its digest); else one line: the file and what is wrong. NOT_VERIFIED when
+    the checkpoint has no digests. `share=(i, n)`: digests of every n-th file from the i-th only."""
+    digests = os.path.join(step_dir, DIGESTS)
+    if not os.path.isdir(digests):
+        return NOT_VERIFIED
+    recorded = {}
+    for name in sorted(os.listdir(digests)):
+        file = os.path.join(digests, name)
+        try:
+            with open(file) as f:
+                manifest = json.load(f)
+            assert manifest["format"] == DIGEST_FORMAT and manifest["hash"] == HASH
+            recorded.update(manifest["files"])
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+            return f"{file}: the digest record cannot be read ({type(e).__name__})"
+    if STATE_FILE not in recorded:
+        return f"{os.path.join(digests, 'rank_00000.json')}: missing (the save did not finish writing its digests)"
+    names = sorted(rel for rel in recorded if rel.startswith(prefix))
+    for i, rel in enumerate(names):
+        file, want = os.path.join(step_dir, rel), recorded[rel]
+        if not os.path.isfile(file):
+            return f"{file}: missing"
+        size = os.path.getsize(file)
+        if size != want["size"]:
+            return f"{file}: {size} bytes, the save wrote {want['size']} (truncated or overwritten)"
+        if full and i % share[1] == share[0] and file_digest(file) != want["digest"]:
+            return f"{file}: its bytes differ from the {HASH} digest recorded at save (corrupted)"
+    return None
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Before export / conversion reads a trainer checkpoint's actor/ or critic/: its files must
+    match their digests (CheckpointError naming the file); a checkpoint without digests is read
+    with a warning. A model directory outside a trainer checkpoint is not checked."""
+    step_dir = os.path.dirname(os.path.normpath(model_dir))
+    if not os.path.isfile(os.path.join(step_dir, STATE_FILE)):
+        return
+    problem = check_files(step_dir, prefix=os.path.basename(os.path.normpath(model_dir)) + os.sep)
+    if problem == NOT_VERIFIED:
+        warnings.warn(f"checkpoint {step_dir} is {NOT_VERIFIED}.", CheckpointWarning, stacklevel=2)
+    elif problem:
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}. Fix: export an earlier step_NNNNNNNN "
+                              f"directory of {os.path.dirname(step_dir)}, or restore the file from a copy.")
+
+
+def log_traceback(root: str, e: BaseException) -> str:
+    """Append `e`'s traceback to `root`/errors.log; returns " (traceback in FILE)", or "" when it
+    cannot be written (a full disk)."""
+    import traceback
+
+    log = os.path.join(root, ERROR_LOG)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(log, "a") as f:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            f.write(f"--- rank {rank}\n{''.join(traceback.format_exception(e))}")
+    except OSError:  # a full disk: the one line still says what happened
+        return ""
+    return f" (traceback in {log})"
+
+
+def _nearly_full(path: str) -> bool:
+    """Whether the file system of `path` has under 1% (or 16 MiB) free: a save that failed there ran
+    out of space even when the error does not say so (torch's zip writer: 'unexpected pos')."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return False
+    return usage.free < max(16 << 20, usage.total // 100)
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether `e` (or what it wraps: a cause, torch.distributed.checkpoint's per-rank failures) is ENOSPC."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return True
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [getattr(f, "exc", f) for f in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return "[Errno 28]" in str(e)
 
 
 def unfinished_saves(root: str, after_step: int) -> list[str]:
@@ -180,16 +365,42 @@ def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg
          hf_files: dict | None, critic_hf_config: dict | None, rank: int, keep_last: int,
          rollout_buffer: list | None = None) -> str:
     """Collective: one complete checkpoint of `step`; returns its directory. `rollout_buffer`
-    (rank 0): [(step, RolloutBatch)] generated ahead of the training."""
+    (rank 0): [(step, RolloutBatch)] generated ahead of the training. A full disk: CheckpointError
+    (one line; `latest` still names the previous checkpoint)."""
+    try:
+        return _save(path_root, step, trainables, trainer, cfg, hf_config=hf_config, hf_files=hf_files,
+                     critic_hf_config=critic_hf_config, rank=rank, keep_last=keep_last, rollout_buffer=rollout_buffer)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        # a CheckpointException is raised on every rank, with every rank's failure on rank 0 (the
+        # coordinator), which reports it; the others end quietly
+        if type(e).__name__ == "CheckpointException" and rank != 0:
+            log_traceback(path_root, e)
+            raise CheckpointError(f"saving step {step} to {path_root} failed (rank 0 says why)", every_rank=True) from None
+        if not _no_space(e) and not _nearly_full(path_root):
+            raise
+        log = log_traceback(cfg.run.output_dir, e)  # not on the full disk, when checkpoint.dir is elsewhere
+        previous = latest_checkpoint(path_root)
+        resumes = f"it resumes from {previous} ('latest' still names it)" if previous else "it starts from step 0"
+        raise CheckpointError(f"no space left on the device of {path_root} while saving step {step}{log}. Fix: "
+                              f"free space there (delete {step_dir_name(step)}.partial, lower "
+                              f"checkpoint.keep_last, or set checkpoint.dir to a larger disk), then rerun the same "
+                              f"command: {resumes}.", every_rank=False) from None
+
+
+def _save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg: Config, *, hf_config: dict,
+          hf_files: dict | None, critic_hf_config: dict | None, rank: int, keep_last: int,
+          rollout_buffer: list | None) -> str:
     from megappo.models.checkpoint import save_trainable
 
     final = os.path.join(path_root, step_dir_name(step))
     partial = final + ".partial"
+    world = dist.get_world_size()
     if rank == 0:
         os.makedirs(path_root, exist_ok=True)
-        for name in os.listdir(path_root):  # saves that were killed midway
-            if name.endswith(".partial"):
-                shutil.rmtree(os.path.join(path_root, name))
+        if os.path.isdir(partial):  # this step's save that was killed midway (other saves' are not ours)
+            shutil.rmtree(partial)
         os.makedirs(os.path.join(partial, "rng"))
     dist.barrier()
     for role, trainable in trainables.items():
@@ -202,26 +413,47 @@ def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg
             torch.save({"batches": [{"step": buffered_step, "batch": _plain_batch(batch)}
                                     for buffered_step, batch in rollout_buffer]}, os.path.join(partial, ROLLOUT_BUFFER))
         state = {"format": FORMAT, **dataclasses.asdict(trainer), "roles": sorted(trainables),
-                 "world_size": dist.get_world_size(), "config": cfg.to_dict()}
+                 "world_size": world, "config": cfg.to_dict()}
         _write_atomic(os.path.join(partial, STATE_FILE), json.dumps(state, indent=2))
+    write_digests(partial, rank, world)  # every rank, the files it wrote: before the save counts as complete
+    dist.barrier()
+    if rank == 0:
         if os.path.isdir(final):  # the same step saved before a crash that lost `latest`'s update
             shutil.rmtree(final)
         os.rename(partial, final)
         _write_atomic(os.path.join(path_root, LATEST), step_dir_name(step))
-        _prune(path_root, keep_last)
+        _prune(path_root, keep_last, upto_step=step)
     dist.barrier()
     return final
 
 
 def load(path: str, trainables: dict, rank: int) -> None:
-    """Collective: model, optimizer and scheduler of each trained role, and this rank's RNG."""
+    """Collective: model, optimizer and scheduler of each trained role, and this rank's RNG.
+    A file that cannot be read: CheckpointError naming the checkpoint (traceback in errors.log)."""
+    from megappo.errors import ModelConfigError
     from megappo.models.checkpoint import load_trainable
 
-    for role, trainable in trainables.items():
-        load_trainable(trainable, os.path.join(path, role))
-    rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
-    if os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+    try:
+        for role, trainable in trainables.items():
+            load_trainable(trainable, os.path.join(path, role))
+        rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+        rng = torch.load(rng_file, weights_only=True) if os.path.isfile(rng_file) else None
+    except (ConfigError, ModelConfigError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a damaged file that no digest covered (a checkpoint of an older megappo)
+        from megappo.parallel.stage import as_collective_error
+
+        if as_collective_error(e) is not None:  # a lost peer: megappo.cli reports that
+            raise
+        log = log_traceback(os.path.dirname(path), e)
+        older = "" if os.path.isdir(os.path.join(path, DIGESTS)) else f" (it is {NOT_VERIFIED})"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"cannot read checkpoint {path}{older}: {type(e).__name__}: {first}{log}. Fix: write "
+                              f"an earlier step_NNNNNNNN into {os.path.join(os.path.dirname(path), LATEST)} "
+                              f"to resume from it, or restore the files from a copy.",
+                              every_rank=type(e).__name__ == "CheckpointException") from None
+    if rng is not None:
+        _set_rng_state(rng)
     elif rank == 0:
         warnings.warn(f"{path} has no RNG state for some ranks (saved with another world size); "
                       "those ranks keep their seeded RNG.", stacklevel=2)
@@ -260,12 +492,36 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _prune(root: str, keep_last: int) -> None:
+def _prune(root: str, keep_last: int, upto_step: int | None = None) -> None:
+    """Delete checkpoints beyond the newest `keep_last` among steps <= `upto_step` (the run's own
+    history: checkpoints after it, left by a run that a resume fell back from, are neither counted
+    nor deleted; they are replaced when the run saves their step again), except the newest one with
+    digests that preceded steps skipped for non-finite losses (a later one has more `nan_skips`)."""
     if keep_last <= 0:
         return
-    steps = sorted(name for name in os.listdir(root) if _STEP_DIR.match(name))
-    for name in steps[:-keep_last]:
-        shutil.rmtree(os.path.join(root, name))
+    steps = sorted(name for name in os.listdir(root) if _STEP_DIR.match(name)
+                   and (upto_step is None or int(name[len("step_"):]) <= upto_step))
+    keep = set(steps[-keep_last:]) | {_before_skips(root, steps)}
+    for name in steps:
+        if name not in keep:
+            shutil.rmtree(os.path.join(root, name))
+
+
+def _before_skips(root: str, steps: list[str]) -> str | None:
+    """The newest of `steps` with digests whose NaN-skip count is below a later one's."""
+    skips = {}
+    for name in steps:
+        try:
+            with open(os.path.join(root, name, STATE_FILE)) as f:
+                skips[name] = int(json.load(f).get("nan_skips", 0))
+        except (OSError, ValueError, TypeError):
+            continue
+    most_after, found = -1, None
+    for name in reversed([n for n in steps if n in skips]):
+        if skips[name] < most_after and found is None and os.path.isdir(os.path.join(root, name, DIGESTS)):
+            found = name
+        most_after = max(most_after, skips[name])
+    return found
 
 
 def _rng_state() -> dict:

@@ -149,6 +149,11 @@ def _train(args, cfg, world, on_ray, resume) -> int:
     from megappo.parallel.launch import ensure_ranks
 
     if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
+        from megappo.checkpointing import find_resume
+
+        with warnings.catch_warnings(action="ignore"):  # the ranks say which file is damaged, if they start
+            resume = find_resume(cfg, verify="full")  # the digests too, before saying there is nothing to do
+    if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
         print(f"nothing to do: {resume['path']} is at step {resume['step']} and run.total_steps="
               f"{cfg.run.total_steps}. Raise run.total_steps to train longer, or export the models: "
               f"megappo export {cfg.run.output_dir} OUT_DIR", flush=True)
@@ -238,13 +243,14 @@ def cmd_hardware(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from megappo.checkpointing import resolve_checkpoint
+    from megappo.checkpointing import check_model_dir, resolve_checkpoint
     from megappo.convert import check_output_dir
     from megappo.models.checkpoint import read_metadata
     from megappo.models.hf_config import ModelDims
     from megappo.parallel.launch import ensure_ranks
 
     ckpt = os.path.join(resolve_checkpoint(args.checkpoint), args.role)
+    check_model_dir(ckpt)  # its files against the digests recorded at save, before anything reads them
     ModelDims(**read_metadata(ckpt)["dims"]).check_layout(args.tp, args.pp, names=("--tp", "--pp"))
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp)
@@ -331,12 +337,28 @@ def main(argv=None) -> int:
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = getattr(args, "overrides", []) + extra  # overrides after an option: `R.yaml --world-size 8 k=v`
+    _one_line_warnings()
     try:
         return run_reporting_errors(args.func, args)
     except KeyboardInterrupt:  # Ctrl-C before the training loop handles it (megappo.interrupts)
         if int(os.environ.get("RANK", 0)) == 0:
             print("megappo: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def _one_line_warnings() -> None:
+    """megappo.errors.CheckpointWarning as one `megappo: warning: ...` line (others as Python shows them)."""
+    from megappo.errors import CheckpointWarning
+
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, CheckpointWarning):
+            print(f"megappo: warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
 
 
 def run_reporting_errors(func, *args) -> int:
@@ -364,7 +386,8 @@ def run_reporting_errors(func, *args) -> int:
         return _told_peers(USER_CODE_EXIT)
     except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
         _end_progress_line()
-        print(f"megappo: error: {e}", file=sys.stderr, flush=True)
+        if not getattr(e, "every_rank", False) or int(os.environ.get("RANK", 0)) == 0:  # a CheckpointError every
+            print(f"megappo: error: {e}", file=sys.stderr, flush=True)              # rank raised: rank 0 says it
         return _told_peers(2)
     except RuntimeError as e:
         failure = _run_failure(e)

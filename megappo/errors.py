@@ -1,5 +1,6 @@
 """The errors megappo raises for input it cannot run: `ConfigError` (a recipe or an override)
-and `ModelConfigError` (an HF config megappo cannot build, or a layout it cannot be split into).
+and `ModelConfigError` (an HF config megappo cannot build, or a layout it cannot be split into),
+`CheckpointError` (a checkpoint that cannot be read or written: damaged files, a full disk).
 
 Their messages name the setting and the fix. They live apart so that any layer can raise them
 without importing the config schema or the model code (`megappo.config.ConfigError` and
@@ -30,3 +31,20 @@ class ConfigError(ValueError):
 
 class ModelConfigError(ValueError):
     """An HF config megappo cannot build, or a layout it cannot be split into."""
+
+
+class CheckpointError(ConfigError):
+    """A trainer checkpoint that failed its digest check or cannot be read, or a save that ran out of
+    space; the message names the file (or directory) and the fix. Exits 2 like bad input.
+
+    `every_rank`: every rank raises the same error (a decision they took together), so only rank 0
+    reports it."""
+
+    def __init__(self, message: str, *, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint that was skipped (damaged, unfinished), fallen back to, or read unverified;
+    the CLI shows it as one `megappo: warning: ...` line."""

@@ -306,7 +306,7 @@ def create_run(cfg: Config) -> Run:
     ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
-        resume = checkpointing.find_resume(cfg)  # refusals come before any model is built
+        resume = checkpointing.find_resume(cfg, verify="full")  # refusals, damaged files: before any model is built
     torch.manual_seed(cfg.run.seed)
     source = model_source(cfg)
     prompts = load_prompts(cfg, ps, source.tokenizer)

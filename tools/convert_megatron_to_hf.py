@@ -36,7 +36,7 @@ def main() -> int:
 
 
 def convert(args) -> int:
-    from megappo.checkpointing import STATE_FILE
+    from megappo.checkpointing import STATE_FILE, check_model_dir
     from megappo.convert import check_output_dir
     from megappo.models.checkpoint import META_FILE, read_metadata
     from megappo.models.hf_config import ModelConfigError, ModelDims
@@ -49,6 +49,7 @@ def convert(args) -> int:
                 "pass --ckpt a directory written by tools/convert_hf_to_megatron.py or a trainer checkpoint's "
                 "actor/ or critic/ directory")
         raise ModelConfigError(f"--ckpt '{args.ckpt}' is not a megappo model checkpoint (no {META_FILE}). Fix: {hint}.")
+    check_model_dir(args.ckpt)  # a trainer checkpoint's files against their digests, before anything reads them
     dims = ModelDims(**read_metadata(args.ckpt)["dims"])
     dims.check_layout(args.tp, args.pp, names=("--tp", "--pp"), ep=args.ep, ep_name="--ep")
     check_output_dir(args.out, args.overwrite)

@@ -10,6 +10,7 @@ import pytest
 
 from megappo import checkpointing
 from megappo.config import ConfigError
+from megappo.errors import CheckpointError
 from megappo.recipe import config_from_dict
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}
@@ -19,14 +20,17 @@ def cfg_at(tmp_path, **sections):
     return config_from_dict({**MIN, "run": {"output_dir": str(tmp_path)}, **sections})
 
 
-def fake_checkpoint(root, step, config, complete=True):
-    """A step directory with just the trainer state (what find_resume reads)."""
+def fake_checkpoint(root, step, config, complete=True, digests=True):
+    """A step directory with just the trainer state (what find_resume reads) and its digests
+    (`digests=False`: as an older megappo wrote it)."""
     path = os.path.join(root, checkpointing.step_dir_name(step) + ("" if complete else ".partial"))
     os.makedirs(path)
     state = {"format": checkpointing.FORMAT, "step": step, "sampler": None, "kl_coef": 0.1, "nan_skips": 0,
              "config": config.to_dict()}
     with open(os.path.join(path, checkpointing.STATE_FILE), "w") as f:
         json.dump(state, f)
+    if digests:
+        checkpointing.write_digests(path, 0, world=1)
     if complete:
         with open(os.path.join(root, checkpointing.LATEST), "w") as f:
             f.write(checkpointing.step_dir_name(step))
@@ -131,3 +135,193 @@ def test_rollout_buffer_of_an_earlier_megappo_one_batch_still_loads(tmp_path):
     assert step == 5 and loaded.policy_version == 2 and loaded.examples == batch.examples
     assert torch.equal(loaded.rollout_log_probs, batch.rollout_log_probs)
     assert checkpointing.load_rollout_buffer(str(tmp_path / "nothing")) == []
+
+
+def digested_checkpoint(root, step, config, nan_skips=0, shard=b"\0" * 4096):
+    """A fake checkpoint with a weight shard, an rng file and the digests a save records (2 ranks)."""
+    path = fake_checkpoint(root, step, config)
+    state_file = os.path.join(path, checkpointing.STATE_FILE)
+    state = json.load(open(state_file))
+    with open(state_file, "w") as f:
+        json.dump(dict(state, nan_skips=nan_skips), f)
+    os.makedirs(os.path.join(path, "actor"))
+    os.makedirs(os.path.join(path, "rng"))
+    for rel, data in [("actor/__0_0.distcp", shard), ("actor/__1_0.distcp", shard[::-1]), ("actor/.metadata", b"m" * 64),
+                      ("rng/rank_00001.pt", b"r" * 32)]:
+        with open(os.path.join(path, rel), "wb") as f:
+            f.write(data)
+    for rank in (0, 1):
+        checkpointing.write_digests(path, rank, world=2)
+    return path
+
+
+def test_digests_are_recorded_by_the_rank_that_wrote_each_file(tmp_path):
+    path = digested_checkpoint(str(tmp_path), 2, cfg_at(tmp_path))
+    rank0 = json.load(open(os.path.join(path, "digests", "rank_00000.json")))
+    rank1 = json.load(open(os.path.join(path, "digests", "rank_00001.json")))
+    assert rank0["hash"] == checkpointing.HASH
+    assert sorted(rank0["files"]) == ["actor/.metadata", "actor/__0_0.distcp", checkpointing.STATE_FILE]
+    assert sorted(rank1["files"]) == ["actor/__1_0.distcp", "rng/rank_00001.pt"]
+    assert checkpointing.check_files(path) is None
+    assert checkpointing.check_files(path, share=(1, 2)) is None
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("flip", r"actor/__0_0.distcp: its bytes differ from the blake2b-128 digest recorded at save \(corrupted\)"),
+    ("truncate", r"actor/__0_0.distcp: 2048 bytes, the save wrote 4096 \(truncated or overwritten\)"),
+    ("delete", r"actor/__0_0.distcp: missing"),
+])
+def test_a_damaged_file_is_named_with_the_reason(tmp_path, damage, reason):
+    path = digested_checkpoint(str(tmp_path), 2, cfg_at(tmp_path))
+    shard = os.path.join(path, "actor", "__0_0.distcp")
+    if damage == "flip":  # one byte in the middle, same size
+        with open(shard, "r+b") as f:
+            f.seek(2000)
+            f.write(b"\xff")
+    elif damage == "truncate":
+        os.truncate(shard, 2048)
+    else:
+        os.remove(shard)
+    import re
+    assert re.fullmatch(".*" + reason, checkpointing.check_files(path))
+    if damage == "flip":
+        assert checkpointing.check_files(path, full=False) is None  # the launcher's quick look reads no shard
+        shares = [checkpointing.check_files(path, share=(rank, 2)) for rank in (0, 1)]
+        assert shares.count(None) == 1  # one of 2 ranks hashes the file (the other checks its size)
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+    cfg = cfg_at(tmp_path)
+    root = cfg.checkpoint_dir
+    digested_checkpoint(root, 2, cfg)
+    digested_checkpoint(root, 4, cfg)
+    newest = digested_checkpoint(root, 6, cfg)
+    with open(os.path.join(newest, checkpointing.STATE_FILE), "a") as f:
+        f.write(" ")  # one byte more
+    os.truncate(os.path.join(root, "step_00000004", "actor", ".metadata"), 10)
+    with pytest.warns(UserWarning) as caught:
+        state = checkpointing.find_resume(cfg, verify="full")
+    assert state["step"] == 2 and state["path"].endswith("step_00000002")
+    lines = [str(w.message) for w in caught]
+    assert len(lines) == 3 and all("\n" not in line for line in lines)
+    assert "step_00000006 is damaged: " in lines[0] and "trainer_state.json: " in lines[0]
+    assert "step_00000004 is damaged: " in lines[1] and "actor/.metadata: 10 bytes" in lines[1]
+    assert lines[2] == f"falling back to {os.path.join(root, 'step_00000002')} (step 2), the newest intact checkpoint."
+    os.truncate(os.path.join(root, "step_00000002", "rng", "rank_00001.pt"), 0)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=r"^no intact checkpoint in .*: 3 damaged "
+                                                                          r"\(newest: .*step_00000006.*\)\. Fix: "):
+        checkpointing.find_resume(cfg, verify="full")
+
+
+def test_a_truncated_trainer_state_of_an_old_checkpoint_falls_back_too(tmp_path):
+    """Checkpoints of an older megappo (no digests) load with a one-line warning; one whose
+    trainer_state.json is cut short is skipped like a damaged one."""
+    cfg = cfg_at(tmp_path)
+    fake_checkpoint(cfg.checkpoint_dir, 2, cfg, digests=False)
+    with pytest.warns(UserWarning, match=r"step_00000002 is not verified \(no digests: written by an older megappo\)\."):
+        assert checkpointing.find_resume(cfg, verify="full")["step"] == 2
+    newest = fake_checkpoint(cfg.checkpoint_dir, 4, cfg, digests=False)
+    os.truncate(os.path.join(newest, checkpointing.STATE_FILE), 20)
+    with pytest.warns(UserWarning) as caught:
+        assert checkpointing.find_resume(cfg)["step"] == 2
+    assert "trainer_state.json: cannot be read (JSONDecodeError" in str(caught[0].message)
+
+
+def test_export_refuses_a_damaged_model_dir_and_warns_for_an_old_one(tmp_path):
+    path = digested_checkpoint(str(tmp_path), 2, cfg_at(tmp_path))
+    checkpointing.check_model_dir(os.path.join(path, "actor"))  # intact: silent
+    os.truncate(os.path.join(path, "rng", "rank_00001.pt"), 1)
+    checkpointing.check_model_dir(os.path.join(path, "actor"))  # export reads actor/ only
+    os.truncate(os.path.join(path, "actor", "__1_0.distcp"), 1)
+    with pytest.raises(CheckpointError, match=r"step_00000002 is damaged: .*actor/__1_0.distcp: 1 bytes.*Fix: export "
+                                              r"an earlier step_NNNNNNNN"):
+        checkpointing.check_model_dir(os.path.join(path, "actor"))
+    old = fake_checkpoint(str(tmp_path / "old"), 2, cfg_at(tmp_path), digests=False)
+    with pytest.warns(UserWarning, match="not verified"):
+        checkpointing.check_model_dir(os.path.join(old, "actor"))
+    checkpointing.check_model_dir(str(tmp_path / "converted"))  # not inside a trainer checkpoint: not checked
+
+
+def test_prune_keeps_the_checkpoint_before_skipped_steps_and_ignores_a_discarded_future(tmp_path):
+    root, cfg = str(tmp_path), cfg_at(tmp_path)
+    digested_checkpoint(root, 2, cfg, nan_skips=0)
+    digested_checkpoint(root, 4, cfg, nan_skips=0)
+    digested_checkpoint(root, 6, cfg, nan_skips=3)  # steps 5-6 were skipped
+    digested_checkpoint(root, 8, cfg, nan_skips=3)
+    checkpointing._prune(root, keep_last=2, upto_step=8)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000004", "step_00000006",
+                                                                           "step_00000008"]
+    # a resume fell back from damaged step 8 to step 4 and saved step 5: step 8 is not counted (nor deleted)
+    digested_checkpoint(root, 5, cfg, nan_skips=0)
+    checkpointing._prune(root, keep_last=2, upto_step=5)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000004", "step_00000005",
+                                                                           "step_00000006", "step_00000008"]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_latest_is_kept(tmp_path, monkeypatch):
+    import errno
+
+    from megappo.models import checkpoint as model_checkpoint
+
+    cfg = cfg_at(tmp_path)
+    root = cfg.checkpoint_dir
+    fake_checkpoint(root, 2, cfg)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpointing.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(checkpointing.dist, "barrier", lambda: None)
+    monkeypatch.setattr(model_checkpoint, "save_trainable", full_disk)
+    with pytest.raises(CheckpointError) as caught:
+        checkpointing.save(root, 4, {"actor": None}, None, cfg, hf_config={}, hf_files=None, critic_hf_config=None,
+                           rank=0, keep_last=2)
+    message = str(caught.value)
+    assert "\n" not in message and not caught.value.every_rank
+    assert message.startswith(f"no space left on the device of {root} while saving step 4 (traceback in "
+                              f"{os.path.join(str(tmp_path), 'errors.log')}). Fix: free space there")
+    assert message.endswith(f"it resumes from {os.path.join(root, 'step_00000002')} ('latest' still names it).")
+    assert "OSError: [Errno 28]" in open(os.path.join(str(tmp_path), "errors.log")).read()
+    assert open(os.path.join(root, "latest")).read() == "step_00000002"
+
+
+def test_a_save_removes_only_its_own_unfinished_directory(tmp_path, monkeypatch):
+    from megappo.models import checkpoint as model_checkpoint
+
+    cfg = cfg_at(tmp_path)
+    root = cfg.checkpoint_dir
+    for name in ("step_00000004.partial", "step_00000009.partial", "other.partial"):
+        os.makedirs(os.path.join(root, name, "stale"))
+    monkeypatch.setattr(checkpointing.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(checkpointing.dist, "barrier", lambda: None)
+    monkeypatch.setattr(model_checkpoint, "save_trainable", lambda *a: None)
+    monkeypatch.setattr(checkpointing, "_rng_state", lambda: {})
+    trainer = checkpointing.TrainerState(step=4, sampler=None, kl_coef=0.1, nan_skips=0)
+    path = checkpointing.save(root, 4, {"actor": None}, trainer, cfg, hf_config={}, hf_files=None,
+                              critic_hf_config=None, rank=0, keep_last=2)
+    assert sorted(os.listdir(root)) == ["latest", "other.partial", "step_00000004", "step_00000009.partial"]
+    assert not os.path.exists(os.path.join(path, "stale")) and checkpointing.check_files(path) is None
+
+
+def test_a_checkpoint_that_cannot_be_read_is_one_line_with_the_traceback_in_errors_log(tmp_path, monkeypatch):
+    """An older checkpoint (no digests) whose .metadata is cut short: Megatron's AssertionError
+    becomes one line naming the checkpoint and the fix."""
+    from megappo.models import checkpoint as model_checkpoint
+
+    cfg = cfg_at(tmp_path)
+    path = fake_checkpoint(cfg.checkpoint_dir, 2, cfg, digests=False)
+
+    def unreadable(trainable, ckpt_dir):
+        assert None, "metadata is None"
+
+    monkeypatch.setattr(model_checkpoint, "load_trainable", unreadable)
+    with pytest.raises(CheckpointError) as caught:
+        checkpointing.load(path, {"actor": None}, rank=0)
+    message = str(caught.value)
+    log = os.path.join(cfg.checkpoint_dir, "errors.log")
+    assert "\n" not in message
+    assert message == (f"cannot read checkpoint {path} (it is not verified (no digests: written by an older megappo)): "
+                       f"AssertionError: metadata is None (traceback in {log}). Fix: write an earlier step_NNNNNNNN "
+                       f"into {os.path.join(cfg.checkpoint_dir, 'latest')} to resume from it, or restore the files "
+                       "from a copy.")
+    assert "in unreadable" in open(log).read()
