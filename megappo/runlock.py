@@ -39,8 +39,8 @@ class RunLocked(ConfigError):
 class RunLock:
     """The locks this process took (none when its launcher holds them). A context manager."""
 
-    def __init__(self, held: list[tuple[str, int]], token: str | None = None):
-        self.held, self.token = held, token
+    def __init__(self, held: list[tuple[str, int]], token: str | None = None, created: list[str] | None = None):
+        self.held, self.token, self.created = held, token, created or []
 
     def release(self) -> None:
         if self.token is not None and os.environ.get(TOKEN_ENV) == self.token:
@@ -52,6 +52,12 @@ class RunLock:
             except FileNotFoundError:
                 pass
             os.close(fd)
+        for directory in reversed(self.created):  # made for the lock and still empty: a refused run leaves nothing
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+        self.created = []
 
     def __enter__(self) -> "RunLock":
         return self
@@ -109,9 +115,11 @@ def acquire(dirs: list[str], *, what: str = "run.output_dir") -> RunLock:
               "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "token": uuid.uuid4().hex}
     held: list[tuple[str, int]] = []
+    created: list[str] = []  # directories made here, outermost first
     unique = list(dict.fromkeys(os.path.realpath(d) for d in dirs))
     try:
         for directory in unique:
+            created += _missing(directory)
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, LOCK_FILE)
             fd = _take(path)
@@ -131,9 +139,21 @@ def acquire(dirs: list[str], *, what: str = "run.output_dir") -> RunLock:
             os.fsync(fd)
             held.append((path, fd))
     except BaseException:
-        RunLock(held).release()
+        RunLock(held, created=created).release()
         raise
     if not held:
         return RunLock([])
     os.environ[TOKEN_ENV] = record["token"]  # inherited by the ranks this process launches
-    return RunLock(held, record["token"])
+    return RunLock(held, record["token"], created)
+
+
+def _missing(directory: str) -> list[str]:
+    """The directories `os.makedirs(directory)` would create, outermost first."""
+    missing = []
+    while directory and not os.path.exists(directory):
+        missing.append(directory)
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    return missing[::-1]

@@ -7,6 +7,7 @@
   `megappo export` refuse it with one line naming the file (exit 2), and the command never runs.
 """
 
+import json
 import os
 import pickle
 import shutil
@@ -16,6 +17,8 @@ import time
 import uuid
 
 import pytest
+
+from megappo.checkpointing import file_digest
 
 from tests.e2e._runs import metrics
 
@@ -97,6 +100,12 @@ def poisoned(raced, tmp_path):
     marker = f"/tmp/pwned_{uuid.uuid4().hex}"
     meta = out / "checkpoints" / "step_00000002" / "actor" / ".metadata"
     meta.write_bytes(pickle.dumps(_Payload(f"touch {marker}")))
+    # whoever can write the checkpoint can rewrite its digests too (they catch accidents, not attacks):
+    # record the poisoned file's, so that loading reaches the unpickler
+    manifest = out / "checkpoints" / "step_00000002" / "digests" / "rank_00000.json"
+    record = json.loads(manifest.read_text())
+    record["files"]["actor/.metadata"] = {"size": meta.stat().st_size, "digest": file_digest(str(meta))}
+    manifest.write_text(json.dumps(record))
     yield out, meta, marker
     if os.path.exists(marker):
         os.unlink(marker)

@@ -110,3 +110,15 @@ def test_ranks_of_the_launcher_that_holds_it_go_on(tmp_path):
                                   timeout=60)
         assert stranger.returncode != 0 and "is in use by another megappo run" in stranger.stderr
         assert (tmp_path / LOCK_FILE).is_file()  # the rank did not remove its launcher's lock
+
+
+def test_directories_made_for_the_lock_are_removed_when_empty(tmp_path):
+    """A run refused before it wrote anything (e.g. bad data found by the rank) leaves no directory."""
+    from megappo.runlock import acquire
+
+    with acquire([str(tmp_path / "a" / "run")]):
+        assert (tmp_path / "a" / "run" / "megappo.lock").exists()
+    assert not (tmp_path / "a").exists()
+    with acquire([str(tmp_path / "b")]):
+        (tmp_path / "b" / "metrics.jsonl").write_text("")
+    assert (tmp_path / "b" / "metrics.jsonl").exists() and not (tmp_path / "b" / "megappo.lock").exists()
