@@ -33,6 +33,7 @@ from megappo.rollout.multiturn import observation_encoder, run_episodes
 from megappo.run import Run
 from megappo.samples import pick_samples
 from megappo.types import RolloutBatch, SamplingParams
+from megappo.user_code import UserCodeError
 from megappo.workers import Experience, SeqBatch, TokenStats, pass_metrics
 
 
@@ -76,7 +77,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                 m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
                 m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
-                                  sum_pi_squared=old.sum_pi_squared, components=reward_components(run, read))
+                                  sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch, read))
             m.update(rollout_metrics(batch, scores, exp, old.entropy))
             run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
         exp = broadcast_from_rank0(exp)
@@ -162,11 +163,22 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read:
     cfg = run.cfg.reward
     scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
     if cfg.functions:
-        scores += torch.tensor(score_batch(cfg.functions, cfg.function_weights, *(read or responses(run, batch)),
-                                           checks=run.reward_checks))
+        scores += torch.tensor(scored(run, batch, cfg.functions, cfg.function_weights, read or responses(run, batch)))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
     return scores
+
+
+def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple) -> list[float]:
+    """score_batch with the run's reward checks; a failing function's error names the row's prompt too."""
+    try:
+        return score_batch(names, weights, *read, checks=run.reward_checks)
+    except UserCodeError as e:
+        example = next((x for x in batch.examples or () if x.index == e.row), None)
+        if example is None:
+            raise
+        prompt = run.tokenizer.decode(list(example.prompt_ids), skip_special_tokens=True)
+        raise e.at(prompt=prompt) from e.__cause__
 
 
 def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str], list[int]]:
@@ -200,12 +212,11 @@ def needs_sum_pi_squared(cfg) -> bool:
     return cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
-def reward_components(run: Run, read: tuple) -> torch.Tensor | None:
+def reward_components(run: Run, batch: RolloutBatch, read: tuple) -> torch.Tensor | None:
     """[N, K] each GDPO component's score (one reward function each, unweighted); None for other estimators."""
     if run.cfg.algorithm.adv_estimator != "gdpo":
         return None
-    return torch.tensor([score_batch([name], None, *read, checks=run.reward_checks)
-                         for name in run.cfg.gdpo_components]).T.float()
+    return torch.tensor([scored(run, batch, [name], None, read) for name in run.cfg.gdpo_components]).T.float()
 
 
 def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,

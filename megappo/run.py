@@ -79,7 +79,7 @@ class Run:
     nan_skips: int = 0  # steps skipped for non-finite losses so far (carried across resumes)
     last_saved_step: int | None = None
     rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
-    reward_checks: RewardChecks | None = None  # how your reward functions are checked (reward.bad_value_policy, timeout_s)
+    reward_checks: RewardChecks | None = None  # how your reward functions are checked (reward.bad_value_policy, ...)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

@@ -73,7 +73,7 @@ def score(response, ground_truth, extra):
 
 def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path):
     """Two ranks; the user's reward function raises on the row whose answer is 7 (row 6): its own
-    traceback, then one message naming the function and the row, last on the screen; the other
+    traceback, then one message naming the function, the row and its prompt, last on the screen; the other
     rank exits quietly with it (no lost connection), the launcher adds nothing and does not
     restart although run.max_restarts allows it."""
     (tmp_path / "my_reward.py").write_text(REWARD_THAT_RAISES)
@@ -83,7 +83,7 @@ def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path):
     assert code == 4, out[-4000:]
     assert out.rstrip().splitlines()[-1] == (
         f"megappo: error: reward function '{tmp_path}/my_reward.py:score' raised ValueError: no scorer for 7 yet on row "
-        "6. Fix: correct that code (its traceback is above).")
+        "6 (prompt '6>'). Fix: correct that code (its traceback is above).")
     traceback = out[out.index("Traceback (most recent call last):"):]
     assert f'File "{tmp_path}/my_reward.py", line 4, in score' in traceback and "megappo/" not in traceback
     assert "lost its connection" not in out and "failed (exited" not in out and "restart" not in out
@@ -106,7 +106,7 @@ def test_a_nan_from_the_users_reward_function_is_the_one_message(tmp_path):
                         f"run.output_dir={run}")
     assert code == 4, out[-4000:]
     assert out.rstrip().splitlines()[-1] == (
-        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' returned nan, not a finite number on row 3. "
+        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' returned nan, not a finite number on row 3 (prompt '3>'). "
         "Fix: return a finite float, or set reward.bad_value_policy=warn to score such responses 0.")
     assert out.count("megappo: error:") == 1 and "Traceback" not in out and "failed (exited" not in out
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()

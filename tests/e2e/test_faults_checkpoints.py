@@ -137,7 +137,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_latest_is_kept(tmp_path):
         assert error.startswith(f"megappo: error: no space left on the device of {small} while saving step 2"), error
         assert f"it resumes from {os.path.join(small, 'step_00000001')} ('latest' still names it)." in error
         assert f"while saving step 2 (traceback in {os.path.join(out, 'errors.log')}). Fix: free space" in error
-        assert "No space left on device" in open(os.path.join(out, "errors.log")).read()
+        said = open(os.path.join(out, "errors.log")).read()  # the failed save's traceback: torch's writer reports
+        assert "Traceback" in said and ("No space left on device" in said or "unexpected pos" in said)  # ENOSPC either way
         assert open(os.path.join(small, "latest")).read() == "step_00000001"
     finally:
         subprocess.run(["umount", small], capture_output=True, timeout=60)
