@@ -396,6 +396,22 @@ class RefConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class OverlongBufferConfig(_Section):
+    """DAPO's overlong reward shaping (verl's dapo reward manager, `overlong_buffer_cfg`)."""
+
+    enable: bool = False  # add min(0, -(length - (rollout.max_new_tokens - len)) / len * penalty_factor) to each score
+    len: int = 0  # the buffer: the last `len` tokens before rollout.max_new_tokens, over which the penalty grows
+    penalty_factor: float = 1.0  # the penalty at rollout.max_new_tokens (linear from 0 at the buffer's start)
+    log: bool = False  # also log reward/overlong_reward and reward/overlong (fraction penalised)
+
+    def check(self) -> None:
+        _require(not self.enable or self.len > 0, f"{P}len={self.len} must be > 0 when {P}enable=true. Fix: e.g. "
+                 f"{P}len=128 (tokens), or {P}enable=false.")
+        _require(self.penalty_factor >= 0, f"{P}penalty_factor={self.penalty_factor} must be >= 0. Fix: e.g. "
+                 f"{P}penalty_factor=1.0.")
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig(_Section):
     functions: list[str] = dataclasses.field(default_factory=list)  # rule-based rewards (megappo.rewards)
     function_weights: Optional[list[float]] = None  # one weight per function; None: all 1.0
@@ -412,6 +428,7 @@ class RewardConfig(_Section):
     packing: bool = True  # pack sequences without padding into token-budget micro-batches (verl: use_remove_padding + use_dynamic_bsz)
     max_tokens_per_micro_batch: Optional[int] = None  # packing: tokens per micro-batch on one replica; None: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens) (verl: ppo_max_token_len_per_gpu)
     parallel: RoleParallelConfig = _default(RoleParallelConfig)  # this role's TP/PP, when not the shared parallel.*
+    overlong_buffer: OverlongBufferConfig = _default(OverlongBufferConfig)  # DAPO's length penalty near rollout.max_new_tokens
 
     def check(self) -> None:
         _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1)
@@ -437,6 +454,23 @@ class KLCtrlConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class FilterGroupsConfig(_Section):
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): docs/dapo.md."""
+
+    enable: bool = False  # drop groups whose samples all have the same metric value; generate more prompts until the batch is full
+    metric: str = "reward"  # reward (alias seq_reward, score): the sequence score; acc: the reward dict's 'acc' (else score >= 1); or another field your reward function returns
+    max_num_gen_batches: int = 0  # generation batches per step at most (data.gen_batch_size prompts each); 0: no bound
+    max_inflight_gen_batches: int = 1  # generation batches asked of the engine in one call (more work per call)
+    on_limit: Literal["fill", "stop"] = "fill"  # at max_num_gen_batches: fill (top the batch up with dropped groups, warn, count filter_groups/hit_limit) or stop (end the run, as verl)
+
+    def check(self) -> None:
+        _at_least(self, max_num_gen_batches=0, max_inflight_gen_batches=1)
+        _require(self.metric != "seq_final_reward", f"{P}metric=seq_final_reward is the score after the in-reward KL "
+                 f"penalty, which needs the reference pass after generation; megappo filters at generation. Fix: "
+                 f"write {P}metric=reward (the score before the penalty).")
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig(_Section):
     adv_estimator: Literal[ADV_ESTIMATORS] = "gae"  # advantage estimator (docs/ppo-math.md); gae needs the critic
     gamma: float = 1.0  # discount
@@ -448,6 +482,8 @@ class AlgorithmConfig(_Section):
     gdpo_reward_keys: Optional[list[str]] = None  # gdpo: the reward.functions normalised apart (each one a component); null: every function
     gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per component; null: all 1.0
     rollout_correction: RolloutCorrectionConfig = _default(RolloutCorrectionConfig)  # importance weights / rejection for the engine-trainer mismatch
+    filter_groups: FilterGroupsConfig = _default(FilterGroupsConfig)  # DAPO's dynamic sampling
+    mask_truncated_completions: bool = False  # samples that ran into rollout.max_new_tokens carry no loss (DAPO's overlong filtering; TRL's name)
 
     def check(self) -> None:
         for name in ("gamma", "lam"):
@@ -545,6 +581,7 @@ class DataConfig(_Section):
     long_prompt_policy: Literal["skip", "truncate", "error"] = "skip"  # for longer prompts
     bad_row_policy: Literal["error", "warn", "skip"] = "error"  # rows with no prompt, unknown characters or no ground truth
     train_batch_size: int = 1024  # prompts per PPO step
+    gen_batch_size: Optional[int] = None  # algorithm.filter_groups: prompts per generation batch; None: train_batch_size
     shuffle: bool = True  # reshuffle prompts every epoch
     seed: int = 1  # shuffling / generation seed
     apply_chat_template: bool = True  # render prompts with the tokenizer's chat template
@@ -554,7 +591,7 @@ class DataConfig(_Section):
     few_shot: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
-        _at_least(self, builtin_size=1, builtin_val_size=1, max_prompt_length=1, train_batch_size=1)
+        _at_least(self, builtin_size=1, builtin_val_size=1, max_prompt_length=1, train_batch_size=1, gen_batch_size=1)
         _require(not (self.builtin and self.train_files),
                  f"{P}builtin and {P}train_files are both set. Fix: set {P}builtin=null or {P}train_files=[].")
         _require(not self.builtin or self.builtin_size >= self.train_batch_size,
@@ -615,9 +652,10 @@ class RunConfig(_Section):
     # the OOM killer) or a collective timed out; never after bad input, a NaN abort or SIGINT/SIGTERM
     # (megappo.parallel.launch; when `megappo train` starts its ranks, not under an outside torchrun)
     max_restarts: int = 0
+    critic_warmup: int = 0  # the first N steps train the critic alone (the actor stays frozen; verl's trainer.critic_warmup)
 
     def check(self) -> None:
-        _at_least(self, total_steps=1, total_epochs=1, val_every=0, max_nan_skips=0, max_restarts=0)
+        _at_least(self, total_steps=1, total_epochs=1, val_every=0, max_nan_skips=0, max_restarts=0, critic_warmup=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -722,6 +760,22 @@ class Config(_Section):
         _require(weights is None or len(weights) == len(keys),
                  f"algorithm.gdpo_reward_weights has {len(weights or ())} entries for {len(keys)} components. Fix: give "
                  "one weight per component of algorithm.gdpo_reward_keys, or null (all 1.0).")
+        fg = self.algorithm.filter_groups
+        _require(not fg.enable or n >= 2,
+                 f"algorithm.filter_groups keeps groups whose samples differ, but rollout.n={n}: a group of one never "
+                 "differs, so every group would be dropped. Fix: set rollout.n >= 2 (DAPO uses 8-16).")
+        _require(not fg.enable or fg.metric not in ("reward", "seq_reward", "score") or not self.reward.model_path,
+                 "algorithm.filter_groups.metric=reward filters at generation on rank 0, before the reward model's "
+                 "pass, so the reward model's scores are not known yet. Fix: filter on a rule-based function's field "
+                 "(algorithm.filter_groups.metric=acc) or drop reward.model_path.")
+        ob = self.reward.overlong_buffer
+        _require(not ob.enable or ob.len <= self.rollout.max_new_tokens,
+                 f"reward.overlong_buffer.len={ob.len} is longer than rollout.max_new_tokens="
+                 f"{self.rollout.max_new_tokens}. Fix: set reward.overlong_buffer.len <= {self.rollout.max_new_tokens} "
+                 "(DAPO: a quarter of it or less).")
+        _require(not self.run.critic_warmup or self.use_critic,
+                 f"run.critic_warmup={self.run.critic_warmup} trains the critic alone first, but this run has no critic "
+                 f"(algorithm.adv_estimator={est}). Fix: set run.critic_warmup=0, or use algorithm.adv_estimator=gae.")
         rc = self.algorithm.rollout_correction
         _require(self.actor.old_logprob == "recompute" or not rc.enabled,
                  f"actor.old_logprob={self.actor.old_logprob} is a preset of algorithm.rollout_correction, which is set "
