@@ -41,10 +41,12 @@ This module does not know the order of a PPO step or how models are built.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -224,10 +226,13 @@ def write_digests(step_dir: str, rank: int, world: int) -> None:
                   json.dumps({"format": DIGEST_FORMAT, "hash": HASH, "rank": rank, "files": files}, indent=1))
 
 
-def check_files(step_dir: str, *, full: bool = True, prefix: str = "", share: tuple[int, int] = (0, 1)) -> str | None:
+def check_files(step_dir: str, *, full: bool = True, prefix: str = "", share: tuple[int, int] = (0, 1),
+                required: str = STATE_FILE) -> str | None:
     """None when every file recorded in `step_dir`'s digests (under `prefix`) is there with its
     size (and, `full`, its digest); else one line: the file and what is wrong. NOT_VERIFIED when
-    the checkpoint has no digests. `share=(i, n)`: digests of every n-th file from the i-th only."""
+    the checkpoint has no digests. `share=(i, n)`: digests of every n-th file from the i-th only.
+    `required`: the file whose record shows rank 0 finished writing its digests (a trainer
+    checkpoint's trainer_state.json; a converted model directory's megappo_model.json)."""
     digests = os.path.join(step_dir, DIGESTS)
     if not os.path.isdir(digests):
         return NOT_VERIFIED
@@ -241,7 +246,7 @@ def check_files(step_dir: str, *, full: bool = True, prefix: str = "", share: tu
             recorded.update(manifest["files"])
         except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
             return f"{file}: the digest record cannot be read ({type(e).__name__})"
-    if STATE_FILE not in recorded:
+    if required not in recorded:
         return f"{os.path.join(digests, 'rank_00000.json')}: missing (the save did not finish writing its digests)"
     names = sorted(rel for rel in recorded if rel.startswith(prefix))
     for i, rel in enumerate(names):
@@ -257,18 +262,25 @@ def check_files(step_dir: str, *, full: bool = True, prefix: str = "", share: tu
 
 
 def check_model_dir(model_dir: str) -> None:
-    """Before export / conversion reads a trainer checkpoint's actor/ or critic/: its files must
-    match their digests (CheckpointError naming the file); a checkpoint without digests is read
-    with a warning. A model directory outside a trainer checkpoint is not checked."""
+    """Before export / conversion reads a model directory: a trainer checkpoint's actor/ or
+    critic/, or a directory tools/convert_hf_to_megatron.py wrote (its own digests/): its files
+    must match their digests (CheckpointError naming the file); one without digests (written by an
+    older megappo) is read with a warning."""
+    from megappo.models.checkpoint import META_FILE
+
     step_dir = os.path.dirname(os.path.normpath(model_dir))
-    if not os.path.isfile(os.path.join(step_dir, STATE_FILE)):
-        return
-    problem = check_files(step_dir, prefix=os.path.basename(os.path.normpath(model_dir)) + os.sep)
+    if os.path.isfile(os.path.join(step_dir, STATE_FILE)):
+        problem = check_files(step_dir, prefix=os.path.basename(os.path.normpath(model_dir)) + os.sep)
+        fix = f"export an earlier step_NNNNNNNN directory of {os.path.dirname(step_dir)}, or restore the file from a copy"
+        where = f"checkpoint {step_dir}"
+    else:
+        problem = check_files(model_dir, required=META_FILE)
+        fix = "convert it again from its HF directory (tools/convert_hf_to_megatron.py), or restore the file from a copy"
+        where = f"model checkpoint {model_dir}"
     if problem == NOT_VERIFIED:
-        warnings.warn(f"checkpoint {step_dir} is {NOT_VERIFIED}.", CheckpointWarning, stacklevel=2)
+        warnings.warn(f"{where} is {NOT_VERIFIED}.", CheckpointWarning, stacklevel=2)
     elif problem:
-        raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}. Fix: export an earlier step_NNNNNNNN "
-                              f"directory of {os.path.dirname(step_dir)}, or restore the file from a copy.")
+        raise CheckpointError(f"{where} is damaged: {problem}. Fix: {fix}.")
 
 
 def log_traceback(root: str, e: BaseException) -> str:
@@ -285,6 +297,42 @@ def log_traceback(root: str, e: BaseException) -> str:
     except OSError:  # a full disk: the one line still says what happened
         return ""
     return f" (traceback in {log})"
+
+
+#: loggers of the libraries a save runs through, whose error lines (Megatron's async writer logs
+#: "Local process N encountered an error: ..." per rank before raising) belong in errors.log
+SAVE_LOGGERS = ("megatron.core.dist_checkpointing", "torch.distributed.checkpoint")
+
+
+@contextlib.contextmanager
+def _library_errors_to(root: str):
+    """During a save: those loggers' records go to `root`/errors.log (not Python's last-resort
+    stderr handler), so a failed save stays one line on the console. Nothing is opened unless a
+    record comes (the disk may be full)."""
+    handler = _ErrorLogHandler(os.path.join(root, ERROR_LOG))
+    loggers = [logging.getLogger(name) for name in SAVE_LOGGERS]
+    saved = [(lg.propagate, lg.handlers[:]) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, (propagate, handlers) in zip(loggers, saved):
+            lg.handlers[:], lg.propagate = handlers, propagate
+
+
+class _ErrorLogHandler(logging.Handler):
+    def __init__(self, path: str):
+        super().__init__(logging.WARNING)
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            with open(self.path, "a") as f:
+                f.write(f"--- {record.name} {record.levelname}: {self.format(record)}\n")
+        except OSError:  # a full disk: the error that follows still says what happened
+            pass
 
 
 def _nearly_full(path: str) -> bool:
@@ -368,8 +416,10 @@ def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg
     (rank 0): [(step, RolloutBatch)] generated ahead of the training. A full disk: CheckpointError
     (one line; `latest` still names the previous checkpoint)."""
     try:
-        return _save(path_root, step, trainables, trainer, cfg, hf_config=hf_config, hf_files=hf_files,
-                     critic_hf_config=critic_hf_config, rank=rank, keep_last=keep_last, rollout_buffer=rollout_buffer)
+        with _library_errors_to(cfg.run.output_dir):
+            return _save(path_root, step, trainables, trainer, cfg, hf_config=hf_config, hf_files=hf_files,
+                         critic_hf_config=critic_hf_config, rank=rank, keep_last=keep_last,
+                         rollout_buffer=rollout_buffer)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -59,10 +59,12 @@ def check_output_dir(out_dir: str, overwrite: bool) -> None:
 
 
 class _StagedOutput:
-    """A temp directory beside `out_dir`, renamed into place on success, removed on failure."""
+    """A temp directory beside `out_dir`, renamed into place on success, removed on failure.
+    `digests`: each rank records the size and digest of the files it wrote (digests/rank_R.json,
+    megappo.checkpointing) before the rename, so readers can check them (check_model_dir)."""
 
-    def __init__(self, out_dir: str, ps: ParallelState, overwrite: bool):
-        self.out_dir, self.ps, self.overwrite = os.path.abspath(out_dir), ps, overwrite
+    def __init__(self, out_dir: str, ps: ParallelState, overwrite: bool, *, digests: bool = False):
+        self.out_dir, self.ps, self.overwrite, self.digests = os.path.abspath(out_dir), ps, overwrite, digests
         box = [f"{self.out_dir}.tmp-{os.getpid()}" if ps.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         self.tmp = box[0]
@@ -74,6 +76,12 @@ class _StagedOutput:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and self.digests:
+            from megappo.checkpointing import write_digests
+
+            dist.barrier()  # every rank's files are written
+            write_digests(self.tmp, dist.get_rank(), dist.get_world_size())
+            dist.barrier()
         if self.ps.rank == 0:
             if exc_type is None:
                 if os.path.exists(self.out_dir):
@@ -95,7 +103,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, ps: ParallelState, *, role: str = 
     model = build_model(dims, ps, role=role)
     load_hf_weights(model, hf_dir)
     results = {}
-    with _StagedOutput(out_dir, ps, overwrite) as tmp:
+    with _StagedOutput(out_dir, ps, overwrite, digests=True) as tmp:
         save_model(model, tmp, hf_config, read_aux_files(hf_dir))
         if verify:
             fresh = build_model(dims, ps, role=role)

@@ -61,6 +61,17 @@ def test_round_trip_tp2xpp2_with_verify(tmp_path, family):  # map is tested in t
     assert json.loads((back / "config.json").read_text()) == TINY_CONFIGS[family]
     assert (back / "tokenizer_config.json").is_file()
     assert not list(tmp_path.glob("*.tmp-*"))
+    # every rank recorded the digests of the files it wrote; a damaged shard is named before any rank starts
+    assert sorted(p.name for p in (ckpt / "digests").iterdir()) == [f"rank_0000{r}.json" for r in range(4)]
+    shard = ckpt / "__3_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, out = run_tool("convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(tmp_path / "again"),
+                         check=False)
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert f"model checkpoint {ckpt} is damaged: {shard}: its bytes differ" in out and "convert it again" in out, out
+    assert not (tmp_path / "again").exists()
 
 
 def test_every_family_saved_by_transformers_converts_with_verify(tmp_path):
