@@ -218,8 +218,8 @@ def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, li
         if found is None:
             mine = f"{key}={raw}"
         elif found[0] == "refused":
-            raise ConfigError(f"'{key}' is a verl key megappo does not read: {found[1]}. Fix: remove it and do that "
-                              "(docs/config.md, 'Coming from verl').")
+            raise ConfigError(f"'{key}={raw.strip()}' is a verl key megappo does not read as written. Fix: "
+                              f"{found[1]} (docs/config.md, 'Coming from verl').")
         elif found[0] == "unused":
             reading.unused = [(k, w) for k, w in reading.unused if k != key] + [(key, found[1])]
             continue

@@ -101,7 +101,7 @@ BY_VALUE: dict[str, dict[str, str]] = {
     # verl truncates a long prompt's start ('left') or stops ('error'); megappo keeps a prompt's end (truncate)
     "data.truncation": {"left": "data.long_prompt_policy=truncate", "error": "data.long_prompt_policy=error"},
     "data.filter_overlong_prompts": {"true": "data.long_prompt_policy=skip"},
-    "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": "checkpoint.resume=off"},
+    "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": 'checkpoint.resume="off"'},  # quoted: YAML 1.1's off is false
     # verl validates greedily unless do_sample; megappo samples when rollout.val_temperature > 0
     "actor_rollout_ref.rollout.val_kwargs.do_sample": {"false": "rollout.val_temperature=0"},
 }
