@@ -231,7 +231,7 @@ def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, li
             mine = found[1]
             ours, _, value = mine.partition("=")
             shown = ours if value == raw.strip() else f"{ours}={value}"
-            reading.read = [(k, o) for k, o in reading.read if k != key] + [
+            reading.read = [(k, o) for k, o in reading.read if k.partition("=")[0] != key] + [
                 (key if value == raw.strip() else f"{key}={raw.strip()}", shown)]
         ours, _, value = mine.partition("=")
         setters[ours] = _check_same(setters.get(ours), key, _parsed(value), ours)

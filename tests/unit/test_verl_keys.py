@@ -200,14 +200,19 @@ trainer: {total_epochs: 15, n_gpus_per_node: 8}
 
 
 def test_every_mapped_key_exists_and_is_documented():
-    """The table names only keys megappo has, and docs/config.md lists every verl key it maps."""
+    """The table names only keys megappo has, and docs/config.md lists every verl key it reads, does not use
+    or refuses."""
     assert not [ours for ours in verl_keys.RENAMED.values() if not _is_key(ours)]
     for verl, ours in verl_keys.PREFIXES.items():
         assert _is_key(ours.rstrip(".")), ours
     assert not [k for k in verl_keys.RENAMED if _is_key(k)]  # a key megappo has needs no translation
     docs = (REPO / "docs/config.md").read_text()
     section = docs[docs.index("### Coming from verl"):]
-    missing = [k for k in (*verl_keys.RENAMED, *verl_keys.OTHERWISE) if f"`{k}`" not in section]
+    tables = (verl_keys.RENAMED, verl_keys.OTHERWISE, verl_keys.BY_VALUE, verl_keys.VALUES, verl_keys.RATIOS,
+              verl_keys.MOOT, verl_keys.UNUSED, verl_keys.UNUSED_PATTERNS)
+    missing = [k for table in tables for k in table if f"`{k}" not in section]
+    missing += [f"{k}={v}" for k, values in verl_keys.UNUSED_VALUES.items() for v in values
+                if f"`{k}={v}`" not in section]
     assert not missing, f"docs/config.md, 'Coming from verl', does not list {missing}"
 
 
