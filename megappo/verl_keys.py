@@ -1,17 +1,19 @@
-"""verl's config keys and megappo's names for them: the hint an unknown key gets.
+"""verl's config keys and how megappo reads them: a verl command line is accepted as written.
 
 megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
 `algorithm.adv_estimator`, `actor.ppo_mini_batch_size`, `critic.optim.lr`, ...), so those
 need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
-`verl_hint(path, is_key)` says what megappo calls such a key (`actor_rollout_ref.actor.optim.lr`
--> `actor.optim.lr`), or how megappo does the same thing when it has no such key
-(`trainer.device` -> CUDA when present). A verl switch whose values map to another key's values
-(`enable_gradient_checkpointing=true` -> `actor.recompute.granularity=full`) is in `BY_VALUE`,
-which an override's hint reads first. Explicit entries come first; then the
-section prefixes below are swapped for megappo's, and the result is offered when it is a key
-megappo has (`is_key`, from megappo.recipe).
+`verl_reading(path, raw, value, is_key)` says how megappo reads a verl override: as a megappo
+override (`RENAMED`, then the section `PREFIXES` swapped for megappo's when that is a key megappo
+has; a value respelled by `BY_VALUE` or `VALUES`, a fraction counted by `RATIOS`), as a key megappo has
+no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why at start-up), or as
+refused, with how megappo does the same thing (`OTHERWISE`): the keys whose silent omission would
+change the training. `verl_hint` words the error a verl key in a recipe file or `apply_override` gets.
 
-This module is data and one lookup: it imports nothing and does not know the config schema.
+This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
+from megappo.recipe, says whether megappo has a key). megappo.recipe applies the readings, checks two
+spellings of one setting against each other and words the start-up lines; docs/config.md, 'Coming from
+verl', lists every table (tests/unit/test_verl_keys.py keeps it in sync).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ BY_VALUE: dict[str, dict[str, str]] = {
     # verl truncates a long prompt's start ('left') or stops ('error'); megappo keeps a prompt's end (truncate)
     "data.truncation": {"left": "data.long_prompt_policy=truncate", "error": "data.long_prompt_policy=error"},
     "data.filter_overlong_prompts": {"true": "data.long_prompt_policy=skip"},
-    "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": 'checkpoint.resume="off"'},  # quoted: YAML 1.1's off is false
+    # "off" quoted: YAML 1.1 reads a bare off as false
+    "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": 'checkpoint.resume="off"'},
     # verl validates greedily unless do_sample; megappo samples when rollout.val_temperature > 0
     "actor_rollout_ref.rollout.val_kwargs.do_sample": {"false": "rollout.val_temperature=0"},
 }
