@@ -86,10 +86,10 @@ def _train_start_up(args):
     every check that can refuse the run before any rank starts."""
     from megappo.checkpointing import find_resume
     from megappo.errors import ConfigError
-    from megappo.recipe import load_config
+    from megappo.recipe import read_config
     from megappo.preflight import check_inputs
 
-    cfg = load_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
+    cfg, verl = read_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
     # under torchrun the world is torchrun's; otherwise --world-size, a GPU recipe's hardware, or one replica
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 0))
     on_ray = args.launcher == "ray" and "WORLD_SIZE" not in os.environ  # this is the driver: the ranks are actors
@@ -119,7 +119,25 @@ def _train_start_up(args):
     except BaseException:
         lock.release()
         raise
+    if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
+        _say_verl_lines(verl.lines(), cfg.run.output_dir)  # once the run is not refused (it then writes nothing)
     return cfg, world, on_ray, resume, lock
+
+
+#: the run's record of its start-up lines about verl keys (rewritten at every start)
+VERL_KEYS_LOG = "verl_keys.log"
+
+
+def _say_verl_lines(lines: list[str], run_dir: str) -> None:
+    """The start-up lines saying what the command line's verl keys were read as, and which megappo does
+    not use (megappo.recipe.VerlReading), on the console and in run_dir/verl_keys.log."""
+    if not lines:
+        return
+    for line in lines:
+        print(f"megappo: {line}", flush=True)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, VERL_KEYS_LOG), "w") as f:
+        f.write("".join(line + "\n" for line in lines))
 
 
 def _lock_run(cfg):
@@ -216,10 +234,12 @@ def _record_restart(run_dir: str, restart) -> None:
 
 
 def cmd_plan(args) -> int:
-    from megappo.recipe import load_config
+    from megappo.recipe import read_config
     from megappo.plan import format_plan, make_plan
 
-    cfg = load_config(args.recipe, args.overrides, args.variant)
+    cfg, verl = read_config(args.recipe, args.overrides, args.variant)
+    for line in verl.lines():
+        print(f"megappo: {line}")
     plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe,
                      variant=args.variant)
     print(format_plan(plan))

@@ -6,9 +6,15 @@ int, `[a,b]` a list, `null` None; unknown keys are refused with the valid ones),
 Config (`config_from_dict`), whose sections check themselves. `dump_config` writes a Config back
 as YAML.
 
-A verl key megappo does not have (`actor_rollout_ref.actor.optim.lr`, `trainer.total_epochs`)
-is refused with megappo's name for it (the table is megappo.verl_keys); a recipe written in
-verl's layout gets every such key's translation in one error.
+A command line may be verl's, as its scripts write it (`read_overrides`): Hydra's `+key=value` and
+`++key=value` are plain overrides, and a verl key is read as megappo's
+(`actor_rollout_ref.actor.clip_ratio_high=0.28` -> `actor.clip_ratio_high=0.28`, its value respelled
+where megappo's differs), named as unused with why (`trainer.device`), or refused with the fix where
+leaving it out would change the training (`custom_reward_function.path`); the tables are
+megappo.verl_keys. A megappo key set differently in verl's spelling and in megappo's (or by two verl
+keys) is an error naming both. `VerlReading.lines()` are the two start-up lines that say what was read
+as what and what was not used. A recipe file written in verl's layout is refused, with every such
+key's translation in one error.
 
 Owns: reading and writing recipe files, overrides, the verl-key check. The schema, its defaults
 and checks are megappo.config's. Knows nothing about torch, models or processes.
@@ -25,7 +31,7 @@ import yaml
 
 from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
 from megappo.errors import ConfigError
-from megappo.verl_keys import verl_equivalent, verl_hint
+from megappo.verl_keys import MOOT, spelling, verl_equivalent, verl_hint, verl_reading
 
 
 def _is_key(path: str) -> bool:
@@ -161,9 +167,117 @@ def apply_override(data: dict, override: str) -> None:
                                   f"Fix: override the whole value instead.")
 
 
+@dataclasses.dataclass
+class VerlReading:
+    """What a command line's verl keys were read as: (verl key, megappo override) for each one read,
+    (verl key, why) for each one megappo has no use for."""
+
+    read: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    unused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """The start-up lines (none when the command line has no verl key)."""
+        out = []
+        if self.read:
+            out.append("verl keys read as megappo's: " + ", ".join(f"{verl} -> {ours}" for verl, ours in self.read))
+        if self.unused:
+            out.append("verl keys megappo does not use: " + "; ".join(f"{verl} ({why})" for verl, why in self.unused))
+        return out
+
+
+def _key_value(override: str) -> tuple[str, str]:
+    """(key without Hydra's '+'/'++', raw value) of `key=value`."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    return key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key, (raw if sep else None)
+
+
+def _parsed(raw: str) -> Any:
+    try:
+        return _yaml(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, list[tuple[str, str, str, str]]]:
+    """A command line as megappo's overrides: Hydra's '+'/'++' stripped, verl keys read as megappo's
+    (megappo.verl_keys.verl_reading). Also the VerlReading, and the ratios to count once every override is
+    applied: (verl key, raw value, megappo key, megappo key of the total). Raises ConfigError for a refused
+    verl key and for a megappo key that two spellings set to different values."""
+    out, reading, ratios = [], VerlReading(), []
+    setters: dict[str, tuple[str, Any]] = {}  # megappo key -> (key as written, value)
+    given = {k: spelling(_parsed(raw)) for k, raw in map(_key_value, overrides) if raw is not None}
+    for override in overrides:
+        key, raw = _key_value(override)
+        if raw is None or not raw.strip() or not key:
+            out.append(override)  # apply_override says what is wrong with it
+            continue
+        other, other_value, why = MOOT.get(key, (None, None, None))
+        found = ("unused", why) if other and given.get(other) == other_value else verl_reading(
+            key, raw.strip(), _parsed(raw), _is_key)
+        if found is None:
+            mine = f"{key}={raw}"
+        elif found[0] == "refused":
+            raise ConfigError(f"'{key}={raw.strip()}' is a verl key megappo does not read as written. Fix: "
+                              f"{found[1]} (docs/config.md, 'Coming from verl').")
+        elif found[0] == "unused":
+            reading.unused = [(k, w) for k, w in reading.unused if k != key] + [(key, found[1])]
+            continue
+        elif found[0] == "ratio":
+            ratios.append((key, raw.strip(), found[1], found[2]))
+            setters[found[1]] = _check_same(setters.get(found[1]), key, f"{raw.strip()} x {found[2]}", found[1])
+            continue
+        else:
+            mine = found[1]
+            ours, _, value = mine.partition("=")
+            shown = ours if value == raw.strip() else f"{ours}={value}"
+            reading.read = [(k, o) for k, o in reading.read if k.partition("=")[0] != key] + [
+                (key if value == raw.strip() else f"{key}={raw.strip()}", shown)]
+        ours, _, value = mine.partition("=")
+        setters[ours] = _check_same(setters.get(ours), key, _parsed(value), ours)
+        out.append(mine)
+    return out, reading, ratios
+
+
+def _check_same(before: Optional[tuple[str, Any]], key: str, value: Any, ours: str) -> tuple[str, Any]:
+    """(key, value) of an override of megappo's `ours`; an error when another spelling set it to another value
+    (the same spelling twice: the later one wins, as for any override)."""
+    if before and before[0] != key and before[1] != value:
+        raise ConfigError(f"'{before[0]}={before[1]}' and '{key}={value}' both set {ours} (verl's and megappo's "
+                          f"names for one setting), to different values. Fix: give it once.")
+    return key, value
+
+
+def _count_ratios(data: dict, ratios: list[tuple[str, str, str, str]], reading: VerlReading) -> None:
+    """Set each verl ratio as megappo's count: int(ratio x total), as verl does."""
+    for key, raw, ours, total_key in ratios:
+        total = _lookup(data, total_key)
+        ratio = _parsed(raw)
+        if not isinstance(total, int) or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise ConfigError(f"'{key}={raw}' is a fraction of {total_key}, which is "
+                              f"{'not set' if total is None else repr(total)}. Fix: set {total_key} (verl: "
+                              f"trainer.total_training_steps), or write {ours} (a number of steps) instead.")
+        apply_override(data, f"{ours}={int(ratio * total)}")
+        reading.read.append((f"{key}={raw}", f"{ours}={int(ratio * total)} ({raw} x {total_key}={total})"))
+
+
+def _lookup(data: dict, dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def load_config(path: str | None, overrides: Sequence[str] = (), variant: Optional[str] = None) -> Config:
     """Read a YAML recipe (or start empty when `path` is None), apply `key.sub=value` overrides, build.
-    `variant`: first apply the recipe's `variants[variant]` overrides (other hardware), then `overrides`."""
+    `variant`: first apply the recipe's `variants[variant]` overrides (other hardware), then `overrides`.
+    verl's keys in the overrides are read as megappo's (`read_config` also says which)."""
+    return read_config(path, overrides, variant)[0]
+
+
+def read_config(path: str | None, overrides: Sequence[str] = (),
+                variant: Optional[str] = None) -> tuple[Config, VerlReading]:
+    """`load_config`, and what the command line's verl keys were read as (`VerlReading.lines()`)."""
     data: Any = {}
     if path is not None:
         try:
@@ -190,9 +304,11 @@ def load_config(path: str | None, overrides: Sequence[str] = (), variant: Option
             raise ConfigError(f"variants.{variant} in '{path}' must be a list of KEY=VALUE overrides. Fix: write "
                               f"{variant}: [hardware.gpu_memory_gib=141, ...].")
         overrides = [*variants[variant], *overrides]
+    overrides, reading, ratios = read_overrides(overrides)
     for override in overrides:
         apply_override(data, override)
-    return config_from_dict(data)
+    _count_ratios(data, ratios, reading)
+    return config_from_dict(data), reading
 
 
 def dump_config(cfg: Config, path: str) -> None:

@@ -1,22 +1,24 @@
-"""verl's config keys and megappo's names for them: the hint an unknown key gets.
+"""verl's config keys and how megappo reads them: a verl command line is accepted as written.
 
 megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
 `algorithm.adv_estimator`, `actor.ppo_mini_batch_size`, `critic.optim.lr`, ...), so those
 need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
-`verl_hint(path, is_key)` says what megappo calls such a key (`actor_rollout_ref.actor.optim.lr`
--> `actor.optim.lr`), or how megappo does the same thing when it has no such key
-(`trainer.device` -> CUDA when present). A verl switch whose values map to another key's values
-(`enable_gradient_checkpointing=true` -> `actor.recompute.granularity=full`) is in `BY_VALUE`,
-which an override's hint reads first. Explicit entries come first; then the
-section prefixes below are swapped for megappo's, and the result is offered when it is a key
-megappo has (`is_key`, from megappo.recipe).
+`verl_reading(path, raw, value, is_key)` says how megappo reads a verl override: as a megappo
+override (`RENAMED`, then the section `PREFIXES` swapped for megappo's when that is a key megappo
+has; a value respelled by `BY_VALUE` or `VALUES`, a fraction counted by `RATIOS`), as a key megappo has
+no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why at start-up), or as
+refused, with how megappo does the same thing (`OTHERWISE`): the keys whose silent omission would
+change the training. `verl_hint` words the error a verl key in a recipe file or `apply_override` gets.
 
-This module is data and one lookup: it imports nothing and does not know the config schema.
+This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
+from megappo.recipe, says whether megappo has a key). megappo.recipe applies the readings, checks two
+spellings of one setting against each other and words the start-up lines; docs/config.md, 'Coming from
+verl', lists every table (tests/unit/test_verl_keys.py keeps it in sync).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 #: verl key -> megappo key, where the name differs beyond the section prefix
 RENAMED: dict[str, str] = {
@@ -40,7 +42,6 @@ RENAMED: dict[str, str] = {
     "actor_rollout_ref.rollout.val_kwargs.temperature": "rollout.val_temperature",
     "actor_rollout_ref.rollout.val_kwargs.n": "rollout.val_n",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.sglang.mem_fraction_static",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "actor.micro_batch_size",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "ref.max_tokens_per_micro_batch",
     "critic.ppo_max_token_len_per_gpu": "critic.max_tokens_per_micro_batch",
@@ -71,6 +72,13 @@ RENAMED: dict[str, str] = {
     "trainer.experiment_name": "logging.run_name",
     "trainer.logger": "logging.sinks",
     "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
+    # DAPO's reward manager: verl <= 0.8 reads reward_model.reward_kwargs, verl 0.9.1 reward.reward_kwargs; its
+    # max_resp_len is the length the overlong penalty counts from, megappo's rollout.max_new_tokens (a different
+    # value than data.max_response_length's is refused as a conflict: megappo has one length for both)
+    **{f"{section}.reward_kwargs.overlong_buffer_cfg.{field}": f"reward.overlong_buffer.{field}"
+       for section in ("reward_model", "reward") for field in ("enable", "len", "penalty_factor", "log")},
+    "reward_model.reward_kwargs.max_resp_len": "rollout.max_new_tokens",
+    "reward.reward_kwargs.max_resp_len": "rollout.max_new_tokens",
     # activation recomputation: verl >= 0.5 passes Megatron's fields through override_transformer_config,
     # verl 0.3-0.4 had them under model.gradient_checkpointing_kwargs (megappo.models.recompute)
     **{f"{verl}.{field}": f"{ours}.{mine}"
@@ -92,24 +100,161 @@ BY_VALUE: dict[str, dict[str, str]] = {
                                                               "false": "actor.recompute.granularity=none"},
     "critic.model.enable_gradient_checkpointing": {"true": "critic.recompute.granularity=full",
                                                    "false": "critic.recompute.granularity=none"},
+    # verl truncates a long prompt's start ('left') or stops ('error'); megappo keeps a prompt's end (truncate)
+    "data.truncation": {"left": "data.long_prompt_policy=truncate", "error": "data.long_prompt_policy=error"},
+    "data.filter_overlong_prompts": {"true": "data.long_prompt_policy=skip"},
+    # "off" quoted: YAML 1.1 reads a bare off as false
+    "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": 'checkpoint.resume="off"'},
+    # verl validates greedily unless do_sample; megappo samples when rollout.val_temperature > 0
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": {"false": "rollout.val_temperature=0"},
+}
+
+#: verl key -> (the other verl key and its value that make it moot, why): verl drops long prompts when it
+#: loads the data, so its truncation never sees one
+MOOT: dict[str, tuple[str, str, str]] = {
+    "data.truncation": ("data.filter_overlong_prompts", "true", "verl drops long prompts when it loads the data "
+                        "(data.filter_overlong_prompts=true), before truncating; megappo skips them "
+                        "(data.long_prompt_policy=skip)"),
+}
+
+#: verl key -> its values' megappo spelling, where they differ (a list value: item by item); a value not listed
+#: is refused with the ones that are
+VALUES: dict[str, dict[str, str]] = {
+    "trainer.logger": {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"},
+}
+
+#: list keys megappo has under verl's name, which verl (Hydra's ListConfig or a plain string) also takes as
+#: one string: a string is read as a one-item list
+ONE_OR_MORE: tuple[str, ...] = ("data.train_files", "data.val_files")
+
+#: verl key (a list) -> items megappo always adds to it, and why
+ADDED_ITEMS: dict[str, tuple[list[str], str]] = {
+    "trainer.logger": (["jsonl"], "metrics.jsonl is megappo's own record, which the end-of-run curves and "
+                                  "`megappo plot` read (verl's 'file' logger)"),
+}
+
+#: verl key -> (megappo key, megappo key of the total): verl's fraction of a total, set as a count when the
+#: config is read (verl: int(ratio x total training steps))
+RATIOS: dict[str, tuple[str, str]] = {
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": ("actor.optim.warmup_steps", "run.total_steps"),
+    "critic.optim.lr_warmup_steps_ratio": ("critic.optim.warmup_steps", "run.total_steps"),
+}
+
+_PACKING = "megappo packs sequences without padding (actor.packing, on by default) into micro-batches of " \
+           "actor.max_tokens_per_micro_batch tokens; the loss does not depend on how they are split"
+_LOG_PROB_PASS = "megappo's old-log-prob pass uses the actor's micro-batches (actor.micro_batch_size, " \
+                 "actor.max_tokens_per_micro_batch)"
+_ENGINE_KNOB = "a knob of verl's vLLM/SGLang server; megappo's engine sizes itself (SGLang's own settings go " \
+               "through rollout.sglang.*)"
+
+#: verl keys megappo reads but has no use for, and why: named in one start-up line, never silently dropped
+UNUSED: dict[str, str] = {
+    "trainer.device": "megappo uses CUDA when it is there, else the CPU (parallel.backend=auto)",
+    "trainer.log_val_generations": "megappo shows logging.samples=N samples of every step (console and "
+                                   "samples.jsonl)",
+    "trainer.val_only": "megappo has no validation-only mode",
+    "trainer.balance_batch": "megappo packs sequences into micro-batches by their lengths (actor.packing)",
+    "trainer.ray_wait_register_center_timeout": "megappo starts no Ray register center",
+    "reward_model.enable": "megappo uses a reward model when reward.model_path is set",
+    "reward.reward_model.enable": "megappo uses a reward model when reward.model_path is set",
+    "data.val_batch_size": "megappo validates on all data.val_files prompts in one batch",
+    "data.return_raw_chat": "megappo renders the chat template itself (data.apply_chat_template)",
+    "data.dataloader_num_workers": "megappo reads its prompts in the trainer's process",
+    "actor_rollout_ref.model.use_remove_padding": _PACKING,
+    "actor_rollout_ref.actor.use_dynamic_bsz": _PACKING,
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": _PACKING,
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": _PACKING,
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": _LOG_PROB_PASS,
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": _LOG_PROB_PASS,
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": _LOG_PROB_PASS,
+    "actor_rollout_ref.model.use_fused_kernels": "megappo's log-probs are computed per token chunk in the loss "
+                                                 "functions (no fused kernel to switch)",
+    "actor_rollout_ref.actor.entropy_checkpointing": "a memory saving of verl's entropy pass; megappo's memory "
+                                                     "settings are actor.recompute.*",
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": "a memory saving of verl's entropy pass; megappo's "
+                                                                 "memory settings are actor.recompute.*",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "the engine's tensor parallelism: SGLang's own "
+                                                            "rollout.sglang.tp_size",
+    "actor_rollout_ref.rollout.mode": "verl's sync/async is how its engine is served; megappo's rollout.mode is "
+                                      "off-policy generation (one_step_off, async), which verl's key does not ask for",
+    "actor_rollout_ref.rollout.enable_chunked_prefill": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.max_num_batched_tokens": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.max_num_seqs": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.max_model_len": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.enforce_eager": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.free_cache_engine": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.load_format": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.enable_prefix_caching": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.dtype": _ENGINE_KNOB + "; the engine runs in model.dtype",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "megappo validates with the training rollout.top_p (validation "
+                                                  "only; training is unchanged)",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": "megappo validates with the training rollout.top_k (validation "
+                                                  "only; training is unchanged)",
+    "actor_rollout_ref.ref.megatron.param_offload": "megappo keeps the reference model in GPU memory (no offload)",
+    "actor_rollout_ref.actor.megatron.param_offload": "megappo keeps the actor in GPU memory (no offload)",
+    "actor_rollout_ref.actor.megatron.grad_offload": "megappo keeps the actor in GPU memory (no offload)",
+    "actor_rollout_ref.actor.megatron.optimizer_offload": "megappo keeps the actor in GPU memory (no offload)",
+    "critic.megatron.param_offload": "megappo keeps the critic in GPU memory (no offload)",
+    "critic.megatron.grad_offload": "megappo keeps the critic in GPU memory (no offload)",
+    "critic.megatron.optimizer_offload": "megappo keeps the critic in GPU memory (no offload)",
+    "actor_rollout_ref.nccl_timeout": "megappo's collective timeout is parallel.timeout_minutes",
+    "actor_rollout_ref.actor.nccl_timeout": "megappo's collective timeout is parallel.timeout_minutes",
+    "trainer.nccl_timeout": "megappo's collective timeout is parallel.timeout_minutes",
+}
+
+#: verl key patterns ('*' is one or more key parts) megappo reads but has no use for, and why
+UNUSED_PATTERNS: dict[str, str] = {
+    "ray_init.*": "megappo starts its ranks itself (torchrun, or --launcher ray on a running cluster)",
+    "*.fsdp_config.*": "megappo trains with Megatron-Core, not FSDP",
+    "*.ulysses_sequence_parallel_size": "Ulysses sequence parallelism is verl's FSDP backend's; megappo's is "
+                                        "Megatron's parallel.sequence_parallel (with tp > 1)",
+    "*.profiler.*": "megappo times its stages itself (timing_s/* metrics)",
+    "global_profiler.*": "megappo times its stages itself (timing_s/* metrics)",
+}
+
+#: verl key -> {value: why megappo has no use for it}; its other values are refused (OTHERWISE says how)
+UNUSED_VALUES: dict[str, dict[str, str]] = {
+    # megappo's reward path is verl's naive/dapo manager: scores from reward.functions, summed with the reward
+    # model's, DAPO's overlong shaping from reward.overlong_buffer
+    "reward_model.reward_manager": {m: f"megappo's reward path does what verl's {m} manager does (reward.functions; "
+                                       "overlong shaping: reward.overlong_buffer)" for m in ("naive", "dapo")},
+    "reward.reward_manager.name": {m: f"megappo's reward path does what verl's {m} manager does (reward.functions; "
+                                      "overlong shaping: reward.overlong_buffer)" for m in ("naive", "dapo")},
+    "actor_rollout_ref.rollout.name": {"vllm": "megappo has no vLLM engine; it generates with rollout.engine (hf, "
+                                               "or sglang on GPUs: rollout.engine=sglang)"},
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": {"true": "megappo samples in validation when "
+                                                               "rollout.val_temperature > 0"},
+    "data.filter_overlong_prompts": {"false": "verl then truncates or refuses long prompts by data.truncation "
+                                              "(megappo: data.long_prompt_policy)"},
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": {"0": "no warmup, megappo's default",
+                                                            "0.0": "no warmup, megappo's default"},
 }
 
 #: verl key -> how megappo does it, where there is no one key to rename it to
 OTHERWISE: dict[str, str] = {
-    "trainer.device": "megappo uses CUDA when it is there, else the CPU (parallel.backend=auto)",
-    "reward_model.enable": "megappo uses a reward model when reward.model_path is set",
     "custom_reward_function.path": "write reward.functions=[path/to/file.py:function_name]",
     "custom_reward_function.name": "write reward.functions=[path/to/file.py:function_name]",
-    "data.truncation": "write data.long_prompt_policy=truncate (keeps a prompt's end, as verl's 'left'), error, or "
-                       "skip",
-    "trainer.resume_mode": "write checkpoint.resume=auto, must (a checkpoint is required) or off (verl's 'disable')",
-    "trainer.log_val_generations": "logging.samples=N shows N samples of every training step (console and "
-                                   "samples.jsonl)",
-    "data.val_batch_size": "megappo validates on all data.val_files prompts in one batch",
+    "reward.custom_reward_function.path": "write reward.functions=[path/to/file.py:function_name]",
+    "reward.custom_reward_function.name": "write reward.functions=[path/to/file.py:function_name]",
+    "reward_model.reward_manager": "megappo's reward path is verl's naive and dapo managers (reward.functions, "
+                                   "reward.overlong_buffer); write another manager's scoring as a reward function, "
+                                   "reward.functions=[path/to/file.py:function_name]",
+    "reward.reward_manager.name": "megappo's reward path is verl's naive and dapo managers (reward.functions, "
+                                  "reward.overlong_buffer); write another manager's scoring as a reward function, "
+                                  "reward.functions=[path/to/file.py:function_name]",
+    "data.truncation": "megappo keeps a prompt's end (verl's 'left'): write data.long_prompt_policy=truncate, error, "
+                       "or skip",
     "data.filter_overlong_prompts": "write data.long_prompt_policy=skip (megappo's default)",
-    "data.return_raw_chat": "megappo renders the chat template itself (data.apply_chat_template)",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "write actor.optim.warmup_steps (a number of steps)",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": "pass it to SGLang: rollout.sglang.tp_size",
+    "trainer.resume_mode": "write checkpoint.resume=auto, must (a checkpoint is required) or off (verl's 'disable'); "
+                           "a checkpoint of your choice: checkpoint.dir",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "write actor.optim.warmup_steps (a number of steps), or "
+                                                           "give run.total_steps (verl: trainer.total_training_steps) "
+                                                           "so that the ratio can be counted",
+    "critic.optim.lr_warmup_steps_ratio": "write critic.optim.warmup_steps (a number of steps), or give "
+                                          "run.total_steps (verl: trainer.total_training_steps) so that the ratio can "
+                                          "be counted",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": "megappo samples in validation when rollout.val_temperature > "
+                                                      "0: write rollout.val_temperature",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "write actor.recompute.granularity=full for true (full "
                                                              "recomputation of every layer, as verl's Megatron "
                                                              "backend did) or none for false",
@@ -118,15 +263,11 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity":
         "the reference model only runs forward passes, so it has nothing to recompute (actor.recompute and "
         "critic.recompute are the trained roles')",
-    "actor_rollout_ref.model.use_remove_padding": "megappo packs sequences without padding by default "
-                                                  "(actor.packing, critic.packing, ...; false pads them)",
     "actor_rollout_ref.actor.calculate_sum_pi_squared": "megappo computes the sum of squared probabilities in the "
                                                         "old-log-prob pass when algorithm.adv_estimator is "
                                                         "optimal_token_baseline or tir_optimal_token_baseline",
     "actor_rollout_ref.actor.policy_loss.rollout_correction": "write algorithm.rollout_correction.* (verl copies it "
                                                               "there itself in bypass mode)",
-    "actor_rollout_ref.actor.use_dynamic_bsz": "with actor.packing (the default) micro-batches are sized by "
-                                               "actor.max_tokens_per_micro_batch",
 }
 
 #: verl section prefix -> megappo's, tried when the key is in neither table
@@ -164,6 +305,81 @@ def verl_equivalent(path: str, is_key: Callable[[str], bool]) -> Optional[tuple[
     if path.split(".")[0] in SECTIONS:
         return None, NO_EQUIVALENT
     return None
+
+
+def _unused_pattern(path: str) -> Optional[str]:
+    parts = path.split(".")
+    for pattern, why in UNUSED_PATTERNS.items():
+        want = pattern.split(".")
+        if _match(want, parts):
+            return why
+    return None
+
+
+def _match(want: list[str], parts: list[str]) -> bool:
+    """Whether key parts match a pattern's; '*' stands for one or more parts."""
+    if not want:
+        return not parts
+    if want[0] == "*":
+        return any(_match(want[1:], parts[i:]) for i in range(1, len(parts) + 1))
+    return bool(parts) and parts[0] == want[0] and _match(want[1:], parts[1:])
+
+
+def spelling(value: Any) -> str:
+    """A parsed YAML value as the tables spell it: lower case, `true`/`false`, `[a,b]` for lists."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(spelling(v) for v in value) + "]"
+    return "null" if value is None else str(value).strip().lower()
+
+
+def json_string(text: str) -> str:
+    """`text` as a double-quoted YAML (and JSON) string."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool]) -> Optional[tuple]:
+    """How megappo reads verl's override `path=raw` (`value`: `raw` parsed as YAML):
+
+    ('read', 'megappo.key=value')   a megappo override (the value respelled where megappo's differs);
+    ('unused', why)                 megappo has no use for it, and says why at start-up;
+    ('ratio', megappo key, total)   a fraction of another key's count, set when every override is read;
+    ('refused', how)                omitting it would change the training: an error that says how;
+    None                            not a verl key (megappo's own, or a key neither has).
+    """
+    if path in ONE_OR_MORE and isinstance(value, str):
+        return "read", f"{path}=[{json_string(value)}]"
+    if is_key(path):
+        return None
+    spelled = spelling(value)
+    why = UNUSED.get(path) or _unused_pattern(path) or UNUSED_VALUES.get(path, {}).get(spelled)
+    if why:
+        return "unused", why
+    by_value = BY_VALUE.get(path, {}).get(spelled)
+    if by_value:
+        return "read", by_value
+    if path in RATIOS:
+        return ("ratio", *RATIOS[path])
+    if path in BY_VALUE or path in OTHERWISE:
+        return "refused", OTHERWISE.get(path) or f"its values megappo reads are {sorted(BY_VALUE[path])}"
+    key = verl_equivalent(path, is_key)
+    if key is None:
+        return None
+    if key[0] is None:
+        return "refused", key[1]
+    if path in VALUES:
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        unknown = [v for v in items if spelling(v) not in VALUES[path]]
+        if unknown:
+            return "refused", (f"megappo has no {unknown} for it (verl's values it reads: {sorted(VALUES[path])}); "
+                               f"write {key[0]} with megappo's values")
+        mine = [VALUES[path][spelling(v)] for v in items]
+        mine += [v for v in ADDED_ITEMS.get(path, ([], ""))[0] if v not in mine]
+        return "read", f"{key[0]}=[{','.join(mine)}]" if isinstance(value, (list, tuple)) or path in ADDED_ITEMS \
+            else f"{key[0]}={mine[0]}"
+    return "read", f"{key[0]}={raw}"
 
 
 def verl_hint(path: str, value: str, is_key: Callable[[str], bool]) -> Optional[str]:

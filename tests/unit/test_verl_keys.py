@@ -1,4 +1,5 @@
-"""verl's key names: an override or recipe that uses one is refused with megappo's name for it."""
+"""verl's key names: an override is read as megappo's key, named as unused or refused with the fix; a recipe
+file in verl's layout is refused with megappo's name for each key."""
 
 import pathlib
 
@@ -7,46 +8,156 @@ import yaml
 
 from megappo import verl_keys
 from megappo.config import ConfigError
-from megappo.recipe import _is_key, config_from_dict, load_config
+from megappo.recipe import _is_key, config_from_dict, load_config, read_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes/demo-cpu.yaml")
 
-OVERRIDES = {  # a verl override -> the start of megappo's error
-    "actor_rollout_ref.actor.optim.lr=1e-6": "that is verl's name; megappo's is 'actor.optim.lr'. Fix: write "
-                                            "actor.optim.lr=1e-6.",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8": "megappo's is 'actor.micro_batch_size'. Fix: write "
-                                                              "actor.micro_batch_size=8.",
-    "actor_rollout_ref.rollout.n=8": "megappo's is 'rollout.n'. Fix: write rollout.n=8.",
-    "actor_rollout_ref.model.path=/m": "megappo's is 'model.path'",
-    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4": "megappo's is 'actor.parallel.tp'",
-    "trainer.total_epochs=3": "megappo's is 'run.total_epochs'. Fix: write run.total_epochs=3.",
-    "trainer.save_freq=10": "megappo's is 'checkpoint.save_every'",
-    "data.max_response_length=512": "megappo's is 'rollout.max_new_tokens'",
-    "critic.model.path=/c": "megappo's is 'critic.path'",
-    "trainer.n_gpus_per_node=8": "megappo's is 'hardware.gpus_per_node'. Fix: write hardware.gpus_per_node=8.",
-    "custom_reward_function.path=r.py": "write reward.functions=[path/to/file.py:function_name]",
-    "actor_rollout_ref.model.use_fused_kernels=true": "that is a verl key; megappo has no such key; remove it",
+#: a verl override -> what megappo reads it as (dotted key: value in the Config)
+READ = {
+    "actor_rollout_ref.actor.optim.lr=1e-6": ("actor.optim.lr", 1e-6),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8": ("actor.micro_batch_size", 8),
+    "actor_rollout_ref.rollout.n=8": ("rollout.n", 8),
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2": ("actor.parallel.tp", 2),
+    "trainer.total_epochs=3": ("run.total_epochs", 3),
+    "trainer.save_freq=10": ("checkpoint.save_every", 10),
+    "data.max_response_length=4": ("rollout.max_new_tokens", 4),
+    "critic.model.path=/c": ("critic.path", "/c"),
+    "trainer.n_gpus_per_node=2": ("hardware.gpus_per_node", 2),
+    "trainer.critic_warmup=2": ("run.critic_warmup", 2),
+    "trainer.val_before_train=False": ("run.val_before_train", False),
     # verl's switch: the value changes with the key (full recomputation, uniform, 1 layer: megappo's full defaults)
-    "actor_rollout_ref.model.enable_gradient_checkpointing=True": "that is verl's switch; megappo's setting is "
-                                                                  "'actor.recompute.granularity'. Fix: write "
-                                                                  "actor.recompute.granularity=full.",
-    "critic.model.enable_gradient_checkpointing=false": "Fix: write critic.recompute.granularity=none.",
-    "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=block":
-        "megappo's is 'actor.recompute.method'. Fix: write actor.recompute.method=block.",
-    "critic.megatron.override_transformer_config.recompute_num_layers=2": "megappo's is 'critic.recompute.num_layers'",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True": ("actor.recompute.granularity", "full"),
+    "critic.model.enable_gradient_checkpointing=false": ("critic.recompute.granularity", "none"),
+    "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=selective": (
+        "actor.recompute.granularity", "selective"),
+    "data.truncation=left": ("data.long_prompt_policy", "truncate"),
+    "data.truncation=error": ("data.long_prompt_policy", "error"),
+    "data.filter_overlong_prompts=True": ("data.long_prompt_policy", "skip"),
+    "trainer.resume_mode=disable": ("checkpoint.resume", "off"),
+    "trainer.logger=['console','wandb']": ("logging.sinks", ["console", "wandb", "jsonl"]),
+    "trainer.logger=[console,file]": ("logging.sinks", ["console", "jsonl"]),
+    "actor_rollout_ref.rollout.val_kwargs.do_sample=False": ("rollout.val_temperature", 0.0),
+    "data.train_files=/data/train.parquet": ("data.train_files", ["/data/train.parquet"]),
+    # DAPO's keys (verl <= 0.8 under reward_model, 0.9.1 under reward; Hydra's '+' adds a key verl's config lacks)
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.len=1": ("reward.overlong_buffer.len", 1),
+    "++reward_model.reward_kwargs.overlong_buffer_cfg.enable=False": ("reward.overlong_buffer.enable", False),
+    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5": ("reward.overlong_buffer.penalty_factor", 0.5),
+    "+reward.reward_kwargs.overlong_buffer_cfg.log=True": ("reward.overlong_buffer.log", True),
+    "reward_model.overlong_buffer.len=1": ("reward.overlong_buffer.len", 1),  # recipe/dapo's own spelling
+    "+reward_model.reward_kwargs.max_resp_len=3": ("rollout.max_new_tokens", 3),
+    "+run.total_steps=5": ("run.total_steps", 5),  # '+' on a key megappo has: a plain override
+    "++actor.clip_ratio_high=0.28": ("actor.clip_ratio_high", 0.28),
+}
+
+
+def _get(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("override", list(READ))
+def test_verl_override_is_read_as_megappos_key(override):
+    cfg, reading = read_config(DEMO, [override])
+    key, value = READ[override]
+    assert _get(cfg, key) == value
+    verl = override.split("=")[0].lstrip("+")
+    if not _is_key(verl):  # a verl key: the start-up line names it and megappo's key
+        assert len(reading.lines()) == 1 and reading.lines()[0].startswith("verl keys read as megappo's: ")
+        assert [ours.split("=")[0] for k, ours in reading.read if k.split("=")[0] == verl] == [key]
+
+
+#: a verl override megappo has no use for -> words of its reason
+UNUSED = {
+    "trainer.device=cuda": "uses CUDA when it is there",
+    "actor_rollout_ref.model.use_remove_padding=True": "packs sequences",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True": "packs sequences",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.5": None,  # read: rollout.sglang.mem_fraction_static
+    "actor_rollout_ref.rollout.enable_chunked_prefill=True": "vLLM/SGLang server",
+    "actor_rollout_ref.rollout.name=vllm": "no vLLM engine",
+    "actor_rollout_ref.rollout.mode=async": "off-policy",
+    "ray_init.num_cpus=8": "starts its ranks itself",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=True": "not FSDP",
+    "critic.model.fsdp_config.fsdp_size=-1": "not FSDP",
+    "actor_rollout_ref.actor.megatron.param_offload=True": "no offload",
+    "actor_rollout_ref.nccl_timeout=600": "parallel.timeout_minutes",
+    "reward_model.reward_manager=dapo": "verl's dapo manager does",
+    "reward.reward_manager.name=naive": "verl's naive manager does",
+    "trainer.log_val_generations=10": "logging.samples",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0": "no warmup",
+}
+
+
+@pytest.mark.parametrize("override", [o for o, why in UNUSED.items() if why])
+def test_verl_override_megappo_has_no_use_for_is_named_with_why(override):
+    cfg, reading = read_config(DEMO, [override])
+    assert cfg == load_config(DEMO)  # nothing changed
+    assert reading.read == [] and len(reading.unused) == 1
+    (verl, why), = reading.unused
+    assert verl == override.split("=")[0] and UNUSED[override] in why
+    assert reading.lines() == [f"verl keys megappo does not use: {verl} ({why})"]
+
+
+#: a verl override whose omission would change the training -> words of the error's fix
+REFUSED = {
+    "custom_reward_function.path=r.py": "Fix: write reward.functions=[path/to/file.py:function_name]",
+    "reward.custom_reward_function.path=r.py": "Fix: write reward.functions=[path/to/file.py:function_name]",
+    "reward_model.reward_manager=prime": "write another manager's scoring as a reward function",
+    "data.truncation=middle": "megappo keeps a prompt's end",
+    "trainer.resume_mode=resume_path": "checkpoint.resume=auto, must",
+    "trainer.logger=[console,mlflow]": "megappo has no ['mlflow'] for it",
+    "actor_rollout_ref.model.some_new_knob=1": "megappo has no such key; remove it",
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=full":
         "the reference model only runs forward passes",
 }
 
 
-@pytest.mark.parametrize("override", list(OVERRIDES))
-def test_verl_override_names_megappos_key(override):
+@pytest.mark.parametrize("override", list(REFUSED))
+def test_verl_override_that_would_change_the_training_is_refused_with_the_fix(override):
     with pytest.raises(ConfigError) as e:
-        load_config(DEMO, [override])
-    key = override.split("=")[0]
-    assert str(e.value).startswith(f"unknown config key '{key}': ") and OVERRIDES[override] in str(e.value)
-    assert "Fix:" in str(e.value)
+        load_config(DEMO, [override, "run.total_steps=null"])
+    assert f"'{override}' is a verl key megappo does not read as written. Fix: " in str(e.value)
+    assert REFUSED[override] in str(e.value)
+
+
+def test_a_warmup_ratio_is_counted_from_the_total_steps():
+    cfg, reading = read_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05",
+                                      "trainer.total_training_steps=500"])
+    assert cfg.actor.optim.warmup_steps == 25  # verl: int(0.05 x 500)
+    assert ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05",
+            "actor.optim.warmup_steps=25 (0.05 x run.total_steps=500)") in reading.read
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1' is a fraction of "
+                                          r"run.total_steps, which is not set. Fix: set run.total_steps"):
+        load_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "run.total_steps=null"])
+    with pytest.raises(ConfigError, match="both set actor.optim.warmup_steps"):
+        load_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05", "actor.optim.warmup_steps=3"])
+
+
+@pytest.mark.parametrize("overrides, names", [
+    (["actor_rollout_ref.actor.clip_ratio_high=0.28", "actor.clip_ratio_high=0.3"],
+     ("actor_rollout_ref.actor.clip_ratio_high=0.28", "actor.clip_ratio_high=0.3")),
+    (["data.max_response_length=4", "+reward_model.reward_kwargs.max_resp_len=8"],
+     ("data.max_response_length=4", "reward_model.reward_kwargs.max_resp_len=8")),
+    (["actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.do_sample=false"],
+     ("actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.do_sample=0")),
+])
+def test_one_setting_given_differently_in_two_spellings_is_an_error_naming_both(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, overrides)
+    assert all(f"'{n}'" in str(e.value) for n in names) and "Fix: give it once." in str(e.value)
+
+
+def test_one_setting_given_alike_in_two_spellings_and_one_spelling_twice_are_fine():
+    cfg = load_config(DEMO, ["data.max_response_length=4", "+reward_model.reward_kwargs.max_resp_len=4",
+                             "actor.clip_ratio_high=0.3", "actor.clip_ratio_high=0.28"])
+    assert (cfg.rollout.max_new_tokens, cfg.actor.clip_ratio_high) == (4, 0.28)
+
+
+def test_verl_truncation_is_moot_when_verl_filters_long_prompts():
+    cfg, reading = read_config(DEMO, ["data.truncation=error", "data.filter_overlong_prompts=true"])
+    assert cfg.data.long_prompt_policy == "skip"
+    assert [k for k, _ in reading.unused] == ["data.truncation"]
 
 
 def test_misspelled_megappo_key_still_gets_did_you_mean():
@@ -89,14 +200,19 @@ trainer: {total_epochs: 15, n_gpus_per_node: 8}
 
 
 def test_every_mapped_key_exists_and_is_documented():
-    """The table names only keys megappo has, and docs/config.md lists every verl key it maps."""
+    """The table names only keys megappo has, and docs/config.md lists every verl key it reads, does not use
+    or refuses."""
     assert not [ours for ours in verl_keys.RENAMED.values() if not _is_key(ours)]
     for verl, ours in verl_keys.PREFIXES.items():
         assert _is_key(ours.rstrip(".")), ours
     assert not [k for k in verl_keys.RENAMED if _is_key(k)]  # a key megappo has needs no translation
     docs = (REPO / "docs/config.md").read_text()
     section = docs[docs.index("### Coming from verl"):]
-    missing = [k for k in (*verl_keys.RENAMED, *verl_keys.OTHERWISE) if f"`{k}`" not in section]
+    tables = (verl_keys.RENAMED, verl_keys.OTHERWISE, verl_keys.BY_VALUE, verl_keys.VALUES, verl_keys.RATIOS,
+              verl_keys.MOOT, verl_keys.UNUSED, verl_keys.UNUSED_PATTERNS)
+    missing = [k for table in tables for k in table if f"`{k}" not in section]
+    missing += [f"{k}={v}" for k, values in verl_keys.UNUSED_VALUES.items() for v in values
+                if f"`{k}={v}`" not in section]
     assert not missing, f"docs/config.md, 'Coming from verl', does not list {missing}"
 
 
@@ -127,11 +243,11 @@ NEW_ALGORITHM_KEYS = {
 
 
 @pytest.mark.parametrize("override", list(NEW_ALGORITHM_KEYS))
-def test_verls_newer_algorithm_keys_are_named_and_megappos_spelling_is_accepted(override):
+def test_verls_newer_algorithm_keys_are_read_and_megappos_spelling_is_accepted(override):
     key, value = override.split("=")
-    with pytest.raises(ConfigError, match=f"megappo's is '{NEW_ALGORITHM_KEYS[override]}'"):
-        load_config(DEMO, [override])
-    load_config(DEMO, [f"{NEW_ALGORITHM_KEYS[override]}={value}"])
+    cfg, reading = read_config(DEMO, [override])
+    assert reading.read == [(key, NEW_ALGORITHM_KEYS[override])]
+    assert cfg == load_config(DEMO, [f"{NEW_ALGORITHM_KEYS[override]}={value}"])
 
 
 def test_verls_rollout_correction_and_gdpo_keys_are_megappos():

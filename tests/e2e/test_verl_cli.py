@@ -1,0 +1,54 @@
+"""verl's DAPO script's command line given to `megappo train` as written (tests/data/verl/
+dapo_qwen2.5_32b.txt, sized for the CPU demo): the run starts, says once which verl keys it read as
+which megappo keys and which it does not use, trains 2 steps and exits 0. The model is the demo's
+(written as an HF directory, its tokenizer builtin:digits) and the prompts the demo's task as verl-layout
+JSONL files."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+from megappo.data import digit_successor_rows
+from megappo.models.hf_reference import build_hf_model, save_hf_dir
+from tests.unit.test_verl_scripts import DEMO_MODEL, script_overrides
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
+    hf_config = yaml.safe_load(open(REPO / "recipes/demo-cpu.yaml"))["model"]["hf_config"]
+    model = tmp_path / "model"
+    save_hf_dir(str(model), build_hf_model(hf_config, seed=0).state_dict(), hf_config)
+    for name, rows in (("train.jsonl", digit_successor_rows(64, seed=1)), ("val.jsonl", digit_successor_rows(8, 2))):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    overrides = script_overrides(REPO / "tests/data/verl/dapo_qwen2.5_32b.txt", str(model),
+                                 str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"), str(run / "checkpoints"))
+    # megappo's own keys after the script's: the demo's model, the run's directory and length, and no W&B
+    # (the script logs to W&B, which needs an account): the same spelling later wins, as in verl
+    extra = [DEMO_MODEL, f"run.output_dir={run}", "run.total_steps=2", "trainer.logger=[console]",
+             "logging.progress_bar=false"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml", *overrides, *extra],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    read = [line for line in out.splitlines() if line.startswith("megappo: verl keys read as megappo's: ")]
+    unused = [line for line in out.splitlines() if line.startswith("megappo: verl keys megappo does not use: ")]
+    assert len(read) == 1 and len(unused) == 1, out[-6000:]  # once, by rank 0
+    assert "actor_rollout_ref.actor.clip_ratio_high -> actor.clip_ratio_high" in read[0]
+    assert "algorithm.filter_groups" not in read[0]  # megappo's own names: nothing to read
+    assert "trainer.logger=[console] -> logging.sinks=[console,jsonl]" in read[0]  # the later one only
+    assert read[0].count("trainer.logger") == 1
+    assert "reward_model.reward_manager (megappo's reward path does what verl's dapo manager does" in unused[0]
+    assert (run / "verl_keys.log").read_text().splitlines() == [read[0][len("megappo: "):],
+                                                                unused[0][len("megappo: "):]]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 2
+    config = json.loads((run / "config.json").read_text())
+    assert config["algorithm"]["filter_groups"]["enable"] and config["reward"]["overlong_buffer"]["len"] == 1
