@@ -40,6 +40,10 @@ def _require(ok: bool, template: str) -> None:
         raise ConfigError(template)
 
 
+#: the words YAML 1.1 reads as False / True (megappo.recipe parses recipes and overrides as YAML 1.1)
+_YAML_BOOLS = {False: ("off", "no", "false", "n"), True: ("on", "yes", "true", "y")}
+
+
 def _at_least(section: Any, **minimums: int) -> None:
     for name, low in minimums.items():
         value = getattr(section, name)
@@ -1066,6 +1070,10 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         if value in args and type(value) in {type(a) for a in args}:  # True == 1, but not a choice of 1
             return value
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on/no/yes as a bool: the choice of that spelling
+            spelled = [a for a in args if isinstance(a, str) and a.lower() in _YAML_BOOLS[value]]
+            if len(spelled) == 1:
+                return spelled[0]
         guess = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         hint = f" Did you mean '{guess[0]}'?" if guess else ""
         raise ConfigError(f"{P}{key}: {value!r} is not one of {list(args)}.{hint} Fix: set {P}{key} to one of them.")

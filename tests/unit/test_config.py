@@ -57,6 +57,10 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.data.train_files == ["a.jsonl", "b.jsonl"] and cfg.model.tokenizer is None
     assert cfg.actor.use_kl_loss is True and cfg.needs_ref and cfg.roles == ("actor", "critic", "ref")
     assert cfg.rollout.sglang == {"chunked_prefill_size": 4096} and cfg.run.output_dir == "runs/x"
+    # YAML 1.1 reads a bare off as false: a choice spelled 'off' is still what was meant
+    assert load_config(path, ["checkpoint.resume=off"]).checkpoint.resume == "off"
+    with pytest.raises(ConfigError, match="False is not one of"):
+        load_config(path, ["rollout.engine=off"])
     nested = load_config(None, [*(f"model.{kv}" for kv in ("hf_config.rope_scaling.factor=2.0", "hf_config.a=1"))])
     assert nested.model.hf_config == {"rope_scaling": {"factor": 2.0}, "a": 1}
 
