@@ -26,6 +26,7 @@ from megappo.parallel.stage import stage
 from megappo.perf import flop_rate_metrics, peak_memory
 from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
+from megappo.ppo.overlong import overlong_metrics, overlong_penalty
 from megappo.ppo.rollout_correction import rollout_correction
 from megappo.rewards import score_batch
 from megappo.rollout.bridge import logprob_mismatch
@@ -76,6 +77,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                 scores = rewards(run, batch, rm_scores, read)
                 m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
                 m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
+                m.update(overlong_log(run, batch))
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
                                   sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch, read))
             m.update(rollout_metrics(batch, scores, exp, old.entropy))
@@ -84,10 +86,11 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     if run.critic:
         with timed(m, "update_critic"):
             m.update(run.critic.update(exp, **run.critic_update_args(step)))
-    with timed(m, "update_actor"):
-        m.update(run.actor.update(exp, **run.actor_update_args(step)))
-    with timed(m, "weight_sync"):
-        m.update(run.bridge.sync().metrics())
+    if not critic_warmup(run, step):  # warmup: the actor, and so the engine's weights, stay as they are
+        with timed(m, "update_actor"):
+            m.update(run.actor.update(exp, **run.actor_update_args(step)))
+        with timed(m, "weight_sync"):
+            m.update(run.bridge.sync().metrics())
     m.update(pass_metrics([run.actor, run.ref, run.critic, run.reward_model]))
     m.update(flop_metrics(run, m))
     return m
@@ -97,6 +100,13 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
 FLOP_STAGES = {("actor", "forward"): ("old_log_prob", "old_log_prob"), ("ref", "forward"): ("ref", "ref"),
                ("critic", "forward"): ("values", "values"), ("reward", "forward"): ("reward_model", "reward_model"),
                ("actor", "train"): ("update_actor", "actor"), ("critic", "train"): ("update_critic", "critic")}
+
+
+def critic_warmup(run: Run, step: int) -> bool:
+    """Steps 1..run.critic_warmup train the critic alone (verl's trainer.critic_warmup): no actor update,
+    so no optimizer or LR-scheduler step and no actor/* metrics (verl logs none either), and no weight
+    sync, since the engine already holds the actor's unchanged weights."""
+    return step <= run.cfg.run.critic_warmup
 
 
 def flop_metrics(run: Run, m: dict) -> dict[str, float]:
@@ -166,7 +176,24 @@ def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read:
         scores += torch.tensor(scored(run, batch, cfg.functions, cfg.function_weights, read or responses(run, batch)))
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
+    if cfg.overlong_buffer.enable:
+        scores += overlong_shaping(run, batch)
     return scores
+
+
+def overlong_shaping(run: Run, batch: RolloutBatch) -> torch.Tensor:
+    """[N] DAPO's overlong penalty (reward.overlong_buffer, megappo.ppo.overlong) of each response. Its
+    length is what counts against rollout.max_new_tokens: every real response token (a multi-turn
+    episode's actions and observations, as megappo.rollout.multiturn budgets them)."""
+    ob = run.cfg.reward.overlong_buffer
+    return overlong_penalty(batch.real_response_mask.sum(-1), max_len=run.cfg.rollout.max_new_tokens,
+                            buffer_len=ob.len, penalty_factor=ob.penalty_factor)
+
+
+def overlong_log(run: Run, batch: RolloutBatch) -> dict[str, float]:
+    """`reward/overlong_reward` and `reward/overlong` when reward.overlong_buffer.log (else {})."""
+    ob = run.cfg.reward.overlong_buffer
+    return overlong_metrics(overlong_shaping(run, batch)) if ob.enable and ob.log else {}
 
 
 def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple) -> list[float]:
@@ -241,8 +268,20 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
                           sum_pi_squared=sum_pi_squared, rollout_is_weights=is_weights, reward_components=components,
                           reward_component_weights=cfg.algorithm.gdpo_reward_weights)
     m["critic/rewards/mean"] = (token_rewards.sum(-1)).mean().item()
+    mask = mask_truncated(cfg.algorithm.mask_truncated_completions, batch, mask, m)
     return Experience(seqs=dataclasses.replace(seqs, response_mask=mask), old_log_probs=old_lp, advantages=adv,
                       ref_log_probs=ref_lp, values=values, returns=ret, rollout_is_weights=is_weights)
+
+
+def mask_truncated(enabled: bool, batch: RolloutBatch, mask: torch.Tensor, m: dict) -> torch.Tensor:
+    """algorithm.mask_truncated_completions: [N, R] `mask` with the rows of responses that ran into
+    rollout.max_new_tokens zeroed, so they carry no actor or critic loss. Applied after the advantages:
+    they still count in their group's baseline (TRL). Metric: `response_length/masked_truncated`."""
+    if not enabled:
+        return mask
+    truncated = batch.truncated
+    m["response_length/masked_truncated"] = truncated.float().mean().item()
+    return mask * ~truncated[:, None]
 
 
 def correct_rollout(rc, old_lp, rollout_lp, mask, m: dict):

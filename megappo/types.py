@@ -80,6 +80,13 @@ class RolloutBatch:
         return self.prompt_ids.shape[0]
 
     @property
+    def truncated(self) -> torch.Tensor:
+        """[N] bool: the responses that ended at the budget max_new_tokens (`clipped`, else finish reason "length")."""
+        if self.clipped is not None:
+            return self.clipped.bool()
+        return torch.tensor([r == "length" for r in self.finish_reasons], dtype=torch.bool)
+
+    @property
     def clip_ratio(self) -> float:
         """The fraction of responses that ended at the budget max_new_tokens (verl's response_length/clip_ratio)."""
         if self.clipped is not None:

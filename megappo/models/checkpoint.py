@@ -79,15 +79,26 @@ def save_model(model: MegatronModel, ckpt_dir: str, hf_config: dict, hf_files: d
 
 @in_layout
 def save_trainable(trainable, ckpt_dir: str, hf_config: dict, hf_files: dict[str, bytes] | None = None) -> None:
-    """Collective: weights + optimizer state + LR scheduler of a `models.training.Trainable`."""
+    """Collective: weights + optimizer state + LR scheduler of a `models.training.Trainable`. An
+    optimizer that has not stepped yet (the actor during run.critic_warmup) has no state to save:
+    the metadata says so, and loading keeps the fresh optimizer, which is what it was."""
     model_state = _sharded_state(trainable.model)
-    state = dict(model_state,
-                 optimizer=trainable.optimizer.sharded_state_dict(model_state, is_loading=False, metadata=OPTIM_METADATA),
-                 scheduler=trainable.scheduler.state_dict())
-    _save(trainable.model, state, ckpt_dir, hf_config, hf_files, with_optimizer=True)
+    started = optimizer_started(trainable.optimizer)
+    state = dict(model_state, scheduler=trainable.scheduler.state_dict())
+    if started:
+        state["optimizer"] = trainable.optimizer.sharded_state_dict(model_state, is_loading=False,
+                                                                    metadata=OPTIM_METADATA)
+    _save(trainable.model, state, ckpt_dir, hf_config, hf_files, with_optimizer=True, optimizer_started=started)
 
 
-def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_files, with_optimizer: bool) -> None:
+def optimizer_started(optimizer) -> bool:
+    """Has the optimizer taken a step (does it hold Adam state)? The same on every rank: a step is
+    taken or skipped by all of them."""
+    return any(opt.optimizer.state for opt in _inner_optimizers(optimizer))
+
+
+def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_files, with_optimizer: bool,
+          optimizer_started: bool = False) -> None:
     from megatron.core import dist_checkpointing
 
     if model.ps.rank == 0:
@@ -96,6 +107,7 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
     dist_checkpointing.save(state, ckpt_dir)
     if model.ps.rank == 0:
         meta = {"format": "megappo-model-v1", "role": model.role, "with_optimizer": with_optimizer,
+                "optimizer_started": optimizer_started,
                 "expert_parallel": model.ps.ep, "dtype": model.precision.name,
                 "lora": dataclasses.asdict(model.lora) if model.lora.enabled else None,
                 "dims": dataclasses.asdict(model.dims), "hf_config": hf_config}
@@ -139,6 +151,13 @@ def load_trainable(trainable, ckpt_dir: str) -> dict:
             f"state apart only when ep > 1). Fix: resume with parallel.ep {'> 1' if saved_ep > 1 else '= 1'}, or "
             "load the weights alone (load_model / an HF export) and start a new optimizer."
         )
+    if not meta.get("optimizer_started", True):  # saved before its first step: it stays fresh
+        model_state = _sharded_state(model)
+        loaded = load_dist_checkpoint(dict(model_state, scheduler=trainable.scheduler.state_dict()), ckpt_dir)
+        _load_chunks(model, loaded)
+        trainable.optimizer.reload_model_params()  # its main (float32) copy of the weights, from the loaded ones
+        trainable.scheduler.load_state_dict(loaded["scheduler"])
+        return meta
     for opt in _inner_optimizers(trainable.optimizer):
         # a fresh distributed optimizer has no Adam state to load into yet
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:

@@ -7,6 +7,7 @@
               multi-turn), registered in advantages.ESTIMATORS
   kl          KL estimators (k1/k2/k3/abs and straight-through "+"), KL controllers,
               the KL penalty in the reward
+  overlong    DAPO's overlong reward shaping: the penalty of responses near the budget
   losses      loss aggregation with global counts, clipped policy / value losses,
               full-vocabulary log-probs and entropy, entropy and KL loss terms
   policy_losses  verl's policy losses by name (actor.policy_loss.loss_mode): the

@@ -74,7 +74,9 @@ class Synchronous:
         return engine
 
     def synced(self, version: int) -> None:
-        """The bridge just synced the weights after `version` optimizer steps."""
+        """Step `version` ended: the bridge just synced the weights of that policy version, or (a step
+        that did not update the actor: run.critic_warmup) sent nothing, the weights being the same as
+        the version before."""
         self.engine_version = version
 
     def next_batch(self, step: int, generate: Generate) -> RolloutBatch:
@@ -212,6 +214,7 @@ class Async(Synchronous):
         self._staged: _Staged | None = None  # published, not applied yet
         self._base: int | None = None  # the first version published: the run's start
         self._published: int | None = None
+        self._same_as: dict[int, int] = {}  # a version published without an update -> the one whose weights it holds
         self._applied: int | None = None  # the version the engine holds
         self._batches: dict[int, RolloutBatch] = {}  # generated, not taken yet
         self._next = 0  # the next step the thread generates (0: not started)
@@ -247,7 +250,9 @@ class Async(Synchronous):
     def synced(self, version: int) -> None:
         super().synced(version)
         with self._cond:
-            if self._incoming is not None:
+            if self._incoming is None and self._published is not None:  # nothing sent: the weights did not change
+                self._same_as[version] = self._held(self._published)
+            elif self._incoming is not None:
                 self._incoming.version = version
                 self._staged, self._incoming = self._incoming, None
             if self._base is None:
@@ -319,7 +324,11 @@ class Async(Synchronous):
         """Will a generation not started yet be the first to use `version`? (under the lock)"""
         if self._next == 0:  # not started: the first generation uses the base version
             return True
-        return self._next <= self.last_step and self.version_for(self._next) <= version
+        return self._next <= self.last_step and self._held(self.version_for(self._next)) <= version
+
+    def _held(self, version: int) -> int:
+        """The version whose weights `version` has (itself, unless it was published without an update)."""
+        return self._same_as.get(version, version)
 
     def _start(self, step: int, generate: Generate) -> None:
         self._batches = self._restored
@@ -338,12 +347,13 @@ class Async(Synchronous):
                     if step > self.last_step:
                         return
                     version = self.version_for(step)
-                    self._cond.wait_for(lambda: self._closed or self._applied == version or (
-                        self._staged is not None and self._staged.version == version))
+                    # (the weights of a version published without an update are those of an earlier one)
+                    self._cond.wait_for(lambda: self._closed or self._applied == self._held(version) or (
+                        self._staged is not None and self._staged.version == self._held(version)))
                     if self._closed:
                         return
                     staged = None
-                    if self._applied != version:
+                    if self._applied != self._held(version):
                         staged, self._staged = self._staged, None
                     self._next, self._running = step + 1, True
                 if staged is not None:

@@ -39,6 +39,12 @@ CASES = {
                                    "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
     "cispo+gdpo": ["algorithm.adv_estimator=gdpo", "rollout.n=2", "actor.policy_loss.loss_mode=cispo",
                    "reward.functions=[digit_successor,exact_match]", "algorithm.gdpo_reward_weights=[1.0,0.5]"],
+    # DAPO without dynamic sampling (docs/dapo.md): clip-higher, token-mean, overlong shaping (a buffer of
+    # 1 of the 2 tokens: a digit and EOS are penalised -0.5) and truncated responses out of the loss
+    "dapo_overlong+mask_truncated": ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.clip_ratio_low=0.2",
+                                     "actor.clip_ratio_high=0.28", "reward.overlong_buffer.enable=true",
+                                     "reward.overlong_buffer.len=1", "reward.overlong_buffer.penalty_factor=0.5",
+                                     "reward.overlong_buffer.log=true", "algorithm.mask_truncated_completions=true"],
     "otb+token_tis": ["algorithm.adv_estimator=optimal_token_baseline", "rollout.n=2",
                       "algorithm.rollout_correction.rollout_is=token", "actor.policy_loss.loss_mode=sapo"],
 }
@@ -80,6 +86,11 @@ def test_algorithm_runs(tmp_path, case):
                     "rollout_corr/kl", "rollout_corr/chi2_seq", "rollout/is_weight_mean"):
             assert key in last, key
         assert last["rollout/staleness"] == 1 and rows[0]["rollout_corr/kl"] == pytest.approx(0, abs=1e-4)
+    if "overlong" in case:  # every 2-token response is penalised; 1-token ones (EOS at once) are not
+        for r in rows:
+            assert 0 <= r["reward/overlong"] <= 1 and r["reward/overlong_reward"] == pytest.approx(-0.5 * r["reward/overlong"])
+            assert r["reward/overlong"] == pytest.approx(r["response_length/mean"] - 1)  # lengths are 1 or 2
+            assert r["response_length/masked_truncated"] == r["response_length/clip_ratio"]
     if "token_tis" in case:
         assert 0 < last["rollout_corr/rollout_is_mean"] <= 2.0 and "rollout_corr/rollout_is_eff_sample_size" in last
 

@@ -16,6 +16,7 @@ Each case is the recipe file itself, through the CLI as a user runs it (`megappo
 | data.max_prompt_length, rollout.max_new_tokens | 160, 12 | the test prompts are up to 149 tokens, an answer ("\\boxed{7}") 10 |
 | actor/critic.optim.lr | 1e-3 | at the recipes' 1e-6 no bf16 weight moves in 2 steps (an update is below half a bf16 ulp), so the test could not see training |
 | logging.progress_bar, logging.samples | off, the whole batch | plain logs; every response's score kept to check it |
+| reward.overlong_buffer.len, data.gen_batch_size | 4 of the 12 tokens, 3 x 4 prompts (recipes that set them: DAPO) | the recipe's buffer is longer than the swapped budget; DAPO's generation batch of 3 x the train batch |
 | checkpoint.save_hf_at_end | true (when resuming) | the live model's export, compared with `megappo export` of the saved checkpoint |
 
 Everything else is the recipe's: bf16, the algorithm and estimator, KL loss / KL in the reward
@@ -37,7 +38,7 @@ Variants that differ from another case only in hardware and layout become the sa
 and so do the 4gpu variants, whose micro-batches of 1 with packing only change how the same
 sequences are split into micro-batches. To keep CI under 50 minutes, some variants also run as a
 case that differs in one thing another case runs (the model family at a layout, TP2 for DP2, GRPO
-at PP2, recomputation on, KL in the reward): 9 runs for 7 recipes and 27 variants. `COLLAPSED`
+at PP2, recomputation on, KL in the reward): 10 runs for 8 recipes and 28 variants. `COLLAPSED`
 writes down which runs as which and why, and a test checks that the resolved configs are equal
 but for exactly the keys it names. What cannot run on CPU:
 sequence parallelism (above; the value head under it: tests/distributed/test_value_head_sp.py),
@@ -126,6 +127,8 @@ COLLAPSED = {
                                            "recomputation", RECOMPUTE),
     "llama3.3-70b-ppo-64gpu.yaml:h200": ("llama3.3-70b-ppo-64gpu.yaml:long-4k", "PP4 instead of PP8: PP2; without "
                                          "recomputation", RECOMPUTE),
+    "qwen2.5-7b-dapo-8gpu.yaml:h200": ("qwen2.5-7b-dapo-8gpu.yaml", "TP2 x DP4 instead of TP4 x DP2: DP2 instead "
+                                       "of TP2; DP2 runs in the llama3.1 case", ("parallel.tp",)),
     "llama3.3-70b-lora-grpo-8gpu.yaml:h200": ("llama3.3-70b-lora-grpo-8gpu.yaml", "a larger SGLang pool only", ()),
 }
 #: the case whose resumed run is also compared with a run straight through 2 steps (bf16, PPO, DP2 with
@@ -164,7 +167,23 @@ def tiny_model(cfg) -> tuple[str, int]:
 def case_overrides(recipe: str, variant: str | None, models: str) -> list[str]:
     """Every override of a case: the swaps, the layout, model.path (`models`/`tiny_model`)."""
     cfg = load_config(recipe, variant=variant)
-    return [*SWAPS, *two_ranks(cfg), f"model.path={os.path.join(models, tiny_model(cfg)[0])}"]
+    return [*SWAPS, *dapo_swaps(cfg), *two_ranks(cfg), f"model.path={os.path.join(models, tiny_model(cfg)[0])}"]
+
+
+#: DAPO's overlong buffer within the swapped budget of 12 tokens
+OVERLONG_BUFFER = 4
+
+
+def dapo_swaps(cfg) -> list[str]:
+    """DAPO's keys at the swapped sizes: the overlong buffer, the generation batch (3 x 4 prompts)."""
+    out = [f"reward.overlong_buffer.len={OVERLONG_BUFFER}"] if cfg.reward.overlong_buffer.enable else []
+    return out + ["data.gen_batch_size=12"] if cfg.data.gen_batch_size else out
+
+
+def overlong(cfg, tokens: int) -> float:
+    """The overlong penalty of a response of `tokens` tokens at the swapped sizes (verl's formula), 0 when off."""
+    ob = cfg.reward.overlong_buffer
+    return min(-(tokens - (cfg.rollout.max_new_tokens - ob.len)) / ob.len * ob.penalty_factor, 0) if ob.enable else 0.0
 
 
 def resolved(recipe: str, variant: str | None, leave_out: tuple[str, ...] = ()) -> dict:
@@ -329,7 +348,8 @@ def test_recipe_runs_two_steps_resumes_and_exports(recipe, variant, models, tmp_
     (reward,) = cfg.reward.functions
     score = get_reward_fn(reward)
     for s in samples:
-        assert s["score"] == score(s["response"], s["ground_truth"], {"finish_reason": s["finish_reason"]}), s
+        want = score(s["response"], s["ground_truth"], {"finish_reason": s["finish_reason"]})
+        assert s["score"] == want + overlong(cfg, s["response_tokens"]), s  # (multiples of 1/4: exact)
     for step in (1, 2):
         got = [s["score"] for s in samples if s["step"] == step]
         row = next(r for r in metrics if r["step"] == step and "critic/score/mean" in r)

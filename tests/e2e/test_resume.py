@@ -100,6 +100,33 @@ def test_kill_during_save_then_resume_is_bit_identical(straight, tmp_path):
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("step_")) == ["step_00000002", "step_00000004"]
 
 
+def test_critic_warmup_killed_during_warmup_then_resumed_is_bit_identical(tmp_path):
+    """run.critic_warmup=2 (fp32, the demo's TP=2, async rollouts one step ahead): steps 1-2 train the
+    critic alone, with no actor update, metrics or weight sync; a run killed during warmup resumes
+    from a warmup checkpoint (the actor's optimizer has taken no step) and ends bit-identical."""
+    args = ["run.critic_warmup=2", "run.total_steps=4", "checkpoint.save_every=1", "checkpoint.save_hf_at_end=true",
+            "run.val_every=0", "run.val_before_train=false", "logging.progress_bar=false", "rollout.mode=async",
+            "rollout.max_staleness=1"]
+
+    def cmd(out):
+        return [sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", "recipes/demo-cpu.yaml",
+                f"run.output_dir={out}", *args]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(cmd(straight))
+    log = killed / "metrics.jsonl"
+    kill_when(cmd(killed), lambda: log.is_file() and '"step": 2' in log.read_text(), "step 2 was logged")
+    assert (killed / "checkpoints" / "latest").read_text() in ("step_00000001", "step_00000002")
+    assert "resumed from" in run(cmd(killed))
+    rows = metrics(straight)
+    assert metrics(killed) == rows
+    assert [("actor/pg_loss" in r, "critic/vf_loss" in r, "actor/lr" in r) for r in rows] == \
+        [(False, True, False)] * 2 + [(True, True, True)] * 2
+    for role in ("actor", "critic"):
+        a, b = hf_weights(straight / "hf" / role), hf_weights(killed / "hf" / role)
+        assert [k for k in a if not torch.equal(a[k], b[k])] == [], role
+
+
 def test_resume_at_another_layout(straight, tmp_path):
     """The DP=2 distributed-optimizer checkpoint of step 2 continues at TP=2 (resharded on load)."""
     out = tmp_path / "tp2"

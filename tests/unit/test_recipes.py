@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
 GPU_RECIPES = {"qwen2.5-7b-ppo-8gpu.yaml", "llama3.1-8b-grpo-8gpu.yaml", "qwen2.5-72b-ppo-64gpu.yaml",
                "llama3.3-70b-ppo-64gpu.yaml", "qwen3-8b-ppo-8gpu.yaml", "qwen3-30b-a3b-grpo-32gpu.yaml",
-               "llama3.3-70b-lora-grpo-8gpu.yaml"}
+               "llama3.3-70b-lora-grpo-8gpu.yaml", "qwen2.5-7b-dapo-8gpu.yaml"}
 VARIANTS = [(path, name) for path in RECIPES for name in load_config(path).variants]
 
 
@@ -105,6 +105,13 @@ def test_recipes_cover_the_algorithms():
     assert moe.parallel.ep == 8 and moe.algorithm.adv_estimator == "grpo"
     plan = make_plan(moe)
     assert plan.dims.num_experts == 128 and plan.ep == 8
+    dapo = cfgs["qwen2.5-7b-dapo-8gpu.yaml"]  # docs/dapo.md: verl's DAPO example's settings
+    assert dapo.algorithm.adv_estimator == "grpo" and dapo.roles == ("actor",) and dapo.rollout.n == 16
+    assert (dapo.actor.clip_ratio_low, dapo.actor.clip_ratio_high, dapo.actor.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    fg, ob = dapo.algorithm.filter_groups, dapo.reward.overlong_buffer
+    assert fg.enable and fg.metric == "acc" and fg.max_num_gen_batches == 10
+    assert dapo.data.gen_batch_size == 3 * dapo.data.train_batch_size
+    assert ob.enable and (ob.len, ob.penalty_factor, dapo.rollout.max_new_tokens) == (4096, 1.0, 20480)
     assert cfgs["demo-moe-cpu.yaml"].parallel.ep == 2 and cfgs["qwen3-8b-ppo-8gpu.yaml"].use_critic
 
 

@@ -41,16 +41,19 @@ class FakeEngine:
                             prompt_index=torch.zeros(1, dtype=torch.long))
 
 
-def train(schedule, engine, first: int, last: int, train_seconds: float = 0.01):
-    """The orchestrator's loop with its order: batch, train, sync (the bridge's update), synced."""
+def train(schedule, engine, first: int, last: int, train_seconds: float = 0.01, warmup: int = 0):
+    """The orchestrator's loop with its order: batch, train, sync (the bridge's update), synced. Steps
+    1..`warmup` (run.critic_warmup) leave the actor as it is and send no update."""
     synced = schedule.gated(engine)
-    synced.update_weights([[("w", torch.tensor(first - 1))]])  # train()'s sync before the first step
+    held = first - 1 if first - 1 > warmup else 0  # the weights a resumed run starts from
+    synced.update_weights([[("w", torch.tensor(held))]])  # train()'s sync before the first step
     schedule.synced(first - 1)
     out = []
     for step in range(first, last + 1):
         batch = schedule.next_batch(step, engine.generate)
         time.sleep(train_seconds)  # training
-        synced.update_weights([[("w", torch.tensor(step))]])
+        if step > warmup:
+            synced.update_weights([[("w", torch.tensor(step))]])
         schedule.synced(step)
         out.append((step, int(batch.prompt_ids.item()), batch.policy_version, schedule.metrics()))
     return out
@@ -244,3 +247,33 @@ def test_config_accepts_overlapped_modes_with_sglang(mode):
     """SGLangEngine takes calls from any thread (the generation thread): tests/sglang/test_engine_threads.py."""
     cfg = load_config(DEMO, [f"rollout.mode={mode}", "rollout.engine=sglang", "actor.old_logprob=is_correct"])
     assert (cfg.rollout.mode, cfg.rollout.engine, cfg.rollout.placement) == (mode, "sglang", "colocated")
+
+
+@pytest.mark.parametrize("make", [Synchronous, lambda: OneStepOff(last_step=7), lambda: Async(7, 1),
+                                  lambda: Async(7, 2)], ids=["sync", "one_step_off", "async1", "async2"])
+def test_critic_warmup_steps_send_no_update_and_the_engine_keeps_the_first_weights(make):
+    """run.critic_warmup=3: steps 1-3 send nothing (the actor did not change); batches carry the
+    same versions as without warmup, and each generation reads the weights its version has: those
+    of version 0 up to version 3. Async: a version published without an update is one the
+    generation thread need not wait for (it would wait forever)."""
+    engine, schedule = FakeEngine(), make()
+    out = train(schedule, engine, 1, 7, warmup=3)
+    straight = train(make(), FakeEngine(), 1, 7)
+    assert versions(out) == versions(straight)
+    assert all(first == last == (v if v > 3 else 0) for (_, first, last), (_, _, v) in zip(engine.log, versions(out)))
+    schedule.close()
+
+
+def test_async_resumed_during_critic_warmup_generates_what_a_straight_run_does():
+    schedule = Async(last_step=7, max_staleness=2)
+    train(schedule, FakeEngine(), 1, 2, warmup=3)
+    buffered = schedule.settle()
+    schedule.close()
+    resumed, engine2 = Async(last_step=7, max_staleness=2), FakeEngine()
+    resumed.restore(buffered)
+    got = train(resumed, engine2, 3, 7, warmup=3)
+    straight_engine = FakeEngine()
+    straight = train(Async(last_step=7, max_staleness=2), straight_engine, 1, 7, warmup=3)
+    assert versions(got) == versions(straight)[2:]
+    assert engine2.log == [e for e in straight_engine.log if e[0] not in dict(buffered)][-len(engine2.log):]
+    resumed.close()
