@@ -140,6 +140,12 @@ RATIOS: dict[str, tuple[str, str]] = {
     "critic.optim.lr_warmup_steps_ratio": ("critic.optim.warmup_steps", "run.total_steps"),
 }
 
+#: verl key -> (megappo key, what to add to verl's count): verl counts its steps from 1 and trains the actor
+#: once `critic_warmup <= global_steps`, so its critic_warmup=N leaves N - 1 critic-only steps (at least 0)
+SHIFTED: dict[str, tuple[str, int]] = {
+    "trainer.critic_warmup": ("run.critic_warmup", -1),
+}
+
 _PACKING = "megappo packs sequences without padding (actor.packing, on by default) into micro-batches of " \
            "actor.max_tokens_per_micro_batch tokens; the loss does not depend on how they are split"
 _LOG_PROB_PASS = "megappo's old-log-prob pass uses the actor's micro-batches (actor.micro_batch_size, " \
@@ -362,6 +368,9 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
         return "read", by_value
     if path in RATIOS:
         return ("ratio", *RATIOS[path])
+    if path in SHIFTED and isinstance(value, int) and not isinstance(value, bool):
+        key, shift = SHIFTED[path]
+        return "read", f"{key}={max(value + shift, 0)}"
     if path in BY_VALUE or path in OTHERWISE:
         return "refused", OTHERWISE.get(path) or f"its values megappo reads are {sorted(BY_VALUE[path])}"
     key = verl_equivalent(path, is_key)

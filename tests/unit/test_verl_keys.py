@@ -24,7 +24,8 @@ READ = {
     "data.max_response_length=4": ("rollout.max_new_tokens", 4),
     "critic.model.path=/c": ("critic.path", "/c"),
     "trainer.n_gpus_per_node=2": ("hardware.gpus_per_node", 2),
-    "trainer.critic_warmup=2": ("run.critic_warmup", 2),
+    "trainer.critic_warmup=2": ("run.critic_warmup", 1),  # verl's N leaves N - 1 critic-only steps
+    "trainer.critic_warmup=0": ("run.critic_warmup", 0),
     "trainer.val_before_train=False": ("run.val_before_train", False),
     # verl's switch: the value changes with the key (full recomputation, uniform, 1 layer: megappo's full defaults)
     "actor_rollout_ref.model.enable_gradient_checkpointing=True": ("actor.recompute.granularity", "full"),
