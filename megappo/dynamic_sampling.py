@@ -147,7 +147,7 @@ def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[]
             raise FilterLimitError(f"{said}: generated too many batches (on_limit=stop, verl's behaviour). {fix}")
         print(f"megappo: warning: {said}; topped up with {f.groups - len(kept)} dropped groups (on_limit=fill, counted "
               f"in filter_groups/hit_limit). {fix}", file=sys.stderr, flush=True)
-    chosen = kept[:f.groups] + dropped[::-1][:f.groups - len(kept)]  # the most recently dropped fill the rest
+    chosen = kept[:f.groups] + dropped[::-1][:max(0, f.groups - len(kept))]  # the most recently dropped fill the rest
     out = take_groups(rounds, chosen, pad_token_id)
     n_samples = [torch.bincount(b.prompt_index) for b in rounds]
     samples = lambda groups: sum(int(n_samples[r][g]) for r, g in groups)  # noqa: E731

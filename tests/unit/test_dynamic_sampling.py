@@ -120,12 +120,12 @@ def test_fill_batch_keeps_groups_that_differ_over_rounds():
 
 
 def test_fill_batch_discards_the_surplus_and_asks_for_inflight_batches_per_call():
-    fake = Fake(2, lambda p: [0.0, 1.0])  # every group differs
+    fake = Fake(2, lambda p: [0.0, 1.0] if p != 1 else [1.0, 1.0])  # every group but prompt 1's differs
     out = run_fill(fake, GroupFilter(groups=3, metric="reward", max_gen_batches=0, inflight=3, on_limit="fill"))
-    assert [e.index for e in out.examples] == [0, 0, 1, 1, 2, 2] and fake.seeds == [7]
+    assert [e.index for e in out.examples] == [0, 0, 2, 2, 3, 3] and fake.seeds == [7]
     m = out.gen_metrics
-    assert m["train/num_gen_batches"] == 3 and m["filter_groups/discarded_surplus_samples"] == 6
-    assert m["filter_groups/kept_groups"] == 3 and m["filter_groups/evicted_samples"] == 0
+    assert m["train/num_gen_batches"] == 3 and m["filter_groups/discarded_surplus_samples"] == 4
+    assert m["filter_groups/kept_groups"] == 3 and m["filter_groups/evicted_samples"] == 2
 
 
 def test_at_the_limit_fill_tops_up_with_the_latest_dropped_groups(capsys):
