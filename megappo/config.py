@@ -769,7 +769,8 @@ class Config(_Section):
                  "pass, so the reward model's scores are not known yet. Fix: filter on a rule-based function's field "
                  "(algorithm.filter_groups.metric=acc) or drop reward.model_path.")
         gen_batch = self.data.gen_batch_size or self.data.train_batch_size
-        _require(not fg.enable or not fg.max_num_gen_batches or fg.max_num_gen_batches * gen_batch >= self.data.train_batch_size,
+        bounded = fg.enable and fg.max_num_gen_batches
+        _require(not bounded or fg.max_num_gen_batches * gen_batch >= self.data.train_batch_size,
                  f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} generation batches of "
                  f"data.gen_batch_size={gen_batch} prompts hold fewer than data.train_batch_size="
                  f"{self.data.train_batch_size}: no step could fill its batch. Fix: raise max_num_gen_batches (0: no "

@@ -148,3 +148,18 @@ def test_at_the_limit_stop_raises_the_fix():
                                                r".*Fix: raise algorithm.filter_groups.max_num_gen_batches"):
         run_fill(fake, f)
     assert fake.seeds == [7, 7 + ROUND_SEED_STRIDE]  # 2 batches, then the one the bound still allows
+
+
+def test_the_config_draws_gen_batch_size_prompts_and_refuses_a_bound_that_cannot_fill_a_step():
+    from megappo.recipe import load_config
+
+    demo = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "recipes/demo-cpu.yaml")
+    on = ["algorithm.filter_groups.enable=true", "rollout.n=4", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
+          "critic.ppo_mini_batch_size=16"]
+    assert load_config(demo, [*on, "data.gen_batch_size=24"]).prompts_per_draw == 24
+    assert load_config(demo, on).prompts_per_draw == 16  # gen_batch_size null: train_batch_size
+    assert load_config(demo, ["data.gen_batch_size=24"]).prompts_per_draw == 64  # not filtering: the step's prompts
+    assert load_config(demo, [*on, "data.gen_batch_size=4", "algorithm.filter_groups.max_num_gen_batches=4"])
+    with pytest.raises(ConfigError, match=r"max_num_gen_batches=3 generation batches of data.gen_batch_size=4 prompts "
+                                          r"hold fewer than data.train_batch_size=16.*Fix: raise"):
+        load_config(demo, [*on, "data.gen_batch_size=4", "algorithm.filter_groups.max_num_gen_batches=3"])
