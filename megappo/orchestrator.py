@@ -5,7 +5,9 @@ engine, the prompts, the reward functions, the KL controller, the advantages, lo
 progress; tensors it produces are broadcast, per-sample results of the models come back
 to it (`megappo.workers`). Setup (models, engine, data, checkpoints) lives in `megappo.run`.
 When each step's batch is generated (now, or during the previous step: `rollout.mode`) is
-`run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does.
+`run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does (with
+algorithm.filter_groups: rounds of generation and scoring, megappo.dynamic_sampling, the batch
+carrying its scores and metrics to the step that trains on it).
 
 This module does not know how models are built or sharded.
 """
