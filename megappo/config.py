@@ -772,6 +772,13 @@ class Config(_Section):
                  "algorithm.filter_groups.metric=reward filters at generation on rank 0, before the reward model's "
                  "pass, so the reward model's scores are not known yet. Fix: filter on a rule-based function's field "
                  "(algorithm.filter_groups.metric=acc) or drop reward.model_path.")
+        gen_batch = self.data.gen_batch_size or self.data.train_batch_size
+        bounded = fg.enable and fg.max_num_gen_batches
+        _require(not bounded or fg.max_num_gen_batches * gen_batch >= self.data.train_batch_size,
+                 f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} generation batches of "
+                 f"data.gen_batch_size={gen_batch} prompts hold fewer than data.train_batch_size="
+                 f"{self.data.train_batch_size}: no step could fill its batch. Fix: raise max_num_gen_batches (0: no "
+                 "bound) or data.gen_batch_size.")
         ob = self.reward.overlong_buffer
         _require(not ob.enable or ob.len <= self.rollout.max_new_tokens,
                  f"reward.overlong_buffer.len={ob.len} is longer than rollout.max_new_tokens="
@@ -950,6 +957,19 @@ class Config(_Section):
     def model_roles(self) -> tuple[str, ...]:
         """Every Megatron model this run builds, the reward model included, in build order."""
         return self.roles + (("reward",) if self.reward.model_path else ())
+
+    @property
+    def prompts_per_draw(self) -> int:
+        """Prompts the sampler hands out per call: data.gen_batch_size with algorithm.filter_groups (a step
+        takes one or more such generation batches), else data.train_batch_size (a step takes one)."""
+        d = self.data
+        return (d.gen_batch_size or d.train_batch_size) if self.algorithm.filter_groups.enable else d.train_batch_size
+
+    @property
+    def prompts_per_draw_key(self) -> str:
+        """The key that sets `prompts_per_draw`, for messages."""
+        fg, d = self.algorithm.filter_groups, self.data
+        return "data.gen_batch_size" if fg.enable and d.gen_batch_size else "data.train_batch_size"
 
     def updates_per_step(self, role: Literal["actor", "critic"]) -> int:
         """Optimizer steps per PPO step: mini-batches per batch x epochs."""

@@ -302,11 +302,12 @@ class PromptSampler:
     Incomplete final batches are dropped (every step has the configured batch size).
     """
 
-    def __init__(self, num_examples: int, batch_size: int, *, seed: int = 1, shuffle: bool = True):
+    def __init__(self, num_examples: int, batch_size: int, *, seed: int = 1, shuffle: bool = True,
+                 key: str = "data.train_batch_size"):
         if batch_size > num_examples:
             raise DataError(
-                f"data.train_batch_size={batch_size} is larger than the dataset ({num_examples} usable prompts). "
-                "Fix: lower data.train_batch_size or add prompts."
+                f"{key}={batch_size} is larger than the dataset ({num_examples} usable prompts). "
+                f"Fix: lower {key} or add prompts."
             )
         self.n, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
         self.epoch, self.cursor = 0, 0

@@ -5,7 +5,9 @@ engine, the prompts, the reward functions, the KL controller, the advantages, lo
 progress; tensors it produces are broadcast, per-sample results of the models come back
 to it (`megappo.workers`). Setup (models, engine, data, checkpoints) lives in `megappo.run`.
 When each step's batch is generated (now, or during the previous step: `rollout.mode`) is
-`run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does.
+`run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does (with
+algorithm.filter_groups: rounds of generation and scoring, megappo.dynamic_sampling, the batch
+carrying its scores and metrics to the step that trains on it).
 
 This module does not know how models are built or sharded.
 """
@@ -18,6 +20,7 @@ import time
 
 import torch
 
+from megappo.dynamic_sampling import GroupFilter, fill_batch
 from megappo.envs.loading import env_class
 from megappo.metrics import BudgetWatch
 from megappo.parallel import cpu_compat
@@ -28,7 +31,7 @@ from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
 from megappo.ppo.rollout_correction import rollout_correction
-from megappo.rewards import score_batch
+from megappo.rewards import CORRECT_SCORE, Scored, score_batch, score_records
 from megappo.rollout.bridge import logprob_mismatch
 from megappo.rollout.multiturn import observation_encoder, run_episodes
 from megappo.run import Run
@@ -78,6 +81,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                 m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
                 m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
                 m.update(overlong_log(run, batch))
+                m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; earlier in one_step_off/async)
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
                                   sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch, read))
             m.update(rollout_metrics(batch, scores, exp, old.entropy))
@@ -123,17 +127,59 @@ def flop_metrics(run: Run, m: dict) -> dict[str, float]:
 
 def generate(run: Run, step: int) -> RolloutBatch:
     cfg = run.cfg.rollout
-    prompts = [run.train_examples[i] for i in run.sampler.next_batch()]
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
                             logprob_mode=cfg.logprob_mode, return_routes=run.plan.routing_replay)
-    batch = rollout(run, prompts, params)
+    if run.cfg.algorithm.filter_groups.enable:  # DAPO: scored rounds until the batch holds informative groups
+        batch = sample_dynamically(run, step, params)
+        prompts = group_prompts(batch)
+    else:
+        prompts = [run.train_examples[i] for i in run.sampler.next_batch()]
+        batch = rollout(run, prompts, params)
     if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
         greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))
         batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
     run.engine.free_cache()  # the hf engine's KV cache is not kept through the trainer's passes
     return batch
+
+
+def sample_dynamically(run: Run, step: int, params: SamplingParams) -> RolloutBatch:
+    """algorithm.filter_groups (megappo.dynamic_sampling): generation batches of data.gen_batch_size prompts,
+    scored here, until data.train_batch_size groups whose samples differ are kept."""
+    bad_before = run.reward_checks.bad_values
+    batch = fill_batch(GroupFilter.of(run.cfg), step=step, seed=params.seed,
+                       draw=lambda: [run.train_examples[i] for i in run.sampler.next_batch()],
+                       generate=lambda prompts, seed: rollout(run, prompts, dataclasses.replace(params, seed=seed)),
+                       score=lambda b: generation_scores(run, b), pad_token_id=run.tokenizer.pad_token_id)
+    batch.gen_metrics["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)
+    return batch
+
+
+def group_prompts(batch: RolloutBatch) -> list:
+    """The prompt record of each group, in prompt_index order."""
+    first: dict[int, int] = {}
+    for i, g in enumerate(batch.prompt_index.tolist()):
+        first.setdefault(g, i)
+    return [batch.examples[first[g]] for g in range(len(first))]
+
+
+def generation_scores(run: Run, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, list[dict]]:
+    """What `rewards` gives without the reward model, scored at generation: [N] sequence scores (the
+    overlong penalty included, as verl's seq_reward), [N, K] each of reward.functions' scores (None
+    without functions), [N] the other fields they returned. With the overlong penalty on, `acc` that no
+    function returned is the unshaped score's correctness (verl's acc is the scorer's, before it)."""
+    cfg = run.cfg.reward
+    scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
+    values, fields = None, [{} for _ in range(batch.num_samples)]
+    if cfg.functions:
+        record = scored(run, batch, cfg.functions, cfg.function_weights, responses(run, batch))
+        scores += torch.tensor(record.totals)  # as `rewards` adds them: the same float32 numbers
+        values, fields = torch.tensor(record.values, dtype=torch.float32), record.fields
+    if cfg.overlong_buffer.enable:
+        fields = [f if "acc" in f else dict(f, acc=float(s >= CORRECT_SCORE)) for f, s in zip(fields, scores.tolist())]
+        scores += overlong_shaping(run, batch)
+    return scores, values, fields
 
 
 def rollout(run: Run, prompts: list, params: SamplingParams) -> RolloutBatch:
@@ -169,15 +215,21 @@ def to_seqs(batch: RolloutBatch) -> SeqBatch:
 
 def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read: tuple | None = None) -> torch.Tensor:
     """[N] sequence scores: the environment's rewards of each episode, rule-based functions (on
-    decoded text: `read`, else `responses` is called) and the reward model."""
+    decoded text: `read`, else `responses` is called), DAPO's overlong penalty and the reward model.
+    A batch scored at generation (dynamic sampling) carries all but the last: the functions are not
+    called again."""
     cfg = run.cfg.reward
-    scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
-    if cfg.functions:
-        scores += torch.tensor(scored(run, batch, cfg.functions, cfg.function_weights, read or responses(run, batch)))
+    if batch.scores is not None:
+        scores = batch.scores.clone()
+    else:
+        scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
+        if cfg.functions:
+            scores += torch.tensor(scored(run, batch, cfg.functions, cfg.function_weights,
+                                          read or responses(run, batch)).totals)
+        if cfg.overlong_buffer.enable:  # a batch scored at generation holds it already
+            scores += overlong_shaping(run, batch)
     if rm_scores is not None:
         scores += cfg.model_weight * rm_scores.float()
-    if cfg.overlong_buffer.enable:
-        scores += overlong_shaping(run, batch)
     return scores
 
 
@@ -196,10 +248,10 @@ def overlong_log(run: Run, batch: RolloutBatch) -> dict[str, float]:
     return overlong_metrics(overlong_shaping(run, batch)) if ob.enable and ob.log else {}
 
 
-def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple) -> list[float]:
-    """score_batch with the run's reward checks; a failing function's error names the row's prompt too."""
+def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple) -> Scored:
+    """score_records with the run's reward checks; a failing function's error names the row's prompt too."""
     try:
-        return score_batch(names, weights, *read, checks=run.reward_checks)
+        return score_records(names, weights, *read, checks=run.reward_checks)
     except UserCodeError as e:
         example = next((x for x in batch.examples or () if x.index == e.row), None)
         if example is None:
@@ -215,11 +267,6 @@ def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict
     extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
     return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples],
             [e.index for e in batch.examples])
-
-
-#: a response is fully correct when its score reaches this (1.0: a correct response under every
-#: built-in rule function; the tolerance absorbs the rounding of weighted sums)
-CORRECT_SCORE = 1.0 - 1e-6
 
 
 def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, ground_truths, extras,
@@ -243,7 +290,9 @@ def reward_components(run: Run, batch: RolloutBatch, read: tuple) -> torch.Tenso
     """[N, K] each GDPO component's score (one reward function each, unweighted); None for other estimators."""
     if run.cfg.algorithm.adv_estimator != "gdpo":
         return None
-    return torch.tensor([scored(run, batch, [name], None, read) for name in run.cfg.gdpo_components]).T.float()
+    if batch.score_components is not None:  # scored at generation (dynamic sampling)
+        return batch.score_components[:, [run.cfg.reward.functions.index(n) for n in run.cfg.gdpo_components]]
+    return torch.tensor([scored(run, batch, [name], None, read).totals for name in run.cfg.gdpo_components]).T.float()
 
 
 def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,

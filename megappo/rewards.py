@@ -20,8 +20,9 @@ from the working directory and sys.path) in `reward.functions`, like verl's
 `custom_reward_function`. It is called with megappo's arguments `(response, ground_truth,
 extra)`, or, when it takes `solution_str` (verl's `compute_score(data_source, solution_str,
 ground_truth, extra_info)`), with verl's by name, so a verl reward file works unchanged. It
-returns a number (or, as verl allows, a dict with a "score"); when it raises or returns anything
-else, the run ends with a `UserCodeError` that names it and the dataset row (megappo.user_code).
+returns a number (or, as verl allows, a dict with a "score" and fields of its own, e.g. "acc":
+`score_records` keeps those fields per response, for algorithm.filter_groups.metric); when it
+raises or returns anything else, the run ends with a `UserCodeError` that names it and the dataset row (megappo.user_code).
 Its value is checked (`RewardChecks`, built from the recipe's reward section and given to
 `score_batch` by the caller): NaN or inf
 is refused the same way (`reward.bad_value_policy=error`) or scored 0, warned once per function
@@ -297,8 +298,8 @@ def _warn_once(checks: RewardChecks, name: str, what: str, text: str) -> None:
 
 
 def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row: int | None,
-                  checks: RewardChecks) -> float:
-    """Your function's score as a float; what it raises, a result that is not a number, NaN or inf
+                  checks: RewardChecks, fields: dict) -> float:
+    """Your function's score as a float (the other entries of a dict it returns go into `fields`); what it raises, a result that is not a number, NaN or inf
     (reward.bad_value_policy=error) and a call past reward.timeout_s are a UserCodeError naming
     the function and the row."""
     code = f"reward function '{name}'"
@@ -312,6 +313,7 @@ def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, 
     except Exception as e:
         raise UserCodeError(code, e, row=row) from e
     if isinstance(value, dict) and "score" in value:  # verl lets compute_score return {"score": ..., ...}
+        fields.update((k, v) for k, v in value.items() if k != "score")
         value = value["score"]
     if not isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
         raise UserCodeError(code, f"returned {value!r} ({type(value).__name__}), not a number",
@@ -334,6 +336,20 @@ def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, 
     return value
 
 
+#: a response is fully correct when its score reaches this (1.0: a correct response under every
+#: built-in rule function; the tolerance absorbs the rounding of weighted sums)
+CORRECT_SCORE = 1.0 - 1e-6
+
+
+@dataclasses.dataclass
+class Scored:
+    """What the reward functions said of N responses."""
+
+    totals: list[float]  # [N] the weighted sum of the functions' scores
+    values: list[list[float]]  # [N][K] each function's score, unweighted (K: the functions, in order)
+    fields: list[dict[str, Any]]  # [N] the other entries of the dicts your functions returned (verl's "acc", ...)
+
+
 def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
                 ground_truths: Sequence[Any], extras: Sequence[dict],
                 data_sources: Sequence[str] | None = None, rows: Sequence[int] | None = None, *,
@@ -341,6 +357,15 @@ def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses
     """Weighted sum of the named functions' scores for each response; `rows`: each response's
     dataset row, named when your own function fails on it (UserCodeError); `checks`: how your
     functions' values and calls are checked (None: the defaults, error on NaN/inf, 60 s)."""
+    return score_records(names, weights, responses, ground_truths, extras, data_sources, rows, checks=checks).totals
+
+
+def score_records(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
+                  ground_truths: Sequence[Any], extras: Sequence[dict],
+                  data_sources: Sequence[str] | None = None, rows: Sequence[int] | None = None, *,
+                  checks: RewardChecks | None = None) -> Scored:
+    """`score_batch` with each function's own score and the extra fields of the dicts they returned
+    (when two functions return the same field, the later one's is kept)."""
     checks = RewardChecks() if checks is None else checks
     fns = [get_reward_fn(n) for n in names]
     weights = list(weights) if weights is not None else [1.0] * len(fns)
@@ -348,10 +373,14 @@ def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses
         raise ValueError(f"reward.function_weights has {len(weights)} entries for {len(fns)} functions")
     sources = data_sources if data_sources is not None else [None] * len(responses)
     rows = rows if rows is not None else [None] * len(responses)
-    out = []
+    out = Scored([], [], [])
     for r, gt, ex, src, row in zip(responses, ground_truths, extras, sources, rows):
-        total = 0.0
+        total, values, fields = 0.0, [], {}
         for w, fn, name in zip(weights, fns, names):
-            total += w * (_custom_score(name, fn, r, gt, ex, src, row, checks) if hasattr(fn, "custom") else fn(r, gt, ex))
-        out.append(total)
+            values.append(_custom_score(name, fn, r, gt, ex, src, row, checks, fields) if hasattr(fn, "custom")
+                          else fn(r, gt, ex))
+            total += w * values[-1]
+        out.totals.append(total)
+        out.values.append(values)
+        out.fields.append(fields)
     return out

@@ -350,7 +350,9 @@ def load_prompts(cfg: Config, ps: ParallelState, tokenizer) -> Prompts:
     if ps.is_rank0:
         d = cfg.data
         train_examples, val_examples, data_stats = read_prompts(cfg, tokenizer)  # checked, tokenized
-        sampler = PromptSampler(len(train_examples), d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+        sampler = PromptSampler(len(train_examples), cfg.prompts_per_draw, seed=d.seed, shuffle=d.shuffle,
+                                key=cfg.prompts_per_draw_key)
+    # with algorithm.filter_groups an epoch counts generation batches (verl's), a step takes one or more
     steps_per_epoch = broadcast_from_rank0(sampler.batches_per_epoch if sampler else None)
     total_steps = cfg.run.total_steps or steps_per_epoch * cfg.run.total_epochs
     return Prompts(train=train_examples, val=val_examples, sampler=sampler, stats=data_stats, total_steps=total_steps)

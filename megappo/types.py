@@ -74,6 +74,14 @@ class RolloutBatch:
     #: turn's budget alone is not counted. None: finish_reasons == "length" (single-turn responses)
     clipped: torch.Tensor | None = None
     policy_version: int = 0  # optimizer steps behind the weights that generated it (megappo.rollout.schedule)
+    #: [N] float32 sequence scores given at generation (environment + rule functions, no reward model):
+    #: set by dynamic sampling (megappo.dynamic_sampling), so the trainer does not call the functions
+    #: again; None: scored by the trainer
+    scores: torch.Tensor | None = None
+    score_components: torch.Tensor | None = None  # [N, K] with `scores`: each of reward.functions' scores, unweighted
+    #: metrics of the generation (dynamic sampling's `filter_groups/...`, its timings), logged by the
+    #: step that trains on the batch (in one_step_off / async mode the generation ran earlier)
+    gen_metrics: dict[str, float] | None = None
 
     @property
     def num_samples(self) -> int:

@@ -352,6 +352,26 @@ def episode_metrics(plays: list[_Play]) -> dict[str, float]:
     return out
 
 
+#: episode_metrics' means over episodes (the rest, but the clip ratio, are sums)
+_EPISODE_MEANS = ("env/turns_mean", "env/episode_length_mean", "env/truncated_frac")
+
+
+def merge_episode_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """episode_metrics of several batches of episodes [(metrics, episodes)] as one batch's: the
+    means weighed by episodes, the clip ratio by actions (turns), the sums added."""
+    episodes = sum(n for _, n in parts)
+    turns = [m["env/turns_mean"] * n for m, n in parts]
+    out = {}
+    for key in dict.fromkeys(k for m, _ in parts for k in m):
+        if key in _EPISODE_MEANS:
+            out[key] = sum(m[key] * n for m, n in parts) / episodes
+        elif key == "env/action_clip_ratio":
+            out[key] = sum(m[key] * max(1.0, t) for (m, _), t in zip(parts, turns)) / max(1.0, sum(turns))
+        else:
+            out[key] = sum(m.get(key, 0.0) for m, _ in parts)
+    return out
+
+
 # -- the random-policy reference score ---------------------------------------------------------
 
 def random_policy_episode_score(examples: Sequence, make_env: Callable[[], Environment], tokenizer,

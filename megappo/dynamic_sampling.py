@@ -1,0 +1,267 @@
+"""DAPO's dynamic sampling (verl's `algorithm.filter_groups`): one step's generation in rounds.
+
+`fill_batch` asks for `data.gen_batch_size` prompts at a time (`max_inflight_gen_batches` such
+generation batches per engine call), has them generated (`rollout.n` samples each) and scored,
+drops every group (the samples of one prompt) whose samples all have the same metric value
+(`uniform_groups`: such a group has zero advantage under GRPO-style estimators, so it only
+dilutes the batch), and goes on until `data.train_batch_size` groups are kept; the surplus of
+the last round is discarded, as verl does. `max_num_gen_batches` bounds the generation batches
+of a step: at the bound, `on_limit=fill` tops the batch up with the most recently dropped groups
+(the batch keeps its configured size), warns and counts `filter_groups/hit_limit`; `stop` raises
+`FilterLimitError`, verl's "Generated too many" with the fix.
+
+Seeds: round 0 samples with the step's seed, so a step whose first round fills the batch is the
+step without filtering; round r > 0 with `round_seed(seed, r)`. Which prompts, seeds and groups a
+step takes depends on (sampler state, step) only: a seeded run is reproducible and resumes exactly.
+
+The batch it returns carries its scores (`RolloutBatch.scores`, `.score_components`: the trainer
+does not call the reward functions again) and the step's `filter_groups/...` metrics
+(`RolloutBatch.gen_metrics`). `concat` and `take` join round batches and pick groups out of them.
+
+This module does not know how samples are generated or scored (the orchestrator passes `draw`,
+`generate` and `score`), nor models, the trainer or when the generation runs (rollout.mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megappo.data import DataError
+from megappo.errors import ConfigError
+from megappo.rewards import CORRECT_SCORE
+from megappo.rollout.multiturn import merge_episode_metrics
+from megappo.types import RolloutBatch
+
+#: generation round r > 0 of a step samples with seed + r * ROUND_SEED_STRIDE (round 0: the step's seed);
+#: apart from the step seeds (seed + step) and the multi-turn turn seeds (+ turn * 1_000_003)
+ROUND_SEED_STRIDE = 1_000_000_007
+
+#: metric names that mean the sequence score (verl's seq_reward / score)
+SCORE_METRICS = ("reward", "seq_reward", "score")
+
+
+class FilterLimitError(DataError):
+    """algorithm.filter_groups.on_limit=stop: max_num_gen_batches generation batches did not keep enough groups."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupFilter:
+    """What a step's dynamic sampling needs of the config."""
+
+    groups: int  # data.train_batch_size: groups (prompts) the step trains on
+    metric: str
+    max_gen_batches: int  # 0: no bound
+    inflight: int  # generation batches per engine call
+    on_limit: str  # fill | stop
+    functions: tuple[str, ...] = ()  # reward.functions, named in errors
+    gen_batch_size: int = 0  # prompts per generation batch, named in messages
+
+    @classmethod
+    def of(cls, cfg) -> GroupFilter:
+        fg = cfg.algorithm.filter_groups
+        return cls(groups=cfg.data.train_batch_size, metric=fg.metric, max_gen_batches=fg.max_num_gen_batches,
+                   inflight=fg.max_inflight_gen_batches, on_limit=fg.on_limit, functions=tuple(cfg.reward.functions),
+                   gen_batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size)
+
+    def next_call(self, done: int) -> int:
+        """Generation batches the next engine call asks for, `done` already generated (0: at the bound)."""
+        return self.inflight if not self.max_gen_batches else max(0, min(self.inflight, self.max_gen_batches - done))
+
+
+def round_seed(seed: int | None, round: int) -> int | None:
+    """The sampling seed of generation round `round` of a step whose seed is `seed`."""
+    return None if seed is None else seed + round * ROUND_SEED_STRIDE
+
+
+def uniform_groups(values: torch.Tensor, prompt_index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[N] metric values, [N] group of each sample -> [G] True where every sample of the group has the same value."""
+    assert values.shape == prompt_index.shape and bool((torch.bincount(prompt_index, minlength=num_groups) > 0).all())
+    values = values.double()
+    hi = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, prompt_index, values, "amax")
+    lo = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, prompt_index, values, "amin")
+    return hi == lo
+
+
+def metric_values(metric: str, scores: torch.Tensor, fields: Sequence[dict[str, Any]],
+                  functions: Sequence[str] = ()) -> torch.Tensor:
+    """[N] what must differ within a group: the [N] sequence `scores` (metric reward / seq_reward / score),
+    or the field `metric` of the dicts the reward functions returned (`fields`, one per sample); `acc`
+    that no function returned is `scores >= CORRECT_SCORE`."""
+    if metric in SCORE_METRICS:
+        return scores
+    have = [metric in f for f in fields]
+    if not any(have) and metric == "acc":
+        return (scores >= CORRECT_SCORE).double()
+    if not all(have):
+        raise ConfigError(
+            f"algorithm.filter_groups.metric={metric}: the reward functions {list(functions)} returned no '{metric}' "
+            f"field for {len(have) - sum(have)} of {len(have)} responses (a number, or a dict without it). Fix: have "
+            f"your reward function return a dict with '{metric}' for every response (e.g. {{'score': s, '{metric}': "
+            "a}), or set algorithm.filter_groups.metric=reward (the sequence score) or acc.")
+    try:
+        return torch.tensor([float(f[metric]) for f in fields], dtype=torch.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"algorithm.filter_groups.metric={metric}: the reward functions {list(functions)} returned a "
+                          f"'{metric}' that is not a number. Fix: return a number (or bool) as '{metric}'.") from None
+
+
+Scores = tuple[torch.Tensor, "torch.Tensor | None", list]  # [N] scores, [N, K] per function or None, [N] fields
+
+
+def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[], list],
+               generate: Callable[[list, int | None], RolloutBatch], score: Callable[[RolloutBatch], Scores],
+               pad_token_id: int) -> RolloutBatch:
+    """`f.groups` groups whose samples differ, from as many generation rounds as it takes (module docstring).
+    `draw()`: the next generation batch of prompts; `generate(prompts, seed)`: their samples, prompt-major;
+    `score(batch)`: ([N] sequence scores, [N, K] each reward function's or None, [N] their extra fields)."""
+    start, score_time = time.perf_counter(), 0.0
+    rounds: list[RolloutBatch] = []
+    kept, dropped = [], []  # (round, group) in generation order
+    gen_batches = 0
+    while len(kept) < f.groups and (k := f.next_call(gen_batches)):
+        prompts = [p for _ in range(k) for p in draw()]
+        batch = generate(prompts, round_seed(seed, len(rounds)))
+        t = time.perf_counter()
+        batch.scores, batch.score_components, fields = score(batch)
+        uniform = uniform_groups(metric_values(f.metric, batch.scores, fields, f.functions), batch.prompt_index,
+                                 len(prompts))
+        score_time += time.perf_counter() - t
+        for g, same in enumerate(uniform.tolist()):
+            (dropped if same else kept).append((len(rounds), g))
+        rounds.append(batch)
+        gen_batches += k
+    hit_limit = len(kept) < f.groups
+    if hit_limit:
+        said = (f"step {step}: algorithm.filter_groups kept {len(kept)} of {len(kept) + len(dropped)} groups (prompts) "
+                f"in {gen_batches} generation batches (max_num_gen_batches={f.max_gen_batches}), fewer than "
+                f"data.train_batch_size={f.groups}")
+        fix = (f"Fix: raise algorithm.filter_groups.max_num_gen_batches (0: no bound) or data.gen_batch_size "
+               f"(now {f.gen_batch_size}), or check that the data is not too easy or too hard for the model (every "
+               f"sample of a dropped group has the same {f.metric}).")
+        if f.on_limit == "stop":
+            raise FilterLimitError(f"{said}: generated too many batches (on_limit=stop, verl's behaviour). {fix}")
+        print(f"megappo: warning: {said}; topped up with {f.groups - len(kept)} dropped groups (on_limit=fill, counted "
+              f"in filter_groups/hit_limit). {fix}", file=sys.stderr, flush=True)
+    chosen = kept[:f.groups] + dropped[::-1][:max(0, f.groups - len(kept))]  # the most recently dropped fill the rest
+    out = take_groups(rounds, chosen, pad_token_id)
+    n_samples = [torch.bincount(b.prompt_index) for b in rounds]
+    samples = lambda groups: sum(int(n_samples[r][g]) for r, g in groups)  # noqa: E731
+    out.gen_metrics = {
+        "train/num_gen_batches": float(gen_batches),
+        "filter_groups/generated_groups": float(len(kept) + len(dropped)),
+        "filter_groups/kept_groups": float(min(len(kept), f.groups)),
+        "filter_groups/kept_fraction": len(kept) / (len(kept) + len(dropped)),
+        "filter_groups/evicted_samples": float(samples(dropped) - samples(chosen[len(kept[:f.groups]):])),
+        "filter_groups/discarded_surplus_samples": float(samples(kept[f.groups:])),
+        "filter_groups/hit_limit": float(hit_limit),
+        "timing_s/gen_reward": score_time,
+        "timing_s/gen_rounds": time.perf_counter() - start,
+    }
+    return out
+
+
+def take_groups(rounds: Sequence[RolloutBatch], chosen: Sequence[tuple[int, int]], pad_token_id: int) -> RolloutBatch:
+    """One batch of the `chosen` groups [(round, group)] in that order, from the round batches;
+    env/... metrics describe every episode generated (all rounds)."""
+    whole = concat(rounds, pad_token_id)
+    offsets = [0]
+    for b in rounds:
+        offsets.append(offsets[-1] + int(b.prompt_index.max()) + 1)
+    wanted = torch.tensor([offsets[r] + g for r, g in chosen], dtype=torch.long)
+    rank = torch.full((offsets[-1],), -1, dtype=torch.long)
+    rank[wanted] = torch.arange(len(wanted))
+    sample_rank = rank[whole.prompt_index]
+    rows = [i for _, i in sorted((int(r), i) for i, r in enumerate(sample_rank.tolist()) if r >= 0)]
+    return take(whole, torch.tensor(rows, dtype=torch.long))
+
+
+_LEFT = {"prompt_ids": None, "prompt_mask": 0}  # left-padded [N, P]; None: the pad token
+_RIGHT = {"response_ids": None, "response_mask": 0, "rollout_log_probs": 0, "response_attention_mask": 0}
+_ROWS = ("reward_baselines", "env_scores", "clipped", "scores", "score_components")  # [N, ...]
+_LISTS = ("finish_reasons", "examples")
+_SAME = ("logprob_mode", "policy_version")
+_OTHER = ("prompt_index", "routes", "env_metrics", "gen_metrics")
+
+
+def concat(batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """The batches one after the other (prompts of batch i+1 numbered after batch i's), padded to the widest."""
+    assert {f.name for f in dataclasses.fields(RolloutBatch)} == {*_LEFT, *_RIGHT, *_ROWS, *_LISTS, *_SAME, *_OTHER}
+    if len(batches) == 1:
+        return batches[0]
+    width_p = max(b.prompt_ids.shape[1] for b in batches)
+    width_r = max(b.response_ids.shape[1] for b in batches)
+    out: dict[str, Any] = {}
+    for name, pad in _LEFT.items():
+        out[name] = torch.cat([_pad(getattr(b, name), width_p, pad_token_id if pad is None else pad, left=True)
+                               for b in batches])
+    for name, pad in _RIGHT.items():
+        parts = [getattr(b, name) for b in batches]
+        if name == "response_attention_mask" and all(p is None for p in parts):
+            out[name] = None
+            continue
+        parts = [b.real_response_mask if name == "response_attention_mask" else p for b, p in zip(batches, parts)]
+        out[name] = torch.cat([_pad(p, width_r, pad_token_id if pad is None else pad, left=False) for p in parts])
+    for name in _ROWS:
+        parts = [getattr(b, name) for b in batches]
+        assert all(p is None for p in parts) or all(p is not None for p in parts), name
+        out[name] = None if parts[0] is None else torch.cat(parts)
+    for name in _LISTS:
+        parts = [getattr(b, name) for b in batches]
+        out[name] = None if parts[0] is None else [x for p in parts for x in p]
+    for name in _SAME:
+        assert len({getattr(b, name) for b in batches}) == 1, name
+        out[name] = getattr(batches[0], name)
+    offset, index = 0, []
+    for b in batches:
+        index.append(b.prompt_index + offset)
+        offset += int(b.prompt_index.max()) + 1
+    out["prompt_index"] = torch.cat(index)
+    out["routes"] = None if batches[0].routes is None else torch.cat([
+        torch.cat([_pad(b.routes[:, :b.prompt_ids.shape[1]], width_p, -1, left=True),
+                   _pad(b.routes[:, b.prompt_ids.shape[1]:], width_r, -1, left=False)], dim=1) for b in batches])
+    metrics = [b.env_metrics for b in batches]
+    out["env_metrics"] = None if metrics[0] is None else merge_episode_metrics(
+        [(m, b.num_samples) for m, b in zip(metrics, batches)])
+    out["gen_metrics"] = None
+    return RolloutBatch(**out)
+
+
+def take(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
+    """The samples `rows` [M] in that order, prompts renumbered in order of appearance, columns that are
+    padding in every row taken dropped; metrics kept."""
+    prompt_width = int(batch.prompt_mask[rows].any(0).long().argmax()) if len(rows) else 0  # leading pad columns
+    real = batch.real_response_mask[rows].any(0)
+    response_width = max(1, int(real.nonzero().max()) + 1 if real.any() else 0)
+    new_index = {}
+    index = [new_index.setdefault(int(i), len(new_index)) for i in batch.prompt_index[rows].tolist()]
+    out = {}
+    for name in _LEFT:
+        out[name] = getattr(batch, name)[rows, prompt_width:]
+    for name in _RIGHT:
+        value = getattr(batch, name)
+        out[name] = None if value is None else value[rows, :response_width]
+    for name in _ROWS:
+        value = getattr(batch, name)
+        out[name] = None if value is None else value[rows]
+    for name in _LISTS:
+        value = getattr(batch, name)
+        out[name] = None if value is None else [value[i] for i in rows.tolist()]
+    routes = batch.routes
+    if routes is not None:
+        p = batch.prompt_ids.shape[1]
+        routes = torch.cat([routes[rows, prompt_width:p], routes[rows, p:p + response_width]], dim=1)
+    return dataclasses.replace(batch, **out, prompt_index=torch.tensor(index, dtype=torch.long), routes=routes)
+
+
+def _pad(x: torch.Tensor, width: int, value, *, left: bool) -> torch.Tensor:
+    """[N, W, ...] -> [N, width, ...], `value` added on the left or the right of dim 1."""
+    extra = width - x.shape[1]
+    if extra == 0:
+        return x
+    pad = torch.full((x.shape[0], extra, *x.shape[2:]), value, dtype=x.dtype)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)

@@ -1,0 +1,82 @@
+"""DAPO's dynamic sampling (algorithm.filter_groups, docs/dapo.md) through the CLI on the CPU demos
+(2 gloo ranks, TP=2), set so that some groups are dropped and some steps need more than one
+generation batch or reach max_num_gen_batches (on_limit=fill):
+
+- a run killed after its step-2 checkpoint and resumed ends bit-identical (metrics, exported
+  weights) to a straight run, in rollout.mode sync, one_step_off and async (max_staleness 2: the
+  checkpoint buffers batches generated ahead, their scores and filter metrics with them), and
+  the filter's metrics say what it did;
+- the multi-turn demo (environment scores) resumes exactly with filtering;
+- on_limit=stop ends the run with one clear error line.
+"""
+
+import json
+import subprocess
+
+import pytest
+
+from tests.e2e._runs import hf_weights, metrics
+from tests.e2e.test_async import command
+from tests.e2e.test_multiturn_demo import train as train_multiturn
+from tests.e2e.test_resume import REPO, env, kill_when, run
+
+FILTER = ["algorithm.filter_groups.enable=true", "rollout.n=4", "data.train_batch_size=16", "data.gen_batch_size=24",
+          "algorithm.filter_groups.max_num_gen_batches=3", "actor.ppo_mini_batch_size=16",
+          "critic.ppo_mini_batch_size=16"]
+MODES = {"sync": ["rollout.mode=sync"], "one_step_off": ["rollout.mode=one_step_off"],
+         "async": ["rollout.mode=async", "rollout.max_staleness=2"]}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_filtered_run_killed_then_resumed_is_bit_identical(tmp_path, mode):
+    args = [*FILTER, *MODES[mode], "run.total_steps=4", "checkpoint.save_every=2", "run.val_every=2",
+            "checkpoint.save_hf_at_end=true"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(command(straight, *args))
+    log = killed / "metrics.jsonl"
+    kill_when(command(killed, *args), lambda: log.is_file() and '"step": 3' in log.read_text(), "step 3 was logged")
+    assert (killed / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert "resumed from" in run(command(killed, *args))
+    rows = metrics(straight)
+    assert metrics(killed) == rows
+    assert hf_weights(killed / "hf" / "actor").keys() == hf_weights(straight / "hf" / "actor").keys()
+    assert all(a.equal(b) for a, b in zip(hf_weights(killed / "hf" / "actor").values(),
+                                           hf_weights(straight / "hf" / "actor").values()))
+    steps = [r for r in rows if "critic/score/mean" in r]
+    assert len(steps) == 4
+    for r in steps:  # generated groups = kept + dropped; the batch is train_batch_size groups
+        kept, hit = r["filter_groups/kept_groups"], r["filter_groups/hit_limit"]
+        assert kept == 16 or (hit == 1 and kept < 16), r
+        assert r["filter_groups/generated_groups"] == 24 * r["train/num_gen_batches"]
+        passed = r["filter_groups/kept_fraction"] * r["filter_groups/generated_groups"]
+        assert round(passed) == kept + r["filter_groups/discarded_surplus_samples"] / 4
+        assert r["filter_groups/evicted_samples"] == 4 * (r["filter_groups/generated_groups"] - passed - (16 - kept))
+    assert any(r["train/num_gen_batches"] > 1 for r in steps) and any(r["filter_groups/evicted_samples"] for r in steps)
+    assert all(r["val/score/mean"] >= 0 for r in rows if "val/score/mean" in r)  # validation: not filtered
+
+
+def test_filtered_multi_turn_run_resumes_exactly(tmp_path):
+    args = ["checkpoint.save_every=2", "run.val_every=2", "algorithm.filter_groups.enable=true", "rollout.n=4",
+            "data.train_batch_size=8", "data.gen_batch_size=16", "actor.ppo_mini_batch_size=8",
+            "critic.ppo_mini_batch_size=8"]
+    train_multiturn(tmp_path / "straight", "run.total_steps=4", *args)
+    train_multiturn(tmp_path / "resumed", "run.total_steps=2", *args)
+    train_multiturn(tmp_path / "resumed", "run.total_steps=4", *args)
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r for r in straight if r["step"] > 2] == [r for r in resumed if r["step"] > 2]
+    steps = [r for r in straight if "critic/score/mean" in r]
+    assert all(r["filter_groups/evicted_samples"] > 0 and "env/turns_mean" in r for r in steps)
+
+
+def test_on_limit_stop_ends_the_run_with_one_line(tmp_path):
+    cmd = command(tmp_path, *FILTER, "algorithm.filter_groups.max_num_gen_batches=1", "data.gen_batch_size=16",
+                  "algorithm.filter_groups.on_limit=stop", "run.total_steps=2", "run.val_before_train=false")
+    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    [line] = [x for x in out.splitlines() if x.startswith("megappo: error:")]
+    assert "step 1: algorithm.filter_groups kept" in line and "generated too many batches" in line
+    assert "Fix: raise algorithm.filter_groups.max_num_gen_batches" in line
+    assert not (tmp_path / "metrics.jsonl").is_file() or not any(
+        "critic/score/mean" in json.loads(x) for x in open(tmp_path / "metrics.jsonl"))
