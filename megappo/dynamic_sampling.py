@@ -159,6 +159,9 @@ def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[]
         "filter_groups/evicted_samples": float(samples(dropped) - samples(chosen[len(kept[:f.groups]):])),
         "filter_groups/discarded_surplus_samples": float(samples(kept[f.groups:])),
         "filter_groups/hit_limit": float(hit_limit),
+        # the score of everything generated (the trained batch's critic/score/mean is of the kept groups,
+        # which filtering biases: all-correct groups are dropped)
+        "filter_groups/generated_score_mean": torch.cat([b.scores for b in rounds]).float().mean().item(),
         "timing_s/gen_reward": score_time,
         "timing_s/gen_rounds": time.perf_counter() - start,
     }

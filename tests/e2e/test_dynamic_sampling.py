@@ -7,7 +7,8 @@ generation batch or reach max_num_gen_batches (on_limit=fill):
   checkpoint buffers batches generated ahead, their scores and filter metrics with them), and
   the filter's metrics say what it did;
 - the multi-turn demo (environment scores) resumes exactly with filtering;
-- on_limit=stop ends the run with one clear error line.
+- on_limit=stop ends the run with one clear error line;
+- the demo learns under DAPO (the bar below).
 """
 
 import json
@@ -80,3 +81,23 @@ def test_on_limit_stop_ends_the_run_with_one_line(tmp_path):
     assert "Fix: raise algorithm.filter_groups.max_num_gen_batches" in line
     assert not (tmp_path / "metrics.jsonl").is_file() or not any(
         "critic/score/mean" in json.loads(x) for x in open(tmp_path / "metrics.jsonl"))
+
+
+#: DAPO on the demo task (GRPO, clip-higher, token-mean, dynamic sampling). Measured (2026-11-26, 40 steps):
+#: the mean score of everything generated 0.13 / 0.36 / 0.60 / 0.91 over steps 1-10 / 11-20 / 21-30 / 31-40
+#: (0.93 over 36-40; plain GRPO with the same settings: 0.10 / 0.33 / 0.73 / 0.95); the kept-group fraction rises
+#: to 0.9 by step 11 and falls to 0.07 as groups become all right. Overlong shaping is left out: the demo's
+#: right answer (the digit, then EOS) fills its 2-token budget, so any buffer penalises it.
+DAPO = ["algorithm.adv_estimator=grpo", "rollout.n=4", "critic.enable=false", "actor.clip_ratio_low=0.2",
+        "actor.clip_ratio_high=0.28", "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.max_num_gen_batches=3", "data.gen_batch_size=96"]
+
+
+def test_demo_learns_under_dapo(tmp_path):
+    run(command(tmp_path, *DAPO, "run.total_steps=40", "run.val_every=0", "checkpoint.save_every=0"))
+    steps = [r for r in metrics(tmp_path) if "critic/score/mean" in r]
+    generated = [r["filter_groups/generated_score_mean"] for r in steps]
+    first, last = sum(generated[:5]) / 5, sum(generated[-5:]) / 5
+    assert len(steps) == 40 and first <= 0.2 and last >= 0.8, (first, last)
+    kept = [r["filter_groups/kept_fraction"] for r in steps]
+    assert min(kept) < 0.5 < max(kept) and any(r["train/num_gen_batches"] > 1 for r in steps)

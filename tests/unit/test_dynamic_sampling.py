@@ -117,6 +117,7 @@ def test_fill_batch_keeps_groups_that_differ_over_rounds():
     assert m["filter_groups/kept_groups"] == 3 and m["filter_groups/kept_fraction"] == 3 / 8
     assert m["filter_groups/evicted_samples"] == 10 and m["filter_groups/discarded_surplus_samples"] == 0
     assert m["filter_groups/hit_limit"] == 0
+    assert m["filter_groups/generated_score_mean"] == (3 * 1.0 + 5 * 2.0) / 16  # every sample of both rounds
 
 
 def test_fill_batch_discards_the_surplus_and_asks_for_inflight_batches_per_call():
