@@ -77,13 +77,15 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
             with timed(m, "reward"):
                 read = responses(run, batch)  # decoded once for the rewards and the score metrics
                 bad_before = run.reward_checks.bad_values
-                scores = rewards(run, batch, rm_scores, read)
+                if batch.scores is None:  # each function once, its scores kept for GDPO (dynamic sampling: done)
+                    batch.scores, batch.score_components, _ = generation_scores(run, batch, read)
+                scores = rewards(run, batch, rm_scores)
                 m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
                 m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
                 m.update(overlong_log(run, batch))
                 m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; earlier in one_step_off/async)
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
-                                  sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch, read))
+                                  sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
             m.update(rollout_metrics(batch, scores, exp, old.entropy))
             run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
         exp = broadcast_from_rank0(exp)
@@ -164,8 +166,9 @@ def group_prompts(batch: RolloutBatch) -> list:
     return [batch.examples[first[g]] for g in range(len(first))]
 
 
-def generation_scores(run: Run, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, list[dict]]:
-    """What `rewards` gives without the reward model, scored at generation: [N] sequence scores (the
+def generation_scores(run: Run, batch: RolloutBatch, read: tuple | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict]]:
+    """What `rewards` gives without the reward model (at generation with dynamic sampling): [N] sequence scores (the
     overlong penalty included, as verl's seq_reward), [N, K] each of reward.functions' scores (None
     without functions), [N] the other fields they returned. With the overlong penalty on, `acc` that no
     function returned is the unshaped score's correctness (verl's acc is the scorer's, before it)."""
@@ -173,8 +176,8 @@ def generation_scores(run: Run, batch: RolloutBatch) -> tuple[torch.Tensor, torc
     scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
     values, fields = None, [{} for _ in range(batch.num_samples)]
     if cfg.functions:
-        record = scored(run, batch, cfg.functions, cfg.function_weights, responses(run, batch))
-        scores += torch.tensor(record.totals)  # as `rewards` adds them: the same float32 numbers
+        record = scored(run, batch, cfg.functions, cfg.function_weights, read or responses(run, batch))
+        scores += torch.tensor(record.totals)
         values, fields = torch.tensor(record.values, dtype=torch.float32), record.fields
     if cfg.overlong_buffer.enable:
         fields = [f if "acc" in f else dict(f, acc=float(s >= CORRECT_SCORE)) for f, s in zip(fields, scores.tolist())]
@@ -216,20 +219,11 @@ def to_seqs(batch: RolloutBatch) -> SeqBatch:
 def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read: tuple | None = None) -> torch.Tensor:
     """[N] sequence scores: the environment's rewards of each episode, rule-based functions (on
     decoded text: `read`, else `responses` is called), DAPO's overlong penalty and the reward model.
-    A batch scored at generation (dynamic sampling) carries all but the last: the functions are not
-    called again."""
-    cfg = run.cfg.reward
-    if batch.scores is not None:
-        scores = batch.scores.clone()
-    else:
-        scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
-        if cfg.functions:
-            scores += torch.tensor(scored(run, batch, cfg.functions, cfg.function_weights,
-                                          read or responses(run, batch)).totals)
-        if cfg.overlong_buffer.enable:  # a batch scored at generation holds it already
-            scores += overlong_shaping(run, batch)
+    A batch already scored (`batch.scores`: at generation with dynamic sampling, or by the step) holds
+    the first three: the functions are not called again."""
+    scores = (batch.scores if batch.scores is not None else generation_scores(run, batch, read)[0]).clone()
     if rm_scores is not None:
-        scores += cfg.model_weight * rm_scores.float()
+        scores += run.cfg.reward.model_weight * rm_scores.float()
     return scores
 
 
@@ -286,13 +280,12 @@ def needs_sum_pi_squared(cfg) -> bool:
     return cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
-def reward_components(run: Run, batch: RolloutBatch, read: tuple) -> torch.Tensor | None:
-    """[N, K] each GDPO component's score (one reward function each, unweighted); None for other estimators."""
+def reward_components(run: Run, batch: RolloutBatch) -> torch.Tensor | None:
+    """[N, K] each GDPO component's score (one reward function each, unweighted; from the batch's
+    scoring, `rewards`); None for other estimators."""
     if run.cfg.algorithm.adv_estimator != "gdpo":
         return None
-    if batch.score_components is not None:  # scored at generation (dynamic sampling)
-        return batch.score_components[:, [run.cfg.reward.functions.index(n) for n in run.cfg.gdpo_components]]
-    return torch.tensor([scored(run, batch, [name], None, read).totals for name in run.cfg.gdpo_components]).T.float()
+    return batch.score_components[:, [run.cfg.reward.functions.index(n) for n in run.cfg.gdpo_components]]
 
 
 def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,
