@@ -180,8 +180,12 @@ class VerlReading:
         out = []
         if self.read:
             out.append("verl keys read as megappo's: " + ", ".join(f"{verl} -> {ours}" for verl, ours in self.read))
-        if self.unused:
-            out.append("verl keys megappo does not use: " + "; ".join(f"{verl} ({why})" for verl, why in self.unused))
+        if self.unused:  # keys with the same reason share it: "a, b (why)"
+            by_why: dict[str, list[str]] = {}
+            for verl, why in self.unused:
+                by_why.setdefault(why, []).append(verl)
+            out.append("verl keys megappo does not use: " + "; ".join(f"{', '.join(keys)} ({why})"
+                                                                       for why, keys in by_why.items()))
         return out
 
 
