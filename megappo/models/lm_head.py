@@ -9,6 +9,7 @@ ColumnParallelLinear applies to its input (Megatron's own functions):
                      backward: reduce-scatter of the partial input gradients)
   tp > 1 otherwise:  copy_to_tensor_model_parallel_region (backward: all-reduce over TP)
   tp = 1:            the input itself
+(with a guard that hands Megatron's mappings a contiguous gradient: `_ContiguousGrad`)
 and GPTModel returns them as [B, S, H] (or [1, K, H] with megappo.models.forward's selection).
 The weight the layer would have used (its own, or the tied embedding's that GPTModel passes as
 `weight=`) is kept beside them: `HeadInput(hidden, weight)` is what `on_output` receives.
@@ -44,9 +45,27 @@ def tp_mapped_input(hidden: torch.Tensor, *, sequence_parallel: bool, tp_group) 
     if tp_group is None or torch.distributed.get_world_size(tp_group) == 1:
         return hidden
     if sequence_parallel:
-        return mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
-                                                             group=tp_group)
-    return mappings.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+        mapped = mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                               group=tp_group)
+    else:
+        mapped = mappings.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    return _ContiguousGrad.apply(mapped)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous. Megatron's `_reduce` (the backward of
+    copy_to_tensor_model_parallel_region) all-reduces `grad.contiguous()` and returns `grad`: a
+    non-contiguous gradient (e.g. through GPTModel's [S, B] -> [B, S] transpose with B > 1) would
+    silently not be summed over TP. ColumnParallelLinear does not meet this: its all-reduce runs on
+    the gradient its own matmul makes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 @contextlib.contextmanager
