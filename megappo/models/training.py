@@ -62,7 +62,7 @@ def make_trainable(model: MegatronModel, settings: OptimSettings) -> Trainable:
     model.precision.check_trainable()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=False,  # megappo.parallel.chunked_head adds into main_grad itself, outside the hooks
         use_distributed_optimizer=settings.use_distributed_optimizer,
     )
     model.chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model.chunks]

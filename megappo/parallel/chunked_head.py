@@ -22,9 +22,14 @@ dtype, and accumulates
   dL/dh_c = dL/dlogits_c @ W                [c, H]
   dL/dW  += dL/dlogits_c^T @ h_c            [V/tp, H], in float32 (each chunk's product in the
                                              weights' dtype, as the output layer's one product)
-so no pass holds more than one chunk's logits and their gradient. The gradient of W reaches the
-parameter through autograd (param.grad, which Megatron's DDP hook adds to main_grad; with tied
-embeddings autograd adds it to the embedding's own). The backward needs no communication: the
+so no pass holds more than one chunk's logits and their gradient. Where dL/dW goes: a weight
+with a float32 `main_grad` (Megatron DDP's gradient buffer, which megappo's trainer reduces and
+steps from) gets the chunks' products added to it directly, as Megatron's gradient-accumulation
+fusion does, and autograd gets None for it (no [V/tp, H] gradient tensor at all; Megatron's DDP
+hook only moves param.grad into main_grad, and megappo runs it without overlapped reduction, so
+nothing waits for the hook; with tied embeddings the embedding's own gradient still arrives
+through autograd and the hook, into the same buffer). A weight without one (tests, a frozen
+model) gets the float32 sum back through autograd, in its dtype. The backward needs no communication: the
 [N] outputs are replicated over TP, every rank owns its shard's dL/dW, and its dL/dh (a partial
 sum over the vocabulary) is summed over TP by the mapping before this function, as
 ColumnParallelLinear's backward does.
@@ -80,14 +85,22 @@ class _ChunkedHead(torch.autograd.Function):
             return (None,) * 9
         h, w = hidden.detach(), weight.detach()
         grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32 if w.dtype != torch.float64 else w.dtype,
-                             device=w.device) if want_w else None
+        # dL/dW summed in float32: into Megatron DDP's float32 buffer when the weight has one (as its
+        # gradient-accumulation fusion does; autograd then gets no gradient for W), else a new tensor
+        into = getattr(weight, "main_grad", None) if want_w else None
+        if into is not None and into.dtype != torch.float32:
+            into = None
+        grad_w = None
+        if want_w and into is None:
+            grad_w = torch.zeros(w.shape, dtype=torch.float64 if w.dtype == torch.float64 else torch.float32,
+                                 device=w.device)
         for i, c in enumerate(_chunks(h.shape[0], ctx.chunk)):
             x = _tempered(h[c], w, ctx.temperature, ctx.pad)
             g = logits_grad(x[None], None if labels is None else labels[c][None], stats[:, c][:, None],
                             ctx.has_neg_inf[i], ctx.group, ctx.with_entropy, ctx.budget,
                             None if grad_log_probs is None else grad_log_probs[c][None],
                             None if grad_entropy is None else grad_entropy[c][None])[0]
+            del x
             # back through _tempered: the mask's gradient is 0 on padding rows, the scaling's 1/T, .float()'s a cast
             if ctx.pad is not None:
                 g = g.masked_fill(ctx.pad, 0.0)
@@ -97,8 +110,9 @@ class _ChunkedHead(torch.autograd.Function):
             if want_h:
                 grad_h[c] = g @ w
             if want_w:
-                prod = g.t() @ h[c]
-                grad_w += prod if prod.dtype == grad_w.dtype else prod.float()
+                # one [V/tp, H] product in W's dtype per chunk, added in float32 without a float32 copy
+                (into if into is not None else grad_w).add_(g.t() @ h[c])
+            del g
         if grad_w is not None:
             grad_w = grad_w.to(w.dtype)  # the parameter's dtype (autograd would cast it too)
         return grad_h, grad_w, None, None, None, None, None, None, None
