@@ -7,7 +7,8 @@ which micro-batch, the replica runs them through the pipeline schedule
 (`megappo.models.forward` / `megappo.models.training`), and per-sample results come back to
 global rank 0 in batch order. Only the positions whose output is used reach the LM head;
 log-probs and entropy are computed from TP-sharded logits without gathering the vocabulary
-(`megappo.parallel.vocab_parallel`).
+(`megappo.parallel.vocab_parallel`), or, with `lm_head_chunk_tokens` (model.lm_head_chunk_tokens),
+from the LM head's input over token chunks, never the whole logits (`megappo.parallel.chunked_head`).
 
 Shape legend: N samples in the global batch, m rows of a micro-batch, K selected positions
 of a micro-batch, P prompt length, R response length, T = P + R, V_pad/tp vocab shard.

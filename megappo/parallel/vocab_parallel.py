@@ -1,7 +1,8 @@
 """Log-probs and entropy from vocabulary-sharded logits, without gathering the vocabulary.
 
 Owns: `vocab_parallel_log_probs`, `vocab_parallel_entropy`, `vocab_parallel_sum_pi_squared` and
-`vocab_parallel_log_probs_and_entropy` (one autograd function with a hand-written backward).
+`vocab_parallel_log_probs_and_entropy` (one autograd function with a hand-written backward, whose
+two halves, `forward_stats` and `logits_grad`, megappo.parallel.chunked_head runs per token chunk).
 Does not know about PPO, models or Megatron: the TP group comes in as an argument.
 
 Shape legend: [B, T] = (sequences, tokens); [B, T, V/tp] = this rank's slice of the logits.
