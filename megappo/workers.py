@@ -239,7 +239,8 @@ class PolicyWorker(_Passes):
         def on_output(logits, mb):
             lp, ent = self._token_stats(logits, mb, entropy)
             cols = [lp] + ([ent] if entropy else []) + ([self._sum_pi_squared(logits, mb)] if sum_pi_squared else [])
-            return lp.new_zeros(()), torch.stack(cols, 1) * mb["response_mask"][:, None]
+            zero = (logits.hidden if isinstance(logits, HeadInput) else logits).new_zeros(())  # no loss
+            return zero, torch.stack(cols, 1) * mb["response_mask"][:, None]
 
         results = run_micro_batches(self.model, mbs, on_output, forward_only=True, routing=self.routing,
                                     head_input=self.head_chunk > 0)
