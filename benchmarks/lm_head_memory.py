@@ -59,8 +59,9 @@ def one_pass(path: str, tokens: int, vocab: int, hidden: int, chunk: int, dtype:
     # param.grad into that buffer (today's path); the chunked head adds into it directly
     w.main_grad = torch.zeros(vocab, hidden, dtype=torch.float32)
 
-    def ddp_hook(param):
-        param.main_grad.add_(param.grad)
+    def ddp_hook(param):  # as Megatron's DDP hook: autograd may call it without a gradient
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
         param.grad = None
 
     w.register_post_accumulate_grad_hook(ddp_hook)

@@ -21,7 +21,8 @@ dL/dx_c, carries it back through the temperature and the mask to dL/dlogits_c in
 dtype, and accumulates
   dL/dh_c = dL/dlogits_c @ W                [c, H]
   dL/dW  += dL/dlogits_c^T @ h_c            [V/tp, H], in float32 (each chunk's product in the
-                                             weights' dtype, as the output layer's one product)
+                                             weights' dtype, as the output layer's one product, in
+                                             row blocks no larger than the chunk's logits)
 so no pass holds more than one chunk's logits and their gradient. Where dL/dW goes: a weight
 with a float32 `main_grad` (Megatron DDP's gradient buffer, which megappo's trainer reduces and
 steps from) gets the chunks' products added to it directly, as Megatron's gradient-accumulation
@@ -110,8 +111,12 @@ class _ChunkedHead(torch.autograd.Function):
             if want_h:
                 grad_h[c] = g @ w
             if want_w:
-                # one [V/tp, H] product in W's dtype per chunk, added in float32 without a float32 copy
-                (into if into is not None else grad_w).add_(g.t() @ h[c])
+                # the chunk's [V/tp, H] product in W's dtype, in row blocks no larger than the chunk's
+                # logits, each added in float32 without a float32 copy
+                target, g_t = into if into is not None else grad_w, g.t()
+                rows = max(1, g.numel() // max(1, h.shape[1]))
+                for r in range(0, g_t.shape[0], rows):
+                    target[r:r + rows].add_(g_t[r:r + rows] @ h[c])
             del g
         if grad_w is not None:
             grad_w = grad_w.to(w.dtype)  # the parameter's dtype (autograd would cast it too)

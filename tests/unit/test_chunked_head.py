@@ -95,3 +95,61 @@ def test_chunk_tokens_must_be_positive():
     h, w, labels, _, _ = inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunked_head_log_probs_and_entropy(h, w, labels, chunk_tokens=0)
+
+
+def trainer_weight(w: torch.Tensor) -> torch.nn.Parameter:
+    """A weight as megappo's trainer holds it: Megatron DDP's float32 `main_grad` buffer beside it and
+    a hook moving each autograd gradient into it (today's path; the chunked head adds into it itself)."""
+    w = torch.nn.Parameter(w.clone())
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+
+    def hook(param):  # as Megatron's DDP hook: autograd may call it without a gradient
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+
+    w.register_post_accumulate_grad_hook(hook)
+    return w
+
+
+def head_pass(path: str, h, w, labels, w_lp, w_ent, chunk: int):
+    """One loss pass of the LM head (forward + backward) from a fresh hidden leaf and the trainer's
+    weight `w`: (log-probs, entropy, dh, dW in float32)."""
+    h = h.clone().requires_grad_()
+    if path == "today":
+        lp, ent = today(h, w, labels, 1.0, w.shape[0])
+    else:
+        lp, ent = chunked_head_log_probs_and_entropy(h, w, labels, chunk_tokens=chunk)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    return lp.detach(), ent.detach(), h.grad, w.main_grad
+
+
+@pytest.mark.gpu
+def test_chunked_head_on_cuda_bf16_at_qwen_vocabulary():
+    """On a GPU, bf16, Qwen2.5's vocabulary (152064) and hidden 1536, 16384 tokens in chunks of 1024:
+    the same results as today's path within COMPARE_TOL["bfloat16"], and the pass's peak CUDA memory
+    above its inputs (the trainer's weight with its main_grad buffer) at least 4x lower (today: 5 GB of
+    logits and 5 GB of their gradient)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev, tokens, vocab, hidden = torch.device("cuda"), 16384, 152064, 1536
+    gen = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=gen, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(vocab, hidden, generator=gen, device=dev, dtype=torch.bfloat16) * 0.02
+    labels = torch.randint(0, vocab, (tokens,), generator=gen, device=dev)
+    w_lp, w_ent = torch.randn(tokens, generator=gen, device=dev), torch.randn(tokens, generator=gen, device=dev)
+    peaks, outs = {}, {}
+    for path in ("today", "chunked"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        weight = trainer_weight(w)
+        base = torch.cuda.memory_allocated()
+        outs[path] = head_pass(path, h, weight, labels, w_lp, w_ent, 1024)
+        torch.cuda.synchronize()
+        peaks[path] = torch.cuda.max_memory_allocated() - base
+    tol = COMPARE_TOL["bfloat16"]
+    for name, a, b in zip(("log-probs", "entropy", "dh", "dW"), outs["chunked"], outs["today"]):
+        diff = (a.float() - b.float()).abs().max().item() / (1.0 if name in ("log-probs", "entropy")
+                                                            else max(1.0, b.float().abs().max().item()))
+        assert diff <= tol, (name, diff)
+    assert peaks["today"] >= 4 * peaks["chunked"], peaks
