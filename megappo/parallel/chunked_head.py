@@ -35,10 +35,10 @@ model) gets the float32 sum back through autograd, in its dtype. The backward ne
 sum over the vocabulary) is summed over TP by the mapping before this function, as
 ColumnParallelLinear's backward does.
 
-Tolerances against today's path (tests/distributed/test_chunked_head.py): float32 within 1e-5
-(the matmuls' row blocking differs, the statistics are the same operations); bfloat16 within
-megappo.models.precision.COMPARE_TOL (the weight gradient is summed in float32 over chunks,
-the output layer's in one bf16 product).
+Tolerances against today's path (tests/unit/test_chunked_head.py, tests/distributed/
+test_chunked_head.py): float32 within 1e-5 (the statistics are the same operations; a matmul over
+fewer rows may round differently); bfloat16 within megappo.models.precision.COMPARE_TOL (the
+weight gradient is summed in float32 over chunks, the output layer's is one bf16 product).
 """
 
 from __future__ import annotations
