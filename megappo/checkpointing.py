@@ -83,7 +83,9 @@ REFUSED_ON_RESUME = ("model", "algorithm.adv_estimator", "data.train_files", "da
                      "critic.path", "reward.model_path",
                      "parallel.use_distributed_optimizer")  # Megatron's two optimizer formats do not convert
 WARNED_ON_RESUME = ("algorithm", "actor", "critic", "ref", "rollout", "reward", "data")
-IGNORED_ON_RESUME = ("model.prepare",)  # how model.path was made, not what it holds
+# how model.path was made, and how the LM head's passes are computed (the same values within
+# tolerance: megappo.parallel.chunked_head), not what the model holds
+IGNORED_ON_RESUME = ("model.prepare", "model.lm_head_chunk_tokens")
 
 
 def step_dir_name(step: int) -> str:

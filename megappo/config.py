@@ -80,6 +80,7 @@ class ModelConfig(_Section):
     layer_spec: Literal["auto", "te", "local"] = "auto"  # auto: Transformer Engine on GPU when installed
     seed_init: int = 1234  # seed of the random init of a model built from hf_config
     prepare: Optional[str] = None  # the command that writes model.path (named when model.path has no config.json)
+    lm_head_chunk_tokens: int = 0  # > 0: the actor's and reference's log-prob, entropy and loss passes compute the LM head over chunks of this many tokens, never the full-vocabulary logits (megappo.parallel.chunked_head); 0: the output layer builds them
 
     def check(self) -> None:
         _require(self.path is not None or self.hf_config is not None,
@@ -93,7 +94,7 @@ class ModelConfig(_Section):
                  f"{P}dtype=float16 cannot train in megappo: Megatron's fp16 path needs dynamic loss scaling, which "
                  f"megappo does not wire. Fix: set {P}dtype=bfloat16 (float32's range; what every GPU recipe trains "
                  f"in) or float32.")
-        _at_least(self, make_vocab_size_divisible_by=1)
+        _at_least(self, make_vocab_size_divisible_by=1, lm_head_chunk_tokens=0)
 
     @property
     def tokenizer_path(self) -> Optional[str]:

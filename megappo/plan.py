@@ -44,7 +44,10 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   of L/(pp*vpp) layers with the interleaved schedule (Megatron's warm-up counts), at most the
   micro-batches of one mini-batch. The last stage of an LM role also holds one micro-batch of
   [b, s, V/tp] logits in the model dtype plus three float32 copies (the vocab-parallel log-prob
-  and entropy pass). Forward-only passes (ref, reward) keep one layer and the logits. Phases run
+  and entropy pass; the copies' margin covers the logits' gradient in training); with the chunked LM
+  head (model.lm_head_chunk_tokens = c) the same count for one chunk of [c, V/tp] logits (c at most
+  the micro-batch's tokens), plus in training one [V/tp, H] weight-gradient product in the model
+  dtype. Forward-only passes (ref, reward) keep one layer and the logits. Phases run
   one after another, so only the largest activation counts towards the peak.
   recomputation (actor.recompute / critic.recompute, megappo.models.recompute): full keeps, per
   model chunk and micro-batch in flight, the input [s, b, h] of each checkpointed group of layers
@@ -278,9 +281,17 @@ def training_activation_bytes(d: ModelDims, *, layers: int, chunks: int, recompu
     return chunks * per_chunk + recompute.rebuilt_at_once * full
 
 
-def logits_bytes(d: ModelDims, *, seq: int, micro: int, tp: int, act_bytes: int, divisible_by: int) -> float:
-    """One micro-batch of [b, s, V/tp] logits plus three float32 copies of it."""
-    return seq * micro * d.padded_vocab_size(tp, divisible_by) / tp * (act_bytes + 3 * 4)
+def logits_bytes(d: ModelDims, *, seq: int, micro: float, tp: int, act_bytes: int, divisible_by: int,
+                 chunk_tokens: int = 0, training: bool = False) -> float:
+    """The LM head's part of a pass: [tokens, V/tp] logits plus three float32 copies of them, for
+    one micro-batch of b x s tokens (today's path, `chunk_tokens` 0) or one chunk of at most
+    `chunk_tokens` tokens (the chunked LM head, model.lm_head_chunk_tokens,
+    megappo.parallel.chunked_head), which in `training` adds one [V/tp, H] weight-gradient product in
+    the model dtype (each chunk's, added to the float32 main_grad that the gradients count)."""
+    vocab = d.padded_vocab_size(tp, divisible_by) / tp
+    tokens = seq * micro if not chunk_tokens else min(chunk_tokens, seq * micro)
+    product = vocab * d.hidden_size * act_bytes if chunk_tokens and training else 0.0
+    return tokens * vocab * (act_bytes + 3 * 4) + product
 
 
 def chunks_in_flight(*, pp: int, vpp: Optional[int], rank: int, micro_batches: int) -> int:
@@ -446,7 +457,8 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
                      ep=cfg.expert_parallel(role))
     per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
     logits = 0.0 if value or stage == "first" else logits_bytes(
-        d, seq=seq, micro=1, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by)
+        d, seq=seq, micro=micro, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by,
+        chunk_tokens=m.lm_head_chunk_tokens, training=role == "actor")
     if role in ("actor", "critic"):
         section = getattr(cfg, role)
         # sequences of the longest length per replica over those per micro-batch (packed: a lower bound)
@@ -456,10 +468,10 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         recompute = Recompute.of(section.recompute, f"{role}.recompute")
         chunk_layers = d.num_layers // (pp * (vpp or 1))
         act = training_activation_bytes(d, layers=chunk_layers, chunks=chunks, recompute=recompute, micro=micro,
-                                        **per_layer) + logits * micro
+                                        **per_layer) + logits
         saving = 0.0
         if recompute.granularity != "full":
-            saving = act - logits * micro - training_activation_bytes(
+            saving = act - logits - training_activation_bytes(
                 d, layers=chunk_layers, chunks=chunks, recompute=Recompute("full"), micro=micro, **per_layer)
         # the distributed optimizer shards expert parameters over the expert-data-parallel ranks (dp / ep)
         ep = cfg.expert_parallel(role)
@@ -474,7 +486,7 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
                               recompute_saving=max(0.0, saving))
         return RoleMemory(role, n, weights=n * db, grads=n * 4, master=sharded * 4 if db < 4 else 0.0,
                           adam=sharded * 8, activations=act, phase=phase, recompute_saving=max(0.0, saving))
-    act = layer_activation_bytes(d, micro=micro, **per_layer) + logits * micro
+    act = layer_activation_bytes(d, micro=micro, **per_layer) + logits
     if role == "ref" and cfg.ref_is_actor_base:  # the actor's weights with its adapters off: nothing of its own
         return RoleMemory(role, 0.0, weights=0.0, grads=0.0, master=0.0, adam=0.0, activations=act,
                           phase="ref forward (the actor's base)")

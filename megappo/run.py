@@ -400,15 +400,16 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
 
     temperature = cfg.rollout.temperature or 1.0
     actor_model = model("actor")
+    head_chunk = cfg.model.lm_head_chunk_tokens  # the chunked LM head: one setting for both policy models
     actor = PolicyWorker(actor_model, batching=_batching(cfg, "actor"), temperature=temperature,
-                         routing=RouteReplay() if replays("actor") else None,
+                         routing=RouteReplay() if replays("actor") else None, lm_head_chunk_tokens=head_chunk,
                          trainable=trainable("actor", actor_model))
     ref = critic = reward_model = None
     if "ref" in plan.roles:
         # with actor.lora: the actor's own weights with the adapters off, no second copy
         ref_model = base_view(actor.model) if plan.ref_is_actor_base else model("ref")
         ref = PolicyWorker(ref_model, batching=_batching(cfg, "ref"), temperature=temperature,
-                           routing=RouteReplay() if replays("ref") else None)
+                           routing=RouteReplay() if replays("ref") else None, lm_head_chunk_tokens=head_chunk)
     if "critic" in plan.roles:
         critic_model = model("critic", cfg.critic.path or source.weights)
         critic = ValueWorker(critic_model, batching=_batching(cfg, "critic"),

@@ -7,7 +7,8 @@ which micro-batch, the replica runs them through the pipeline schedule
 (`megappo.models.forward` / `megappo.models.training`), and per-sample results come back to
 global rank 0 in batch order. Only the positions whose output is used reach the LM head;
 log-probs and entropy are computed from TP-sharded logits without gathering the vocabulary
-(`megappo.parallel.vocab_parallel`).
+(`megappo.parallel.vocab_parallel`), or, with `lm_head_chunk_tokens` (model.lm_head_chunk_tokens),
+from the LM head's input over token chunks, never the whole logits (`megappo.parallel.chunked_head`).
 
 Shape legend: N samples in the global batch, m rows of a micro-batch, K selected positions
 of a micro-batch, P prompt length, R response length, T = P + R, V_pad/tp vocab shard.
@@ -26,9 +27,11 @@ import torch.distributed as dist
 from megappo.models.builders import MegatronModel
 from megappo.models.flops import pass_flops
 from megappo.models.forward import run_micro_batches
+from megappo.models.lm_head import HeadInput
 from megappo.models.moe_metrics import RouterStats
 from megappo.models.routing_replay import RouteReplay
 from megappo.models.training import Trainable, train_step
+from megappo.parallel.chunked_head import chunked_head_log_probs_and_entropy, chunked_head_sum_pi_squared
 from megappo.parallel.comm import gather_to_rank0
 from megappo.parallel.packing import MicroBatching, PassCounter, Select, micro_batch_tensors, sequence_lengths
 from megappo.parallel.vocab_parallel import (vocab_parallel_log_probs, vocab_parallel_log_probs_and_entropy,
@@ -94,6 +97,8 @@ class _Passes:
     flops: dict[str, float]
     #: how this model's passes use the engine's routing records (MoE); None: they do not
     routing: RouteReplay | None = None
+    #: tokens per chunk of the chunked LM head (PolicyWorker); 0: the output layer builds the logits
+    head_chunk: int = 0
 
     def _split(self, seqs: SeqBatch, rows: torch.Tensor | None, select: Select,
                per_row: dict[str, torch.Tensor | None], *, training: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -180,8 +185,11 @@ class PolicyWorker(_Passes):
     """Actor (trainable) or reference (frozen): log-probs of response tokens, and updates."""
 
     def __init__(self, model: MegatronModel, *, batching: MicroBatching, temperature: float = 1.0,
-                 trainable: Trainable | None = None, routing: RouteReplay | None = None):
+                 trainable: Trainable | None = None, routing: RouteReplay | None = None, lm_head_chunk_tokens: int = 0):
         self.model, self.trainable, self.routing = model, trainable, routing
+        # > 0: the passes get the head's input (megappo.models.lm_head) and megappo.parallel.chunked_head
+        # computes the statistics over chunks of this many tokens
+        self.head_chunk = lm_head_chunk_tokens
         self.batching, self.temperature, self.counter, self.flops = batching, temperature, PassCounter(), {}
         ps = model.ps
         per_tp = model.padded_vocab // ps.tp
@@ -201,10 +209,16 @@ class PolicyWorker(_Passes):
             logits = logits.masked_fill(self._padded_vocab, float("-inf"))
         return logits
 
-    def _token_stats(self, logits: torch.Tensor, mb: dict, entropy: bool):
-        """[1, K, V_pad/tp] -> ([m, R] log-probs, [m, R] entropy or None) of the micro-batch's rows."""
-        logits, labels = self._scaled(logits), _labels(mb)
+    def _token_stats(self, logits: "torch.Tensor | HeadInput", mb: dict, entropy: bool):
+        """[1, K, V_pad/tp] logits, or the head's input with the chunked LM head -> ([m, R] log-probs,
+        [m, R] entropy or None) of the micro-batch's rows."""
         width = mb["response_mask"].shape[1]
+        if isinstance(logits, HeadInput):
+            lp, ent = chunked_head_log_probs_and_entropy(
+                logits.hidden[0], logits.weight, _labels(mb)[0], self.model.ps.tp_group, temperature=self.temperature,
+                vocab_size=self.model.dims.vocab_size, with_entropy=entropy, chunk_tokens=self.head_chunk)
+            return _placed(lp, mb, width), _placed(ent, mb, width) if entropy else None
+        logits, labels = self._scaled(logits), _labels(mb)
         if entropy:  # one pass over the shard for both
             lp, ent = vocab_parallel_log_probs_and_entropy(logits, labels, self.model.ps.tp_group)
             return _placed(lp[0], mb, width), _placed(ent[0], mb, width)
@@ -225,17 +239,24 @@ class PolicyWorker(_Passes):
         def on_output(logits, mb):
             lp, ent = self._token_stats(logits, mb, entropy)
             cols = [lp] + ([ent] if entropy else []) + ([self._sum_pi_squared(logits, mb)] if sum_pi_squared else [])
-            return logits.new_zeros(()), torch.stack(cols, 1) * mb["response_mask"][:, None]
+            zero = (logits.hidden if isinstance(logits, HeadInput) else logits).new_zeros(())  # no loss
+            return zero, torch.stack(cols, 1) * mb["response_mask"][:, None]
 
-        results = run_micro_batches(self.model, mbs, on_output, forward_only=True, routing=self.routing)
+        results = run_micro_batches(self.model, mbs, on_output, forward_only=True, routing=self.routing,
+                                    head_input=self.head_chunk > 0)
         stacked = self._gather(mbs, results, seqs.size)
         if stacked is None:
             return TokenStats(None)
         cols = stacked.unbind(1)
         return TokenStats(cols[0], cols[1] if entropy else None, cols[-1] if sum_pi_squared else None)
 
-    def _sum_pi_squared(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
-        """[1, K, V_pad/tp] selected logits -> [m, R] sum of p^2 of the tempered softmax."""
+    def _sum_pi_squared(self, logits: "torch.Tensor | HeadInput", mb: dict) -> torch.Tensor:
+        """[1, K, V_pad/tp] selected logits (or the head's input) -> [m, R] sum of p^2 of the tempered softmax."""
+        if isinstance(logits, HeadInput):
+            sps = chunked_head_sum_pi_squared(logits.hidden[0], logits.weight, self.model.ps.tp_group,
+                                              temperature=self.temperature, vocab_size=self.model.dims.vocab_size,
+                                              chunk_tokens=self.head_chunk)
+            return _placed(sps, mb, mb["response_mask"].shape[1])
         sps = vocab_parallel_sum_pi_squared(self._scaled(logits), self.model.ps.tp_group)
         return _placed(sps[0], mb, mb["response_mask"].shape[1])
 
@@ -340,7 +361,8 @@ def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, pre
         for rows in _mini_batches(exp.seqs.size, mini_batch_size, model.ps.dp, seed + epoch):
             counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
             mbs = worker._split(exp.seqs, rows, "response", extra, training=True)
-            results, step = train_step(trainable, mbs, loss_for(counts), routing=worker.routing)
+            results, step = train_step(trainable, mbs, loss_for(counts), routing=worker.routing,
+                                       head_input=worker.head_chunk > 0)
             for r in results:  # parts of global-count losses: summed in _reduce_metrics
                 for k, v in r.items():
                     metrics.setdefault(k, []).append(v)

@@ -14,7 +14,9 @@ the model output, [1, K, V_pad/tp] logits for LM roles or [1, K] values for valu
 ([b, T, ...] without 'select'), and returns (loss, result): the loss is back-propagated as is (megappo's losses are already normalised by global
 counts, so Megatron's own division by the number of micro-batches is switched off with
 `calculate_per_token_loss`), the results are returned in micro-batch order on the last
-stage and are an empty list elsewhere.
+stage and are an empty list elsewhere. With `head_input=True` (the chunked LM head,
+megappo.models.lm_head) the output layer returns its input instead: `on_output` receives a
+HeadInput of [1, K, H] hidden states and the output weight.
 
 Shape legend: b micro-batch size, T sequence length, L packed length (the shape is the same
 for every micro-batch of a call; the p2p buffers are sized from it), K selected positions,
@@ -31,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from megappo.models.builders import MegatronModel, unwrap
+from megappo.models.lm_head import HeadInput, head_inputs
 from megappo.models.routing_replay import RouteReplay, replayed_routes
 from megappo.parallel.state import in_layout
 
@@ -76,11 +79,13 @@ def run_micro_batches(
     *,
     forward_only: bool,
     routing: RouteReplay | None = None,
+    head_input: bool = False,
 ) -> list[Any]:
     """Run `micro_batches` (each with 'input_ids' [b, T] and optional 'attention_mask'
     [b, T]) through the pipeline schedule; see the module docstring. MoE routing records
     ('routes', 'routes_known') are replayed or compared as `routing` says
-    (megappo.models.routing_replay)."""
+    (megappo.models.routing_replay). `head_input`: `on_output` receives the LM head's input, a
+    megappo.models.lm_head.HeadInput ([1, K, H] hidden states and the [V_pad/tp, H] weight), not logits."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -103,11 +108,14 @@ def run_micro_batches(
         inputs = _model_inputs(model, mb, b, t)
         select = mb.get("select")
         routes, known = _routes_of_this_rank(model, mb)
-        with _selected_outputs(chunk, select) as selected_early, replayed_routes(chunk, routes, known, routing):
+        with (_selected_outputs(chunk, select) as selected_early, replayed_routes(chunk, routes, known, routing),
+              head_inputs(unwrap(chunk), head_input) as head):
             output = chunk(input_ids=mb["input_ids"], **inputs)
 
         def loss_func(output_tensor):
             out = output_tensor.squeeze(-1) if value_head else output_tensor
+            if head_input:
+                out = HeadInput(out, head["weight"])
             if select is not None and not selected_early:
                 out = out[select[1], select[0]][None]
             loss, result = on_output(out, mb)

@@ -62,7 +62,7 @@ def make_trainable(model: MegatronModel, settings: OptimSettings) -> Trainable:
     model.precision.check_trainable()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=False,  # megappo.parallel.chunked_head adds into main_grad itself, outside the hooks
         use_distributed_optimizer=settings.use_distributed_optimizer,
     )
     model.chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in model.chunks]
@@ -108,9 +108,11 @@ def train_step(
     on_output: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]],
     *,
     routing: RouteReplay | None = None,
+    head_input: bool = False,
 ) -> tuple[list[Any], dict[str, float]]:
     """One optimizer step over `micro_batches`; returns (last-stage results, step metrics).
-    `routing`: how MoE routing records in the micro-batches are used (routing replay).
+    `routing`: how MoE routing records in the micro-batches are used (routing replay); `head_input`:
+    `on_output` gets the LM head's input (megappo.models.forward.run_micro_batches).
 
     A step whose gradient norm is not finite is skipped (no update) and reported with
     `skipped=1`; the caller counts and decides when to abort.
@@ -119,7 +121,8 @@ def train_step(
     for chunk in model.chunks:
         chunk.zero_grad_buffer()
     trainable.optimizer.zero_grad()
-    results = run_micro_batches(model, micro_batches, on_output, forward_only=False, routing=routing)
+    results = run_micro_batches(model, micro_batches, on_output, forward_only=False, routing=routing,
+                                head_input=head_input)
     grads_finite = _grads_finite(trainable)
     if grads_finite:
         success, grad_norm, _ = trainable.optimizer.step()

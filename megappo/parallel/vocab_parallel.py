@@ -1,7 +1,8 @@
 """Log-probs and entropy from vocabulary-sharded logits, without gathering the vocabulary.
 
 Owns: `vocab_parallel_log_probs`, `vocab_parallel_entropy`, `vocab_parallel_sum_pi_squared` and
-`vocab_parallel_log_probs_and_entropy` (one autograd function with a hand-written backward).
+`vocab_parallel_log_probs_and_entropy` (one autograd function with a hand-written backward, whose
+two halves, `forward_stats` and `logits_grad`, megappo.parallel.chunked_head runs per token chunk).
 Does not know about PPO, models or Megatron: the TP group comes in as an argument.
 
 Shape legend: [B, T] = (sequences, tokens); [B, T, V/tp] = this rank's slice of the logits.
@@ -78,31 +79,7 @@ class _VocabParallelStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, with_entropy: bool, budget: int):
-        B, T, shard = logits.shape
-        rank = dist.get_rank(group) if _world(group) > 1 else 0
-        stats = logits.new_empty((3, B, T), dtype=_compute_dtype(logits))  # max, sum of exp, sum p * s
-        m, z, mean_s = stats
-        log_probs = stats.new_empty((B, T)) if labels is not None else stats.new_empty(0)
-        entropy = stats.new_empty((B, T)) if with_entropy else stats.new_empty(0)
-        has_neg_inf = []  # per block, for the entropy: checked once here, reused by the backward
-        for bs, ts in _blocks(B, T, shard, budget):
-            x = _block(logits, bs, ts)
-            m[bs, ts] = _all_reduce(x.amax(dim=-1), dist.ReduceOp.MAX, group)
-            s = x - m[bs, ts].unsqueeze(-1)
-            p = s.exp()
-            z[bs, ts] = _all_reduce(p.sum(-1), dist.ReduceOp.SUM, group)
-            p.div_(z[bs, ts].unsqueeze(-1))  # softmax over the full vocabulary, this rank's slice
-            log_z = z[bs, ts].log()
-            if labels is not None:
-                local, owned = _local_labels(labels[bs, ts], rank, shard)
-                picked = s.gather(-1, local.unsqueeze(-1)).squeeze(-1)
-                label_s = _all_reduce(torch.where(owned, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
-                log_probs[bs, ts] = label_s - log_z
-            if with_entropy:
-                has_neg_inf.append(bool((x.amin(dim=-1) == float("-inf")).any()))
-                mean_s[bs, ts] = _all_reduce((p * _finite(s, p, has_neg_inf[-1])).sum(-1), dist.ReduceOp.SUM, group)
-                entropy[bs, ts] = log_z - mean_s[bs, ts]
-
+        log_probs, entropy, stats, has_neg_inf = forward_stats(logits, labels, group, with_entropy, budget)
         # the backward recomputes each block's softmax from the logits and these [B, T] stats:
         # nothing of size [B, T, V/tp] is kept besides the logits themselves
         ctx.save_for_backward(logits, labels, stats)
@@ -115,28 +92,70 @@ class _VocabParallelStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        logits, labels, (m, z, mean_s) = ctx.saved_tensors
-        B, T, shard = logits.shape
-        rank = dist.get_rank(ctx.group) if _world(ctx.group) > 1 else 0
-        use_lp = labels is not None and grad_log_probs is not None
-        use_ent = ctx.with_entropy and grad_entropy is not None
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for i, (bs, ts) in enumerate(_blocks(B, T, shard, ctx.budget)):
-            x = _block(logits, bs, ts)
-            s = x - m[bs, ts].unsqueeze(-1)
-            p = s.exp()
-            p.div_(z[bs, ts].unsqueeze(-1))  # the forward's softmax, bit for bit
-            g_x = torch.zeros_like(p)
-            if use_lp:
-                g = grad_log_probs[bs, ts].to(p.dtype)
-                g_x -= p * g.unsqueeze(-1)
-                local, owned = _local_labels(labels[bs, ts], rank, shard)
-                g_x.scatter_add_(-1, local.unsqueeze(-1), (g * owned.to(p.dtype)).unsqueeze(-1))
-            if use_ent:
-                s_centred = _finite(s, p, ctx.has_neg_inf[i]).sub_(mean_s[bs, ts].unsqueeze(-1))
-                g_x -= p * s_centred * grad_entropy[bs, ts].to(p.dtype).unsqueeze(-1)
-            grad[bs, ts] = g_x  # in the logits' dtype
+        logits, labels, stats = ctx.saved_tensors
+        grad = logits_grad(logits, labels, stats, ctx.has_neg_inf, ctx.group, ctx.with_entropy, ctx.budget,
+                           grad_log_probs, grad_entropy)
         return grad, None, None, None, None
+
+
+def forward_stats(logits: torch.Tensor, labels: torch.Tensor | None, group, with_entropy: bool, budget: int):
+    """The forward of the statistics, block by block, outside autograd: ([B, T] log-probs or empty,
+    [B, T] entropy or empty, [3, B, T] (max, sum of exp, sum p * s) for `logits_grad`, per-block
+    -inf flags for `logits_grad`). Shared with megappo.parallel.chunked_head."""
+    B, T, shard = logits.shape
+    rank = dist.get_rank(group) if _world(group) > 1 else 0
+    stats = logits.new_empty((3, B, T), dtype=_compute_dtype(logits))  # max, sum of exp, sum p * s
+    m, z, mean_s = stats
+    log_probs = stats.new_empty((B, T)) if labels is not None else stats.new_empty(0)
+    entropy = stats.new_empty((B, T)) if with_entropy else stats.new_empty(0)
+    has_neg_inf = []  # per block, for the entropy: checked once here, reused by the backward
+    for bs, ts in _blocks(B, T, shard, budget):
+        x = _block(logits, bs, ts)
+        m[bs, ts] = _all_reduce(x.amax(dim=-1), dist.ReduceOp.MAX, group)
+        s = x - m[bs, ts].unsqueeze(-1)
+        p = s.exp()
+        z[bs, ts] = _all_reduce(p.sum(-1), dist.ReduceOp.SUM, group)
+        p.div_(z[bs, ts].unsqueeze(-1))  # softmax over the full vocabulary, this rank's slice
+        log_z = z[bs, ts].log()
+        if labels is not None:
+            local, owned = _local_labels(labels[bs, ts], rank, shard)
+            picked = s.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+            label_s = _all_reduce(torch.where(owned, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
+            log_probs[bs, ts] = label_s - log_z
+        if with_entropy:
+            has_neg_inf.append(bool((x.amin(dim=-1) == float("-inf")).any()))
+            mean_s[bs, ts] = _all_reduce((p * _finite(s, p, has_neg_inf[-1])).sum(-1), dist.ReduceOp.SUM, group)
+            entropy[bs, ts] = log_z - mean_s[bs, ts]
+    return log_probs, entropy, stats, has_neg_inf
+
+
+def logits_grad(logits: torch.Tensor, labels: torch.Tensor | None, stats: torch.Tensor, has_neg_inf: list[bool],
+                group, with_entropy: bool, budget: int, grad_log_probs: torch.Tensor | None,
+                grad_entropy: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, V/tp] gradient (in the logits' dtype) of the forward's outputs given theirs (None: not
+    used by the loss), recomputing each block's softmax from `forward_stats`'s results; no communication."""
+    m, z, mean_s = stats
+    B, T, shard = logits.shape
+    rank = dist.get_rank(group) if _world(group) > 1 else 0
+    use_lp = labels is not None and grad_log_probs is not None
+    use_ent = with_entropy and grad_entropy is not None
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    for i, (bs, ts) in enumerate(_blocks(B, T, shard, budget)):
+        x = _block(logits, bs, ts)
+        s = x - m[bs, ts].unsqueeze(-1)
+        p = s.exp()
+        p.div_(z[bs, ts].unsqueeze(-1))  # the forward's softmax, bit for bit
+        g_x = torch.zeros_like(p)
+        if use_lp:
+            g = grad_log_probs[bs, ts].to(p.dtype)
+            g_x -= p * g.unsqueeze(-1)
+            local, owned = _local_labels(labels[bs, ts], rank, shard)
+            g_x.scatter_add_(-1, local.unsqueeze(-1), (g * owned.to(p.dtype)).unsqueeze(-1))
+        if use_ent:
+            s_centred = _finite(s, p, has_neg_inf[i]).sub_(mean_s[bs, ts].unsqueeze(-1))
+            g_x -= p * s_centred * grad_entropy[bs, ts].to(p.dtype).unsqueeze(-1)
+        grad[bs, ts] = g_x  # in the logits' dtype
+    return grad
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:

@@ -64,6 +64,26 @@ def test_7b_actor_memory_by_hand_tp1():
     assert not plan.fits  # 2 x 127.7 GiB on one 80 GiB GPU
 
 
+def test_7b_chunked_lm_head_by_hand():
+    """model.lm_head_chunk_tokens: the LM head's part of a pass is one chunk's logits, not the micro-batch's.
+    Packed micro-batches of 16384 tokens (16384 / 1536 sequences of 1536), tp=1, bf16:
+      today:   16384 * 152064 * (2 + 3 * 4) bytes = 34,879,832,064 (the [16384, 152064] logits and copies)
+      chunked: 1024 * 152064 * (2 + 3 * 4) = 2,179,989,504, plus the actor's (training) weight-gradient
+               product 152064 * 3584 * 2 = 1,089,994,752; the reference (forward only) without it."""
+    def roles(chunk):
+        cfg = recipe(model={"path": "/nonexistent/Qwen2.5-7B-Instruct", "dtype": "bfloat16", "layer_spec": "te",
+                            "lm_head_chunk_tokens": chunk},
+                     actor={"ppo_mini_batch_size": 8, "max_tokens_per_micro_batch": 16384},
+                     algorithm={"use_kl_in_reward": True})
+        return {r.role: r for r in make_plan(cfg, world_size=1).roles}
+
+    today, chunked = roles(0), roles(1024)
+    assert today["actor"].activations - chunked["actor"].activations == pytest.approx(
+        34_879_832_064 - 2_179_989_504 - 1_089_994_752)
+    assert today["ref"].activations - chunked["ref"].activations == pytest.approx(34_879_832_064 - 2_179_989_504)
+    assert roles(10**6)["actor"].activations == pytest.approx(today["actor"].activations + 1_089_994_752)
+
+
 def test_7b_sharded_by_hand():
     """tp=4 with sequence parallel, dp=2 with the distributed optimizer."""
     cfg = recipe(parallel={"tp": 4, "sequence_parallel": True, "use_distributed_optimizer": True})
