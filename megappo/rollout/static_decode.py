@@ -231,9 +231,17 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):  # records the step's kernels without running them
-            self._step(b, params, stop, width)
-        torch.cuda.synchronize()
+        try:  # thread_local: a trainer thread's CUDA work (rollout.mode=async) does not break the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._step(b, params, stop, width)  # recorded, not run
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - the same steps run uncaptured; say so once
+            self.capture = False
+            self._graphs, self._pool = {}, None
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            self.log(f"megappo: warning: hf engine: capturing a decode step failed ({type(e).__name__}: {first}); "
+                     "decoding without CUDA graphs (rollout.hf_decode=static) from here on")
+            return
         self._graphs[key] = graph
         self.capture_seconds += time.perf_counter() - start
         self.graphs_captured += 1

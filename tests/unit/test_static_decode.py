@@ -254,3 +254,23 @@ def test_a_sync_between_captured_generations_on_cuda():
     assert captured.kv_cache_bytes() > 0
     captured.release_memory()
     assert captured.kv_cache_bytes() == 0
+
+
+def test_config_reaches_the_engine(tmp_path):
+    """rollout.hf_decode / hf_eos_check_every / the cache capacity go from the recipe to the hf engine;
+    a static path asked for where the trainer's hf engine does not run is refused with the fix."""
+    from megappo.config import ConfigError
+    from megappo.recipe import config_from_dict
+    from megappo.rollout.engines import engine_for
+    from tests.unit.test_config import MIN
+
+    cfg = config_from_dict({**MIN, "rollout": {"hf_decode": "static", "hf_eos_check_every": 3, "max_new_tokens": 7},
+                            "data": {"max_prompt_length": 20}})
+    tokenizer = type("Tok", (), {"pad_token_id": PAD})()
+    engine = engine_for(cfg, build_hf_model(TINY_CONFIGS["llama"], seed=1), tokenizer, return_routes=False,
+                        device=torch.device("cpu"))
+    assert engine.decode_path == "static" and engine._static.eos_check_every == 3 and engine.max_tokens == 27
+    with pytest.raises(ConfigError, match="hf_decode=graphs applies to the hf engine.*Fix: set rollout.hf_decode=auto"):
+        config_from_dict({**MIN, "rollout": {"hf_decode": "graphs", "placement": "separate"}})
+    with pytest.raises(ConfigError, match="hf_eos_check_every"):
+        config_from_dict({**MIN, "rollout": {"hf_eos_check_every": 0}})
