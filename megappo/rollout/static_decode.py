@@ -103,6 +103,9 @@ def decode_buckets(num: int) -> list[int]:
     return sorted(set(out), reverse=True)
 
 
+RUNNING = 2**62  # first_stop of a sample that has sampled no stop token yet (any step is smaller)
+
+
 class FixedLayer(DynamicLayer):
     """One layer's view of the decoder's cache at bucket b: keys / values [b, H_kv, C, d] (views of the
     shared storage); a decode step writes its one column at the shared device column `col` in place and
@@ -146,19 +149,18 @@ class StaticDecoder:
 
     # ---------------------------------------------------------------- buffers
 
-    def _ensure(self, rows: int, capacity: int, new_tokens: int, like: torch.Tensor) -> None:
-        """Buffers for at least `rows` samples, `capacity` positions and `new_tokens` steps, with the
-        prefill's KV shape / dtype / device (`like`: [B, H_kv, P, d]); kept when they already fit."""
+    def _ensure(self, rows: int, capacity: int, like: torch.Tensor) -> None:
+        """Buffers for at least `rows` samples and `capacity` positions (prompt + response, so also >= the
+        new tokens), with the prefill's KV shape / dtype / device (`like`: [B, H_kv, P, d]); kept when
+        they already fit."""
         layers = self.model.config.num_hidden_layers
         _b, heads, _p, dim = like.shape
         kv = self.kv
         if (kv is not None and kv.dtype == like.dtype and kv.device == like.device and kv.shape[0] == layers
-                and kv.shape[3] == heads and kv.shape[5] == dim and kv.shape[2] >= rows and kv.shape[4] >= capacity
-                and self.ids.shape[1] >= new_tokens):
+                and kv.shape[3] == heads and kv.shape[5] == dim and kv.shape[2] >= rows and kv.shape[4] >= capacity):
             return
         if kv is not None:
             rows, capacity = max(rows, kv.shape[2]), max(capacity, kv.shape[4])
-            new_tokens = max(new_tokens, self.ids.shape[1])
         self.free()  # graphs read the old buffers' addresses: they go with them
         dev = like.device
         # zeros: masked columns are multiplied by 0 in attention, and 0 * garbage may be NaN
@@ -169,10 +171,11 @@ class StaticDecoder:
         self.sample = torch.arange(rows, device=dev)  # [N_max] which sample each row is
         self.col = torch.zeros(1, dtype=torch.long, device=dev)  # the cache column written next
         self.step = torch.zeros(1, dtype=torch.long, device=dev)  # the response position sampled next
-        self.uniforms = torch.zeros((new_tokens, rows), dtype=torch.float32, device=dev)  # [R, N_max]
-        self.ids = torch.zeros((rows, new_tokens), dtype=torch.long, device=dev)  # [N_max, R] by sample
-        self.log_probs = torch.zeros((rows, new_tokens), dtype=torch.float32, device=dev)
-        self.first_stop = torch.zeros(rows, dtype=torch.long, device=dev)  # [N_max] step of the first stop token
+        self.uniforms = torch.zeros((capacity, rows), dtype=torch.float32, device=dev)  # [R <= C, N_max]
+        self.ids = torch.zeros((rows, capacity), dtype=torch.long, device=dev)  # [N_max, R <= C] by sample
+        self.log_probs = torch.zeros((rows, capacity), dtype=torch.float32, device=dev)
+        #: [N_max] the step of each sample's first stop token; RUNNING while it has none
+        self.first_stop = torch.zeros(rows, dtype=torch.long, device=dev)
 
     def kv_cache_bytes(self) -> int:
         return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
@@ -189,18 +192,18 @@ class StaticDecoder:
 
     # ---------------------------------------------------------------- one step
 
-    def _record(self, b: int, tok: torch.Tensor, lp: torch.Tensor, stop: torch.Tensor, width: int) -> None:
+    def _record(self, b: int, tok: torch.Tensor, lp: torch.Tensor, stop: torch.Tensor) -> None:
         """Rows [0, b) sampled `tok` [b] with log-probs `lp` [b] at response position `step`."""
         rows = self.sample[:b]
         at = (rows, self.step.expand(b))
         self.ids.index_put_(at, tok)
         self.log_probs.index_put_(at, lp.float())
         first = self.first_stop[rows]
-        hit = torch.isin(tok, stop) & (first == width)
+        hit = torch.isin(tok, stop) & (first == RUNNING)
         self.first_stop[rows] = torch.where(hit, self.step.expand(b), first)
         self.tok[:b] = tok
 
-    def _step(self, b: int, params: SamplingParams, stop: torch.Tensor, width: int) -> None:
+    def _step(self, b: int, params: SamplingParams, stop: torch.Tensor) -> None:
         """Feed rows [0, b) their last token at column `col`, sample response position `step`, advance.
         Only device work on fixed buffers: what a CUDA graph captures."""
         self.valid[:b].index_fill_(1, self.col, True)
@@ -209,14 +212,14 @@ class StaticDecoder:
         logits = out.logits[:, -1].float()  # [b, V]
         uniforms = None if params.greedy else self.uniforms[self.step, self.sample[:b]]
         tok, lp = sample_tokens(logits, params, uniforms)
-        self._record(b, tok, lp, stop, width)
+        self._record(b, tok, lp, stop)
         self.pos[:b] += 1
         self.col += 1
         self.step += 1
 
-    def _run_step(self, b: int, params: SamplingParams, stop: torch.Tensor, width: int, key: tuple) -> None:
+    def _run_step(self, b: int, params: SamplingParams, stop: torch.Tensor, key: tuple) -> None:
         if not self.capture:
-            self._step(b, params, stop, width)
+            self._step(b, params, stop)
             return
         graph = self._graphs.get(key)
         if graph is not None:
@@ -226,14 +229,14 @@ class StaticDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the warm-up is this step, run for real
-            self._step(b, params, stop, width)
+            self._step(b, params, stop)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:  # thread_local: a trainer thread's CUDA work (rollout.mode=async) does not break the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step(b, params, stop, width)  # recorded, not run
+                self._step(b, params, stop)  # recorded, not run
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - the same steps run uncaptured; say so once
             self.capture = False
@@ -261,7 +264,7 @@ class StaticDecoder:
         lengths [N], finished [N] bool: ended by a stop token), on the device."""
         num, width, prompt_width = logits.shape[0], params.max_new_tokens, prompt_mask.shape[1]
         layers = prefill_cache.layers
-        self._ensure(num, max(capacity, prompt_width + width), width, layers[0].keys)
+        self._ensure(num, max(capacity, prompt_width + width), layers[0].keys)
         kv = self.kv
         for i, layer in enumerate(layers):  # sample j of prompt i gets row i * repeats + j
             kv[i, 0, :num, :, :prompt_width] = layer.keys.repeat_interleave(repeats, 0)
@@ -270,7 +273,7 @@ class StaticDecoder:
         self.valid[:num, :prompt_width] = prompt_mask.bool()
         self.pos[:num] = next_pos
         self.sample[:num] = torch.arange(num, device=kv.device)
-        self.first_stop[:num] = width
+        self.first_stop[:num] = RUNNING
         self.ids[:num] = 0
         self.log_probs[:num] = 0
         if uniforms is not None:
@@ -279,14 +282,14 @@ class StaticDecoder:
         self.col.fill_(prompt_width)
 
         tok, lp = sample_tokens(logits, params, None if uniforms is None else uniforms[0])  # step 0: the prefill's
-        self._record(num, tok, lp, stop, width)
+        self._record(num, tok, lp, stop)
         self.step += 1
         setting = (params.greedy, params.temperature, params.top_k, params.top_p, params.logprob_mode,
-                   tuple(stop.tolist()), width, *extra_key)
+                   tuple(stop.tolist()), *extra_key)
         buckets, b, captured = decode_buckets(num), num, self.graphs_captured
         for t in range(1, width):
             if (t - 1) % self.eos_check_every == 0:  # the host's only reads: every k steps
-                running = (self.first_stop[self.sample[:b]] == width).cpu()
+                running = (self.first_stop[self.sample[:b]] == RUNNING).cpu()
                 count = int(running.sum())
                 if count == 0:
                     break
@@ -294,12 +297,12 @@ class StaticDecoder:
                 if smaller < b:
                     self._compact(b, running, used=prompt_width + t - 1)
                     b = smaller
-            self._run_step(b, params, stop, width, (b, *setting))
+            self._run_step(b, params, stop, (b, *setting))
         if self.graphs_captured > captured:
             self.log(f"megappo: hf engine: captured {self.graphs_captured - captured} decode graph(s) "
                      f"(buckets of {num} samples) in {self.capture_seconds:.2f} s so far")
         first = self.first_stop[:num]
-        lengths = torch.where(first < width, first + 1, width)
+        lengths = torch.where(first < width, first + 1, width)  # RUNNING > width
         keep = torch.arange(width, device=kv.device)[None, :] < lengths[:, None]
         ids = self.ids[:num, :width].masked_fill(~keep, pad_token_id)
         log_probs = self.log_probs[:num, :width].masked_fill(~keep, 0.0)
