@@ -3,8 +3,8 @@ a few batch-size buckets, sampling inside the step, the EOS check every k steps,
 bucket's step captured once as a CUDA graph and replayed (`rollout.hf_decode`, docs/engines.md).
 
 What it owns:
-- `choose_decode`: which decode path the hf engine runs (dynamic | static | graphs) and why: the one
-  place the choice is made.
+- (re-exported from megappo.rollout.decode_paths, which imports no torch, for `megappo plan`:
+  `choose_decode`, which decode path the hf engine runs and why, the one place the choice is made)
 - `StaticDecoder`: the decode loop after the engine's prefill. Its state lives in buffers allocated
   once for [N_max samples, C positions] and reused by every call while they are large enough:
   the KV cache `kv` [L, 2, N_max, H_kv, C, d] (all layers in one tensor, so compaction is one copy),
@@ -44,55 +44,9 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from megappo.rollout.decode_paths import DECODE_PATHS, STATIC_MODEL_TYPES, choose_decode, static_unsupported  # noqa: F401
 from megappo.rollout.sampling import sample_tokens
 from megappo.types import SamplingParams
-
-#: rollout.hf_decode values: dynamic = the hf engine's decode loop (rows leave, shapes shrink); static =
-#: this module without capture; graphs = this module with each bucket's step a CUDA graph (CUDA only);
-#: auto = graphs on CUDA for a supported model, dynamic elsewhere
-DECODE_PATHS = ("auto", "dynamic", "static", "graphs")
-
-#: model types whose forward the fixed-shape step runs as it is: dense, full attention on every layer,
-#: a 4D attention mask taken as given (transformers' masking_utils), the cache through `cache.update`
-#: (tests/unit/test_static_decode.py covers each)
-STATIC_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
-
-
-def static_unsupported(model: torch.nn.Module) -> str | None:
-    """Why `model` cannot run the fixed-shape step, or None when it can."""
-    config = model.config
-    kind = getattr(config, "model_type", "")
-    if kind not in STATIC_MODEL_TYPES:
-        return f"model type '{kind}' is not one of {sorted(STATIC_MODEL_TYPES)}"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
-        return "the model has sliding-window layers"
-    if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
-        return f"attention '{config._attn_implementation}' (the step passes sdpa a boolean mask)"
-    return None
-
-
-def choose_decode(requested: str, device: torch.device, model: torch.nn.Module) -> tuple[str, str]:
-    """(path, why): the decode path the hf engine runs for `requested` (DECODE_PATHS). `static` and
-    `graphs` asked for on a model or device that cannot run them raise ValueError with the fix."""
-    if requested not in DECODE_PATHS:
-        raise ValueError(f"unknown hf decode path '{requested}'; choose one of {list(DECODE_PATHS)} (rollout.hf_decode)")
-    why_not = static_unsupported(model)
-    if requested == "dynamic":
-        return "dynamic", "asked for"
-    if requested in ("static", "graphs") and why_not:
-        raise ValueError(f"rollout.hf_decode={requested}: {why_not}. Fix: set rollout.hf_decode=dynamic (or auto).")
-    if requested == "graphs" and device.type != "cuda":
-        raise ValueError(f"rollout.hf_decode=graphs needs CUDA (the engine is on {device}). "
-                         "Fix: set rollout.hf_decode=static (the same steps uncaptured) or auto.")
-    if requested != "auto":
-        return requested, "asked for"
-    if device.type != "cuda":
-        return "dynamic", f"auto: CUDA graphs need CUDA, the engine is on {device}"
-    if why_not:
-        return "dynamic", f"auto: {why_not}"
-    return "graphs", "auto: CUDA and a supported model"
-
 
 def decode_buckets(num: int) -> list[int]:
     """[num, then the powers of two below it], descending: the batch sizes decode steps run at."""

@@ -274,3 +274,16 @@ def test_config_reaches_the_engine(tmp_path):
         config_from_dict({**MIN, "rollout": {"hf_decode": "graphs", "placement": "separate"}})
     with pytest.raises(ConfigError, match="hf_eos_check_every"):
         config_from_dict({**MIN, "rollout": {"hf_eos_check_every": 0}})
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_static_equals_dynamic_for_the_other_supported_types(family):
+    """Every STATIC_MODEL_TYPES entry runs the static path (llama and qwen2 above): sampled, n = 3, a stop id."""
+    model = build_hf_model(TINY_CONFIGS[family], seed=3)
+    dynamic, static = engines(model, check_every=2)
+    sampling = dict(n=3, temperature=1.0, top_p=0.95, max_new_tokens=10, seed=9)
+    free = dynamic.generate(MIXED, SamplingParams(**sampling))
+    params = SamplingParams(**sampling, stop_token_ids=(int(free.response_ids[1, 3]),))
+    want, got = dynamic.generate(MIXED, params), static.generate(MIXED, params)
+    assert "stop" in want.finish_reasons
+    assert_same(got, want)
