@@ -57,6 +57,7 @@ def decode_buckets(num: int) -> list[int]:
     return sorted(set(out), reverse=True)
 
 
+CAPACITY_MULTIPLE = 64  # cache positions are allocated in these (SDPA's kernels want masks aligned to 16)
 RUNNING = 2**62  # first_stop of a sample that has sampled no stop token yet (any step is smaller)
 
 
@@ -115,6 +116,7 @@ class StaticDecoder:
             return
         if kv is not None:
             rows, capacity = max(rows, kv.shape[2]), max(capacity, kv.shape[4])
+        capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
         self.free()  # graphs read the old buffers' addresses: they go with them
         dev = like.device
         # zeros: masked columns are multiplied by 0 in attention, and 0 * garbage may be NaN
@@ -153,7 +155,8 @@ class StaticDecoder:
         self.ids.index_put_(at, tok)
         self.log_probs.index_put_(at, lp.float())
         first = self.first_stop[rows]
-        hit = torch.isin(tok, stop) & (first == RUNNING)
+        # torch.isin would sort (and sync) on CUDA for 10+ stop ids: a comparison never does
+        hit = (tok[:, None] == stop[None, :]).any(-1) & (first == RUNNING)
         self.first_stop[rows] = torch.where(hit, self.step.expand(b), first)
         self.tok[:b] = tok
 

@@ -128,12 +128,15 @@ def test_finished_samples_move_to_smaller_buckets(model):
 
 def test_capacity_hint_allocates_once(model):
     """max_tokens (data.max_prompt_length + rollout.max_new_tokens): the cache is sized for it at the first
-    call, and a longer prompt later grows it (the larger need wins)."""
-    engine = HFEngine(model, pad_token_id=PAD, decode="static", max_tokens=40)
+    call (in multiples of 64 positions), and a longer prompt later grows it (the larger need wins)."""
+    engine = HFEngine(model, pad_token_id=PAD, decode="static", max_tokens=70)
     engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4))
-    assert engine._static.kv.shape[4] == 40
-    engine.generate([list(range(3, 40))], SamplingParams(temperature=0, max_new_tokens=8))
-    assert engine._static.kv.shape[4] == 37 + 8
+    kv = engine._static.kv
+    assert kv.shape[4] == 128
+    engine.generate([list(range(3, 100))], SamplingParams(temperature=0, max_new_tokens=31))
+    assert engine._static.kv is kv  # 97 + 31 = 128 fits
+    engine.generate([list(range(3, 100))], SamplingParams(temperature=0, max_new_tokens=32))
+    assert engine._static.kv.shape[4] == 192
 
 
 def test_a_weight_update_between_generations_changes_the_tokens_as_on_the_dynamic_path(model):
