@@ -29,7 +29,7 @@ allocations of a new size per step, and the caching allocator's fragmentation de
 512 tokens took 10 s or 31-46 s (benchmarks/GPU.md). On the host the dynamic cache stays the
 default. One device sync per decode step remains (the EOS check).
 
-Decode paths (`decode`, rollout.hf_decode; chosen once, in `static_decode.choose_decode`, and printed
+Decode paths (`decode`, rollout.hf_decode; chosen once, in `decode_paths.choose_decode`, and printed
 in one line): `dynamic` is the loop above; `static` and `graphs` run the prefill the same way, then
 `megappo.rollout.static_decode.StaticDecoder`: fixed-shape steps at a few batch-size buckets over a
 fixed-capacity cache kept across calls, sampling inside the step with the same per-row uniforms
@@ -59,7 +59,8 @@ from megappo.models.precision import precision_of
 from megappo.rollout.engine import Bucket, left_pad, tensor_fingerprint
 from megappo.rollout.routes import UNKNOWN, RouteRecorder
 from megappo.rollout.sampling import filter_logits, sample_tokens, sampling_uniforms  # noqa: F401 (re-exported)
-from megappo.rollout.static_decode import StaticDecoder, choose_decode
+from megappo.rollout.decode_paths import choose_decode
+from megappo.rollout.static_decode import StaticDecoder
 from megappo.types import RolloutBatch, SamplingParams
 
 
@@ -251,7 +252,7 @@ class LinearAdapters:
 class HFEngine:
     """transformers-backed engine; `model` is an HF *ForCausalLM in eval mode. `dtype`: a model dtype
     name (megappo.models.precision) to cast the model to, None to keep its own; `kv_cache`: KV_CACHES
-    (the dynamic decode path's cache); `decode`: static_decode.DECODE_PATHS; `eos_check_every`: decode
+    (the dynamic decode path's cache); `decode`: decode_paths.DECODE_PATHS; `eos_check_every`: decode
     steps between the static paths' EOS checks; `max_tokens`: prompt + response positions the static
     paths' cache is allocated for at least (the longest call's need when larger, or None)."""
 
@@ -374,9 +375,10 @@ class HFEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [N, V]
         next_pos = (positions[:, -1] + 1).repeat_interleave(n, 0)  # [N]
+        adapters = self.adapters.version if self.adapters else -1  # captured graphs read the adapter tensors
         response_ids, log_probs, lengths, finished = self._static.decode(
             getattr(out, self._cache_keyword), logits, mask.repeat_interleave(n, 0), next_pos, params, uniforms, stop,
-            repeats=n, capacity=self.max_tokens, pad_token_id=self.pad_token_id, extra_key=(self.adapters.version if self.adapters else -1,))
+            repeats=n, capacity=self.max_tokens, pad_token_id=self.pad_token_id, extra_key=(adapters,))
         return _rollout_batch(prompt_ids, prompt_mask, prompt_index, response_ids, log_probs, lengths, finished,
                               params, None)
 

@@ -3,8 +3,7 @@ a few batch-size buckets, sampling inside the step, the EOS check every k steps,
 bucket's step captured once as a CUDA graph and replayed (`rollout.hf_decode`, docs/engines.md).
 
 What it owns:
-- (re-exported from megappo.rollout.decode_paths, which imports no torch, for `megappo plan`:
-  `choose_decode`, which decode path the hf engine runs and why, the one place the choice is made)
+- (which path runs, and for which models, is megappo.rollout.decode_paths's `choose_decode`)
 - `StaticDecoder`: the decode loop after the engine's prefill. Its state lives in buffers allocated
   once for [N_max samples, C positions] and reused by every call while they are large enough:
   the KV cache `kv` [L, 2, N_max, H_kv, C, d] (all layers in one tensor, so compaction is one copy),
@@ -44,9 +43,9 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from megappo.rollout.decode_paths import DECODE_PATHS, STATIC_MODEL_TYPES, choose_decode, static_unsupported  # noqa: F401
 from megappo.rollout.sampling import sample_tokens
 from megappo.types import SamplingParams
+
 
 def decode_buckets(num: int) -> list[int]:
     """[num, then the powers of two below it], descending: the batch sizes decode steps run at."""
@@ -72,7 +71,8 @@ class FixedLayer(DynamicLayer):
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        assert key_states.shape[0] == self.keys.shape[0] and key_states.shape[2] == 1, (key_states.shape, self.keys.shape)
+        assert key_states.shape[0] == self.keys.shape[0] and key_states.shape[2] == 1, \
+            (key_states.shape, self.keys.shape)
         self.keys.index_copy_(2, self.col, key_states)
         self.values.index_copy_(2, self.col, value_states)
         return self.keys, self.values
@@ -211,7 +211,8 @@ class StaticDecoder:
     @torch.no_grad()
     def decode(self, prefill_cache: Cache, logits: torch.Tensor, prompt_mask: torch.Tensor, next_pos: torch.Tensor,
                params: SamplingParams, uniforms: torch.Tensor | None, stop: torch.Tensor, *, repeats: int,
-               capacity: int, pad_token_id: int, extra_key: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               capacity: int, pad_token_id: int, extra_key: tuple = ()
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """After the engine's prefill of B unique prompts: `prefill_cache` (each layer's keys [B, H_kv, P, d]),
         `logits` [N, V] float32 of each sample's first token (prompt rows repeated `repeats` times),
         `prompt_mask` [N, P] (device), `next_pos` [N] (each sample's first response position), `uniforms`

@@ -18,7 +18,8 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.hf_engine import HFEngine
-from megappo.rollout.static_decode import DECODE_PATHS, choose_decode, decode_buckets
+from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
+from megappo.rollout.static_decode import decode_buckets
 from megappo.types import SamplingParams
 from tests.unit.test_hf_engine import MIXED, PAD, PROMPTS, mixed_length_params
 
@@ -107,7 +108,8 @@ def test_finished_samples_move_to_smaller_buckets(model):
     eos = tuple(sorted(set(free[1:, 1].tolist()) - set(free[0].tolist())))
     params = SamplingParams(**sampling, eos_token_ids=eos)
     sizes = []
-    hook = static.model.register_forward_pre_hook(lambda _m, _a, kw: sizes.append(kw["input_ids"].shape), with_kwargs=True)
+    hook = static.model.register_forward_pre_hook(lambda _m, _a, kw: sizes.append(kw["input_ids"].shape),
+                                                  with_kwargs=True)
     try:
         batch = static.generate(MIXED, params)
     finally:
