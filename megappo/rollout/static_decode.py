@@ -77,7 +77,7 @@ class FixedLayer(DynamicLayer):
         self.values.index_copy_(2, self.col, value_states)
         return self.keys, self.values
 
-    def get_seq_length(self) -> int:  # positions come as position_ids; nothing asks for the length
+    def get_seq_length(self, *args, **kwargs) -> int:  # positions come as position_ids: the length is unused
         return self.keys.shape[2]
 
     def get_max_length(self) -> int:

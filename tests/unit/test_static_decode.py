@@ -61,6 +61,14 @@ def test_the_path_is_chosen_in_one_place():
     assert DECODE_PATHS == ("auto", "dynamic", "static", "graphs")
 
 
+def test_the_engine_says_which_path_it_runs(capsys):
+    HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=1), pad_token_id=PAD)
+    HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=1), pad_token_id=PAD, decode="static")
+    assert capsys.readouterr().out.splitlines() == [
+        "megappo: hf engine decode path: dynamic (auto: CUDA graphs need CUDA, the engine is on cpu)",
+        "megappo: hf engine decode path: static (asked for)"]
+
+
 def test_buckets():
     assert decode_buckets(12) == [12, 8, 4, 2, 1]
     assert decode_buckets(16) == [16, 8, 4, 2, 1]
