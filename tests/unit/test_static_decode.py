@@ -300,3 +300,15 @@ def test_static_equals_dynamic_for_the_other_supported_types(family):
     want, got = dynamic.generate(MIXED, params), static.generate(MIXED, params)
     assert "stop" in want.finish_reasons
     assert_same(got, want)
+
+
+def test_edge_shapes(model):
+    """One new token, one sample, and a later call with more samples than the buffers hold (they grow)."""
+    dynamic, static = engines(model, check_every=1)
+    for prompts, sampling in (([PROMPTS[0]], dict(n=1, temperature=1.0, max_new_tokens=1, seed=1)),
+                              (PROMPTS, dict(n=1, temperature=0, max_new_tokens=1)),
+                              ([PROMPTS[1]], dict(n=1, temperature=0.7, max_new_tokens=6, seed=2)),
+                              (MIXED, dict(n=5, temperature=0.7, max_new_tokens=6, seed=2))):
+        params = SamplingParams(**sampling)
+        assert_same(static.generate(prompts, params), dynamic.generate(prompts, params))
+    assert static._static.kv.shape[2] == 20
