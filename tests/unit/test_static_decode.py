@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf_engine import HFEngine, cache_keyword
 from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
-from megappo.rollout.static_decode import decode_buckets
+from megappo.rollout.static_decode import StaticDecoder, decode_buckets
 from megappo.types import SamplingParams
 from tests.unit.test_hf_engine import MIXED, PAD, PROMPTS, mixed_length_params
 
@@ -312,3 +312,24 @@ def test_edge_shapes(model):
         params = SamplingParams(**sampling)
         assert_same(static.generate(prompts, params), dynamic.generate(prompts, params))
     assert static._static.kv.shape[2] == 20
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_step_reads_nothing_back_from_the_device(family):
+    """What a CUDA graph captures must not read a device value on the host (item, tolist, nonzero, the
+    truth of a tensor, a data-dependent shape). On the meta device such a read fails, so the step
+    (transformers' forward over the fixed cache, sampling, bookkeeping) running there at two buckets,
+    greedy and with top-k / top-p and 12 stop ids, is the CPU check of what the GPU test captures. It
+    does not see a CUDA kernel that syncs inside (torch.isin sorts for many stop ids on CUDA, so the step
+    compares instead): the GPU tests do."""
+    model = build_hf_model(TINY_CONFIGS[family], seed=1).to("meta")
+    decoder = StaticDecoder(model, cache_keyword(model), capture=False, eos_check_every=4)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    decoder._ensure(8, 20, torch.empty(4, cfg.num_key_value_heads, 5, head_dim, device="meta"))
+    stop = torch.empty(12, dtype=torch.long, device="meta")
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)):
+        with torch.no_grad():
+            decoder._step(8, params, stop)
+            decoder._step(4, params, stop)
+    assert decoder.tok.device.type == "meta"
