@@ -98,6 +98,7 @@ class StaticDecoder:
         self.kv: torch.Tensor | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._caches: dict[int, Cache] = {}
+        self._stops: dict[tuple, torch.Tensor] = {}  # stop ids -> the device tensor steps compare with
         self._pool = None
         self.capture_seconds = 0.0  # all captures so far (warm-up step + capture)
         self.graphs_captured = 0
@@ -138,7 +139,7 @@ class StaticDecoder:
 
     def free(self) -> None:
         """Drop the graphs, then the buffers they read."""
-        self._graphs, self._caches, self._pool, self.kv = {}, {}, None, None
+        self._graphs, self._caches, self._stops, self._pool, self.kv = {}, {}, {}, None, None
 
     def _cache(self, b: int) -> Cache:
         if b not in self._caches:
@@ -239,11 +240,14 @@ class StaticDecoder:
         self.step.fill_(0)
         self.col.fill_(prompt_width)
 
+        stop_ids = tuple(stop.tolist())
+        # the decoder's own copy: a captured graph reads this address on every replay, in later calls too
+        stop = self._stops.setdefault(stop_ids, stop.clone())
         tok, lp = sample_tokens(logits, params, None if uniforms is None else uniforms[0])  # step 0: the prefill's
         self._record(num, tok, lp, stop)
         self.step += 1
         setting = (params.greedy, params.temperature, params.top_k, params.top_p, params.logprob_mode,
-                   tuple(stop.tolist()), *extra_key)
+                   stop_ids, *extra_key)
         buckets, b, captured = decode_buckets(num), num, self.graphs_captured
         for t in range(1, width):
             if (t - 1) % self.eos_check_every == 0:  # the host's only reads: every k steps
