@@ -196,7 +196,7 @@ def test_bf16_static_path(model, greedy):
     reported log-prob equals a separate bf16 forward pass over the sampled sequences within
     bf16's tolerance (2e-2; both paths measure <= 5e-3), as the dynamic path's do."""
     params = mixed_length_params(model, greedy)
-    dynamic, static = engines(model, dtype="bfloat16")
+    dynamic, static = engines(copy.deepcopy(model), dtype="bfloat16")  # the engine casts its model in place
     want, got = dynamic.generate(MIXED, params), static.generate(MIXED, params)
     assert torch.equal(got.response_ids[:, 0], want.response_ids[:, 0])
     for batch in (want, got):
