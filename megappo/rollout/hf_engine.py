@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -254,11 +254,12 @@ class HFEngine:
     name (megappo.models.precision) to cast the model to, None to keep its own; `kv_cache`: KV_CACHES
     (the dynamic decode path's cache); `decode`: decode_paths.DECODE_PATHS; `eos_check_every`: decode
     steps between the static paths' EOS checks; `max_tokens`: prompt + response positions the static
-    paths' cache is allocated for at least (the longest call's need when larger, or None)."""
+    paths' cache is allocated for at least (the longest call's need when larger, or None); `log`: where
+    the line naming the decode path (and the static paths' capture lines) go."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, device: str | torch.device = "cpu",
                  dtype: str | None = None, kv_cache: str = "auto", decode: str = "auto", eos_check_every: int = 8,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, log: Callable[[str], None] | None = None):
         if kv_cache not in KV_CACHES:
             raise ValueError(f"unknown kv_cache '{kv_cache}' for the hf engine; choose one of {list(KV_CACHES)}")
         self.device = torch.device(device)
@@ -274,10 +275,12 @@ class HFEngine:
         self._params = checkpoint_views(params, getattr(self.model.config, "model_type", ""))
         self.adapters: LinearAdapters | None = None  # LoRA adapters, after enable_adapters
         self.decode_path, why = choose_decode(decode, self.device, self.model)
-        print(f"megappo: hf engine decode path: {self.decode_path} ({why})", flush=True)
+        log = log or (lambda line: print(line, flush=True))
+        log(f"megappo: hf engine decode path: {self.decode_path} ({why})")
         self.max_tokens = max_tokens or 0
         self._static = None if self.decode_path == "dynamic" else StaticDecoder(
-            self.model, self._cache_keyword, capture=self.decode_path == "graphs", eos_check_every=eos_check_every)
+            self.model, self._cache_keyword, capture=self.decode_path == "graphs", eos_check_every=eos_check_every,
+            log=log)
 
     def enable_adapters(self, scale: float) -> None:
         """Take LoRA adapters (`<module>.lora_A.weight` / `.lora_B.weight`) in later updates and add
