@@ -333,3 +333,55 @@ def test_the_step_reads_nothing_back_from_the_device(family):
             decoder._step(8, params, stop)
             decoder._step(4, params, stop)
     assert decoder.tok.device.type == "meta"
+
+
+class StorageReads:
+    """A dispatch mode that collects the storages an op reads that no earlier op under it made: what a
+    replayed CUDA graph reads from outside itself, at the addresses of its capture."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        reads = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+                reads.read |= {t.untyped_storage().data_ptr() for t in inputs} - reads.made
+                out = func(*args, **(kwargs or {}))
+                outputs = {t.untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+                reads.made |= outputs - reads.read
+                return out
+
+        self.mode, self.read, self.made = Mode(), set(), set()
+
+
+def test_every_step_of_a_bucket_reads_the_same_memory(model):
+    """A CUDA graph replays its capture's kernels on the capture's addresses, so every tensor a step reads
+    from outside itself (cache, buffers, parameters, stop ids) must live at the same address at every
+    step of its bucket, in this call and the next: checked on the host by recording the storages each
+    uncaptured step reads. (The stop ids were once a new tensor per call: a replay would have read freed
+    memory.)"""
+    engine = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="static", eos_check_every=2)
+    decoder, seen = engine._static, {}
+    step = decoder._step
+
+    def recorded(b, params, stop):
+        reads = StorageReads()
+        with reads.mode:
+            step(b, params, stop)
+        seen.setdefault(b, []).append(frozenset(reads.read))
+
+    decoder._step = recorded
+    sampling = dict(n=2, temperature=1.0, max_new_tokens=9, seed=7)
+    free = engines(model)[0].generate(MIXED, SamplingParams(**sampling)).response_ids
+    eos = tuple(sorted(set(free[1:, 1].tolist()) - set(free[0].tolist())))  # most samples end at step 1
+    params = SamplingParams(**sampling, eos_token_ids=eos)
+    for _ in range(2):
+        engine.generate(MIXED, params)
+        engine.update_weights([[(name, p.detach() * 1.01) for name, p in engine.model.named_parameters()]])
+    assert len(seen) >= 2, seen.keys()  # steps ran at two buckets or more
+    assert all(len(set(steps)) == 1 for steps in seen.values()), {b: len(set(s)) for b, s in seen.items()}
+    params_read = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
+    assert all(params_read <= steps[0] for steps in seen.values())
