@@ -30,9 +30,14 @@ mfu   The actor on Megatron-Core (megappo's `build_model`, local layer spec, and
       TFLOP/s = FLOPs / seconds. MFU = TFLOP/s / peak, against the device's dense peak in the run's
       dtype (megappo.perf.PEAK_TFLOPS, or `--peak-tflops`) and against the baseline: a plain torch
       matmul of 8192^3 measured in this run (what the device achieves).
-gen   Rollout generation with random weights: megappo's hf engine (`HFEngine`) vs the baseline,
-      transformers' `model.generate` with the same model, batch, lengths and sampling
-      (temperature 1, no top-k/top-p, no early stop); SGLangEngine when sglang imports.
+gen   Rollout generation with random weights, one batch (temperature 1, no top-k/top-p, no early stop:
+      every call runs `--gen-new-tokens` decode steps), `--gen-repeats` timed calls per row after a
+      warm-up call: megappo's hf engine on each decode path (rollout.hf_decode): dynamic (today's
+      loop, the baseline), static (fixed-shape bucketed steps, uncaptured), graphs (CUDA only; the
+      one-time capture cost in its own column), and the peer, transformers' `model.generate` with its
+      static cache and torch.compile (CUDA only, not in --smoke; the first call's extra time, compile
+      and capture, in the capture column); SGLangEngine when sglang imports. Per row: the median call,
+      ms per decode step, max/min over the calls, tokens/s, vs the baseline and vs the peer.
 sync  The weight bridge (`WeightBridge`) from the Megatron actor into the hf engine on the
       same device (colocated), with and without fingerprint verification, vs the baseline: a
       device-to-device `copy_` of the same bytes into the same engine tensors; SGLangEngine
@@ -96,10 +101,10 @@ E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_e2e")
 
 DEFAULTS = dict(e2e_recipes="grpo-1p7b,ppo-360m", e2e_steps=3, e2e_timeout=240, sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
                 micro_batches=4, warmup=2, steps=5, repeats=3, matmul_n=8192, gen_batch=64, gen_prompt_len=128,
-                gen_new_tokens=256, bucket_mb=512)
+                gen_new_tokens=256, gen_repeats=5, bucket_mb=512)
 SMOKE = dict(e2e_recipes="tiny", e2e_steps=2, e2e_timeout=180, sizes="tiny", gen_size="tiny", dtype="float32", seq_len=64, min_seq_len=64, prompt_len=16,
              micro_batches=2, warmup=1, steps=2, repeats=2, matmul_n=256, gen_batch=4, gen_prompt_len=8,
-             gen_new_tokens=8, bucket_mb=1)
+             gen_new_tokens=8, gen_repeats=2, bucket_mb=1)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -389,7 +394,32 @@ def bench_mfu(b: Bench) -> list[Row]:
 
 # --------------------------------------------------------------------------- gen
 
+def timed_runs(fn: Callable[[], Any], device: torch.device, repeats: int) -> list[float]:
+    """Wall times of `repeats` calls of `fn()`, each synchronized on both sides."""
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def gen_values(times: list[float], tokens: int, steps: int) -> dict[str, Any]:
+    """A gen row's numbers from per-call times: the median call, tokens/s, ms per decode step, and the
+    spread (slowest / fastest call) over the repeats."""
+    seconds = statistics.median(times)
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "repeats": len(times),
+            "ms_per_step": 1000 * seconds / steps, "spread": max(times) / min(times), "times": times}
+
+
 def bench_gen(b: Bench) -> list[Row]:
+    """The hf engine's decode paths (rollout.hf_decode: dynamic = today's loop, the baseline; static
+    uncaptured; graphs, CUDA only, with the one-time capture cost) and the peer, transformers' generate
+    with its static cache and torch.compile (CUDA only; the first call compiles and is timed apart),
+    on one batch with random weights, sampling at temperature 1 without EOS (every call runs
+    gen_new_tokens decode steps), `--gen-repeats` timed calls each after one warm-up call."""
     from megappo.parallel import cpu_compat
     from megappo.rollout.hf_engine import HFEngine
     from megappo.types import SamplingParams
@@ -401,50 +431,73 @@ def bench_gen(b: Bench) -> list[Row]:
     params = SamplingParams(temperature=1.0, max_new_tokens=s.gen_new_tokens, seed=0)
     warm = SamplingParams(temperature=1.0, max_new_tokens=4, seed=0)
     label = f"{s.gen_size}, {s.gen_batch} x {s.gen_prompt_len} prompt + {s.gen_new_tokens} new"
-    engine = HFEngine(hf_model(config, b.device, b.dtype), pad_token_id=0, device=b.device)
+    model = hf_model(config, b.device, b.dtype)
     ids = prompts.to(b.device)
+    count = s.gen_batch * s.gen_new_tokens
 
-    def hf_generate(new_tokens):
-        engine.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                              top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-
-    def rate(run, count, warm_up):
+    def engine_row(path: str, what: str, **row_fields) -> Row:
         def measure():
+            engine = HFEngine(model, pad_token_id=0, device=b.device, decode=path,
+                              max_tokens=s.gen_prompt_len + s.gen_new_tokens)
+            last = {}
+
+            def run():
+                last["batch"] = engine.generate(prompts.tolist(), params)
+
             with cpu_compat.suspended():  # on CPU: the engine names no CUDA device (as the orchestrator does)
-                warm_up()
-                seconds = median_seconds(run, b.device, warmup=0, repeats=s.repeats)
-            return {"seconds": seconds, "tokens": count(), "tokens_per_s": count() / seconds}
+                engine.generate(prompts.tolist(), warm)  # the full batch: graphs captures its bucket here
+                times = timed_runs(run, b.device, s.gen_repeats)
+            values = gen_values(times, int(last["batch"].response_mask.sum()), s.gen_new_tokens)
+            if path == "graphs":
+                if not engine._static.capture:
+                    raise RuntimeError("capture failed: the engine fell back to uncaptured steps (log above)")
+                values["capture_s"] = engine._static.capture_seconds
+                values["graphs"] = engine._static.graphs_captured
+            engine.release_memory()
+            return values
 
-        return measure
+        return guarded("gen", what, measure, **row_fields)
 
-    last = {}
+    def peer():
+        from transformers import CompileConfig
 
-    def engine_run():
-        last["batch"] = engine.generate(prompts.tolist(), params)
+        def run():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                           top_p=1.0, max_new_tokens=s.gen_new_tokens, min_new_tokens=s.gen_new_tokens,
+                           pad_token_id=0, cache_implementation="static", compile_config=CompileConfig())
 
-    rows = [
-        guarded("gen", f"transformers generate, {label} (baseline)",
-                rate(lambda: hf_generate(s.gen_new_tokens), lambda: s.gen_batch * s.gen_new_tokens,
-                     lambda: hf_generate(4)), baseline=True),
-        guarded("gen", f"hf engine (megappo), {label}",
-                rate(engine_run, lambda: int(last["batch"].response_mask.sum()),
-                     lambda: engine.generate(prompts[:2].tolist(), warm))),
-    ]
+        first = timed_runs(run, b.device, 1)[0]  # compiles (and captures its graphs)
+        values = gen_values(timed_runs(run, b.device, s.gen_repeats), count, s.gen_new_tokens)
+        values["capture_s"] = first - values["seconds"]  # the first call's extra time: compile + capture
+        torch._dynamo.reset()
+        return values
+
+    rows = [engine_row("dynamic", f"hf engine dynamic (today's path), {label} (baseline)", baseline=True),
+            engine_row("static", f"hf engine static, uncaptured, {label}")]
+    why = None if b.cuda else "skipped: needs CUDA"
+    graphs = f"hf engine graphs (CUDA-graph decode), {label}"
+    rows.append(Row("gen", graphs, status=why, gpu_only=True) if why else engine_row("graphs", graphs, gpu_only=True))
+    what = f"transformers generate, static cache + torch.compile, {label} (peer)"
+    why = why or ("skipped: --smoke (the full gen section measures the peer: its compile takes a minute)"
+                  if s.smoke else None)
+    rows.append(Row("gen", what, status=why, gpu_only=True) if why else guarded("gen", what, peer, gpu_only=True))
     why = unavailable("sglang", b.device)
     if why:
         rows.append(Row("gen", f"sglang engine (megappo), {label}", status=why, gpu_only=True))
     else:
         with tempfile.TemporaryDirectory(prefix="megappo-gpu-bench-") as tmp:
-            engine.model.save_pretrained(tmp)
-            engine.shutdown()
-            del engine
+            model.save_pretrained(tmp)
+            del model
             free_memory()
             rows.append(guarded("gen", f"sglang engine (megappo), {label}",
                                 lambda: sglang_generate(b, tmp, prompts, params), gpu_only=True))
     baseline = rows[0].values.get("tokens_per_s")
+    peer_rate = rows[3].values.get("tokens_per_s")
     for row in rows:
         if row.status == "ok" and baseline:
             row.values["vs_baseline"] = row.values["tokens_per_s"] / baseline
+        if row.status == "ok" and peer_rate:
+            row.values["vs_peer"] = row.values["tokens_per_s"] / peer_rate
     return rows
 
 
@@ -655,7 +708,9 @@ SECTIONS = {
                         ("mfu_vs_spec", "MFU spec", "{:.1%}"), ("mfu_vs_matmul", "vs matmul", "{:.1%}"),
                         ("peak_mem_gb", "peak GB", "{:.1f}"))),
     "gen": (bench_gen, (("tokens", "tokens", "{:d}"), ("seconds", "seconds", "{:.3f}"),
-                        ("tokens_per_s", "tokens/s", "{:.0f}"), ("vs_baseline", "vs base", "{:.2f}x"))),
+                        ("ms_per_step", "ms/step", "{:.2f}"), ("spread", "max/min", "{:.2f}"),
+                        ("tokens_per_s", "tokens/s", "{:.0f}"), ("capture_s", "capture s", "{:.2f}"),
+                        ("vs_baseline", "vs base", "{:.2f}x"), ("vs_peer", "vs peer", "{:.2f}x"))),
     "sync": (bench_sync, (("gb", "GB", "{:.4g}"), ("seconds", "seconds", "{:.4f}"), ("gb_per_s", "GB/s", "{:.4g}"),
                           ("vs_baseline", "vs copy_", "{:.3f}x"), ("peak_mem_gb", "peak GB", "{:.1f}"))),
     "e2e": (bench_e2e, (("steps", "steps", "{:d}"), ("step_s", "s/step", "{:.2f}"), ("gen_s", "gen s", "{:.2f}"),
@@ -734,7 +789,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             ("prompt-len", int, "mfu: prompt part of a sequence (loss on the rest)"),
             ("micro-batches", int, "mfu: sequences per call (micro-batch 1)"),
             ("warmup", int, "mfu: untimed calls"), ("steps", int, "mfu: timed calls"),
-            ("repeats", int, "gen, sync: timed repetitions"), ("matmul-n", int, "mfu baseline matmul size"),
+            ("repeats", int, "sync: timed repetitions"), ("gen-repeats", int, "gen: timed calls per row"), ("matmul-n", int, "mfu baseline matmul size"),
             ("gen-batch", int, "gen: prompts"), ("gen-prompt-len", int, "gen: prompt tokens"),
             ("gen-new-tokens", int, "gen: new tokens"), ("bucket-mb", int, "sync: bridge bucket size"),
             ("e2e-recipes", str, "e2e: recipes of benchmarks/gpu_e2e/"), ("e2e-steps", int, "e2e: steps per run"),

@@ -5,7 +5,9 @@
 
 Runs, each as a subprocess with its own time limit, one after another, within `--budget` seconds
 (570 by default: one 10-minute device call): the GPU-marked tests (`pytest -m gpu tests/unit`), then
-benchmarks/gpu.py's sections: smoke (tiny fp32 model, every path), mfu (1B), gen and sync (1B), and e2e
+benchmarks/gpu.py's sections: smoke (tiny fp32 model, every path), mfu (1B), gen (1B: the hf engine's
+dynamic / static / CUDA-graph decode and transformers' static cache + compile, 5 timed calls each), sync
+(1B), and e2e
 (`megappo train` on the 1.7B GRPO and 360M PPO recipes of benchmarks/gpu_e2e/). A part that fails,
 passes its limit or cannot start is recorded with its exit code and log tail and the next one runs.
 Writes, after every part, DIR/gpu-check.json (every part's status, seconds and rows) and
@@ -37,10 +39,12 @@ GPU_PY = os.path.join(ROOT, "benchmarks", "gpu.py")
 #: part -> (command after `python`, share of the budget); the shares of a full check add up to 1
 FULL = {
     "tests": (["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", "tests/unit"], 0.06),
-    "smoke": ([GPU_PY, "--smoke", "--sections", "mfu,gen,sync"], 0.08),
-    "mfu": ([GPU_PY, "--sections", "mfu", "--sizes", "1b", "--steps", "3"], 0.12),
-    "gen_sync": ([GPU_PY, "--sections", "gen,sync", "--sizes", "1b", "--gen-size", "1b", "--repeats", "2"], 0.16),
-    "e2e": ([GPU_PY, "--sections", "e2e", "--e2e-timeout", "190"], 0.58),
+    "smoke": ([GPU_PY, "--smoke", "--sections", "mfu,gen,sync"], 0.07),
+    "mfu": ([GPU_PY, "--sections", "mfu", "--sizes", "1b", "--steps", "3"], 0.10),
+    "gen": ([GPU_PY, "--sections", "gen", "--gen-size", "1b", "--gen-new-tokens", "128",
+                    "--gen-repeats", "5"], 0.30),
+    "sync": ([GPU_PY, "--sections", "sync", "--sizes", "1b", "--repeats", "2"], 0.07),
+    "e2e": ([GPU_PY, "--sections", "e2e", "--e2e-timeout", "190"], 0.40),
 }
 SMOKE = {
     "tests": FULL["tests"],

@@ -513,6 +513,8 @@ class AlgorithmConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(_Section):
     engine: Literal["hf", "sglang"] = "hf"  # hf: transformers (CPU default); sglang: SGLang (GPU; CPU too, docs/engines.md)
+    hf_decode: Literal["auto", "dynamic", "static", "graphs"] = "auto"  # hf engine's decode loop: dynamic (rows leave, shapes shrink), static (fixed-shape bucketed steps), graphs (static, each bucket's step a CUDA graph; CUDA only); auto: graphs on CUDA for a supported model, else dynamic (docs/engines.md)
+    hf_eos_check_every: int = 8  # hf_decode static/graphs: decode steps between the host's checks for finished samples (1: every step)
     n: int = 1  # samples per prompt
     temperature: float = 1.0  # sampling temperature (0: greedy)
     top_p: float = 1.0  # nucleus sampling
@@ -544,7 +546,8 @@ class RolloutConfig(_Section):
         return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness or 2)
 
     def check(self) -> None:
-        _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1, max_turns=1)
+        _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1, max_turns=1,
+                  hf_eos_check_every=1)
         _require(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
                  f"{P}max_turn_tokens={self.max_turn_tokens} must be >= 1. Fix: set it to null (max_new_tokens) "
                  "or to the longest action you expect.")
@@ -552,6 +555,9 @@ class RolloutConfig(_Section):
         _require(self.placement == "colocated" or self.engine == "hf",
                  f"{P}placement={self.placement} needs {P}engine=hf (sglang already runs in its own processes). "
                  f"Fix: set {P}placement=colocated.")
+        _require(self.hf_decode in ("auto", "dynamic") or (self.engine == "hf" and self.placement == "colocated"),
+                 f"{P}hf_decode={self.hf_decode} applies to the hf engine in the trainer's process (engine=hf, "
+                 f"placement=colocated); here engine={self.engine}, placement={self.placement}. Fix: set {P}hf_decode=auto.")
         _require(not self.engine_cores or self.placement == "separate",
                  f"{P}engine_cores={self.engine_cores} pins the engine's own process, which only "
                  f"{P}placement=separate has. Fix: set {P}placement=separate or {P}engine_cores=[].")

@@ -79,12 +79,14 @@ import dataclasses
 import json
 import math
 import os
+import types
 from typing import Any, Optional
 
 from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
 from megappo.models.recompute import Recompute
+from megappo.rollout.decode_paths import static_unsupported
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0  # per GPU: CUDA context, NCCL buffers, allocator slack
@@ -382,7 +384,9 @@ class Plan:
     host_engine: float = 0.0  # bytes: the hf engine's model copy on this rank (device=cpu, rank 0)
     gpu_engine: float = 0.0  # bytes: the hf engine's weights on this GPU (device=gpu, rank 0, colocated)
     gpu_engine_kv: float = 0.0  # bytes: its KV cache during a generation
-    gen_overlaps: bool = False  # rollout.mode is not sync: generation runs during the trainer's passes
+    #: the hf engine's KV cache is held during the trainer's passes: rollout.mode is not sync (generation
+    #: runs during them), or rollout.hf_decode is graphs (auto: for a supported model), whose cache stays
+    gen_overlaps: bool = False
     ep: int = 1  # the actor's expert-parallel size (MoE)
 
     @property
@@ -698,7 +702,10 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
             gpu_engine = total_params(actor) * db
             rows = cfg.data.train_batch_size * cfg.rollout.n
             gpu_engine_kv = rows * seq * 2 * actor.num_layers * actor.num_query_groups * actor.head_dim * db
-        overlaps = cfg.rollout.mode != "sync"
+        # the CUDA-graph decode keeps its KV cache through the trainer's passes (docs/engines.md, "Memory")
+        kv_kept = gpu_engine_kv > 0 and (cfg.rollout.hf_decode == "graphs" or (
+            cfg.rollout.hf_decode == "auto" and static_unsupported(types.SimpleNamespace(**hf)) is None))
+        overlaps = cfg.rollout.mode != "sync" or kv_kept
         start = sum(r.weights + r.grads + r.master for r in roles) + reserve + host_engine + gpu_engine
         activations = max(r.activations for r in roles)
         later = sum(r.adam for r in roles) + (activations + gpu_engine_kv if overlaps
@@ -769,7 +776,7 @@ def format_plan(plan: Plan) -> str:
     elif plan.gpu_engine:
         lines.append(f"{'engine':<10}{'':>9}{g(plan.gpu_engine):>9}{'':>8}{'':>11}{g(plan.gpu_engine_kv):>13}"
                      f"{g(plan.gpu_engine + plan.gpu_engine_kv):>8}   hf engine on rank 0's GPU; its KV cache "
-                     f"(a step's {plan.seq}-token samples) " + ("during training too (rollout.mode)" if plan.gen_overlaps
+                     f"(a step's {plan.seq}-token samples) " + ("during training too (rollout.mode, or hf_decode=graphs)" if plan.gen_overlaps
                                                              else "during generation only"))
     elif plan.engine_name == "hf":
         lines.append(f"{'engine':<10}  hf engine: on the host (CPU memory), no GPU memory")

@@ -52,6 +52,8 @@ def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device:
         from megappo.rollout.hf_engine import gpu_placement
 
         return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id,
+                            decode=cfg.rollout.hf_decode, eos_check_every=cfg.rollout.hf_eos_check_every,
+                            max_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                             **gpu_placement(device, cfg.model.dtype))
     model_path = cfg.model.path
     if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk

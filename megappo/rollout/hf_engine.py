@@ -27,7 +27,16 @@ trainer's passes get the memory back). transformers' dynamic cache instead conca
 layer's K and V into new, one-column-longer tensors at every step; on a GPU that is 2 x layers
 allocations of a new size per step, and the caching allocator's fragmentation decided whether 128 x
 512 tokens took 10 s or 31-46 s (benchmarks/GPU.md). On the host the dynamic cache stays the
-default. One device sync per decode step remains (the EOS check); CUDA graphs are not used.
+default. One device sync per decode step remains (the EOS check).
+
+Decode paths (`decode`, rollout.hf_decode; chosen once, in `decode_paths.choose_decode`, and printed
+in one line): `dynamic` is the loop above; `static` and `graphs` run the prefill the same way, then
+`megappo.rollout.static_decode.StaticDecoder`: fixed-shape steps at a few batch-size buckets over a
+fixed-capacity cache kept across calls, sampling inside the step with the same per-row uniforms
+(so the same tokens), the EOS check every `eos_check_every` steps, and with `graphs` each bucket's
+step a CUDA graph. `auto` is graphs on CUDA for a supported model, dynamic elsewhere. A call asking
+for MoE routes (`return_routes`) runs the dynamic loop. Weight syncs copy into the parameters in
+place (and LoRA adapters into their tensors once held), so captured graphs stay valid.
 
 Shape legend: B prompts, N = B x n samples, b samples still decoding, P prompt length,
 T cached length, R new tokens, V vocab.
@@ -39,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,55 +58,10 @@ from megappo.models.hf_experts import checkpoint_views
 from megappo.models.precision import precision_of
 from megappo.rollout.engine import Bucket, left_pad, tensor_fingerprint
 from megappo.rollout.routes import UNKNOWN, RouteRecorder
+from megappo.rollout.sampling import filter_logits, sample_tokens, sampling_uniforms  # noqa: F401 (re-exported)
+from megappo.rollout.decode_paths import choose_decode
+from megappo.rollout.static_decode import StaticDecoder
 from megappo.types import RolloutBatch, SamplingParams
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """[B, V] -> [B, V] with tokens outside top-k / the top-p nucleus set to -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens before it already cover top_p (the first always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[b, V] float32 logits, [b] uniforms in [0, 1) -> ([b] sampled ids, [b] their log-probs
-    per logprob_mode). A sampled token is the inverse CDF of its row's filtered distribution
-    at the row's uniform, so a row's token depends on its own logits and uniform only, not
-    on which other rows share the batch. Greedy: argmax, `uniforms` unused."""
-    if params.greedy:
-        tokens = logits.argmax(-1)
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    assert uniforms is not None and uniforms.shape == logits.shape[:1]
-    scaled = logits / params.temperature
-    cdf = filter_logits(scaled, params.top_k, params.top_p).softmax(-1).cumsum(-1)  # [b, V]
-    total = cdf[:, -1:]
-    # the first token whose CDF exceeds u * total (a zero-probability token never is); the
-    # bound keeps u * total below the total when the product rounds up
-    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    reference = scaled if params.logprob_mode == "tempered" else logits
-    return tokens, reference.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def sampling_uniforms(params: SamplingParams, num_samples: int, device: torch.device) -> torch.Tensor | None:
-    """[R, N] uniforms in [0, 1): sample i draws its step-t token with u[t, i]. One draw per
-    call from a generator seeded with `params.seed` (the global RNG when None), so a seed
-    fixes every sample's tokens whatever the order in which rows finish. None when greedy."""
-    if params.greedy:
-        return None
-    gen = None
-    if params.seed is not None:
-        gen = torch.Generator(device=device).manual_seed(params.seed)
-    return torch.rand(params.max_new_tokens, num_samples, generator=gen, device=device)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -167,6 +131,24 @@ class PreallocatedLayer(DynamicLayer):
         self._views()
 
 
+def _rollout_batch(prompt_ids, prompt_mask, prompt_index, response_ids, log_probs, lengths, finished,
+                   params: SamplingParams, routes) -> RolloutBatch:
+    """The batch from the decode loop's device buffers: responses [N, R] cut to the longest one's length."""
+    width = int(lengths.max())
+    response_mask = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids[:, :width].cpu(),
+        response_mask=response_mask.cpu(),
+        rollout_log_probs=log_probs[:, :width].cpu(),
+        finish_reasons=["stop" if f else "length" for f in finished.tolist()],
+        prompt_index=prompt_index,
+        logprob_mode="untempered" if params.greedy else params.logprob_mode,
+        routes=routes,
+    )
+
+
 def _drop_shared_padding(mask: torch.Tensor, past) -> torch.Tensor:
     """[b, T] mask -> [b, T'] without the leading columns that are padding for every row,
     cutting the same columns out of `past` (a cache of plain dynamic layers or of preallocated
@@ -221,6 +203,9 @@ class LinearAdapters:
         self.model, self.scale, self.dtype = model, scale, dtype
         self.tensors: dict[str, torch.Tensor] = {}  # by full name (<module>.lora_A.weight)
         self._pairs: dict[str, list] = {}  # module name -> [A, B]
+        #: +1 whenever a tensor object is added or replaced (a later sync of the same shapes copies into the
+        #: held ones): captured decode graphs read these tensors and depend on it
+        self.version = 0
 
     @classmethod
     def split(cls, name: str) -> tuple[str, int] | None:
@@ -244,7 +229,12 @@ class LinearAdapters:
         if tensor.dim() != 2 or tensor.shape[1 - rank_dim] != expected:
             raise ValueError(f"'{name}': shape {tuple(tensor.shape)} does not fit {module_name} "
                              f"({linear.in_features} -> {linear.out_features})")
-        held = self.tensors[name] = tensor.to(device=linear.weight.device, dtype=self.dtype).contiguous()
+        held = self.tensors.get(name)
+        if held is not None and held.shape == tensor.shape:
+            held.copy_(tensor)  # in place: what a captured decode graph reads
+        else:
+            held = self.tensors[name] = tensor.to(device=linear.weight.device, dtype=self.dtype, copy=True).contiguous()
+            self.version += 1
         if module_name not in self._pairs:
             self._pairs[module_name] = [None, None]
             linear.register_forward_hook(self._hook(self._pairs[module_name]))
@@ -261,10 +251,15 @@ class LinearAdapters:
 
 class HFEngine:
     """transformers-backed engine; `model` is an HF *ForCausalLM in eval mode. `dtype`: a model dtype
-    name (megappo.models.precision) to cast the model to, None to keep its own; `kv_cache`: KV_CACHES."""
+    name (megappo.models.precision) to cast the model to, None to keep its own; `kv_cache`: KV_CACHES
+    (the dynamic decode path's cache); `decode`: decode_paths.DECODE_PATHS; `eos_check_every`: decode
+    steps between the static paths' EOS checks; `max_tokens`: prompt + response positions the static
+    paths' cache is allocated for at least (the longest call's need when larger, or None); `log`: where
+    the line naming the decode path (and the static paths' capture lines) go."""
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, device: str | torch.device = "cpu",
-                 dtype: str | None = None, kv_cache: str = "auto"):
+                 dtype: str | None = None, kv_cache: str = "auto", decode: str = "auto", eos_check_every: int = 8,
+                 max_tokens: int | None = None, log: Callable[[str], None] | None = None):
         if kv_cache not in KV_CACHES:
             raise ValueError(f"unknown kv_cache '{kv_cache}' for the hf engine; choose one of {list(KV_CACHES)}")
         self.device = torch.device(device)
@@ -279,6 +274,13 @@ class HFEngine:
         # by checkpoint name: a MoE model's fused experts are per-expert views (megappo.models.hf_experts)
         self._params = checkpoint_views(params, getattr(self.model.config, "model_type", ""))
         self.adapters: LinearAdapters | None = None  # LoRA adapters, after enable_adapters
+        self.decode_path, why = choose_decode(decode, self.device, self.model)
+        log = log or (lambda line: print(line, flush=True))
+        log(f"megappo: hf engine decode path: {self.decode_path} ({why})")
+        self.max_tokens = max_tokens or 0
+        self._static = None if self.decode_path == "dynamic" else StaticDecoder(
+            self.model, self._cache_keyword, capture=self.decode_path == "graphs", eos_check_every=eos_check_every,
+            log=log)
 
     def enable_adapters(self, scale: float) -> None:
         """Take LoRA adapters (`<module>.lora_A.weight` / `.lora_B.weight`) in later updates and add
@@ -299,8 +301,10 @@ class HFEngine:
         return {self._cache_keyword: Cache(layers=[PreallocatedLayer(store, rows, capacity) for store in self._kv_store])}
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV-cache buffers the engine holds now (static cache; 0 after free_cache)."""
-        return sum(t.numel() * t.element_size() for store in self._kv_store for t in store if t is not None)
+        """Bytes of the KV-cache buffers the engine holds now (static cache or the static decode paths'
+        cache; 0 after free_cache, except under graphs: 0 after release_memory)."""
+        held = sum(t.numel() * t.element_size() for store in self._kv_store for t in store if t is not None)
+        return held + (self._static.kv_cache_bytes() if self._static is not None else 0)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
@@ -318,6 +322,9 @@ class HFEngine:
 
         ids, mask = unique_ids.to(dev), unique_mask.to(dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if self._static is not None and not params.return_routes:
+            return self._generate_static(ids, mask, positions, params, uniforms, stop, prompt_ids, prompt_mask,
+                                         prompt_index)
         recorder = self._route_recorder() if params.return_routes else contextlib.nullcontext()
         with recorder:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -361,18 +368,22 @@ class HFEngine:
             past, logits = getattr(out, self._cache_keyword), out.logits[:, -1].float()
             next_pos = next_pos + 1
         width = int(lengths.max())
-        response_mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None]).long()
-        return RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=response_ids[:, :width].cpu(),
-            response_mask=response_mask.cpu(),
-            rollout_log_probs=log_probs[:, :width].cpu(),
-            finish_reasons=["stop" if f else "length" for f in finished.tolist()],
-            prompt_index=prompt_index,
-            logprob_mode="untempered" if params.greedy else params.logprob_mode,
-            routes=routes[:, :unique_ids.shape[1] + width] if params.return_routes else None,
-        )
+        return _rollout_batch(prompt_ids, prompt_mask, prompt_index, response_ids, log_probs, lengths, finished, params,
+                              routes[:, :unique_ids.shape[1] + width] if params.return_routes else None)
+
+    def _generate_static(self, ids, mask, positions, params, uniforms, stop, prompt_ids, prompt_mask, prompt_index):
+        """The static / graphs decode paths: the same prefill of the B unique prompts [B, P] (transformers'
+        dynamic cache, once), then StaticDecoder's fixed-shape steps."""
+        n = params.n
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [N, V]
+        next_pos = (positions[:, -1] + 1).repeat_interleave(n, 0)  # [N]
+        adapters = self.adapters.version if self.adapters else -1  # captured graphs read the adapter tensors
+        response_ids, log_probs, lengths, finished = self._static.decode(
+            getattr(out, self._cache_keyword), logits, mask.repeat_interleave(n, 0), next_pos, params, uniforms, stop,
+            repeats=n, capacity=self.max_tokens, pad_token_id=self.pad_token_id, extra_key=(adapters,))
+        return _rollout_batch(prompt_ids, prompt_mask, prompt_index, response_ids, log_probs, lengths, finished,
+                              params, None)
 
     def _route_recorder(self) -> RouteRecorder:
         return RouteRecorder(self.model, type(self.model).__name__, getattr(self.model.config, "num_experts_per_tok", 0))
@@ -400,11 +411,17 @@ class HFEngine:
         return {n: tensor_fingerprint(held[n]) for n in names if n in held}
 
     def free_cache(self) -> None:
-        """Drop the KV-cache buffers kept between generations (the next generation allocates them again)."""
+        """Drop the KV-cache buffers kept between generations (the next generation allocates them again).
+        Under `graphs` the decoder's cache stays: the captured graphs read it, and capturing again every
+        step would cost what they save; release_memory drops both."""
         self._kv_store = []
+        if self._static is not None and not self._static.capture:
+            self._static.free()
 
-    def release_memory(self) -> None:  # the weights stay; the only cache is the one free_cache drops
+    def release_memory(self) -> None:  # the weights stay
         self.free_cache()
+        if self._static is not None:
+            self._static.free()
 
     def resume_memory(self) -> None:
         pass

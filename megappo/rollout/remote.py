@@ -261,7 +261,9 @@ def _serve(conn, model_source, pad_token_id: int, cores: tuple[int, ...]) -> Non
     threading.Thread(target=drain, name="megappo-engine-inbox", daemon=True).start()
     engine = None
     try:
-        engine = HFEngine(model_source(), pad_token_id=pad_token_id)
+        # stderr: the child shares its owner's stdout, whose lines are the trainer's
+        engine = HFEngine(model_source(), pad_token_id=pad_token_id,
+                          log=lambda line: print(line, file=sys.stderr, flush=True))
         startup_error = None
     except Exception as e:  # noqa: BLE001 - reported on the first request
         startup_error = _portable(e)

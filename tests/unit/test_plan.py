@@ -324,17 +324,22 @@ def test_moe_parameters_split_over_expert_parallel_ranks():
 
 def test_hf_engine_on_the_gpu_by_hand():
     """rollout.engine=hf beside a GPU trainer: rank 0's GPU holds the engine's bf16 weights, and its KV
-    cache of a step's samples counts as a phase (sync) or on top of the activations (one_step_off).
+    cache of a step's samples counts as a phase (sync, dynamic decode) or on top of the activations
+    (one_step_off; or the CUDA-graph decode, rollout.hf_decode=auto for this dense Qwen2, which keeps it).
     Qwen2.5-7B, s = 512 + 1024 = 1536, 8 prompts x n=4: 32 rows x 1536 positions x 2 (K, V) x 28 layers
     x 4 KV heads x 128 x 2 bytes = 2,818,572,288 bytes."""
     kv = 32 * 1536 * 2 * 28 * 4 * 128 * 2
-    rollout = {"engine": "hf", "max_new_tokens": 1024, "n": 4}
+    rollout = {"engine": "hf", "max_new_tokens": 1024, "n": 4, "hf_decode": "dynamic"}
     sync = make_plan(recipe(rollout=rollout), world_size=1, gpu_mem_gib=400)
     assert sync.gpu_engine == 2 * QWEN7B_PARAMS and sync.gpu_engine_kv == kv == 2_818_572_288
     assert sync.phases == max(sync.peak_activation.activations, kv)
     overlapped = make_plan(recipe(rollout={**rollout, "mode": "one_step_off"}), world_size=1, gpu_mem_gib=400)
     assert overlapped.total - sync.total == pytest.approx(min(sync.peak_activation.activations, kv))
-    host = make_plan(recipe(rollout={**rollout, "placement": "separate"}), world_size=1, gpu_mem_gib=400)
+    for decode in ("auto", "graphs"):
+        kept = make_plan(recipe(rollout={**rollout, "hf_decode": decode}), world_size=1, gpu_mem_gib=400)
+        assert kept.gen_overlaps and kept.total == overlapped.total
+    host = make_plan(recipe(rollout={**rollout, "placement": "separate", "hf_decode": "auto"}), world_size=1,
+                     gpu_mem_gib=400)
     assert host.gpu_engine == host.gpu_engine_kv == 0
     assert sync.total - host.total == pytest.approx(2 * QWEN7B_PARAMS + max(0, kv - sync.peak_activation.activations))
     text = format_plan(sync)
