@@ -318,7 +318,8 @@ def test_the_orchestrator_frees_the_kv_cache_after_each_generation(model):
     rollout_cfg = types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[],
                                         seed=0, logprob_mode="tempered", env="single_turn")
     cfg = types.SimpleNamespace(rollout=rollout_cfg,
-                                algorithm=types.SimpleNamespace(adv_estimator="grpo"))
+                                algorithm=types.SimpleNamespace(adv_estimator="grpo",
+                                                                filter_groups=types.SimpleNamespace(enable=False)))
     examples = [types.SimpleNamespace(prompt_ids=p) for p in PROMPTS]
     run = types.SimpleNamespace(cfg=cfg, plan=types.SimpleNamespace(routing_replay=False), engine=engine,
                                 train_examples=examples, eos_ids=(), sampler=types.SimpleNamespace(next_batch=lambda: [0, 2]))

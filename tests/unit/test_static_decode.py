@@ -18,6 +18,7 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.hf_engine import HFEngine, cache_keyword
+from megappo.rollout import decode_paths
 from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
 from megappo.rollout.static_decode import StaticDecoder, decode_buckets
 from megappo.types import SamplingParams
@@ -45,10 +46,12 @@ def assert_same(got, want, atol=LOG_PROB_ATOL_FP32):
     assert torch.equal(got.prompt_ids, want.prompt_ids) and torch.equal(got.prompt_index, want.prompt_index)
 
 
-def test_the_path_is_chosen_in_one_place():
+def test_the_path_is_chosen_in_one_place(monkeypatch):
     dense, moe = build_hf_model(TINY_CONFIGS["llama"], seed=1), build_hf_model(TINY_CONFIGS["qwen3_moe"], seed=1)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert choose_decode("auto", cpu, dense)[0] == "dynamic"
+    assert choose_decode("auto", cuda, dense)[0] == ("graphs" if decode_paths.AUTO_CHOOSES_GRAPHS else "dynamic")
+    monkeypatch.setattr(decode_paths, "AUTO_CHOOSES_GRAPHS", True)
     assert choose_decode("auto", cuda, dense) == ("graphs", "auto: CUDA and a supported model")
     assert choose_decode("auto", cuda, moe)[0] == "dynamic" and "qwen3_moe" in choose_decode("auto", cuda, moe)[1]
     assert choose_decode("static", cpu, dense)[0] == "static" and choose_decode("dynamic", cuda, moe)[0] == "dynamic"
