@@ -16,7 +16,7 @@ Each case is the recipe file itself, through the CLI as a user runs it (`megappo
 | data.max_prompt_length, rollout.max_new_tokens | 160, 12 | the test prompts are up to 149 tokens, an answer ("\\boxed{7}") 10 |
 | actor/critic.optim.lr | 1e-3 | at the recipes' 1e-6 no bf16 weight moves in 2 steps (an update is below half a bf16 ulp), so the test could not see training |
 | logging.progress_bar, logging.samples | off, the whole batch | plain logs; every response's score kept to check it |
-| reward.overlong_buffer.len, data.gen_batch_size | 4 of the 12 tokens, 3 x 4 prompts (recipes that set them: DAPO) | the recipe's buffer is longer than the swapped budget; DAPO's generation batch of 3 x the train batch |
+| reward.overlong_buffer.len, data.gen_batch_size | 4 of the 12 tokens, 2 x 4 prompts (recipes that set them: DAPO) | the recipe's buffer is longer than the swapped budget; DAPO's generation batch of 3 x the train batch is more than the 8 prompts of the tiny data |
 | checkpoint.save_hf_at_end | true (when resuming) | the live model's export, compared with `megappo export` of the saved checkpoint |
 
 Everything else is the recipe's: bf16, the algorithm and estimator, KL loss / KL in the reward
@@ -175,9 +175,10 @@ OVERLONG_BUFFER = 4
 
 
 def dapo_swaps(cfg) -> list[str]:
-    """DAPO's keys at the swapped sizes: the overlong buffer, the generation batch (3 x 4 prompts)."""
+    """DAPO's keys at the swapped sizes: the overlong buffer, the generation batch (2 x 4 prompts: the tiny
+    data has 8)."""
     out = [f"reward.overlong_buffer.len={OVERLONG_BUFFER}"] if cfg.reward.overlong_buffer.enable else []
-    return out + ["data.gen_batch_size=12"] if cfg.data.gen_batch_size else out
+    return out + ["data.gen_batch_size=8"] if cfg.data.gen_batch_size else out
 
 
 def overlong(cfg, tokens: int) -> float:
