@@ -167,14 +167,7 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, *, warmup: int, 
     """Median wall time of `fn()` over `repeats` calls after `warmup`, synchronized on both sides."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_runs(fn, device, repeats))
 
 
 def unavailable(package: str, device: torch.device) -> str | None:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e._runs import hf_weights, metrics
 from tests.e2e.test_async import command
-from tests.e2e.test_multiturn_demo import train as train_multiturn
+from tests.e2e.test_multiturn_demo import resumes_exactly
 from tests.e2e.test_resume import REPO, env, kill_when, run
 
 FILTER = ["algorithm.filter_groups.enable=true", "rollout.n=4", "data.train_batch_size=16", "data.gen_batch_size=24",
@@ -60,11 +60,7 @@ def test_filtered_multi_turn_run_resumes_exactly(tmp_path):
     args = ["checkpoint.save_every=2", "run.val_every=2", "algorithm.filter_groups.enable=true", "rollout.n=4",
             "data.train_batch_size=8", "data.gen_batch_size=16", "actor.ppo_mini_batch_size=8",
             "critic.ppo_mini_batch_size=8"]
-    train_multiturn(tmp_path / "straight", "run.total_steps=4", *args)
-    train_multiturn(tmp_path / "resumed", "run.total_steps=2", *args)
-    train_multiturn(tmp_path / "resumed", "run.total_steps=4", *args)
-    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
-    assert [r for r in straight if r["step"] > 2] == [r for r in resumed if r["step"] > 2]
+    straight = resumes_exactly(tmp_path, *args)
     steps = [r for r in straight if "critic/score/mean" in r]
     assert all(r["filter_groups/evicted_samples"] > 0 and "env/turns_mean" in r for r in steps)
 

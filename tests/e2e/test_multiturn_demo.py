@@ -28,6 +28,17 @@ def train(out, *args, timeout=600):
     return proc.stdout
 
 
+def resumes_exactly(tmp_path, *args) -> list[dict]:
+    """4 steps straight, and 2 then 2 more resumed from the step-2 checkpoint: steps 3-4 must log the same
+    metrics. Returns the straight run's metrics."""
+    train(tmp_path / "straight", "run.total_steps=4", *args)
+    train(tmp_path / "resumed", "run.total_steps=2", *args)
+    train(tmp_path / "resumed", "run.total_steps=4", *args)
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r for r in straight if r["step"] > 2] == [r for r in resumed if r["step"] > 2]
+    return straight
+
+
 def test_demo_learns_to_use_the_environment(tmp_path):
     out = train(tmp_path, "run.total_steps=80", "run.val_every=80", "checkpoint.save_every=0")
     assert "estimator=gae env=lookup" in out  # the start-up line names rollout.env
@@ -60,11 +71,7 @@ def test_multi_turn_run_resumes_exactly(tmp_path):
             "data.train_batch_size=32", "algorithm.adv_estimator=tir_optimal_token_baseline",
             "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k3",
             "algorithm.rollout_correction.rollout_rs_threshold=1e-6"]
-    train(tmp_path / "straight", "run.total_steps=4", *args)
-    train(tmp_path / "resumed", "run.total_steps=2", *args)
-    train(tmp_path / "resumed", "run.total_steps=4", *args)
-    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
-    assert [r for r in straight if r["step"] > 2] == [r for r in resumed if r["step"] > 2]
+    straight = resumes_exactly(tmp_path, *args)
     assert any("env/turns_mean" in r for r in straight)
     trained = [r for r in straight if "critic/score/mean" in r]
     assert all("rollout_corr/rollout_is_mean" in r for r in trained)
