@@ -243,8 +243,15 @@ def cmd_plan(args) -> int:
     plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe,
                      variant=args.variant)
     print(format_plan(plan))
+    fixes = None
+    if not plan.fits:
+        from megappo.plan_fixes import find_fixes, format_fixes
+
+        fixes = find_fixes(cfg, plan, hf_config=args.hf_config, recipe=args.recipe, overrides=args.overrides,
+                           variant=args.variant)
+        print(format_fixes(fixes, plan))
     others = sorted(set(cfg.variants) - {args.variant})
-    if others:
+    if others and not (fixes and fixes.variant):
         print(f"variants of this recipe (other hardware): {', '.join(others)}; plan one with "
               f"`megappo plan {args.recipe} --variant NAME`")
     return 0 if plan.fits else 1

@@ -5,7 +5,7 @@
 for TP/PP/VPP against heads, query groups, FFN and layers, the SGLang engine's tp size against
 the heads) and estimates the memory of one GPU, role by role; `format_plan(plan)` prints it.
 Layout errors raise ConfigError / ModelConfigError naming the fix (the CLI exits 2); a plan that
-does not fit lists the knobs to turn (exit 1).
+does not fit exits 1, with the changes that megappo.plan_fixes finds by planning them.
 
 The hardware comes from the recipe's `hardware` section (world size = nodes x gpus_per_node, memory
 = gpu_memory_gib) unless `world_size` / `gpu_mem_gib` are given (--world-size, --gpu-mem). With
@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import types
 from typing import Any, Optional
@@ -378,7 +377,6 @@ class Plan:
     engine_name: str
     gpu_mem: float  # bytes
     reserve: float  # bytes on this GPU outside roles and the engine pool
-    fixes: tuple[str, ...]  # knobs, when it does not fit
     hardware: str = ""  # the machines planned and where they came from
     device: str = "gpu"  # hardware.device
     host_engine: float = 0.0  # bytes: the hf engine's model copy on this rank (device=cpu, rank 0)
@@ -414,7 +412,8 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return not self.fixes
+        """The total within the GPU's memory, and SGLang's KV cache (if any) holding one whole sequence."""
+        return self.total <= self.gpu_mem and (self.engine is None or self.engine.kv_tokens >= self.seq)
 
 
 def _roles_at(cfg: Config, dims: dict[str, ModelDims], world_size: int, stage: str, rank: int) -> list[RoleMemory]:
@@ -549,92 +548,6 @@ def check_engine_layout(d: ModelDims, tp_size: int, world_size: int | None) -> N
                                f"Fix: choose rollout.sglang.tp_size from {valid}.")
 
 
-def _fixes(cfg: Config, plan_roles: list[RoleMemory], engine: Optional[EngineMemory], start: float, later: float,
-           gpu_mem: float, world_size: int, dims: ModelDims, seq: int) -> list[str]:
-    """The knobs that would make this plan fit, largest saving first; [] when it fits."""
-    fixes = []
-    p = cfg.parallel
-    dp = world_size // (p.tp * p.pp)
-    if engine is not None:
-        free = gpu_mem - start
-        need_pool = engine.weights + engine.kv_token_bytes * seq  # at least one full sequence in the KV cache
-        f_min, f_max = need_pool / free if free > 0 else math.inf, 1 - later / free if free > 0 else -math.inf
-        if engine.kv_tokens < seq or start + engine.pool + later > gpu_mem:
-            if f_min <= f_max:
-                fixes.append(f"set rollout.sglang.mem_fraction_static between {f_min:.2f} and {f_max:.2f} (now "
-                             f"{engine.mem_fraction:g}): below, SGLang's KV cache cannot hold one {seq}-token "
-                             f"sequence; above, the trainer's optimizer state and activations no longer fit")
-            elif engine.kv_tokens < seq:
-                fixes.append(f"SGLang's KV cache would hold {engine.kv_tokens} tokens, less than one {seq}-token "
-                             f"sequence, and no rollout.sglang.mem_fraction_static fits both the engine and the "
-                             f"trainer: shrink the trainer (below) or raise rollout.sglang.tp_size (now "
-                             f"{engine.tp_size}; at most one node's GPUs) to spread the engine weights")
-    total = start + (engine.pool if engine else 0.0) + later
-    if total <= gpu_mem and not fixes:
-        return []
-    by_size = []
-    optim = sum(r.optimizer for r in plan_roles)
-    if dp > 1 and not p.use_distributed_optimizer and optim > 0:
-        saved = sum(r.master + r.adam for r in plan_roles) * (1 - 1 / dp)
-        by_size.append((saved, f"set parallel.use_distributed_optimizer=true (shards {optim / GIB:.1f} GiB of "
-                               f"optimizer state over dp={dp}: saves {saved / GIB:.1f} GiB)"))
-    layouts = _bigger_layouts(dims, p.tp, p.pp, world_size)
-    static = sum(r.weights + r.grads + r.optimizer for r in plan_roles)
-    if layouts:
-        by_size.append((static / 2, f"raise model parallelism (now tp={p.tp} pp={p.pp}; weights, gradients and "
-                                    f"optimizer state take {static / GIB:.1f} GiB): e.g. {layouts}, or a larger "
-                                    f"world size"))
-    else:
-        by_size.append((static / 2, f"launch more GPUs: tp={p.tp} pp={p.pp} is the largest layout of this model "
-                                    f"that divides world size {world_size} (weights, gradients and optimizer state "
-                                    f"take {static / GIB:.1f} GiB)"))
-    top = max(plan_roles, key=lambda r: r.activations)
-    trained = top.role in ("actor", "critic")
-    micro = getattr(cfg, top.role).micro_batch_size if trained else (
-        cfg.ref_micro_batch_size if top.role == "ref" else cfg.reward.micro_batch_size)
-    key = {"actor": "actor.micro_batch_size", "critic": "critic.micro_batch_size", "ref": "ref.micro_batch_size",
-           "reward": "reward.micro_batch_size"}[top.role]
-    if cfg.packs(top.role):
-        budget = cfg.max_tokens_per_micro_batch(top.role)
-        if budget >= 2 * cfg.max_sequence_length:
-            by_size.append((top.activations / 2, f"set {top.role}.max_tokens_per_micro_batch={budget // 2} (now "
-                                                 f"{budget} tokens; the {top.phase} keeps "
-                                                 f"{top.activations / GIB:.1f} GiB of activations)"))
-    elif micro > 1:
-        by_size.append((top.activations / 2, f"lower {key} (now {micro}; the {top.phase} keeps "
-                                             f"{top.activations / GIB:.1f} GiB of activations)"))
-    if top.recompute_saving > 0:  # every trained role recomputes: the peak is the largest that remains
-        roles = [r for r in plan_roles if r.recompute_saving > 0]
-        saved = top.activations - max(r.activations - r.recompute_saving for r in plan_roles)
-        keys = " ".join(f"{r.role}.recompute.granularity=full" for r in roles)
-        by_size.append((saved, f"set {keys} (keeps only each layer's input: the largest activations, the "
-                               f"{top.phase}'s {top.activations / GIB:.1f} GiB, shrink by {saved / GIB:.1f} GiB, for "
-                               f"one more forward per layer, about a third more compute)"))
-    if p.vpp and top.role in ("actor", "critic"):
-        by_size.append((top.activations / 3, f"set parallel.vpp=null (the interleaved schedule keeps more "
-                                             f"micro-batches in flight than 1F1B; now vpp={p.vpp})"))
-    if p.tp > 1 and not p.sequence_parallel:
-        by_size.append((top.activations / 4, "set parallel.sequence_parallel=true (splits norm and projection "
-                                             "inputs over tp)"))
-    by_size.append((0.0, f"or shorten sequences (data.max_prompt_length + rollout.max_new_tokens = {seq})"))
-    return fixes + [text for _, text in sorted(by_size, key=lambda x: -x[0])]
-
-
-def _bigger_layouts(d: ModelDims, tp: int, pp: int, world_size: int) -> str:
-    """Up to three (tp, pp) layouts with more model parallelism that divide the model and the world."""
-    found = []
-    for t in range(1, world_size + 1):
-        for q in range(1, world_size // t + 1):
-            if t * q <= tp * pp or world_size % (t * q) or t < tp or q < pp:
-                continue
-            try:
-                d.check_layout(t, q)
-            except ModelConfigError:
-                continue
-            found.append((t * q, -t, f"parallel.tp={t} parallel.pp={q}"))
-    return "; ".join(text for _, _, text in sorted(found)[:3])
-
-
 def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Optional[float] = None,
               hf_config: Optional[str] = None, recipe: str = "", variant: Optional[str] = None) -> Plan:
     """Check the layout (raises ConfigError / ModelConfigError naming the fix) and estimate one GPU's memory.
@@ -707,28 +620,23 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
             cfg.rollout.hf_decode == "auto" and AUTO_CHOOSES_GRAPHS and static_unsupported(types.SimpleNamespace(**hf)) is None))
         overlaps = cfg.rollout.mode != "sync" or kv_kept
         start = sum(r.weights + r.grads + r.master for r in roles) + reserve + host_engine + gpu_engine
-        activations = max(r.activations for r in roles)
-        later = sum(r.adam for r in roles) + (activations + gpu_engine_kv if overlaps
-                                               else max(activations, gpu_engine_kv))
         engine = None
         # the engine takes global ranks [0, tp_size) of rank 0's node; Megatron orders ranks tp, dp, then pp
         if engine_args and rank * p.tp * dp < engine_args[0]:
             tp_size, frac = engine_args
-            later += ENGINE_RESERVE_GIB * GIB
             reserve += ENGINE_RESERVE_GIB * GIB
             db = DTYPE_BYTES[m.dtype]
             kv_heads = max(1, actor.num_query_groups // tp_size)  # SGLang replicates KV heads when tp > groups
             engine = EngineMemory(tp_size=tp_size, mem_fraction=frac, weights=total_params(actor) * db / tp_size,
                                   pool=frac * max(0.0, gpu_mem - start),
                                   kv_token_bytes=2 * kv_heads * actor.head_dim * actor.num_layers * db)
-        fixes = _fixes(cfg, roles, engine, start, later, gpu_mem, world_size, actor, seq)
         plan = Plan(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
                     ep=cfg.expert_parallel("actor"),
                     padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by),
                     dp=dp, seq=seq, dtype=m.dtype, sequence_parallel=p.sequence_parallel,
                     distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
                     stage=stage, roles=tuple(roles), engine=engine, engine_name=cfg.rollout.engine,
-                    gpu_mem=gpu_mem, reserve=reserve, fixes=tuple(fixes), hardware=hardware,
+                    gpu_mem=gpu_mem, reserve=reserve, hardware=hardware,
                     device=hw.device, host_engine=host_engine, gpu_engine=gpu_engine, gpu_engine_kv=gpu_engine_kv,
                     gen_overlaps=overlaps)
         candidates.append(plan)
@@ -799,7 +707,9 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.fits:
         lines.append(f"fits: {g(plan.gpu_mem - plan.total)} GiB to spare")
+    elif plan.total > plan.gpu_mem:
+        lines.append(f"does NOT fit: {g(plan.total - plan.gpu_mem)} GiB over")
     else:
-        lines.append("does NOT fit. Fix, largest saving first:")
-        lines += [f"  - {fix}" for fix in plan.fixes]
+        lines.append(f"does NOT fit: SGLang's KV cache holds {plan.engine.kv_tokens} tokens, less than one "
+                     f"{plan.seq}-token sequence")
     return "\n".join(lines)

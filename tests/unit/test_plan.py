@@ -12,7 +12,7 @@ from megappo.config import ConfigError
 from megappo.recipe import config_from_dict
 from megappo.rollout.decode_paths import AUTO_CHOOSES_GRAPHS
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
-from megappo.plan import (GIB, KNOWN_MODELS, RESERVE_GIB, chunks_in_flight, format_plan, layer_activation_bytes,
+from megappo.plan import (GIB, KNOWN_MODELS, chunks_in_flight, format_plan, layer_activation_bytes,
                           layers_in_flight,
                           make_plan, total_params)
 
@@ -220,31 +220,6 @@ def test_architecture_sources(tmp_path):
         make_plan(recipe(model={"path": "/m/Qwen2.5-7B-Instruct-finetuned"}), world_size=1)
 
 
-def test_engine_fraction_range_is_consistent():
-    """A plan that fails on SGLang's memory fraction suggests a range; the middle of it fits."""
-    cfg = dict(parallel={"tp": 4, "sequence_parallel": True, "use_distributed_optimizer": True},
-               actor={"ppo_mini_batch_size": 64, "micro_batch_size": 2},
-               critic={"ppo_mini_batch_size": 64, "micro_batch_size": 2},
-               data={"max_prompt_length": 512, "train_batch_size": 64})
-    plan = make_plan(recipe(rollout={"engine": "sglang", "sglang": {"tp_size": 4, "mem_fraction_static": 0.9}},
-                            **cfg), world_size=8)
-    assert not plan.fits and plan.engine.tp_size == 4
-    fix = plan.fixes[0]
-    assert fix.startswith("set rollout.sglang.mem_fraction_static between")
-    low, high = (float(x) for x in fix.split("between ")[1].split(" (now")[0].split(" and "))
-    assert 0 < low < high < 0.9
-    good = make_plan(recipe(rollout={"engine": "sglang", "sglang": {"tp_size": 4,
-                                                                    "mem_fraction_static": (low + high) / 2}}, **cfg),
-                     world_size=8)
-    assert good.fits and good.engine.kv_tokens >= good.seq
-    # the engine's pool is its fraction of what the trainer left free when it started
-    start = sum(r.weights + r.grads + r.master for r in good.roles) + RESERVE_GIB * GIB
-    assert good.engine.pool == pytest.approx((low + high) / 2 * (80 * GIB - start))
-    assert good.total <= 80 * GIB
-    text = format_plan(good)
-    assert "sglang tp=4" in text and "fits:" in text
-
-
 def test_distributed_sync_keeps_the_engine_off_the_trainer_gpus():
     """sync_mode=distributed: SGLang runs on GPUs of its own, so no trainer GPU carries its pool;
     its tp size is checked against the heads only, not against the trainer's world."""
@@ -266,23 +241,6 @@ def test_distributed_sync_keeps_the_engine_off_the_trainer_gpus():
     with pytest.raises(ModelConfigError, match=r"choose rollout.sglang.tp_size from \[1, 2, 4, 28\]"):
         make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "sglang": {"tp_size": 3}}),
                   world_size=2)
-
-
-def test_does_not_fit_names_knobs():
-    plan = make_plan(recipe(parallel={"tp": 2}, actor={"ppo_mini_batch_size": 32, "micro_batch_size": 4},
-                            critic={"ppo_mini_batch_size": 32, "micro_batch_size": 4},
-                            data={"max_prompt_length": 512, "train_batch_size": 32}), world_size=8)
-    text = "\n".join(plan.fixes)
-    assert "parallel.use_distributed_optimizer=true" in text
-    assert "parallel.tp=4" in text  # a bigger layout that divides the model and the world
-    assert "set actor.max_tokens_per_micro_batch=3072 (now 6144 tokens" in text  # packed: 4 x 1536 by default
-    assert "parallel.sequence_parallel=true" in text
-    assert "set actor.recompute.granularity=full critic.recompute.granularity=full (keeps only each layer's input" in text
-    assert "does NOT fit" in format_plan(plan)
-    padded = make_plan(recipe(parallel={"tp": 2}, actor={"ppo_mini_batch_size": 32, "micro_batch_size": 4, "packing": False},
-                              critic={"ppo_mini_batch_size": 32, "micro_batch_size": 4, "packing": False},
-                              data={"max_prompt_length": 512, "train_batch_size": 32}), world_size=8)
-    assert "lower actor.micro_batch_size (now 4" in "\n".join(padded.fixes)
 
 
 def test_cli_exit_codes(capsys):
