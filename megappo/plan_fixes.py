@@ -78,6 +78,7 @@ class Variant:
     name: str
     plan: Plan
     command: str  # `megappo plan ... --variant NAME`
+    changes: tuple[str, ...] = ()  # what it trains differently (algorithm, roles, lengths, batches, LoRA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,16 +418,28 @@ def _variant(cfg: Config, plan: Plan, hf_config: Optional[str], recipe: Optional
         except (ConfigError, ModelConfigError):
             continue
         if vplan.fits:
-            fits.append((vplan.world_size, vplan.total, name, vplan, vcfg))
+            fits.append((bool(_training_changes(cfg, vcfg)), vplan.world_size != plan.world_size, vplan.world_size,
+                         vplan.total, name, vplan, vcfg))
     if not fits:
         return None
-    # the same number of GPUs first, else the fewest
-    _, _, name, vplan, vcfg = min(fits, key=lambda x: (x[0] != plan.world_size, *x[:3]))
+    # one that trains the same first; then on as many GPUs, else on the fewest
+    *_, name, vplan, vcfg = min(fits, key=lambda x: x[:5])
     command = None
     if recipe:
         mem = "" if vcfg.hardware.gpu_memory_gib == gpu_mem_gib else f" --gpu-mem {gpu_mem_gib:g}"
         command = " ".join(["megappo plan", recipe, *overrides, "--variant", name]) + mem
-    return Variant(name, vplan, command or f"--variant {name}")
+    return Variant(name, vplan, command or f"--variant {name}", _training_changes(cfg, vcfg))
+
+
+def _training_changes(cfg: Config, other: Config) -> tuple[str, ...]:
+    """What `other` trains differently from `cfg` (a variant may change more than the hardware)."""
+    same = {"algorithm": lambda c: c.algorithm, "roles": lambda c: c.roles, "rollout.n": lambda c: c.rollout.n,
+            "data.max_prompt_length": lambda c: c.data.max_prompt_length,
+            "rollout.max_new_tokens": lambda c: c.rollout.max_new_tokens,
+            "data.train_batch_size": lambda c: c.data.train_batch_size,
+            "actor.ppo_mini_batch_size": lambda c: c.actor.ppo_mini_batch_size,
+            "actor.lora": lambda c: c.actor.lora}
+    return tuple(key for key, of in same.items() if of(cfg) != of(other))
 
 
 def format_fixes(fixes: Fixes, plan: Plan) -> str:
@@ -447,8 +460,9 @@ def format_fixes(fixes: Fixes, plan: Plan) -> str:
         lines.append(f"nothing fits on {fixes.world}{closest}{more}")
     if fixes.variant:
         v = fixes.variant
-        lines.append(f"  - the recipe's variant {v.name} fits ({v.plan.hardware.split(' (')[0]}): {g(v.plan.total)} "
-                     f"GiB: {v.command}")
+        also = f"; it also changes {', '.join(v.changes)}" if v.changes else ""
+        lines.append(f"  - the recipe's variant {v.name} fits ({v.plan.hardware.split(' (')[0]}{also}): "
+                     f"{g(v.plan.total)} GiB: {v.command}")
     if fixes.more_gpus:
         p, unit = fixes.more_gpus.plan, "GPUs" if plan.device == "gpu" else "ranks"
         flag = "" if any(o.startswith("hardware.nodes=") for o in fixes.more_gpus.overrides) else \

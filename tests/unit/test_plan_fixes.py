@@ -167,3 +167,30 @@ def test_everything_fits_no_fixes(capsys):
     assert main(["plan", QWEN_PPO, "--gpu-mem", "40"]) == 1
     out = capsys.readouterr().out
     assert format_plan(make_plan(cfg, gpu_mem_gib=40)) in out and "\ndoes NOT fit: 17.3 GiB over\n" in out
+
+
+def test_a_variant_that_trains_the_same_comes_first():
+    """qwen2.5-72b with pp=4 on 64 GPUs: grpo-32gpu fits on fewer GPUs but trains GRPO without a critic;
+    128gpu trains the same PPO and is the one named."""
+    path = os.path.join(REPO, "recipes", "qwen2.5-72b-ppo-64gpu.yaml")
+    overrides = ["parallel.pp=4"]
+    plan, fixes = fixes_for(path, overrides)
+    grpo = make_plan(load_config(path, overrides, variant="grpo-32gpu"))
+    assert not plan.fits and grpo.fits and grpo.world_size < plan.world_size
+    assert fixes.variant.name == "128gpu" and fixes.variant.changes == ()
+    assert make_plan(load_config(path, overrides, variant="128gpu")).fits
+    assert f"megappo plan {path} parallel.pp=4 --variant 128gpu" in format_fixes(fixes, plan)
+
+
+@pytest.mark.parametrize("argv,intro", [
+    (["recipes/qwen2.5-7b-ppo-8gpu.yaml", "--gpu-mem", "40"], "(8 GPUs of 40 GiB) ends:"),
+    (["recipes/llama3.3-70b-lora-grpo-8gpu.yaml", "actor.lora.rank=0"], "no variant fits 80 GiB:")])
+def test_docs_quote_what_the_planner_prints(argv, intro, capsys, monkeypatch):
+    """docs/planner.md's fixes section quotes these runs' last lines as they print today."""
+    monkeypatch.chdir(REPO)  # the commands in the output name the recipe as given
+    with open(os.path.join(REPO, "docs", "planner.md")) as f:
+        text = f.read()
+    quoted = text[text.index(intro):].split("```\n")[1]
+    assert main(["plan", *argv]) == 1
+    out = capsys.readouterr().out
+    assert quoted in out and "does NOT fit" in quoted
