@@ -28,7 +28,8 @@ The answer (`Fixes`):
   (a micro-batch size, a layout) the mildest that fits.
 - `together`, when none fits alone: the fewest changes that fit together (every combination of up
   to MAX_COMBINATION of them, else all of them at once, then dropped one by one while it still fits),
-  the lowest total among those of that size. `closest`, when nothing fits: all of them at once.
+  the lowest total among those of that size, then each setting as mild as still fits. `closest`,
+  when nothing fits: all of them at once.
 - `variant`: the recipe's `variants:` (other hardware), each planned at the same GPU memory; the one
   that fits on the fewest GPUs, with the command that plans it.
 - `more_gpus`, when nothing fits on this world size: the same search on 1, 2, ... MAX_MORE_NODES
@@ -343,8 +344,8 @@ def _search(planner: _Planner, base_value: dict[str, str], world: int, per_node:
         found = fitting(members, frac)
     members, frac, _, _ = found
     for n, member in enumerate(members):  # each knob as mild as still fits
-        for milder in sorted((i for i in items if i.knob == member.knob and i.rank < member.rank
-                              and member.knob != "layout"), key=lambda i: i.rank):
+        for milder in sorted((i for i in items if i.knob == member.knob and i.rank < member.rank),
+                             key=lambda i: i.rank):
             trial = fitting([*members[:n], milder, *members[n + 1:]], frac)
             if trial:
                 members = trial[0]
