@@ -21,8 +21,8 @@ batches, sequence lengths, model and algorithm) and can lower one GPU's memory, 
 
 Every change is applied to the config and planned again by `megappo.plan.make_plan` at the same world
 size and GPU memory; one that the config or layout checks refuse (a tp that does not divide the
-heads, a value already at its limit) or that saves less than MIN_SAVING_GIB is never offered.
-The answer (`Fixes`):
+heads, a value already at its limit) is never offered, nor one alone that does not fit (so none
+that saves nothing). The answer (`Fixes`):
 
 - `alone`: the changes that fit by themselves, largest saving first; of a knob with several values
   (a micro-batch size, a layout) the mildest that fits.
@@ -30,8 +30,9 @@ The answer (`Fixes`):
   to MAX_COMBINATION of them, else all of them at once, then dropped one by one while it still fits),
   the lowest total among those of that size, then each setting as mild as still fits. `closest`,
   when nothing fits: all of them at once.
-- `variant`: the recipe's `variants:` (other hardware), each planned at the same GPU memory; the one
-  that fits on the fewest GPUs, with the command that plans it.
+- `variant`: the recipe's `variants:` (other hardware), each planned at the same GPU memory; of those
+  that fit, one that trains the same first (`_training_changes`), then one on as many GPUs, else on
+  the fewest; with the command that plans it.
 - `more_gpus`, when nothing fits on this world size: the same search on 1, 2, ... MAX_MORE_NODES
   more nodes of the same GPUs (or 2, 3, ... times a --world-size); the first that fits, with its layout.
 
@@ -53,7 +54,7 @@ from megappo.models.hf_config import ModelConfigError
 from megappo.plan import GIB, Plan, make_plan
 from megappo.recipe import apply_override, config_from_dict, read_config
 
-MIN_SAVING_GIB = 0.05  # a change that saves less is not a fix
+MIN_SAVING_GIB = 0.05  # a layout that saves less takes no part in the combinations
 MAX_COMBINATION = 3  # changes per combination searched exhaustively
 MAX_SHOWN = 3  # fixes printed alone
 MAX_MORE_NODES = 32  # node counts tried beyond the current one
@@ -79,6 +80,7 @@ class Variant:
     name: str
     plan: Plan
     command: str  # `megappo plan ... --variant NAME`
+    hardware: str  # e.g. '2 nodes x 8 GPUs of 40 GiB'
     changes: tuple[str, ...] = ()  # what it trains differently (algorithm, roles, lengths, batches, LoRA)
 
 
@@ -429,7 +431,8 @@ def _variant(cfg: Config, plan: Plan, hf_config: Optional[str], recipe: Optional
     if recipe:
         mem = "" if vcfg.hardware.gpu_memory_gib == gpu_mem_gib else f" --gpu-mem {gpu_mem_gib:g}"
         command = " ".join(["megappo plan", recipe, *overrides, "--variant", name]) + mem
-    return Variant(name, vplan, command or f"--variant {name}", _training_changes(cfg, vcfg))
+    return Variant(name, vplan, command or f"--variant {name}", vcfg.hardware.describe(vplan.world_size, gpu_mem_gib),
+                   _training_changes(cfg, vcfg))
 
 
 def _training_changes(cfg: Config, other: Config) -> tuple[str, ...]:
@@ -462,7 +465,7 @@ def format_fixes(fixes: Fixes, plan: Plan) -> str:
     if fixes.variant:
         v = fixes.variant
         also = f"; it also changes {', '.join(v.changes)}" if v.changes else ""
-        lines.append(f"  - the recipe's variant {v.name} fits ({v.plan.hardware.split(' (')[0]}{also}): "
+        lines.append(f"  - the recipe's variant {v.name} fits ({v.hardware}{also}): "
                      f"{g(v.plan.total)} GiB: {v.command}")
     if fixes.more_gpus:
         p, unit = fixes.more_gpus.plan, "GPUs" if plan.device == "gpu" else "ranks"
