@@ -1,6 +1,7 @@
 """Validation sets are held out: a built-in source's validation prompts are never training
 prompts (at the recipes' sizes, as megappo.run builds them); for your own files, validation
-rows that repeat a training prompt are reported at start-up."""
+rows that repeat a training prompt (with an environment: all an episode receives of the row)
+are reported at start-up."""
 
 import glob
 import json
@@ -131,3 +132,24 @@ def test_with_an_environment_a_row_repeats_only_when_its_whole_episode_input_doe
     assert shared_prompts(train, val, env="single_turn") == shared_prompts(train, val) == ([0, 1, 2, 3, 4, 5],
                                                                                            ["3?", "4?"])
     assert warn_shared_prompts(train, val[:3], env="lookup") is None
+
+
+def test_the_start_up_check_compares_what_the_recipes_environment_receives(tmp_path, capsys):
+    """megappo.preflight.load_prompts on the multi-turn demo (rollout.env=lookup) with your files: the lookup
+    prompts '0?'..'9?' repeat, the values behind them (the ground truths) differ; only a true copy is reported."""
+    from megappo.data import lookup_rows
+    from megappo.preflight import load_prompts
+    from megappo.tokenizer import load_tokenizer
+
+    train = lookup_rows(32, seed=1)
+    val = [train[5]] + [{**r, "reward_model": {"style": "env", "ground_truth": str((int(r["reward_model"]["ground_truth"])
+                                                                                    + 1) % 10)}} for r in train[:3]]
+    for name, rows in (("train", train), ("val", val)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(os.path.join(REPO, "recipes", "demo-multiturn-cpu.yaml"),
+                      ["data.builtin=null", f"data.train_files=[{tmp_path}/train.jsonl]",
+                       f"data.val_files=[{tmp_path}/val.jsonl]"])
+    load_prompts(cfg, load_tokenizer(cfg.model.tokenizer))
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "megappo: warning" in line]
+    assert line.startswith("megappo: warning: 1 of 4 rows of data.val_files") and "(1 distinct input)" in line, line
+    assert f"e.g. {train[5]['prompt']!r}. Fix: remove these rows" in line
