@@ -11,8 +11,8 @@ before that rule). A step's generation samples (`add_samples`, records from
 megappo.samples) are printed under its console line (`console="compact"`: those of step 1 and of
 every COMPACT_SAMPLES_EVERY-th step) and written to `run_dir/samples.jsonl` (with the jsonl sink),
 cut back on resume like metrics.jsonl. The console's step line is `compact_line` (the default: step,
-score, the main losses, s/step and ETA) or `full_line` (CONSOLE_KEYS; logging.console=full). `Progress` is the bar with the
-ETA; `BudgetWatch` warns once when every response keeps ending at the token budget; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
+score, the main losses, s/step and ETA) or `full_line` (CONSOLE_KEYS; logging.console=full).
+`Progress` is the bar with the ETA; `BudgetWatch` warns once when every response keeps ending at the token budget; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
 
 This module does not know about models, PPO math or process groups.
 """

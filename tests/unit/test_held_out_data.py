@@ -142,8 +142,9 @@ def test_the_start_up_check_compares_what_the_recipes_environment_receives(tmp_p
     from megappo.tokenizer import load_tokenizer
 
     train = lookup_rows(32, seed=1)
-    val = [train[5]] + [{**r, "reward_model": {"style": "env", "ground_truth": str((int(r["reward_model"]["ground_truth"])
-                                                                                    + 1) % 10)}} for r in train[:3]]
+    other_value = [{**r, "reward_model": {"style": "env", "ground_truth": str((int(r["reward_model"]["ground_truth"]) + 1)
+                                                                              % 10)}} for r in train[:3]]
+    val = [train[5], *other_value]  # a copy of a training row, then three training prompts with other values
     for name, rows in (("train", train), ("val", val)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(os.path.join(REPO, "recipes", "demo-multiturn-cpu.yaml"),
