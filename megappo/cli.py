@@ -216,11 +216,20 @@ def _train(args, cfg, world, on_ray, resume) -> int:
             return e.exit_code
     if run.ps.is_rank0:
         png = plot_run(cfg.run.output_dir)
-        last = history[-1] if history else {}
-        print(f"done: {len(history)} steps, final critic/score/mean={last.get('critic/score/mean', float('nan')):.3f}; "
-              f"metrics in {cfg.run.output_dir}/metrics.jsonl, curves in {png}", flush=True)
+        print(done_line(history, run.start_step, run.total_steps, cfg.run.output_dir, png), flush=True)
     destroy_parallel()
     return 0
+
+
+def done_line(history: list[dict], start_step: int, total_steps: int, run_dir: str, png: str) -> str:
+    """The run's last line: `done: 100 steps, final critic/score/mean=0.980; metrics in ..., curves in ...`;
+    after a resume `done: 69 steps this launch (100 of 100 in the run), ...`."""
+    steps = f"{len(history)} steps"
+    if start_step:
+        steps += f" this launch ({start_step + len(history)} of {total_steps} in the run)"
+    last = history[-1] if history else {}
+    return (f"done: {steps}, final critic/score/mean={last.get('critic/score/mean', float('nan')):.3f}; "
+            f"metrics in {run_dir}/metrics.jsonl, curves in {png}")
 
 
 def _record_restart(run_dir: str, restart) -> None:

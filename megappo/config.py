@@ -644,6 +644,9 @@ class LoggingConfig(_Section):
     project: str = "megappo"  # W&B / TensorBoard project
     run_name: Optional[str] = None  # None: the name of run.output_dir
     progress_bar: bool = True  # a live progress line on the console
+    # the console's step line: compact (step, score, pg/vf/kl losses, s/step, ETA; samples of step 1 and every
+    # 10th step) or full (the main metrics of every step, with its samples); metrics.jsonl has everything either way
+    console: Literal["compact", "full"] = "compact"
     samples: int = 1  # prompt/response/score examples shown per step (console) and kept (samples.jsonl); 0: none
 
     def check(self) -> None:

@@ -21,8 +21,11 @@ generate from); `skip` prints it and drops every row with a problem. A clean dat
 nothing.
 
 `shared_prompts(train_rows, val_rows, ...)` finds the validation rows whose prompt is exactly a
-training prompt (megappo.data.prompt_identity); `warn_shared_prompts` prints them as one warning
-line with the count, a few examples and the fix (a validation score on them is not held out).
+training prompt (megappo.data.prompt_identity); with an environment (`env`, rollout.env other than
+single_turn) a row counts only when all an episode receives of it is a training row's
+(`episode_input`: prompt, ground truth, extra_info, data_source), since the same prompt with other
+extra_info is another task. `warn_shared_prompts` prints them as one warning line with the count,
+a few examples and the fix (a validation score on them is not held out).
 
 This module does not know about models, engines or process groups.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import difflib
+import json
 from typing import Any, Sequence
 
 from megappo.data import DataError, prompt_identity
@@ -232,33 +236,61 @@ def check_data(rows: Sequence[dict], tokenizer, *, policy: str, prompt_key: str,
     return apply_policy(report, policy, rows)
 
 
-def shared_prompts(train_rows: Sequence[dict], val_rows: Sequence[dict], *, prompt_key: str = "prompt"
-                   ) -> tuple[list[int], list[str]]:
-    """(validation row indices whose prompt is exactly a training prompt, those distinct prompts' texts in order)."""
-    seen = {prompt_identity(row[prompt_key]) for row in train_rows if row.get(prompt_key) not in (None, "", [])}
+def episode_input(row: dict, prompt_key: str = "prompt") -> str:
+    """All an environment's episode receives of a row (megappo.envs.base.Episode, built by
+    megappo.data.build_prompts: the prompt, reward_model.ground_truth, extra_info, data_source), as
+    one string that is equal for two rows exactly when their episodes start alike."""
+    return json.dumps([prompt_identity(row[prompt_key]), (row.get("reward_model") or {}).get("ground_truth"),
+                       dict(row.get("extra_info") or {}), row.get("data_source", "unknown")], sort_keys=True,
+                      default=str)
+
+
+def _single_turn(env: str | None) -> bool:
+    return env in (None, "single_turn")
+
+
+def shared_prompts(train_rows: Sequence[dict], val_rows: Sequence[dict], *, prompt_key: str = "prompt",
+                   env: str | None = None) -> tuple[list[int], list[str]]:
+    """(validation row indices that repeat a training row, the distinct repeats' prompt texts in order).
+    A repeat: the same prompt; with an environment (`env` = rollout.env, not single_turn), the same
+    `episode_input` (prompt, ground truth, extra_info, data_source)."""
+    def key_of(row: dict) -> str:
+        return prompt_identity(row[prompt_key]) if _single_turn(env) else episode_input(row, prompt_key)
+
+    seen = {key_of(row) for row in train_rows if row.get(prompt_key) not in (None, "", [])}
     shared, texts, distinct = [], [], set()
     for i, row in enumerate(val_rows):
         prompt = row.get(prompt_key)
         if prompt in (None, "", []):
             continue
-        key = prompt_identity(prompt)
+        key = key_of(row)
         if key in seen:
             shared.append(i)
             if key not in distinct:
                 distinct.add(key)
-                texts.append(prompt_text(prompt) or key)
+                texts.append(prompt_text(prompt) or prompt_identity(prompt))
     return shared, texts
 
 
 def warn_shared_prompts(train_rows: Sequence[dict], val_rows: Sequence[dict], *, prompt_key: str = "prompt",
-                        train_source: str = "the training data", val_source: str = "data.val_files") -> str | None:
-    """Print (and return) one warning line when validation rows repeat training prompts; None when none do."""
-    shared, texts = shared_prompts(train_rows, val_rows, prompt_key=prompt_key)
+                        train_source: str = "the training data", val_source: str = "data.val_files",
+                        env: str | None = None) -> str | None:
+    """Print (and return) one warning line when validation rows repeat training rows (`shared_prompts`);
+    None when none do."""
+    shared, texts = shared_prompts(train_rows, val_rows, prompt_key=prompt_key, env=env)
     if not shared:
         return None
-    examples = ", ".join(f"{t!r:.60}" for t in texts[:EXAMPLES])
-    line = (f"megappo: warning: {len(shared)} of {_rows(len(val_rows))} of {val_source} ({len(texts)} distinct "
-            f"prompt{'s' if len(texts) != 1 else ''}) have a prompt that is also in {train_source}, so val/score is not a held-out measure; e.g. "
-            f"{examples}. Fix: remove these prompts from {val_source} (or from the training data).")
+    examples = ", ".join(f"{t!r:.60}" for t in dict.fromkeys(texts[:EXAMPLES]))
+    if _single_turn(env):
+        what = (f"({len(texts)} distinct prompt{'s' if len(texts) != 1 else ''}) have a prompt that is also in "
+                f"{train_source}")
+        fix = f"remove these prompts from {val_source} (or from the training data)"
+    else:
+        what = (f"({len(texts)} distinct input{'s' if len(texts) != 1 else ''}) start the same episode as a row of "
+                f"{train_source} (the same prompt, ground truth, extra_info and data_source: all rollout.env={env} "
+                "receives)")
+        fix = f"remove these rows from {val_source} (or from the training data)"
+    line = (f"megappo: warning: {len(shared)} of {_rows(len(val_rows))} of {val_source} {what}, so val/score is not "
+            f"a held-out measure; e.g. {examples}. Fix: {fix}.")
     print(line, flush=True)
     return line

@@ -8,9 +8,11 @@ Metric names follow verl's namespaces (`actor/pg_loss`, `critic/vf_loss`,
 earlier attempt stopped before its first checkpoint), so every step is in the file once.
 `read_metrics` keeps the last record of a step should a file still hold repeats (one written
 before that rule). A step's generation samples (`add_samples`, records from
-megappo.samples) are printed under its console line and written to `run_dir/samples.jsonl`
-(with the jsonl sink), cut back on resume like metrics.jsonl. `Progress` is the bar with the
-ETA; `BudgetWatch` warns once when every response keeps ending at the token budget; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
+megappo.samples) are printed under its console line (`console="compact"`: those of step 1 and of
+every COMPACT_SAMPLES_EVERY-th step) and written to `run_dir/samples.jsonl` (with the jsonl sink),
+cut back on resume like metrics.jsonl. The console's step line is `compact_line` (the default: step,
+score, the main losses, s/step and ETA) or `full_line` (CONSOLE_KEYS; logging.console=full).
+`Progress` is the bar with the ETA; `BudgetWatch` warns once when every response keeps ending at the token budget; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
 
 This module does not know about models, PPO math or process groups.
 """
@@ -26,22 +28,32 @@ from typing import Iterable, Mapping
 
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
 
-#: what the console shows each step (the JSONL file has everything)
+#: what the console shows each step with logging.console=full (the JSONL file has everything)
 CONSOLE_KEYS = (
     "critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
     "critic/vf_loss", "response_length/mean", "timing_s/step", "perf/throughput", "val/score/mean",
 )
 
+#: logging.console=compact: (label, the metrics it shows, the first one logged) in the step line
+COMPACT_FIELDS = (
+    ("score", ("critic/score/mean",)), ("val", ("val/score/mean",)), ("pg_loss", ("actor/pg_loss",)),
+    ("vf_loss", ("critic/vf_loss",)), ("kl", ("actor/kl_loss", "actor/reward_kl_penalty")),
+)
+CONSOLE_MODES = ("compact", "full")
+#: logging.console=compact prints the samples of step 1 and of every this-many-th step (full: every step)
+COMPACT_SAMPLES_EVERY = 10
+
 
 class MetricLogger:
     def __init__(self, run_dir: str, sinks: Iterable[str] = ("console", "jsonl"), *, project: str = "megappo",
                  run_name: str | None = None, config: Mapping | None = None, resume_step: int = 0,
-                 progress: Progress | None = None):
+                 progress: Progress | None = None, console: str = "compact"):
         sinks = list(sinks)
         unknown = [s for s in sinks if s not in SINKS]
         if unknown:
             raise ValueError(f"unknown logging sink(s) {unknown}; choose from {list(SINKS)} (logging.sinks)")
-        self.run_dir, self.sinks, self.progress = run_dir, sinks, progress
+        assert console in CONSOLE_MODES, console
+        self.run_dir, self.sinks, self.progress, self.console = run_dir, sinks, progress, console
         if progress is not None and "console" in sinks:
             progress.in_step_line = True
         os.makedirs(run_dir, exist_ok=True)
@@ -89,14 +101,8 @@ class MetricLogger:
         if self._wandb:
             self._wandb.log(clean, step=step)
         if "console" in self.sinks:
-            shown = " ".join(f"{k}={clean[k]:.4g}" for k in CONSOLE_KEYS if k in clean)
-            skipped = [k for k in ("actor/skipped_steps", "critic/skipped_steps") if clean.get(k)]
-            note = f" | SKIPPED updates ({', '.join(skipped)}): non-finite loss or gradients" if skipped else ""
-            line = f"step {step}: {shown}{note}"
-            bar = self.progress
-            if bar is not None and bar.enabled and not bar.live and step > bar.start:
-                line += "  | " + bar.text(step, bar=False)  # no live bar: the step line has its text
-            console(line)
+            console(compact_line(step, clean, self.progress) if self.console == "compact"
+                    else full_line(step, clean, self.progress))
         self._log_samples(step)
 
     def add_samples(self, step: int, records: list[dict]) -> None:
@@ -111,7 +117,7 @@ class MetricLogger:
                 self._samples_jsonl = open(os.path.join(self.run_dir, "samples.jsonl"), "a")
             self._samples_jsonl.writelines(json.dumps(r) + "\n" for r in records)
             self._samples_jsonl.flush()
-        if "console" in self.sinks:
+        if "console" in self.sinks and (self.console == "full" or step == 1 or step % COMPACT_SAMPLES_EVERY == 0):
             for r in records:
                 console(format_sample(r))
 
@@ -124,6 +130,32 @@ class MetricLogger:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def compact_line(step: int, metrics: Mapping[str, float], progress: Progress | None = None) -> str:
+    """logging.console=compact: `step 12/100: score=0.41 pg_loss=-0.0123 vf_loss=0.0834 kl=0.00121 | 1.9 s/step
+    ETA 2m47s` (COMPACT_FIELDS that were logged; the rate and ETA of `progress` after its first step)."""
+    shown = [f"{label}={metrics[key]:.4g}" for label, keys in COMPACT_FIELDS
+             for key in [next((k for k in keys if k in metrics), None)] if key]
+    line = f"step {step}{f'/{progress.total}' if progress is not None else ''}: {' '.join(shown)}"
+    if progress is not None and step > progress.start:
+        line += " | " + progress.timing(step)
+    return line + _skipped_note(metrics)
+
+
+def full_line(step: int, metrics: Mapping[str, float], progress: Progress | None = None) -> str:
+    """logging.console=full: `step 12: critic/score/mean=0.41 critic/rewards/mean=... (CONSOLE_KEYS)`, with the
+    progress text after it when no live bar shows it."""
+    shown = " ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+    line = f"step {step}: {shown}{_skipped_note(metrics)}"
+    if progress is not None and progress.enabled and not progress.live and step > progress.start:
+        line += "  | " + progress.text(step, bar=False)  # no live bar: the step line has its text
+    return line
+
+
+def _skipped_note(metrics: Mapping[str, float]) -> str:
+    skipped = [k for k in ("actor/skipped_steps", "critic/skipped_steps") if metrics.get(k)]
+    return f" | SKIPPED updates ({', '.join(skipped)}): non-finite loss or gradients" if skipped else ""
 
 
 PROMPT_CHARS, RESPONSE_CHARS = 60, 80  # console: the end of a sample's prompt, the start of its response
@@ -207,12 +239,15 @@ class Progress:
         self._drawn: str | None = None
 
     def text(self, step: int, bar: bool = True) -> str:
-        rate = self._step_seconds / self._timed_steps if self._timed_steps else math.nan
-        left = rate * (self.total - step)
         filled = int(self.width * step / max(self.total, 1))
         head = f"[{'#' * filled}{'-' * (self.width - filled)}] " if bar else ""
+        return f"{head}{step}/{self.total} steps  {self.timing(step)}"
+
+    def timing(self, step: int) -> str:
+        """`1.9 s/step  ETA 53s` after step `step` (`? s/step  ETA ?` before a step time is known)."""
+        rate = self._step_seconds / self._timed_steps if self._timed_steps else math.nan
         per_step = f"{rate:.1f}" if math.isfinite(rate) else "?"
-        return f"{head}{step}/{self.total} steps  {per_step} s/step  ETA {_fmt_seconds(left)}"
+        return f"{per_step} s/step  ETA {_fmt_seconds(rate * (self.total - step))}"
 
     def update(self, step: int, seconds: float | None = None) -> str:
         """Step `step` is done, in `seconds` (its own time: counted in the rate when given)."""

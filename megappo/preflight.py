@@ -128,7 +128,7 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list, list, dict[str, int]]:
                               else f"data.builtin={d.builtin} (validation)", **check)
         if d.val_files:  # a built-in source's own validation rows are held out by construction
             warn_shared_prompts(rows, val_rows, prompt_key=d.prompt_key, train_source=source,
-                                val_source=f"data.val_files {d.val_files}")
+                                val_source=f"data.val_files {d.val_files}", env=cfg.rollout.env)
         val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
     return train_examples, val_examples, data_stats
 

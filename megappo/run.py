@@ -468,7 +468,7 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
     progress = Progress(prompts.total_steps, start=start_step, enabled=cfg.logging.progress_bar)
     logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
                           run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step,
-                          progress=progress)
+                          progress=progress, console=cfg.logging.console)
     if resume:
         print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
     print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(prompts.train)}"

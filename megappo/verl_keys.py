@@ -156,8 +156,8 @@ _ENGINE_KNOB = "a knob of verl's vLLM/SGLang server; megappo's engine sizes itse
 #: verl keys megappo reads but has no use for, and why: named in one start-up line, never silently dropped
 UNUSED: dict[str, str] = {
     "trainer.device": "megappo uses CUDA when it is there, else the CPU (parallel.backend=auto)",
-    "trainer.log_val_generations": "megappo shows logging.samples=N samples of every step (console and "
-                                   "samples.jsonl)",
+    "trainer.log_val_generations": "megappo keeps logging.samples=N samples of every step in samples.jsonl "
+                                   "(the console shows them per logging.console)",
     "trainer.val_only": "megappo has no validation-only mode",
     "trainer.balance_batch": "megappo packs sequences into micro-batches by their lengths (actor.packing)",
     "trainer.ray_wait_register_center_timeout": "megappo starts no Ray register center",

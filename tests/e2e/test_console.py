@@ -1,6 +1,7 @@
-"""What `megappo` prints and logs, as a user sees it: one line per step in a log file, a bar
-redrawn in place on a terminal (a pseudo-terminal here), metrics.jsonl after a restart
-before the first checkpoint, --version and the help's pointer to the config reference."""
+"""What `megappo` prints and logs, as a user sees it: one compact line per step in a log file
+(logging.console=compact, the default), a bar redrawn in place on a terminal (a pseudo-terminal
+here; logging.console=full), metrics.jsonl after a restart before the first checkpoint, --version
+and the help's pointer to the config reference."""
 
 import json
 import os
@@ -61,7 +62,7 @@ def test_a_log_file_gets_one_line_per_step_and_no_dict(tmp_path):
                     "reward.metric_functions=[digit_successor]")
     assert code == 0, out[-4000:]
     lines = out.splitlines()
-    assert [line.split(":")[0] for line in step_lines(out)] == ["step 0", "step 1", "step 2", "step 3"]
+    assert [line.split(":")[0] for line in step_lines(out)] == ["step 0/3", "step 1/3", "step 2/3", "step 3/3"]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     for r in rows:
         kind = "critic" if "critic/score/mean" in r else "val"
@@ -69,11 +70,19 @@ def test_a_log_file_gets_one_line_per_step_and_no_dict(tmp_path):
         assert r[f"{kind}/score/frac_correct"] <= r[f"{kind}/score/mean"]  # scores are in [0, 1]
     assert [r["step"] for r in rows if "val/score/mean" in r] == [0]
     assert not [line for line in lines if line.startswith("[")], out  # no progress-bar lines besides them
-    assert all(f"| {n}/3 steps" in line for n, line in zip((1, 2, 3), step_lines(out)[1:]))  # the ETA is kept
-    # the rate is the mean step time so far: not start-up, not the validation before step 1
+    # compact: the step, the score and the actor's and critic's losses (the demo has no KL term), the rate and the
+    # ETA; the rate is the mean step time so far: not start-up, not the validation before step 1
+    assert step_lines(out)[0] == f"step 0/3: val={rows[0]['val/score/mean']:.4g}"
     times = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
     for n, line in zip((1, 2, 3), step_lines(out)[1:]):
-        assert f"| {n}/3 steps  {sum(times[:n]) / n:.1f} s/step  ETA" in line, (line, times)
+        r = rows[n]
+        assert line.startswith(f"step {n}/3: score={r['critic/score/mean']:.4g} pg_loss={r['actor/pg_loss']:.4g} "
+                               f"vf_loss={r['critic/vf_loss']:.4g} | {sum(times[:n]) / n:.1f} s/step  ETA "), (line, r)
+        assert len(line) < 100, line
+    # the samples of step 1 (compact: step 1 and every 10th), all of them in samples.jsonl
+    assert [lines[i - 1].split(":")[0] for i, line in enumerate(lines) if line.startswith("  sample: ")] == ["step 1/3"]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")] == [1, 2, 3]
+    assert f"done: 3 steps, final critic/score/mean={rows[-1]['critic/score/mean']:.3f}; " in out
     start = next(line for line in lines if line.startswith("megappo: world="))
     assert "{" not in start and "prompts=640 | steps=3 |" in start, start  # no Python dict at start-up
 
@@ -84,7 +93,7 @@ def screen(out: str) -> list[str]:
 
 
 def test_a_terminal_gets_one_bar_redrawn_in_place(tmp_path):
-    code, out = in_terminal(*DEMO, "run.total_steps=3", f"run.output_dir={tmp_path}")
+    code, out = in_terminal(*DEMO, "run.total_steps=3", f"run.output_dir={tmp_path}", "logging.console=full")
     assert code == 0, out[-4000:]
     shown = screen(out)
     assert [line.split(":")[0] for line in shown if line.startswith("step ")] == ["step 0", "step 1", "step 2",
@@ -94,6 +103,10 @@ def test_a_terminal_gets_one_bar_redrawn_in_place(tmp_path):
     assert shown[bars[0] + 1].startswith("saved checkpoint")  # the last bar stays, later output below it
     assert "] 1/3 steps" in out and "] 2/3 steps" in out  # drawn, then rewritten in place
     assert "steps  " not in "".join(line for line in shown if line.startswith("step "))
+    # full: today's metrics in each step line, and every step's sample under it
+    assert all("critic/score/mean=" in line and "actor/entropy=" in line and "perf/throughput=" in line
+               for line in shown if line.startswith("step ") and not line.startswith("step 0:")), shown
+    assert len([line for line in shown if line.startswith("  sample: ")]) == 3
 
 
 def test_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):

@@ -3,7 +3,8 @@
 Rows with characters the built-in tokenizer does not know, a misspelled ground-truth key and an
 empty prompt: by default (data.bad_row_policy=error) the run stops before any model is built
 with the counts, examples and fixes; with `skip` it drops them, says so, and trains, showing
-logging.samples examples per step under the step line and in samples.jsonl.
+logging.samples examples per step under the step line (logging.console=full: every step's) and in
+samples.jsonl.
 """
 
 import json
@@ -34,7 +35,7 @@ def test_bad_rows_are_refused_with_counts_before_any_model_is_built(tmp_path):
 def test_skip_drops_them_and_samples_show_each_step(tmp_path):
     run = tmp_path / "run"
     code, out = megappo("parallel.tp=1", *SMALL, rows_file(tmp_path, digit_rows(16) + BAD), "data.bad_row_policy=skip",
-                        "logging.samples=2", "run.total_steps=2", f"run.output_dir={run}")
+                        "logging.samples=2", "logging.console=full", "run.total_steps=2", f"run.output_dir={run}")
     assert code == 0, out[-4000:]
     assert f"megappo: warning: data check of data.train_files ['{tmp_path}/train.jsonl'] (19 rows):" in out
     assert "megappo: data.bad_row_policy=skip: dropped 3 rows." in out and "prompts=16 " in out

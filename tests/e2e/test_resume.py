@@ -91,6 +91,7 @@ def test_kill_during_save_then_resume_is_bit_identical(straight, tmp_path):
 
     log = run(command(out, *DP2))
     assert "resumed from" in log and "step 2" in log
+    assert "\ndone: 2 steps this launch (4 of 4 in the run), final critic/score/mean=" in log
     assert metrics(out) == metrics(straight)  # steps 1-2 kept, 3-4 recomputed: same numbers
     for role in ("actor", "critic"):
         a, b = hf_weights(os.path.join(straight, "hf", role)), hf_weights(os.path.join(out, "hf", role))

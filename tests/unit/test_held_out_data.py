@@ -1,6 +1,7 @@
 """Validation sets are held out: a built-in source's validation prompts are never training
 prompts (at the recipes' sizes, as megappo.run builds them); for your own files, validation
-rows that repeat a training prompt are reported at start-up."""
+rows that repeat a training prompt (with an environment: all an episode receives of the row)
+are reported at start-up."""
 
 import glob
 import json
@@ -104,3 +105,52 @@ def test_disjoint_files_print_nothing(tmp_path, capsys):
 def test_one_shared_prompt_is_said_in_the_singular(capsys):
     line = warn_shared_prompts([{"prompt": "1+1="}], [{"prompt": [{"role": "user", "content": "1+1="}]}])
     assert line.startswith("megappo: warning: 1 of 1 row of data.val_files (1 distinct prompt) have")
+
+
+def lookup_row(prompt, key, value, source="lookup"):
+    return {"data_source": source, "prompt": prompt, "extra_info": {"key": key},
+            "reward_model": {"style": "env", "ground_truth": value}}
+
+
+def test_with_an_environment_a_row_repeats_only_when_its_whole_episode_input_does(capsys):
+    """rollout.env: the same prompt with other extra_info, ground truth or data_source starts another episode
+    (the lookup demo's '3?' hides a value drawn per row), so only rows equal in all of them are reported."""
+    train = [lookup_row("3?", 3, "7"), lookup_row("4?", 4, "1")]
+    val = [lookup_row("3?", 3, "2"),  # another ground truth: what the environment answers differs
+           lookup_row("3?", 5, "7"),  # another extra_info
+           lookup_row("3?", 3, "7", source="other"),  # another data_source
+           lookup_row("4?", 4, "1"), lookup_row("4?", 4, "1"),  # the training row's episode again, twice
+           {**lookup_row("3?", 3, "7"), "prompt": [{"role": "user", "content": "3?"}]}]  # its chat form: the same
+    assert shared_prompts(train, val, env="lookup") == ([3, 4, 5], ["4?", "3?"])
+    line = warn_shared_prompts(train, val, env="lookup")
+    assert capsys.readouterr().out == line + "\n"
+    assert line == ("megappo: warning: 3 of 6 rows of data.val_files (2 distinct inputs) start the same episode as a "
+                    "row of the training data (the same prompt, ground truth, extra_info and data_source: all "
+                    "rollout.env=lookup receives), so val/score is not a held-out measure; e.g. '4?', '3?'. Fix: "
+                    "remove these rows from data.val_files (or from the training data).")
+    # single-turn, the model sees the prompt alone: every '3?' and '4?' repeats one
+    assert shared_prompts(train, val, env="single_turn") == shared_prompts(train, val) == ([0, 1, 2, 3, 4, 5],
+                                                                                           ["3?", "4?"])
+    assert warn_shared_prompts(train, val[:3], env="lookup") is None
+
+
+def test_the_start_up_check_compares_what_the_recipes_environment_receives(tmp_path, capsys):
+    """megappo.preflight.load_prompts on the multi-turn demo (rollout.env=lookup) with your files: the lookup
+    prompts '0?'..'9?' repeat, the values behind them (the ground truths) differ; only a true copy is reported."""
+    from megappo.data import lookup_rows
+    from megappo.preflight import load_prompts
+    from megappo.tokenizer import load_tokenizer
+
+    train = lookup_rows(32, seed=1)
+    other_value = [{**r, "reward_model": {"style": "env", "ground_truth": str((int(r["reward_model"]["ground_truth"]) + 1)
+                                                                              % 10)}} for r in train[:3]]
+    val = [train[5], *other_value]  # a copy of a training row, then three training prompts with other values
+    for name, rows in (("train", train), ("val", val)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(os.path.join(REPO, "recipes", "demo-multiturn-cpu.yaml"),
+                      ["data.builtin=null", f"data.train_files=[{tmp_path}/train.jsonl]",
+                       f"data.val_files=[{tmp_path}/val.jsonl]"])
+    load_prompts(cfg, load_tokenizer(cfg.model.tokenizer))
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "megappo: warning" in line]
+    assert line.startswith("megappo: warning: 1 of 4 rows of data.val_files") and "(1 distinct input)" in line, line
+    assert f"e.g. {train[5]['prompt']!r}. Fix: remove these rows" in line

@@ -9,11 +9,13 @@ from megappo.metrics import BudgetWatch, MetricLogger, Progress, plot_run, read_
 
 
 def test_jsonl_console_and_resume(tmp_path, capsys):
-    log = MetricLogger(str(tmp_path), ["console", "jsonl"])
+    log = MetricLogger(str(tmp_path), ["console", "jsonl"], console="full")
     for step in range(1, 5):
         log.log(step, {"critic/score/mean": step / 10, "actor/entropy": 1.0, "timing_s/gen": 0.5})
     log.close()
-    assert "step 4: critic/score/mean=0.4 actor/entropy=1" in capsys.readouterr().out
+    assert "step 4: critic/score/mean=0.4 actor/entropy=1\n" in capsys.readouterr().out
+    assert [json.loads(line)["actor/entropy"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1.0] * 4  # the file has what the console does not show
     # resuming from the step-2 checkpoint drops the steps after it, then appends
     log = MetricLogger(str(tmp_path), ["jsonl"], resume_step=2)
     log.log(3, {"critic/score/mean": 0.9})
@@ -166,7 +168,7 @@ def test_progress_on_a_terminal_is_one_line_rewritten(tmp_path, capsys):
 
     stream = _Stream(tty=True)
     bar = Progress(total=4, stream=stream)
-    log = MetricLogger(str(tmp_path), ["console"], progress=bar)
+    log = MetricLogger(str(tmp_path), ["console"], progress=bar, console="full")
     for step in (1, 2):
         log.log(step, {"critic/score/mean": 0.5})
         bar.update(step)
@@ -182,7 +184,7 @@ def test_progress_on_a_terminal_is_one_line_rewritten(tmp_path, capsys):
 def test_progress_in_a_log_file_is_part_of_the_step_line(tmp_path, capsys):
     stream = _Stream(tty=False)
     bar = Progress(total=4, stream=stream)
-    log = MetricLogger(str(tmp_path), ["console"], progress=bar)
+    log = MetricLogger(str(tmp_path), ["console"], progress=bar, console="full")
     log.log(0, {"val/score/mean": 0.1})  # validation before training: no progress yet
     for step in (1, 2):
         log.log(step, {"critic/score/mean": 0.5})
@@ -205,3 +207,60 @@ def test_budget_watch_warns_once_when_every_response_keeps_ending_at_the_budget(
     err = capsys.readouterr().err
     assert "steps 4-6: every response ended at the token budget rollout.max_new_tokens=2" in err
     assert "Fix: raise rollout.max_new_tokens" in err and err.count("warning") == 1
+
+
+#: a PPO step's record: critic, a KL loss against the reference, a KL penalty in the reward
+STEP = {"critic/score/mean": 0.41234, "critic/rewards/mean": 0.4, "actor/pg_loss": -0.0123456, "actor/ppo_kl": 0.002,
+        "actor/entropy": 2.5, "critic/vf_loss": 0.08341, "actor/kl_loss": 0.00121, "actor/reward_kl_penalty": 0.5,
+        "response_length/mean": 2.0, "timing_s/step": 1.5, "perf/throughput": 90.0, "timing_s/gen": 0.5}
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_compact_line_has_step_score_losses_rate_and_eta(tmp_path, capsys, tty):
+    """logging.console=compact (the default), in a log file and on a terminal (where the live bar is drawn too)."""
+    stream = _Stream(tty=tty)
+    bar = Progress(total=100, start=10, stream=stream)  # resumed at step 10
+    log = MetricLogger(str(tmp_path), ["console"], progress=bar)
+    log.log(10, {"val/score/mean": 0.25})  # (a resumed run does not validate first; the line has no rate yet)
+    bar.update(11, 2.0)
+    log.log(11, STEP)
+    bar.update(12, 1.0)
+    no_critic = {k: v for k, v in STEP.items() if not k.startswith("critic/vf") and k != "actor/kl_loss"}
+    log.log(12, {**no_critic, "val/score/mean": 0.5, "actor/skipped_steps": 1.0})
+    bar.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "step 10/100: val=0.25",
+        "step 11/100: score=0.4123 pg_loss=-0.01235 vf_loss=0.08341 kl=0.00121 | 2.0 s/step  ETA 2m58s",
+        # no critic: no vf_loss; the KL in the reward when there is no KL loss; validation; a skipped update
+        "step 12/100: score=0.4123 val=0.5 pg_loss=-0.01235 kl=0.5 | 1.5 s/step  ETA 2m12s | SKIPPED updates "
+        "(actor/skipped_steps): non-finite loss or gradients"]
+    assert ("] 12/100 steps  1.5 s/step  ETA 2m12s" in stream.text) == tty  # the bar, on a terminal only
+    bare = MetricLogger(str(tmp_path), ["console"])  # without a progress bar: the step alone
+    bare.log(3, {"actor/pg_loss": 0.5, "critic/score/mean": 1.0, "actor/ppo_kl": 0.1})
+    assert capsys.readouterr().out == "step 3: score=1 pg_loss=0.5\n"
+
+
+def test_compact_and_full_lines_show_what_they_say(tmp_path, capsys):
+    """The compact line is shorter and its values are the full line's metrics; each mode is chosen by name."""
+    from megappo.metrics import COMPACT_FIELDS, CONSOLE_KEYS, compact_line, full_line
+
+    bar = Progress(total=100, enabled=False)
+    bar.update(1, 1.0)
+    compact, full = compact_line(1, STEP, bar), full_line(1, STEP, bar)
+    assert len(compact) < len(full) / 2, (compact, full)
+    assert full == "step 1: " + " ".join(f"{k}={STEP[k]:.4g}" for k in CONSOLE_KEYS if k in STEP)
+    values = dict(item.split("=") for item in compact.split(": ", 1)[1].split(" | ")[0].split())
+    assert values == {label: f"{STEP[keys[0]]:.4g}" for label, keys in COMPACT_FIELDS if keys[0] in STEP}
+    with pytest.raises(AssertionError):
+        MetricLogger(str(tmp_path), ["console"], console="verbose")
+
+
+def test_the_done_line_says_the_runs_total_after_a_resume():
+    from megappo.cli import done_line
+
+    history = [{"critic/score/mean": 0.5}] * 68 + [{"critic/score/mean": 0.98}]
+    assert done_line(history * 2, 0, 138, "runs/x", "runs/x/curves.png") == (  # a run from step 0
+        "done: 138 steps, final critic/score/mean=0.980; metrics in runs/x/metrics.jsonl, curves in runs/x/curves.png")
+    assert done_line(history, 31, 100, "runs/x", "runs/x/curves.png") == (
+        "done: 69 steps this launch (100 of 100 in the run), final critic/score/mean=0.980; metrics in "
+        "runs/x/metrics.jsonl, curves in runs/x/curves.png")

@@ -44,7 +44,7 @@ def test_pick_samples_spreads_over_the_batch_and_decodes_as_the_reward_saw_it():
 
 
 def test_samples_under_the_step_line_and_in_samples_jsonl(tmp_path, capsys):
-    log = MetricLogger(str(tmp_path), ["console", "jsonl"])
+    log = MetricLogger(str(tmp_path), ["console", "jsonl"], console="full")  # full: every step's samples
     batch = batch_of(["3+1=", "What is 3+1?"], ["4", "4" * 200], [True, False])
     for step in (1, 2, 3):
         log.add_samples(step, pick_samples(TOK, batch, torch.tensor([1.0, 0.5]), 2))
@@ -66,6 +66,22 @@ def test_samples_under_the_step_line_and_in_samples_jsonl(tmp_path, capsys):
     assert [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1, 1, 2, 2]
     MetricLogger(str(tmp_path), ["jsonl"]).close()
     assert (tmp_path / "samples.jsonl").read_text() == ""
+
+
+def test_compact_console_shows_the_samples_of_step_1_and_every_10th_step(tmp_path, capsys):
+    """logging.console=compact (the default): the samples of steps 1, 10, 20 on the console; samples.jsonl has all."""
+    log = MetricLogger(str(tmp_path), ["console", "jsonl"])
+    batch = batch_of(["3+1="], ["4"], [True])
+    for step in range(1, 21):
+        log.add_samples(step, pick_samples(TOK, batch, torch.tensor([1.0]), 1))
+        log.log(step, {"critic/score/mean": 0.75})
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    shown = [lines[i - 1] for i, line in enumerate(lines) if line.startswith("  sample: ")]
+    assert shown == ["step 1: score=0.75", "step 10: score=0.75", "step 20: score=0.75"], lines
+    assert len(lines) == 23 and lines.count("  sample: '3+1=' -> '4' | score 1 | truth '0' | stop") == 3
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
 
 
 def test_format_sample_keeps_the_end_of_a_long_prompt():
