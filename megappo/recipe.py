@@ -31,6 +31,7 @@ import yaml
 
 from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
 from megappo.errors import ConfigError
+from megappo.key_synonyms import synonym_hint
 from megappo.verl_keys import MOOT, spelling, verl_equivalent, verl_hint, verl_reading
 
 
@@ -50,9 +51,14 @@ def _is_key(path: str) -> bool:
     return True
 
 
-def _verl_keys(data: Any, cls: type = Config, prefix: str = "") -> list[tuple[str, Optional[str], Optional[str]]]:
+def _verl_keys(data: Any) -> list[tuple[str, Optional[str], Optional[str]]]:
     """(dotted key, megappo's key, how megappo does it) for each key of the raw recipe `data` that
     megappo lacks and verl has (megappo.verl_keys.verl_equivalent)."""
+    return [(leaf, *hint) for leaf in _unknown_leaves(data) if (hint := verl_equivalent(leaf, _is_key))]
+
+
+def _unknown_leaves(data: Any, cls: type = Config, prefix: str = "") -> list[str]:
+    """The dotted keys of the raw recipe `data` (down to their leaves) that megappo does not have."""
     found = []
     if not isinstance(data, dict):
         return found
@@ -62,12 +68,9 @@ def _verl_keys(data: Any, cls: type = Config, prefix: str = "") -> list[tuple[st
         if key in hints:
             tp = _options(hints[key])[0]
             if dataclasses.is_dataclass(tp):
-                found += _verl_keys(value, tp, f"{path}.")
+                found += _unknown_leaves(value, tp, f"{path}.")
         else:
-            for leaf in _leaves(value, path):
-                hint = verl_equivalent(leaf, _is_key)
-                if hint:
-                    found.append((leaf, *hint))
+            found += _leaves(value, path)
     return found
 
 
@@ -96,6 +99,10 @@ def config_from_dict(data: dict) -> Config:
     verl = _verl_keys(data)
     if verl:
         raise _verl_error(verl)
+    for leaf in _unknown_leaves(data):  # another trainer's name (learning_rate, max_steps, ...)
+        hint = synonym_hint(leaf, None, _is_key)
+        if hint:
+            raise ConfigError(hint)
     if data.get("model") is None:
         raise ConfigError("the recipe has no 'model' section. Fix: set model.path=/path/to/hf_model "
                           "(or model.hf_config).")
@@ -143,7 +150,7 @@ def apply_override(data: dict, override: str) -> None:
         if dataclasses.is_dataclass(tp):
             hints = _hints(tp)
             if part not in hints:
-                hint = verl_hint(key.strip(), raw.strip(), _is_key)
+                hint = verl_hint(key.strip(), raw.strip(), _is_key) or synonym_hint(key.strip(), raw.strip(), _is_key)
                 if hint:
                     raise ConfigError(hint)
                 raise (_not_here(tp, part) or _unknown_key(part, list(hints))).at(here[:-len(part)])
