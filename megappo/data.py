@@ -6,6 +6,9 @@ A row in verl's layout:
    "reward_model": {"style": "rule", "ground_truth": "72"},
    "extra_info": {...}}
 `load_rows(paths)` reads .jsonl/.json and .parquet files (pyarrow, imported lazily);
+`read_rows` also returns each row's `RowOrigin` (file and 1-based line or row, training or validation;
+`numbered` for built-in sources and rows given in code), which the data check, `build_prompts` and,
+through `PromptExample.origin`, the reward functions' and environments' errors name;
 `build_prompts(rows, tokenizer, ...)` renders the chat template, tokenizes, and applies the
 long-prompt policy (skip / truncate from the left / error), counting what it did.
 Built-in sources need no files: `reasoning_gym:<task>` (procedural tasks from the
