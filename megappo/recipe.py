@@ -31,8 +31,8 @@ import yaml
 
 from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
 from megappo.errors import ConfigError
-from megappo.key_synonyms import synonym_hint
-from megappo.verl_keys import MOOT, spelling, verl_equivalent, verl_hint, verl_reading
+from megappo.key_synonyms import synonym_hint, synonym_of
+from megappo.verl_keys import MOOT, NO_EQUIVALENT, spelling, verl_equivalent, verl_hint, verl_reading
 
 
 def _is_key(path: str) -> bool:
@@ -53,8 +53,11 @@ def _is_key(path: str) -> bool:
 
 def _verl_keys(data: Any) -> list[tuple[str, Optional[str], Optional[str]]]:
     """(dotted key, megappo's key, how megappo does it) for each key of the raw recipe `data` that
-    megappo lacks and verl has (megappo.verl_keys.verl_equivalent)."""
-    return [(leaf, *hint) for leaf in _unknown_leaves(data) if (hint := verl_equivalent(leaf, _is_key))]
+    megappo lacks and verl has (megappo.verl_keys.verl_equivalent; a name from another trainer under a verl
+    section, trainer.max_steps, is megappo.key_synonyms')."""
+    found = [(leaf, *hint) for leaf in _unknown_leaves(data) if (hint := verl_equivalent(leaf, _is_key))]
+    return [(leaf, synonym_of(leaf, _is_key), how) if how == NO_EQUIVALENT and synonym_of(leaf, _is_key)
+            else (leaf, ours, how) for leaf, ours, how in found]  # another trainer's name under a verl section
 
 
 def _unknown_leaves(data: Any, cls: type = Config, prefix: str = "") -> list[str]:
@@ -229,6 +232,9 @@ def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, li
         if found is None:
             mine = f"{key}={raw}"
         elif found[0] == "refused":
+            hint = synonym_hint(key, raw.strip(), _is_key) if found[1] == NO_EQUIVALENT else None
+            if hint:  # another trainer's name under a verl section (trainer.max_steps)
+                raise ConfigError(hint)
             raise ConfigError(f"'{key}={raw.strip()}' is a verl key megappo does not read as written. Fix: "
                               f"{found[1]} (docs/config.md, 'Coming from verl').")
         elif found[0] == "unused":

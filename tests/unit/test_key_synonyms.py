@@ -72,3 +72,13 @@ def test_typos_and_verl_names_keep_their_own_messages():
     assert refusal("actor.optim.lrr=1").startswith("unknown config key 'actor.optim.lrr'. Did you mean 'actor.optim.lr'?")
     assert load_config(DEMO, ["critic.optim.lr_warmup_steps=3"]).critic.optim.warmup_steps == 3  # verl's, read
     assert "did you mean" not in refusal("actor.no_such_thing=1")
+
+
+def test_under_a_verl_section_a_synonym_is_named_too():
+    assert refusal("trainer.max_steps=3") == ("unknown config key 'trainer.max_steps': did you mean 'run.total_steps'? "
+                                              "Fix: write run.total_steps=3.")
+    data = yaml.safe_load(open(DEMO))
+    data["trainer"] = {"max_steps": 3, "no_such_key": 1}
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict(data)
+    assert "  trainer.max_steps -> run.total_steps\n  trainer.no_such_key: megappo has no such key" in str(raised.value)
