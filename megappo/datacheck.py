@@ -55,11 +55,11 @@ class Problem:
     details: list[str] = dataclasses.field(default_factory=list)  # per example row, in order
     chars: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # unknown char -> rows
 
-    def add(self, row: int, detail: str = "", origin: RowOrigin | None = None) -> None:
+    def add(self, row: int, detail: str, origin: RowOrigin) -> None:
         """Row `row` (its index in the rows checked) has it; `origin` is where the user finds it."""
         self.rows.append(row)
         if len(self.details) < EXAMPLES and detail:
-            self.details.append(f"{origin if origin is not None else f'row {row + 1}'}: {detail}")
+            self.details.append(f"{origin}: {detail}")
 
     def describe(self, total: int) -> str:
         text = f"{len(self.rows)} of {_rows(total)} {self.what}"
