@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from megappo.config import Config
 from megappo.errors import CheckpointError, CheckpointWarning, ConfigError
-from megappo.data import PromptExample
+from megappo.data import PromptExample, RowOrigin
 from megappo.types import RolloutBatch
 
 LATEST = "latest"
@@ -531,7 +531,8 @@ def _plain_batch(batch: RolloutBatch) -> dict:
 
 def _batch_from_plain(plain: dict) -> RolloutBatch:
     if plain["examples"] is not None:
-        plain["examples"] = [PromptExample(**e) for e in plain["examples"]]
+        plain["examples"] = [PromptExample(**{**e, "origin": RowOrigin(**e["origin"]) if e.get("origin") else None})
+                             for e in plain["examples"]]  # a buffer saved before examples kept their origin: None
     return RolloutBatch(**plain)
 
 

@@ -6,6 +6,9 @@ A row in verl's layout:
    "reward_model": {"style": "rule", "ground_truth": "72"},
    "extra_info": {...}}
 `load_rows(paths)` reads .jsonl/.json and .parquet files (pyarrow, imported lazily);
+`read_rows` also returns each row's `RowOrigin` (file and 1-based line or row, training or validation;
+`numbered` for built-in sources and rows given in code), which the data check, `build_prompts` and,
+through `PromptExample.origin`, the reward functions' and environments' errors name;
 `build_prompts(rows, tokenizer, ...)` renders the chat template, tokenizes, and applies the
 long-prompt policy (skip / truncate from the left / error), counting what it did.
 Built-in sources need no files: `reasoning_gym:<task>` (procedural tasks from the
@@ -25,7 +28,41 @@ import dataclasses
 import json
 import os
 import random
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence
+
+from megappo.user_code import short_text
+
+
+#: how a row's place is counted: a JSONL file's line, a Parquet file's row, a built-in source's row
+#: (no file), or a row of a list given in code
+RowKind = Literal["jsonl", "parquet", "builtin", "list"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOrigin:
+    """Where a prompt row came from, as the user finds it again: every number is 1-based, a JSONL
+    row's the file's line as editors show it (`train.jsonl:121`), a Parquet row's its row number
+    (`train.parquet row 121`), a built-in source's its row in that source, which has no file
+    (`data.builtin=digit_successor row 5 (built-in, no file)`). It travels with the row's
+    PromptExample to the reward functions and environments, whose errors name it."""
+
+    source: str  # the file as data.train_files / val_files name it, or "data.builtin=<spec>"
+    number: int  # 1-based line (jsonl) or row (the other kinds)
+    kind: RowKind = "jsonl"
+    split: Literal["training", "validation"] = "training"
+
+    def __str__(self) -> str:
+        if self.kind == "jsonl":
+            return f"{self.source}:{self.number}"
+        if self.kind == "list":
+            return f"row {self.number} of {self.source}"
+        return f"{self.source} row {self.number}" + (" (built-in, no file)" if self.kind == "builtin" else "")
+
+    def describe(self, prompt: str | None = None) -> str:
+        """'train.jsonl:121 (training row, prompt '2+1=')': where, which split, and the prompt on one line."""
+        where = str(self).removesuffix(" (built-in, no file)")
+        notes = [f"{self.split} row"] + (["built-in, no file"] if self.kind == "builtin" else [])
+        return f"{where} ({', '.join(notes + ([f'prompt {short_text(prompt)}'] if prompt is not None else []))})"
 
 
 class DataError(ValueError):
@@ -38,7 +75,8 @@ class PromptExample:
     data_source: str
     ground_truth: Any
     extra: dict
-    index: int  # row index in the source
+    index: int  # its position among the prompts (0-based; what an environment's Episode.index is)
+    origin: RowOrigin | None = None  # where the row came from (None: a checkpoint saved before megappo kept it)
 
 
 def _pyarrow_parquet():
@@ -68,8 +106,16 @@ def check_files(paths: Sequence[str], key: str = "data.train_files") -> None:
 
 
 def load_rows(paths: Sequence[str], key: str = "data.train_files") -> list[dict]:
+    return read_rows(paths, key)[0]
+
+
+def read_rows(paths: Sequence[str], key: str = "data.train_files") -> tuple[list[dict], list[RowOrigin]]:
+    """(the rows of every file, in order, each row's RowOrigin: its JSONL line or Parquet row, 1-based;
+    validation rows when `key` is data.val_files)."""
     check_files(paths, key)
+    split = "validation" if key == "data.val_files" else "training"
     rows: list[dict] = []
+    origins: list[RowOrigin] = []
     for path in paths:
         if path.endswith((".jsonl", ".json")):
             with open(path) as f:
@@ -83,9 +129,17 @@ def load_rows(paths: Sequence[str], key: str = "data.train_files") -> list[dict]
                         if not isinstance(rows[-1], dict):
                             raise DataError(f"{path}:{line_no} is a {type(rows[-1]).__name__}, not a JSON object. "
                                             'Fix: write each row as {"prompt": ..., ...}.')
+                        origins.append(RowOrigin(path, line_no, "jsonl", split))
         else:
-            rows.extend(_pyarrow_parquet().read_table(path).to_pylist())
-    return rows
+            table = _pyarrow_parquet().read_table(path).to_pylist()
+            rows.extend(table)
+            origins += [RowOrigin(path, i + 1, "parquet", split) for i in range(len(table))]
+    return rows, origins
+
+
+def numbered(source: str, n: int, kind: RowKind = "list", split: str = "training") -> list[RowOrigin]:
+    """The origins of `n` rows of `source` numbered 1..n (a built-in source's rows, or rows given in code)."""
+    return [RowOrigin(source, i + 1, kind, split) for i in range(n)]
 
 
 def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, system_prompt: str | None = None,
@@ -108,13 +162,17 @@ def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, system_prom
 
 def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 512,
                   long_prompt_policy: str = "skip", apply_chat_template: bool = True, source: str = "dataset",
-                  system_prompt: str | None = None, few_shot: Sequence[dict] = ()) -> tuple[list[PromptExample], dict[str, int]]:
-    """Tokenize rows; returns (examples, {"skipped_long": k, "truncated_long": k})."""
+                  system_prompt: str | None = None, few_shot: Sequence[dict] = (),
+                  origins: Sequence[RowOrigin] | None = None) -> tuple[list[PromptExample], dict[str, int]]:
+    """Tokenize rows; returns (examples, {"skipped_long": k, "truncated_long": k}). `origins`: each
+    row's RowOrigin (None: the rows are numbered 1.. of `source`), kept in its example and named in errors."""
+    rows = list(rows)
+    origins = list(origins) if origins is not None else numbered(source, len(rows))
     examples, stats, longest = [], {"skipped_long": 0, "truncated_long": 0}, 0
-    for i, row in enumerate(rows):
+    for i, (row, origin) in enumerate(zip(rows, origins, strict=True)):
         if prompt_key not in row or row[prompt_key] in (None, "", []):
             raise DataError(
-                f"row {i} of {source} has no '{prompt_key}' (keys: {sorted(row)}). Fix: add a '{prompt_key}' to the "
+                f"{origin} has no '{prompt_key}' (keys: {sorted(row)}). Fix: add a '{prompt_key}' to the "
                 "row, or set data.prompt_key to the column that holds the prompt."
             )
         ids = render_prompt(row[prompt_key], tokenizer, apply_chat_template, system_prompt, few_shot)
@@ -122,7 +180,7 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
         if len(ids) > max_prompt_length:
             if long_prompt_policy == "error":
                 raise DataError(
-                    f"row {i} of {source}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}. "
+                    f"{origin}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}. "
                     "Fix: raise data.max_prompt_length, or set data.long_prompt_policy=skip (drop such prompts, "
                     "counted) or truncate (keep their last tokens, counted)."
                 )
@@ -134,7 +192,7 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
         reward_info = row.get("reward_model") or {}
         examples.append(PromptExample(prompt_ids=ids, data_source=row.get("data_source", "unknown"),
                                       ground_truth=reward_info.get("ground_truth"),
-                                      extra=dict(row.get("extra_info") or {}), index=i))
+                                      extra=dict(row.get("extra_info") or {}), index=i, origin=origin))
     if not examples:
         raise DataError(f"every prompt of {source} is longer than data.max_prompt_length={max_prompt_length} "
                         f"(longest: {longest} tokens; {stats}). Fix: raise data.max_prompt_length, or set "

@@ -14,6 +14,9 @@ tokenized) and counts three problems:
 - answers over the budget: a ground truth whose tokens plus EOS do not fit in
   `rollout.max_new_tokens`, so no response can write it and stop (given `max_new_tokens`).
 
+Each example row is named where the user finds it (megappo.data.RowOrigin: `train.jsonl:121`, the
+file's line as editors show it; `train.parquet row 121`; a built-in source's row, which has no file).
+
 `apply_policy(report, policy)` then, per `data.bad_row_policy`: `error` (the default) raises a
 DataError listing each problem with counts, examples and its fix; `warn` prints the same and
 trains on the rows as they are (rows without a prompt are dropped: there is nothing to
@@ -38,7 +41,7 @@ import difflib
 import json
 from typing import Any, Sequence
 
-from megappo.data import DataError, prompt_identity
+from megappo.data import DataError, RowOrigin, numbered, prompt_identity
 from megappo.rewards import reads
 from megappo.tokenizer import unknown_characters, unknown_token
 
@@ -56,10 +59,11 @@ class Problem:
     details: list[str] = dataclasses.field(default_factory=list)  # per example row, in order
     chars: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # unknown char -> rows
 
-    def add(self, row: int, detail: str = "") -> None:
+    def add(self, row: int, detail: str, origin: RowOrigin) -> None:
+        """Row `row` (its index in the rows checked) has it; `origin` is where the user finds it."""
         self.rows.append(row)
         if len(self.details) < EXAMPLES and detail:
-            self.details.append(f"row {row}: {detail}")
+            self.details.append(f"{origin}: {detail}")
 
     def describe(self, total: int) -> str:
         text = f"{len(self.rows)} of {_rows(total)} {self.what}"
@@ -132,9 +136,11 @@ def _near_miss(row: dict, dotted: str) -> str:
 
 def check_rows(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
                reward_functions: Sequence[str] = (), source: str = "dataset",
-               max_new_tokens: int | None = None) -> DataReport:
+               max_new_tokens: int | None = None, origins: Sequence[RowOrigin] | None = None) -> DataReport:
     """Count the rows without a prompt, with unknown characters, without a field a reward reads, or
-    with a ground truth that does not fit in `max_new_tokens` (with its EOS)."""
+    with a ground truth that does not fit in `max_new_tokens` (with its EOS). The examples quoted are
+    named by their `origins` (file:line, Parquet or built-in row; None: rows 1.. of `source`)."""
+    where = list(origins) if origins is not None else numbered(source, len(rows))
     unk = unknown_token(tokenizer)
     problems = {
         "no_prompt": Problem(f"have no prompt in '{prompt_key}'",
@@ -166,11 +172,11 @@ def check_rows(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
             guess = f" (data.prompt_key={column}?)" if column and prompt_key not in row else ""
             detail = (f"keys {sorted(map(str, row))}{guess}" if prompt_key not in row
                       else f"{prompt_key}={value!r:.60}" + (" (neither text nor chat messages)" if text is None else ""))
-            problems["no_prompt"].add(i, detail)
+            problems["no_prompt"].add(i, detail, where[i])
         texts.append(text or "")
         for f in fields:
             if _field(row, f) is None:
-                problems[f"missing:{f}"].add(i, _near_miss(row, f))
+                problems[f"missing:{f}"].add(i, _near_miss(row, f), where[i])
         answers.append(_answer_text(_field(row, "reward_model.ground_truth")))
     checked = [("unknown_prompt_chars", texts)]
     if "reward_model.ground_truth" in fields:  # a ground truth no response can write
@@ -178,7 +184,7 @@ def check_rows(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
     for kind, column in checked:
         for i, chars in enumerate(unknown_characters(tokenizer, column)):
             if chars:
-                problems[kind].add(i, f"{column[i]!r:.60}")
+                problems[kind].add(i, f"{column[i]!r:.60}", where[i])
                 problems[kind].chars.update(set(chars))
     if max_new_tokens is not None and "reward_model.ground_truth" in fields:
         over = _answers_over_budget(tokenizer, answers, max_new_tokens)
@@ -190,7 +196,7 @@ def check_rows(rows: Sequence[dict], tokenizer, *, prompt_key: str = "prompt",
                 f"raise rollout.max_new_tokens to at least {need} (a response that reasons first needs more), or "
                 "drop these rows")
             for i, n in over:
-                problems["answer_too_long"].add(i, f"{answers[i]!r:.40} = {n} tokens with EOS")
+                problems["answer_too_long"].add(i, f"{answers[i]!r:.40} = {n} tokens with EOS", where[i])
     return DataReport(source, len(rows), {k: p for k, p in problems.items() if p.rows})
 
 
@@ -207,17 +213,17 @@ def _answer_text(gt: Any) -> str:
     return gt if isinstance(gt, str) else ("" if gt is None else str(gt))
 
 
-def apply_policy(report: DataReport, policy: str, rows: Sequence[dict]) -> list[dict]:
-    """The rows to train on under `data.bad_row_policy=policy`; raises DataError for `error`."""
+def apply_policy(report: DataReport, policy: str, rows: Sequence[dict]) -> list[int]:
+    """The indices of the rows to train on under `data.bad_row_policy=policy`; raises DataError for `error`."""
     assert policy in POLICIES, policy
     if not report.problems:
-        return list(rows)
+        return list(range(len(rows)))
     text = report.describe()
     if policy == "error":
         raise DataError(f"{text}\nFix the rows as said, or set data.bad_row_policy=skip (drop these rows) or "
                         "data.bad_row_policy=warn (train on them as they are).")
     drop = report.bad_rows if policy == "skip" else set(report.problems.get("no_prompt", Problem("", "")).rows)
-    kept = [row for i, row in enumerate(rows) if i not in drop]
+    kept = [i for i in range(len(rows)) if i not in drop]
     action = f"dropped {len(drop)} rows" if drop else "training on the rows as they are"
     if policy == "warn" and drop:
         action += " without a prompt, training on the others as they are"
@@ -229,11 +235,14 @@ def apply_policy(report: DataReport, policy: str, rows: Sequence[dict]) -> list[
 
 
 def check_data(rows: Sequence[dict], tokenizer, *, policy: str, prompt_key: str, reward_functions: Sequence[str],
-               source: str, max_new_tokens: int | None = None) -> list[dict]:
-    """`check_rows` then `apply_policy`: the rows to train on."""
+               source: str, max_new_tokens: int | None = None, origins: Sequence[RowOrigin] | None = None
+               ) -> tuple[list[dict], list[RowOrigin]]:
+    """`check_rows` then `apply_policy`: (the rows to train on, their origins)."""
+    origins = list(origins) if origins is not None else numbered(source, len(rows))
     report = check_rows(rows, tokenizer, prompt_key=prompt_key, reward_functions=reward_functions, source=source,
-                        max_new_tokens=max_new_tokens)
-    return apply_policy(report, policy, rows)
+                        max_new_tokens=max_new_tokens, origins=origins)
+    kept = apply_policy(report, policy, rows)
+    return [rows[i] for i in kept], [origins[i] for i in kept]
 
 
 def episode_input(row: dict, prompt_key: str = "prompt") -> str:

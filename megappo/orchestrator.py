@@ -81,7 +81,8 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                     batch.scores, batch.score_components, _ = generation_scores(run, batch, read)
                 scores = rewards(run, batch, rm_scores)
                 m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
-                m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
+                with naming_prompts(run, batch):
+                    m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
                 m.update(overlong_log(run, batch))
                 m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; earlier in one_step_off/async)
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
@@ -244,23 +245,32 @@ def overlong_log(run: Run, batch: RolloutBatch) -> dict[str, float]:
 
 def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple) -> Scored:
     """score_records with the run's reward checks; a failing function's error names the row's prompt too."""
-    try:
+    with naming_prompts(run, batch):
         return score_records(names, weights, *read, checks=run.reward_checks)
+
+
+@contextlib.contextmanager
+def naming_prompts(run: Run, batch: RolloutBatch):
+    """A UserCodeError raised inside (your reward function failed on a response of `batch`) gets its
+    row's prompt, decoded only then; the row (file and line, training or validation) it names already."""
+    try:
+        yield
     except UserCodeError as e:
-        example = next((x for x in batch.examples or () if x.index == e.row), None)
-        if example is None:
+        example = next((x for x in batch.examples or () if x.origin is not None and x.origin == e.row), None)
+        if example is None or e.prompt is not None:
             raise
         prompt = run.tokenizer.decode(list(example.prompt_ids), skip_special_tokens=True)
         raise e.at(prompt=prompt) from e.__cause__
 
 
-def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str], list[int]]:
+def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str], list]:
     """What a reward function reads of each response (a whole episode: actions and observations):
-    (texts, ground truths, extras, data sources, and the dataset rows a failing function is named with)."""
+    (texts, ground truths, extras, data sources, and the dataset rows a failing function is named with:
+    each example's RowOrigin)."""
     texts = run.tokenizer.batch_decode(batch.response_ids * batch.real_response_mask, skip_special_tokens=True)
     extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
     return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples],
-            [e.index for e in batch.examples])
+            [e.origin for e in batch.examples])
 
 
 def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, ground_truths, extras,
@@ -434,8 +444,9 @@ def validate(run: Run) -> dict[str, float]:
         batch = rollout(run, run.val_examples, params)  # one batch: small val sets
     read = responses(run, batch)
     scores = rewards(run, batch, None, read)
-    return {"val/score/mean": scores.mean().item(),
-            **score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read),
+    with naming_prompts(run, batch):
+        metrics = score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read)
+    return {"val/score/mean": scores.mean().item(), **metrics,
             "val/response_length/mean": batch.real_response_mask.sum(-1).float().mean().item(),
             **{f"val/{k}": v for k, v in (batch.env_metrics or {}).items()}}
 

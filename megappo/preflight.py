@@ -32,7 +32,7 @@ import contextlib
 import io
 
 from megappo.config import Config
-from megappo.data import build_prompts, builtin_rows, builtin_splits, check_files, load_rows
+from megappo.data import RowOrigin, build_prompts, builtin_rows, builtin_splits, check_files, numbered, read_rows
 from megappo.datacheck import check_data, warn_shared_prompts
 from megappo.envs.loading import check_env
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
@@ -103,33 +103,48 @@ def check_models(cfg: Config) -> None:
 def _prompt_rows(d) -> tuple[list[dict], list[dict] | None]:
     """(training rows, validation rows or None) from data.*: files, or a built-in source whose
     validation rows (when data.val_files is empty) hold out its training prompts."""
+    train, val = _rows_and_origins(d)
+    return train[0], val[0] if val else None
+
+
+def _rows_and_origins(d) -> tuple[tuple[list[dict], list[RowOrigin]], tuple[list[dict], list[RowOrigin]] | None]:
+    """`_prompt_rows` with each row's RowOrigin: (rows, origins) of training, of validation or None."""
+    builtin = f"data.builtin={d.builtin}"
     if d.builtin and not d.val_files:
-        return builtin_splits(d.builtin, d.builtin_size, d.builtin_val_size, d.seed, d.builtin_args)
-    train = builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args) if d.builtin else load_rows(d.train_files)
-    return train, load_rows(d.val_files, "data.val_files") if d.val_files else None
+        train, val = builtin_splits(d.builtin, d.builtin_size, d.builtin_val_size, d.seed, d.builtin_args)
+        return (train, numbered(builtin, len(train), "builtin")), (val, numbered(builtin, len(val), "builtin",
+                                                                                   "validation"))
+    if d.builtin:
+        rows = builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args)
+        train = rows, numbered(builtin, len(rows), "builtin")
+    else:
+        train = read_rows(d.train_files)
+    return train, read_rows(d.val_files, "data.val_files") if d.val_files else None
 
 
 def load_prompts(cfg: Config, tokenizer) -> tuple[list, list, dict[str, int]]:
     """(training examples, validation examples, the long-prompt counts): the rows checked per
-    data.bad_row_policy (its warnings printed) and tokenized; raises DataError naming the fix."""
+    data.bad_row_policy (its warnings printed) and tokenized; raises DataError naming the fix.
+    Every example keeps its row's RowOrigin (file and line, or built-in source; training or validation)."""
     d = cfg.data
-    rows, val_rows = _prompt_rows(d)
+    (rows, origins), val = _rows_and_origins(d)
     source = f"data.builtin={d.builtin}" if d.builtin else f"data.train_files {d.train_files}"
     check = dict(policy=d.bad_row_policy, prompt_key=d.prompt_key, max_new_tokens=cfg.rollout.max_new_tokens,
                  reward_functions=[*cfg.reward.functions, *cfg.reward.metric_functions])
-    rows = check_data(rows, tokenizer, source=source, **check)
+    rows, origins = check_data(rows, tokenizer, source=source, origins=origins, **check)
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template,
               system_prompt=d.system_prompt, few_shot=d.few_shot)
-    train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files), **kw)
+    train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files),
+                                               origins=origins, **kw)
     val_examples = []
-    if val_rows is not None:
-        val_rows = check_data(val_rows, tokenizer, source=f"data.val_files {d.val_files}" if d.val_files
-                              else f"data.builtin={d.builtin} (validation)", **check)
+    if val is not None:
+        val_rows, val_origins = check_data(val[0], tokenizer, source=f"data.val_files {d.val_files}" if d.val_files
+                                           else f"data.builtin={d.builtin} (validation)", origins=val[1], **check)
         if d.val_files:  # a built-in source's own validation rows are held out by construction
             warn_shared_prompts(rows, val_rows, prompt_key=d.prompt_key, train_source=source,
                                 val_source=f"data.val_files {d.val_files}", env=cfg.rollout.env)
-        val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", **kw)
+        val_examples, _ = build_prompts(val_rows, tokenizer, source="validation", origins=val_origins, **kw)
     return train_examples, val_examples, data_stats
 
 

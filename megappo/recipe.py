@@ -31,7 +31,8 @@ import yaml
 
 from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
 from megappo.errors import ConfigError
-from megappo.verl_keys import MOOT, spelling, verl_equivalent, verl_hint, verl_reading
+from megappo.key_synonyms import synonym_hint, synonym_of
+from megappo.verl_keys import MOOT, NO_EQUIVALENT, spelling, verl_equivalent, verl_hint, verl_reading
 
 
 def _is_key(path: str) -> bool:
@@ -50,9 +51,17 @@ def _is_key(path: str) -> bool:
     return True
 
 
-def _verl_keys(data: Any, cls: type = Config, prefix: str = "") -> list[tuple[str, Optional[str], Optional[str]]]:
+def _verl_keys(data: Any) -> list[tuple[str, Optional[str], Optional[str]]]:
     """(dotted key, megappo's key, how megappo does it) for each key of the raw recipe `data` that
-    megappo lacks and verl has (megappo.verl_keys.verl_equivalent)."""
+    megappo lacks and verl has (megappo.verl_keys.verl_equivalent; a name from another trainer under a verl
+    section, trainer.max_steps, is megappo.key_synonyms')."""
+    found = [(leaf, *hint) for leaf in _unknown_leaves(data) if (hint := verl_equivalent(leaf, _is_key))]
+    return [(leaf, synonym_of(leaf, _is_key), how) if how == NO_EQUIVALENT and synonym_of(leaf, _is_key)
+            else (leaf, ours, how) for leaf, ours, how in found]  # another trainer's name under a verl section
+
+
+def _unknown_leaves(data: Any, cls: type = Config, prefix: str = "") -> list[str]:
+    """The dotted keys of the raw recipe `data` (down to their leaves) that megappo does not have."""
     found = []
     if not isinstance(data, dict):
         return found
@@ -62,12 +71,9 @@ def _verl_keys(data: Any, cls: type = Config, prefix: str = "") -> list[tuple[st
         if key in hints:
             tp = _options(hints[key])[0]
             if dataclasses.is_dataclass(tp):
-                found += _verl_keys(value, tp, f"{path}.")
+                found += _unknown_leaves(value, tp, f"{path}.")
         else:
-            for leaf in _leaves(value, path):
-                hint = verl_equivalent(leaf, _is_key)
-                if hint:
-                    found.append((leaf, *hint))
+            found += _leaves(value, path)
     return found
 
 
@@ -96,6 +102,10 @@ def config_from_dict(data: dict) -> Config:
     verl = _verl_keys(data)
     if verl:
         raise _verl_error(verl)
+    for leaf in _unknown_leaves(data):  # another trainer's name (learning_rate, max_steps, ...)
+        hint = synonym_hint(leaf, None, _is_key)
+        if hint:
+            raise ConfigError(hint)
     if data.get("model") is None:
         raise ConfigError("the recipe has no 'model' section. Fix: set model.path=/path/to/hf_model "
                           "(or model.hf_config).")
@@ -143,7 +153,7 @@ def apply_override(data: dict, override: str) -> None:
         if dataclasses.is_dataclass(tp):
             hints = _hints(tp)
             if part not in hints:
-                hint = verl_hint(key.strip(), raw.strip(), _is_key)
+                hint = verl_hint(key.strip(), raw.strip(), _is_key) or synonym_hint(key.strip(), raw.strip(), _is_key)
                 if hint:
                     raise ConfigError(hint)
                 raise (_not_here(tp, part) or _unknown_key(part, list(hints))).at(here[:-len(part)])
@@ -222,6 +232,9 @@ def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, li
         if found is None:
             mine = f"{key}={raw}"
         elif found[0] == "refused":
+            hint = synonym_hint(key, raw.strip(), _is_key) if found[1] == NO_EQUIVALENT else None
+            if hint:  # another trainer's name under a verl section (trainer.max_steps)
+                raise ConfigError(hint)
             raise ConfigError(f"'{key}={raw.strip()}' is a verl key megappo does not read as written. Fix: "
                               f"{found[1]} (docs/config.md, 'Coming from verl').")
         elif found[0] == "unused":

@@ -22,7 +22,8 @@ extra)`, or, when it takes `solution_str` (verl's `compute_score(data_source, so
 ground_truth, extra_info)`), with verl's by name, so a verl reward file works unchanged. It
 returns a number (or, as verl allows, a dict with a "score" and fields of its own, e.g. "acc":
 `score_records` keeps those fields per response, for algorithm.filter_groups.metric); when it
-raises or returns anything else, the run ends with a `UserCodeError` that names it and the dataset row (megappo.user_code).
+raises or returns anything else, the run ends with a `UserCodeError` that names it and the dataset row
+(its file and line or built-in source, training or validation, and its prompt; megappo.user_code).
 Its value is checked (`RewardChecks`, built from the recipe's reward section and given to
 `score_batch` by the caller): NaN or inf
 is refused the same way (`reward.bad_value_policy=error`) or scored 0, warned once per function
@@ -297,7 +298,7 @@ def _warn_once(checks: RewardChecks, name: str, what: str, text: str) -> None:
         print(f"megappo: warning: {text}", file=sys.stderr, flush=True)
 
 
-def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row: int | None,
+def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row,
                   checks: RewardChecks, fields: dict) -> float:
     """Your function's score as a float (the other entries of a dict it returns go into `fields`); what it raises, a result that is not a number, NaN or inf
     (reward.bad_value_policy=error) and a call past reward.timeout_s are a UserCodeError naming
@@ -319,7 +320,7 @@ def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, 
         raise UserCodeError(code, f"returned {value!r} ({type(value).__name__}), not a number",
                             row=row, fix="return a float (e.g. 1.0 for a correct response, 0.0 otherwise)")
     value = float(value)
-    at = "" if row is None else f" on row {row}"
+    at = "" if row is None else f" on {row.describe()}"
     if not math.isfinite(value):
         if checks.bad_value_policy == "error":
             raise UserCodeError(code, f"returned {value}, not a finite number", row=row,
@@ -352,17 +353,18 @@ class Scored:
 
 def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
                 ground_truths: Sequence[Any], extras: Sequence[dict],
-                data_sources: Sequence[str] | None = None, rows: Sequence[int] | None = None, *,
+                data_sources: Sequence[str] | None = None, rows: Sequence | None = None, *,
                 checks: RewardChecks | None = None) -> list[float]:
     """Weighted sum of the named functions' scores for each response; `rows`: each response's
-    dataset row, named when your own function fails on it (UserCodeError); `checks`: how your
+    dataset row (megappo.data.RowOrigin: file and line, or built-in source; training or validation),
+    named when your own function fails on it (UserCodeError) and in its warnings; `checks`: how your
     functions' values and calls are checked (None: the defaults, error on NaN/inf, 60 s)."""
     return score_records(names, weights, responses, ground_truths, extras, data_sources, rows, checks=checks).totals
 
 
 def score_records(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
                   ground_truths: Sequence[Any], extras: Sequence[dict],
-                  data_sources: Sequence[str] | None = None, rows: Sequence[int] | None = None, *,
+                  data_sources: Sequence[str] | None = None, rows: Sequence | None = None, *,
                   checks: RewardChecks | None = None) -> Scored:
     """`score_batch` with each function's own score and the extra fields of the dicts they returned
     (when two functions return the same field, the later one's is kept)."""

@@ -8,7 +8,8 @@ module.
 
 `UserCodeError`: what megappo raises when the user's code fails while a run calls it (a reward
 function or an environment's method raises, or returns what megappo cannot use). It names the
-code, the dataset row (and its prompt) and the turn; megappo.cli reports it as the run's one
+code, the dataset row (its file and line, or built-in source; training or validation; its prompt)
+and the turn; megappo.cli reports it as the run's one
 error (the code's own traceback, then that message last, exit 4) and the other ranks exit quietly
 with it (docs/bad-inputs.md).
 
@@ -31,31 +32,33 @@ from megappo.errors import ConfigError
 class UserCodeError(Exception):
     """The user's own code failed while megappo called it: `code` (e.g. "environment my_env.py:MyEnv.step"),
     `cause` (the exception it raised, or what was wrong with what it returned), the dataset `row`
-    (its index in the prompts, None when unknown), the `turn` of the episode (None outside one)
-    and the row's `prompt` text when known."""
+    (its RowOrigin: file and line, or built-in source, training or validation; None when unknown),
+    the `turn` of the episode (None outside one) and the row's `prompt` text when known."""
 
-    def __init__(self, code: str, cause: BaseException | str, *, row: int | None = None, turn: int | None = None,
-                 prompt: str | None = None, fix: str = "correct that code"):
+    def __init__(self, code: str, cause: BaseException | str, *, row: Any = None,
+                 turn: int | None = None, prompt: str | None = None, fix: str = "correct that code"):
         self.code, self.cause, self.row, self.turn, self.prompt, self.fix = code, cause, row, turn, prompt, fix
         super().__init__(self._message())
 
     def _message(self) -> str:
         what = (f"raised {type(self.cause).__name__}: {self.cause}" if isinstance(self.cause, BaseException)
                 else self.cause)
-        row = "" if self.row is None else f"row {self.row}" + (f" (prompt {_short(self.prompt)})"
-                                                                 if self.prompt is not None else "")
+        row = (self.row.describe(self.prompt) if self.row is not None
+               else f"prompt {short_text(self.prompt)}" if self.prompt is not None else "")
         at = ", ".join(w for w in (row, f"turn {self.turn}" if self.turn is not None else "") if w)
         traceback = " (its traceback is above)" if isinstance(self.cause, BaseException) else ""
         return f"{self.code} {what}" + (f" on {at}" if at else "") + f". Fix: {self.fix}{traceback}."
 
-    def at(self, *, row: int | None = None, turn: int | None = None, prompt: str | None = None) -> "UserCodeError":
+    def at(self, *, row: Any = None, turn: int | None = None, prompt: str | None = None
+           ) -> "UserCodeError":
         """This error with the row / turn / prompt it did not know yet (an inner call knew less)."""
         return UserCodeError(self.code, self.cause, row=self.row if self.row is not None else row,
                              turn=self.turn if self.turn is not None else turn,
                              prompt=self.prompt if self.prompt is not None else prompt, fix=self.fix)
 
 
-def _short(text: Any, limit: int = 60) -> str:
+def short_text(text: Any, limit: int = 60) -> str:
+    """`text` on one line, repr-escaped (newlines as \\n), cut to about `limit` characters."""
     text = repr(text)
     return text if len(text) <= limit else text[:limit - 4] + "...'"
 

@@ -30,7 +30,7 @@ class Episode:
     ground_truth: Any  # the row's answer (reward_model.ground_truth in verl's layout), or None
     extra: dict  # the row's other columns (extra_info)
     data_source: str
-    index: int  # row index in the source
+    index: int  # the row's position among the prompts (0-based; errors name the row by its file and line)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,7 +236,7 @@ def _made(make_env: Callable[[], Environment], example, tokenizer) -> Environmen
     try:
         return make_env()
     except Exception as e:
-        raise UserCodeError("the constructor of rollout.env", e, row=example.index,
+        raise UserCodeError("the constructor of rollout.env", e, row=example.origin,
                             prompt=_prompt_text(tokenizer, example)) from e
 
 
@@ -246,9 +246,9 @@ async def _called(p: _Play, method: str, call, tokenizer, turn: int | None = Non
     try:
         return await call
     except UserCodeError as e:  # code the environment called (a reward function): its own name, our row and turn
-        raise e.at(row=p.example.index, turn=turn, prompt=_prompt_text(tokenizer, p.example)) from e.__cause__
+        raise e.at(row=p.example.origin, turn=turn, prompt=_prompt_text(tokenizer, p.example)) from e.__cause__
     except Exception as e:
-        raise UserCodeError(f"environment {env_name(type(p.env))}.{method}", e, row=p.example.index, turn=turn,
+        raise UserCodeError(f"environment {env_name(type(p.env))}.{method}", e, row=p.example.origin, turn=turn,
                             prompt=_prompt_text(tokenizer, p.example)) from e
 
 

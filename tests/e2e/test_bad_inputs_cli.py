@@ -57,7 +57,7 @@ def test_row_without_prompt_on_two_ranks(tmp_path):
     code, out = megappo(*SMALL, rows_file(tmp_path, rows), f"run.output_dir={tmp_path / 'run'}")
     assert code == 2, out[-4000:]
     assert first_error(out) == f"megappo: error: data check of data.train_files ['{tmp_path}/train.jsonl'] (8 rows):"
-    assert ("  1 of 8 rows have no prompt in 'prompt'; e.g. row 3: keys ['question', 'reward_model'] "
+    assert (f"  1 of 8 rows have no prompt in 'prompt'; e.g. {tmp_path}/train.jsonl:4: keys ['question', 'reward_model'] "
             "(data.prompt_key=question?). Fix: give every row a prompt") in out
     assert out.rstrip().splitlines()[-1].startswith("Fix the rows as said, or set data.bad_row_policy=skip"), out
     assert "rank" not in out and "Traceback" not in out and not (tmp_path / "run").exists()
@@ -72,8 +72,8 @@ def score(response, ground_truth, extra):
 
 
 def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path):
-    """Two ranks; the user's reward function raises on the row whose answer is 7 (row 6): its own
-    traceback, then one message naming the function, the row and its prompt, last on the screen; the other
+    """Two ranks; the user's reward function raises on the row whose answer is 7 (line 7 of the file): its
+    own traceback, then one message naming the function, the row (file:line, training) and its prompt, last on the screen; the other
     rank exits quietly with it (no lost connection), the launcher adds nothing and does not
     restart although run.max_restarts allows it."""
     (tmp_path / "my_reward.py").write_text(REWARD_THAT_RAISES)
@@ -82,8 +82,8 @@ def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path):
                         "run.max_restarts=1", f"run.output_dir={run}")
     assert code == 4, out[-4000:]
     assert out.rstrip().splitlines()[-1] == (
-        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' raised ValueError: no scorer for 7 yet on row "
-        "6 (prompt '6>'). Fix: correct that code (its traceback is above).")
+        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' raised ValueError: no scorer for 7 yet on "
+        f"{tmp_path}/train.jsonl:7 (training row, prompt '6>'). Fix: correct that code (its traceback is above).")
     traceback = out[out.index("Traceback (most recent call last):"):]
     assert f'File "{tmp_path}/my_reward.py", line 4, in score' in traceback and "megappo/" not in traceback
     assert "lost its connection" not in out and "failed (exited" not in out and "restart" not in out
@@ -97,7 +97,7 @@ def score(response, ground_truth, extra):
 
 
 def test_a_nan_from_the_users_reward_function_is_the_one_message(tmp_path):
-    """Two ranks; the user's reward function returns NaN on the row whose answer is 4 (row 3):
+    """Two ranks; the user's reward function returns NaN on the row whose answer is 4 (line 4):
     refused at once (reward.bad_value_policy=error) with one message naming it and the row, last,
     exit 4; no step is trained on it."""
     (tmp_path / "my_reward.py").write_text(REWARD_THAT_RETURNS_NAN)
@@ -106,7 +106,8 @@ def test_a_nan_from_the_users_reward_function_is_the_one_message(tmp_path):
                         f"run.output_dir={run}")
     assert code == 4, out[-4000:]
     assert out.rstrip().splitlines()[-1] == (
-        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' returned nan, not a finite number on row 3 (prompt '3>'). "
+        f"megappo: error: reward function '{tmp_path}/my_reward.py:score' returned nan, not a finite number on "
+        f"{tmp_path}/train.jsonl:4 (training row, prompt '3>'). "
         "Fix: return a finite float, or set reward.bad_value_policy=warn to score such responses 0.")
     assert out.count("megappo: error:") == 1 and "Traceback" not in out and "failed (exited" not in out
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()

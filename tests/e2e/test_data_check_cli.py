@@ -22,12 +22,13 @@ def test_bad_rows_are_refused_with_counts_before_any_model_is_built(tmp_path):
                         f"run.output_dir={tmp_path / 'run'}")
     assert code == 2 and "Traceback" not in out, out[-4000:]
     assert first_error(out) == f"megappo: error: data check of data.train_files ['{tmp_path}/train.jsonl'] (11 rows):"
-    assert "  1 of 11 rows have no prompt in 'prompt'; e.g. row 10: prompt=''. Fix: give every row a prompt" in out
+    at = f"{tmp_path}/train.jsonl"  # the file's lines, as an editor shows them
+    assert f"  1 of 11 rows have no prompt in 'prompt'; e.g. {at}:11: prompt=''. Fix: give every row a prompt" in out
     assert ("  1 of 11 rows have prompt characters the tokenizer does not know (encoded as '<pad>', so the model sees "
             "that instead): 6 distinct characters") in out
-    assert "e.g. row 8: 'What is 3+4?'. Fix: use a tokenizer that has them (model.tokenizer)" in out
+    assert f"e.g. {at}:9: 'What is 3+4?'. Fix: use a tokenizer that has them (model.tokenizer)" in out
     assert ("  1 of 11 rows lack reward_model.ground_truth, which reward function(s) ['digit_successor'] read (every "
-            "response would score 0); e.g. row 9: reward_model has 'groundtruth', not 'ground_truth'. Fix:") in out
+            f"response would score 0); e.g. {at}:10: reward_model has 'groundtruth', not 'ground_truth'. Fix:") in out
     assert "or set data.bad_row_policy=skip (drop these rows) or data.bad_row_policy=warn" in out
     assert not (tmp_path / "run").exists()
 

@@ -137,6 +137,29 @@ def test_rollout_buffer_of_an_earlier_megappo_one_batch_still_loads(tmp_path):
     assert checkpointing.load_rollout_buffer(str(tmp_path / "nothing")) == []
 
 
+def test_a_buffered_batch_keeps_each_rows_origin(tmp_path):
+    """A buffered batch's prompt records keep where their row came from (file and line, validation), so
+    a reward function failing on it after a resume still names it; a buffer saved before origins loads
+    with None."""
+    import torch
+
+    from megappo.data import PromptExample, RowOrigin
+    from megappo.types import RolloutBatch
+
+    origin = RowOrigin("val.jsonl", 3, "jsonl", "validation")
+    batch = RolloutBatch(prompt_ids=torch.tensor([[3, 4]]), prompt_mask=torch.ones(1, 2), response_ids=torch.tensor([[5]]),
+                         response_mask=torch.ones(1, 1), rollout_log_probs=torch.tensor([[-0.5]]),
+                         finish_reasons=["stop"], prompt_index=torch.zeros(1, dtype=torch.long),
+                         examples=[PromptExample([3, 4], "demo", "7", {"k": 1}, 0, origin)])
+    plain = checkpointing._plain_batch(batch)
+    torch.save({"batches": [{"step": 5, "batch": plain}]}, tmp_path / checkpointing.ROLLOUT_BUFFER)
+    [(_, loaded)] = checkpointing.load_rollout_buffer(str(tmp_path))
+    assert loaded.examples[0].origin == origin and str(loaded.examples[0].origin) == "val.jsonl:3"
+    del plain["examples"][0]["origin"]
+    torch.save({"batches": [{"step": 5, "batch": plain}]}, tmp_path / checkpointing.ROLLOUT_BUFFER)
+    assert checkpointing.load_rollout_buffer(str(tmp_path))[0][1].examples[0].origin is None
+
+
 def digested_checkpoint(root, step, config, nan_skips=0, shard=b"\0" * 4096):
     """A fake checkpoint with a weight shard, an rng file and the digests a save records (2 ranks)."""
     path = fake_checkpoint(root, step, config)

@@ -80,8 +80,9 @@ def test_unknown_keys_list_valid_ones_and_suggest(tmp_path):
         build(paralel={})
     with pytest.raises(ConfigError, match=r"unknown config key 'parallel.tpp'. Did you mean 'parallel.tp'\?.*'vpp'"):
         build(parallel={"tpp": 2})
-    with pytest.raises(ConfigError, match=r"unknown config key 'actor.optim.learning_rate'.*Valid keys: \['lr'"):
-        load_config(None, ["model.path=/m", "actor.optim.learning_rate=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor.optim.lrr'. Did you mean 'actor.optim.lr'.*Valid "
+                                          r"keys: \['lr'"):
+        load_config(None, ["model.path=/m", "actor.optim.lrr=1"])
     with pytest.raises(ConfigError, match="unknown config key 'zzz'. Fix: remove it or use one of the valid keys"):
         load_config(write(tmp_path, "model: {path: /m}\nzzz: 1\n"))
     with pytest.raises(ConfigError, match="'parallel.tp' is a single value \\(int\\), not a section"):

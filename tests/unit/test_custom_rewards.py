@@ -6,6 +6,7 @@ import pytest
 
 from megappo import cli
 from megappo.config import ConfigError
+from megappo.data import RowOrigin
 from megappo.rewards import get_reward_fn, reads, score_batch
 from megappo.user_code import UserCodeError
 
@@ -42,11 +43,11 @@ def test_file_functions_with_megappo_and_verl_signatures(tmp_path, monkeypatch):
                        [{"weight": 0.5}, {}]) == [1.0, 3.0]
     assert score_batch([f"{tmp_path}/mine.py:first_digit"], None, ["3"], ["3"], [{}]) == [1.0]  # absolute path
     with pytest.raises(UserCodeError, match=r"reward function 'mine.py:words' returned 'one' \(str\), not a number "
-                                            "on row 7. Fix: return a float"):
-        score_batch(["mine.py:words"], None, ["3"], ["3"], [{}], rows=[7])
+                                            "on t.jsonl:7 \\(training row\\). Fix: return a float"):
+        score_batch(["mine.py:words"], None, ["3"], ["3"], [{}], rows=[RowOrigin("t.jsonl", 7)])
     with pytest.raises(UserCodeError) as raised:  # what it raises names it and the row, and keeps the cause
-        score_batch(["exact_match", "mine.py:needs_unit"], None, ["3", "4"], ["3", "4"], [{"unit": "3"}, {}], rows=[5, 9])
-    assert str(raised.value) == ("reward function 'mine.py:needs_unit' raised KeyError: 'unit' on row 9. Fix: correct "
+        score_batch(["exact_match", "mine.py:needs_unit"], None, ["3", "4"], ["3", "4"], [{"unit": "3"}, {}], rows=[RowOrigin("t.jsonl", 5), RowOrigin("v.parquet", 9, "parquet", "validation")])
+    assert str(raised.value) == ("reward function 'mine.py:needs_unit' raised KeyError: 'unit' on v.parquet row 9 (validation row). Fix: correct "
                                  "that code (its traceback is above).")
     assert isinstance(raised.value.cause, KeyError) and raised.value.__cause__ is raised.value.cause
     assert reads("mine.py:first_digit") == ("reward_model.ground_truth",)  # as verl's reward manager reads it

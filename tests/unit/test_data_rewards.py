@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megappo.data import DataError, PromptSampler, build_prompts, builtin_rows, load_rows
+from megappo.data import DataError, PromptSampler, build_prompts, builtin_rows, load_rows, read_rows
 from megappo.rewards import gsm8k, last_boxed, math_boxed, score_batch
 
 
@@ -36,7 +36,9 @@ def test_verl_layout_jsonl_and_parquet(tmp_path):
 
 def test_row_without_prompt_names_the_row(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x"}, {"question": "y"}])
-    with pytest.raises(DataError, match="row 1 of .* has no 'prompt' \\(keys: \\['question'\\]\\)"):
+    with pytest.raises(DataError, match=f"^{path}:2 has no 'prompt' \\(keys: \\['question'\\]\\)"):
+        build_prompts(*read_rows([path])[:1], CharTokenizer(), source=path, origins=read_rows([path])[1])
+    with pytest.raises(DataError, match=f"^row 2 of {path} has no 'prompt'"):  # rows given without their origins
         build_prompts(load_rows([path]), CharTokenizer(), source=path)
 
 

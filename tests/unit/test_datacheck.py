@@ -2,7 +2,7 @@
 
 import pytest
 
-from megappo.data import DataError, build_prompts
+from megappo.data import DataError, build_prompts, numbered
 from megappo.datacheck import check_data, check_rows
 from megappo.tokenizer import load_tokenizer, unknown_characters, unknown_token
 
@@ -25,7 +25,7 @@ def test_clean_rows_pass_untouched(capsys):
     report = check_rows(rows, TOK, reward_functions=["digit_successor"], source="x")
     assert report.problems == {}
     assert check_data(rows, TOK, policy="error", prompt_key="prompt", reward_functions=["digit_successor"],
-                      source="x") == rows
+                      source="x") == (rows, numbered("x", len(rows)))
     assert capsys.readouterr().out == ""  # a clean dataset prints nothing
 
 
@@ -53,14 +53,16 @@ def test_counts_examples_and_fixes():
     assert p["missing:reward_model.ground_truth"].rows == [2, 6]
     text = report.describe()
     assert text.startswith("data check of data.train_files ['t.jsonl'] (9 rows):\n")
-    assert ("  3 of 9 rows have no prompt in 'prompt'; e.g. row 3: prompt=''; row 4: prompt=[{'role': 'user', "
-            "'content': '  '}]; row 5: keys ['question', 'reward_model'] (data.prompt_key=question?). Fix: give every "
+    assert ("  3 of 9 rows have no prompt in 'prompt'; e.g. row 4 of data.train_files ['t.jsonl']: prompt=''; "
+            "row 5 of data.train_files ['t.jsonl']: prompt=[{'role': 'user', 'content': '  '}]; row 6 of "
+            "data.train_files ['t.jsonl']: keys ['question', 'reward_model'] (data.prompt_key=question?). Fix: give every "
             "row a prompt") in text
     assert ("  1 of 9 rows have prompt characters the tokenizer does not know (encoded as '<pad>', so the model sees "
             "that instead): 6 distinct characters") in text
-    assert "e.g. row 1: 'What is 3+4?'. Fix: use a tokenizer that has them (model.tokenizer)" in text
+    assert "e.g. row 2 of data.train_files ['t.jsonl']: 'What is 3+4?'. Fix: use a tokenizer that has them (model.tokenizer)" in text
     assert ("  2 of 9 rows lack reward_model.ground_truth, which reward function(s) ['exact_match'] read (every "
-            "response would score 0); e.g. row 2: reward_model has 'groundtruth', not 'ground_truth'; row 6: "
+            "response would score 0); e.g. row 3 of data.train_files ['t.jsonl']: reward_model has 'groundtruth', not "
+            "'ground_truth'; row 7 of data.train_files ['t.jsonl']: "
             "'ground_truth' is at the top level of the row, not under 'reward_model'. Fix: write it in every row "
             "(verl layout: {\"reward_model\": {\"ground_truth\": \"...\"}})") in text
 
@@ -72,10 +74,10 @@ def test_policies(capsys):
     assert str(e.value).endswith("Fix the rows as said, or set data.bad_row_policy=skip (drop these rows) or "
                                  "data.bad_row_policy=warn (train on them as they are).")
     assert capsys.readouterr().out == ""
-    kept = check_data(BAD_ROWS, TOK, policy="skip", **kw)
-    assert kept == [BAD_ROWS[0], BAD_ROWS[8]]
+    kept, origins = check_data(BAD_ROWS, TOK, policy="skip", **kw)
+    assert kept == [BAD_ROWS[0], BAD_ROWS[8]] and [str(o) for o in origins] == ["row 1 of t.jsonl", "row 9 of t.jsonl"]
     assert capsys.readouterr().out.splitlines()[-1] == "megappo: data.bad_row_policy=skip: dropped 7 rows."
-    kept = check_data(BAD_ROWS, TOK, policy="warn", **kw)  # rows without a prompt cannot be kept
+    kept, _ = check_data(BAD_ROWS, TOK, policy="warn", **kw)  # rows without a prompt cannot be kept
     assert kept == [r for i, r in enumerate(BAD_ROWS) if i not in (3, 4, 5)]
     out = capsys.readouterr().out
     assert out.startswith("megappo: warning: data check of t.jsonl (9 rows):")
@@ -92,8 +94,8 @@ def test_fields_follow_the_reward_functions():
     rg = {"prompt": "1+1=", "reward_model": {"ground_truth": "2"}, "extra_info": {"task": "basic_arithmetic"}}
     report = check_rows([rg], TOK, reward_functions=["reasoning_gym"])
     assert list(report.problems) == ["missing:extra_info.entry"]
-    assert "e.g. row 0: extra_info has 'task', not 'entry'" not in report.describe()  # no close spelling: keys
-    assert "e.g. row 0: extra_info has keys ['task']" in report.describe()
+    assert "e.g. row 1 of dataset: extra_info has 'task', not 'entry'" not in report.describe()  # no close spelling: keys
+    assert "e.g. row 1 of dataset: extra_info has keys ['task']" in report.describe()
     assert check_rows([{"prompt": "1>"}], TOK, reward_functions=[]).problems == {}  # a reward model needs no truth
 
 
@@ -136,7 +138,7 @@ def test_answers_that_cannot_fit_the_token_budget_are_counted_with_the_budget_th
     assert problem.rows == [1, 2, 3]  # '3' + EOS fits in 2; '10' + EOS needs 3, '123' / '100' + EOS 4
     text = report.describe()
     assert "3 of 4 rows have a ground truth that does not fit in rollout.max_new_tokens=2" in text
-    assert "raise rollout.max_new_tokens to at least 4" in text and "row 1: '123' = 4 tokens with EOS" in text
+    assert "raise rollout.max_new_tokens to at least 4" in text and "row 2 of x: '123' = 4 tokens with EOS" in text
     assert "answer_too_long" not in check_rows(rows, TOK, reward_functions=["digit_successor"],
                                                max_new_tokens=4).problems
     assert check_rows(rows, TOK, reward_functions=["digit_successor"]).problems == {}  # no budget given

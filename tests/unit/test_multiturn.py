@@ -13,7 +13,7 @@ import torch
 
 from megappo.config import ConfigError
 from megappo.recipe import load_config
-from megappo.data import build_prompts, builtin_rows
+from megappo.data import RowOrigin, build_prompts, builtin_rows
 from megappo.envs.base import Action, Environment, StepResult
 from megappo.envs.loading import check_env, env_class
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
@@ -529,14 +529,15 @@ def test_what_an_environment_raises_names_its_class_the_row_and_the_turn(tmp_pat
     monkeypatch.chdir(tmp_path)
     env = check_env("flaky_env.py:Flaky", {})
     tok = load_tokenizer("builtin:digits")
-    exs = examples(tok, ["1?", "2?"])
+    exs = [dataclasses.replace(e, origin=RowOrigin("val.jsonl", 2 * i + 1, split="validation"))  # rows 1 and 3
+           for i, e in enumerate(examples(tok, ["1?", "2?"]))]
     eng = Scripted([[8, 1], [9, 1], [10, 1]], tok.eos_token_id)
     kw = dict(make_env=env, tokenizer=tok, encode_observation=observation_encoder(tok, "tool", False), max_turns=3,
               max_turn_tokens=None, pad_token_id=0)
     with pytest.raises(UserCodeError) as raised:
         run_episodes(eng.generate, exs, SamplingParams(max_new_tokens=20), **kw)
-    assert str(raised.value) == (f"environment {tmp_path}/flaky_env.py:Flaky.step raised KeyError: 'answer' on row 1 "
-                                 "(prompt '2?'), turn 1. Fix: correct that code (its traceback is above).")
+    assert str(raised.value) == (f"environment {tmp_path}/flaky_env.py:Flaky.step raised KeyError: 'answer' on val.jsonl:3 "
+                                 "(validation row, prompt '2?'), turn 1. Fix: correct that code (its traceback is above).")
     assert isinstance(raised.value.__cause__, KeyError)
     assert sorted(env.step.__globals__["CLOSED"]) == [0, 1]
 
@@ -545,5 +546,5 @@ def test_what_an_environment_raises_names_its_class_the_row_and_the_turn(tmp_pat
 
     monkeypatch.setattr(env, "reset", broken_reset)
     with pytest.raises(UserCodeError, match=r"^environment .*/flaky_env.py:Flaky.reset raised RuntimeError: no sandbox "
-                                            r"on row 0 \(prompt '1\?'\)\. Fix"):
+                                            r"on val.jsonl:1 \(validation row, prompt '1\?'\)\. Fix"):
         run_episodes(Scripted([[8, 1]], tok.eos_token_id).generate, exs, SamplingParams(max_new_tokens=20), **kw)

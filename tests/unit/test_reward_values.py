@@ -9,6 +9,7 @@ import pytest
 
 from megappo import rewards
 from megappo.config import ConfigError, RewardConfig
+from megappo.data import RowOrigin, numbered
 from megappo.rewards import score_batch
 from megappo.user_code import UserCodeError
 
@@ -46,29 +47,30 @@ def checks(**fields) -> rewards.RewardChecks:
 @pytest.mark.parametrize("answer,shown", [("nan", "nan"), ("inf", "inf"), ("-inf", "-inf")])
 def test_non_finite_reward_is_refused_naming_the_function_and_row(mine, answer, shown):
     with pytest.raises(UserCodeError) as raised:
-        score_batch([mine("by_answer")], None, ["a", "b"], ["1", answer], [{}, {}], rows=[4, 11])
-    assert str(raised.value) == (f"reward function 'mine.py:by_answer' returned {shown}, not a finite number on row "
-                                 "11. Fix: return a finite float, or set reward.bad_value_policy=warn to score such "
+        score_batch([mine("by_answer")], None, ["a", "b"], ["1", answer], [{}, {}], rows=[RowOrigin("t.jsonl", 4), RowOrigin("t.jsonl", 11)])
+    assert str(raised.value) == (f"reward function 'mine.py:by_answer' returned {shown}, not a finite number on "
+                                 "t.jsonl:11 (training row). Fix: return a finite float, or set reward.bad_value_policy=warn to score such "
                                  "responses 0.")
 
 
 def test_warn_policy_scores_zero_warns_once_and_counts(mine, capsys):
     warn = checks(bad_value_policy="warn")
-    got = score_batch([mine("by_answer")], [2.0], list("abcd"), ["nan", "1", "inf", "nan"], [{}] * 4, rows=[0, 1, 2, 3],
+    got = score_batch([mine("by_answer")], [2.0], list("abcd"), ["nan", "1", "inf", "nan"], [{}] * 4, rows=numbered("data.builtin=digit_successor", 4, "builtin"),
                       checks=warn)
     assert got == [0.0, 2.0, 0.0, 0.0]
     assert warn.bad_values == 3
     err = capsys.readouterr().err
-    assert err == ("megappo: warning: reward function 'mine.py:by_answer' returned nan on row 0; "
+    assert err == ("megappo: warning: reward function 'mine.py:by_answer' returned nan on "
+                   "data.builtin=digit_successor row 1 (training row, built-in, no file); "
                    "reward.bad_value_policy=warn: such responses are scored 0 (warned once; counted in "
                    "reward/bad_values).\n")
 
 
 def test_huge_reward_passes_with_one_warning_naming_the_function(mine, capsys):
-    assert score_batch([mine("by_answer")], None, ["a", "b"], ["huge", "huge"], [{}, {}], rows=[5, 6]) == [1e30, 1e30]
+    assert score_batch([mine("by_answer")], None, ["a", "b"], ["huge", "huge"], [{}, {}], rows=numbered("t.parquet", 2, "parquet", "validation")) == [1e30, 1e30]
     err = capsys.readouterr().err
     assert err.count("megappo: warning:") == 1
-    assert err.startswith("megappo: warning: reward function 'mine.py:by_answer' returned 1e+30 on row 5, beyond "
+    assert err.startswith("megappo: warning: reward function 'mine.py:by_answer' returned 1e+30 on t.parquet row 1 (validation row), beyond "
                           "|reward| > 1e+06 (warned once)")
 
 
@@ -76,10 +78,10 @@ def test_huge_reward_passes_with_one_warning_naming_the_function(mine, capsys):
 def test_a_hung_call_ends_at_the_timeout_naming_function_row_and_limit(mine, fn):
     start = time.monotonic()
     with pytest.raises(UserCodeError) as raised:
-        score_batch([mine(fn)], None, ["a", "b"], ["1", "hang"], [{}, {}], rows=[2, 8], checks=checks(timeout_s=0.5))
+        score_batch([mine(fn)], None, ["a", "b"], ["1", "hang"], [{}, {}], rows=[RowOrigin("t.jsonl", 2), RowOrigin("t.jsonl", 8)], checks=checks(timeout_s=0.5))
     assert time.monotonic() - start < 5
-    assert str(raised.value) == (f"reward function 'mine.py:{fn}' did not return within reward.timeout_s=0.5 s on row "
-                                 f"{2 if fn == 'swallows' else 8}. Fix: make it return sooner on such responses, or "
+    assert str(raised.value) == (f"reward function 'mine.py:{fn}' did not return within reward.timeout_s=0.5 s on "
+                                 f"t.jsonl:{2 if fn == 'swallows' else 8} (training row). Fix: make it return sooner on such responses, or "
                                  "raise reward.timeout_s (0: no limit).")
 
 
@@ -88,14 +90,14 @@ def test_off_the_main_thread_the_call_runs_on_a_daemon_thread(mine):
 
     def score():
         try:
-            score_batch([mine("hangs")], None, ["a"], ["hang"], [{}], rows=[3], checks=checks(timeout_s=0.5))
+            score_batch([mine("hangs")], None, ["a"], ["hang"], [{}], rows=[RowOrigin("t.jsonl", 3)], checks=checks(timeout_s=0.5))
         except UserCodeError as e:
             caught.append(str(e))
 
     worker = threading.Thread(target=score)
     worker.start()
     worker.join(10)
-    assert caught and "did not return within reward.timeout_s=0.5 s on row 3" in caught[0]
+    assert caught and "did not return within reward.timeout_s=0.5 s on t.jsonl:3 (training row)" in caught[0]
     assert all(t.daemon for t in threading.enumerate() if t.name == "megappo-reward-call")
     # the timer is gone and a fast call goes through on the main thread
     assert score_batch([mine("hangs")], None, ["a"], ["1"], [{}]) == [1.0]
