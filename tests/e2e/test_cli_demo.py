@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from megappo.models.precision import COMPARE_TOL
+from tests.doc_console import check_quoted
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +37,13 @@ def demo_run(tmp_path_factory):
     code, out = cli("train", "recipes/demo-cpu.yaml", f"run.output_dir={run_dir}", "run.total_steps=100",
                     "logging.progress_bar=false")
     assert code == 0, out[-6000:]
+    (run_dir / "console.txt").write_text(out)  # what the user saw, for the docs' quoted lines
     return run_dir
+
+
+def test_docs_quote_what_the_demo_prints(demo_run):
+    """README's quoted console lines (marked blocks, tests/doc_console.py) are this run's."""
+    check_quoted((demo_run / "console.txt").read_text(), __file__)
 
 
 def test_demo_recipe_learns(demo_run):

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from tests.doc_console import check_quoted
 from tests.e2e.test_cli_demo import cli
 
 STEPS = 60
@@ -27,6 +28,7 @@ def test_demo_learns_with_lora_and_exports_a_peft_adapter(tmp_path):
                     "run.val_every=0", "run.val_before_train=false", "logging.progress_bar=false")
     assert code == 0, out[-6000:]
     assert "lora: actor r=8 alpha=16, critic r=8 alpha=16" in out, out[-3000:]
+    check_quoted(out, __file__)  # docs/lora.md's start-up line (tests/doc_console.py)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "critic/score/mean" in r]
     first = sum(r["critic/score/mean"] for r in rows[:5]) / 5

@@ -5,7 +5,8 @@ and every ```bash block is run (one bash script, `set -euo pipefail`) in a fresh
 holds the checkout's recipes/; `megappo` and `python` are this checkout's (```text blocks are
 output shown to the reader, not run). Then: the run learned (training and validation reward
 rise), the samples and the Parquet copy are there, and the output the doc shows for
-`head data/train.jsonl` is what the script writes.
+`head data/train.jsonl` is what the script writes, and every console block the doc marks as this
+test's output (tests/doc_console.py) is what this run printed.
 """
 
 import json
@@ -13,6 +14,8 @@ import os
 import re
 import subprocess
 import sys
+
+from tests.doc_console import check_quoted
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(REPO, "docs", "own-data.md")
@@ -77,6 +80,7 @@ def test_own_data_doc_from_nothing_to_a_learning_run(tmp_path):
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == list(range(1, 41)) and samples[-1]["data_source"] == "my_sums"
     assert json.dumps(samples[-1]) in out  # the tail shown
+    check_quoted(out, __file__)  # the console lines the doc quotes (marked blocks: tests/doc_console.py)
 
     from megappo.data import load_rows  # the Parquet copy reads back as the same rows
 

@@ -19,7 +19,7 @@ def test_missing_sglang_names_the_fix():
         build_engine("sglang", model_path="x", pad_token_id=0)
 
 
-#: the GPU tests need SGLang itself: the lent GPU machines cannot install it (docs/gpu.md)
+#: the GPU tests need SGLang itself: the GPU machines measured so far could not install it (benchmarks/GPU.md)
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
                                   reason="sglang is not installed: pip install -e '.[gpu]' on a GPU machine")
 
