@@ -293,7 +293,7 @@ def rows(path: str) -> list[dict]:
 def check_export(out: str, live: str, init: str, role: str) -> None:
     """`megappo export`'s directory `out` is bf16 (config.json says so), holds the tensors of the
     live model's export `live` bit for bit, differs from the tiny model `init` it started from,
-    and loads with transformers and its own tokenizer."""
+    and loads with transformers and its own tokenizer; a LoRA actor's adapter names `init` as its base."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
     with open(os.path.join(out, "config.json")) as f:
@@ -303,6 +303,11 @@ def check_export(out: str, live: str, init: str, role: str) -> None:
     unequal = [k for k in got if not torch.equal(got[k], want[k])]
     assert not unequal, f"{role}: the export of the checkpoint differs from the trained model in {unequal[:3]}"
     assert any(not torch.equal(got[k], start[k]) for k in got.keys() & start.keys()), f"{role}: no weight moved"
+    for export in (out, live):  # a LoRA actor's peft adapter names the run's model.path as its base, copies nothing
+        if os.path.isdir(os.path.join(export, "adapter")):
+            with open(os.path.join(export, "adapter", "adapter_config.json")) as f:
+                assert json.load(f)["base_model_name_or_path"] == os.path.abspath(init)
+            assert not os.path.exists(os.path.join(export, "base"))
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
