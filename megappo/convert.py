@@ -29,13 +29,13 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from megappo.config import SAVED_MODULES
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.checkpoint import load_model, read_metadata, save_model
 from megappo.models.forward import gather_vocab_logits, run_micro_batches
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
 from megappo.models.hf_reference import ShardedSafetensorsWriter
 from megappo.models.precision import LOGIT_TOL
-from megappo.config import SAVED_MODULES
 from megappo.models.lora import LoRA
 from megappo.models.weights import HFWeights, iter_adapter_tensors, iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import ParallelState

@@ -203,7 +203,7 @@ def adapter_base(model_section: dict):
     directory's: export from there); a model built from model.hf_config is written next to the
     adapter, its fully trained modules (modules_to_save) at the random init the run started from
     (the same build as _hf_source's)."""
-    from megappo.config import SAVED_MODULES
+    from megappo.config import SAVED_MODULES, ModelConfig
     from megappo.convert import AdapterBase
 
     path = model_section.get("path")
@@ -211,7 +211,7 @@ def adapter_base(model_section: dict):
         return AdapterBase(path=os.path.abspath(path) if os.path.isdir(path) else path)
     from megappo.models.hf_reference import build_hf_model
 
-    hf = build_hf_model(model_section["hf_config"], seed=model_section["seed_init"])
+    hf = build_hf_model(model_section["hf_config"], seed=model_section.get("seed_init", ModelConfig.seed_init))
     return AdapterBase(start={name: t for name, t in hf.state_dict().items()
                               if name.rsplit(".", 2)[-2] in SAVED_MODULES})
 
