@@ -293,12 +293,48 @@ def cmd_export(args) -> int:
     from megappo.convert import megatron_to_hf
     from megappo.parallel.state import destroy_parallel, init_parallel
 
+    base = adapter_base_of(ckpt)
     ps = init_parallel(args.tp, args.pp)
-    megatron_to_hf(ckpt, args.out, ps, overwrite=args.overwrite)
+    megatron_to_hf(ckpt, args.out, ps, overwrite=args.overwrite, base=base)
     if ps.rank == 0:
         print(f"exported {ckpt} to {args.out}")
+        if base:
+            print(peft_note(args.out, base.path))
     destroy_parallel()
     return 0
+
+
+def adapter_base_of(model_ckpt: str):
+    """A LoRA actor checkpoint's AdapterBase (megappo.run.adapter_base), from the trainer checkpoint's
+    saved config beside it; None for anything else (a critic's export is merged only)."""
+    import json
+
+    from megappo.checkpointing import STATE_FILE
+    from megappo.models.checkpoint import read_metadata
+
+    meta, state = read_metadata(model_ckpt), os.path.join(os.path.dirname(model_ckpt), STATE_FILE)
+    if not meta.get("lora") or meta["role"] != "actor" or not os.path.isfile(state):
+        return None
+    from megappo.run import adapter_base
+
+    with open(state) as f:
+        return adapter_base(json.load(f)["config"]["model"])
+
+
+def peft_note(out: str, base_path: str | None) -> str:
+    """What a LoRA export wrote for peft, and how to load it (docs/lora.md)."""
+    from megappo.convert import BASE_DIR, PEFT_DIR
+
+    adapter = os.path.join(out, PEFT_DIR)
+    if base_path is None:
+        where = f"its base model in {os.path.join(out, BASE_DIR)}"
+    elif os.path.isdir(base_path):
+        where = f"its base model is {base_path}, the run's model.path"
+    else:
+        where = (f"adapter_config.json names the run's model.path '{base_path}' as its base, which is not a "
+                 f"directory from here: pass the base model to PeftModel.from_pretrained yourself")
+    return (f"peft adapter in {adapter}, {where}. Load it with peft (pip install peft): "
+            f"AutoPeftModelForCausalLM.from_pretrained({adapter!r}); docs/lora.md")
 
 
 def cmd_plot(args) -> int:

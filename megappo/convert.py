@@ -7,6 +7,10 @@ Both are collectives over all ranks of the layout; both write into a temporary d
 next to the output and rename it into place only when everything (including --verify)
 succeeded, so a failure never leaves a half-written output.
 
+A LoRA actor's export also writes a peft adapter (PEFT_DIR) and names its base model in
+adapter_config.json (`AdapterBase`): the HF directory the run started from, or the base written
+next to the adapter (BASE_DIR) from the model's frozen weights.
+
 Verification: (1) round trip bit-exact: the loaded Megatron shards, gathered and mapped
 back, equal the HF tensors bit for bit; (2) logits: Megatron's logits (or values, for a
 value-head model) on sample inputs equal transformers' within `tol` (the model dtype's).
@@ -16,13 +20,16 @@ This module does not know about PPO or the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
+from megappo.config import SAVED_MODULES
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.checkpoint import load_model, read_metadata, save_model
 from megappo.models.forward import gather_vocab_logits, run_micro_batches
@@ -113,8 +120,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, ps: ParallelState, *, role: str = 
 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bool = False,
-                   overwrite: bool = False, max_shard_bytes: int = 2 << 30) -> dict:
-    """Collective. Writes the HF directory from global rank 0."""
+                   overwrite: bool = False, max_shard_bytes: int = 2 << 30, base: AdapterBase | None = None) -> dict:
+    """Collective. Writes the HF directory from global rank 0 (`base`: see export_hf)."""
     check_output_dir(out_dir, overwrite)
     meta = read_metadata(ckpt_dir)
     dims = ModelDims(**meta["dims"])
@@ -125,14 +132,16 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, ps: ParallelState, *, verify: bo
     model = build_model(dims, ps, role=meta["role"], dtype=meta.get("dtype", "float32"), lora=lora)
     load_model(model, ckpt_dir)  # a LoRA model's adapters too: its export is merged (and peft's adapter)
     return export_hf(model, out_dir, meta["hf_config"], read_aux_files(os.path.join(ckpt_dir, "hf"), everything=True),
-                     verify=verify, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+                     verify=verify, overwrite=overwrite, max_shard_bytes=max_shard_bytes, base=base)
 
 
 def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dict[str, bytes], *,
-              verify: bool = False, overwrite: bool = False, max_shard_bytes: int = 2 << 30) -> dict:
+              verify: bool = False, overwrite: bool = False, max_shard_bytes: int = 2 << 30,
+              base: AdapterBase | None = None) -> dict:
     """Collective: the live (sharded) model as an HF directory written by global rank 0:
     safetensors shards in the model's dtype, `hf_config` (saying that dtype) as config.json,
-    and `hf_files` (tokenizer files)."""
+    and `hf_files` (tokenizer files). A LoRA actor's also holds its peft adapter (PEFT_DIR) and,
+    unless `base` names the directory the run started from, the base model (BASE_DIR)."""
     ps = model.ps
     check_output_dir(out_dir, overwrite)
     results = {}
@@ -149,7 +158,11 @@ def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dic
                     with open(os.path.join(tmp, name), "wb") as f:
                         f.write(data)
         if model.lora.enabled and not model.has_value_head:
-            write_peft_adapter(model, os.path.join(tmp, PEFT_DIR), hf_config)
+            base = base or AdapterBase()
+            base_path = base.path or os.path.join(os.path.abspath(out_dir), BASE_DIR)  # where it will be
+            write_peft_adapter(model, os.path.join(tmp, PEFT_DIR), hf_config, base_path, hf_files)
+            if not base.path:
+                write_base(model, os.path.join(tmp, BASE_DIR), hf_config, hf_files, base.start, max_shard_bytes)
         dist.barrier()
         if verify:
             results = verify_model(model, tmp)
@@ -158,12 +171,39 @@ def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dic
 
 #: where export_hf writes a LoRA actor's adapters in peft's format, next to the merged weights
 PEFT_DIR = "adapter"
+#: where export_hf writes a LoRA actor's base model (the weights its adapters apply to), when written
+BASE_DIR = "base"
+#: the tokenizer files the adapter directory carries (AutoTokenizer loads from it; peft's AutoPeftModel
+#: then finds them locally instead of asking the Hub)
+_TOKENIZER_FILES = tuple(n for n in HF_AUX_FILES if n != "generation_config.json")
 
 
-def write_peft_adapter(model: MegatronModel, out_dir: str, hf_config: dict) -> None:
+@dataclasses.dataclass(frozen=True)
+class AdapterBase:
+    """The base model a LoRA export's peft adapter names (adapter_config.json's base_model_name_or_path).
+
+    `path`: the HF directory the run started from (model.path), named as given, nothing copied.
+    None: the base is written next to the adapter (BASE_DIR) and named by its absolute path: the
+    model's frozen weights, except the modules trained fully (modules_to_save), whose starting values
+    a checkpoint no longer holds: `start` gives them (HF name -> tensor, e.g. a random init rebuilt
+    from its seed); a module missing from `start` is written as trained."""
+
+    path: str | None = None
+    start: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+def _saved_modules(lora: LoRA, tied_embeddings: bool) -> set[str]:
+    """HF module names (lm_head, embed_tokens) trained fully: tied embeddings, both or neither."""
+    saved = set(lora.modules_to_save)
+    return set(SAVED_MODULES) if tied_embeddings and saved else saved
+
+
+def write_peft_adapter(model: MegatronModel, out_dir: str, hf_config: dict, base_path: str | None = None,
+                       hf_files: dict[str, bytes] | None = None) -> None:
     """Collective: a LoRA model's adapters as a peft adapter directory written by global rank 0
-    (adapter_config.json + adapter_model.safetensors, peft's names `base_model.model.<module>.lora_A.weight`),
-    loadable with peft's PeftModel.from_pretrained(<the base HF model>, out_dir)."""
+    (adapter_config.json + adapter_model.safetensors, peft's names `base_model.model.<module>.lora_A.weight`,
+    and the tokenizer files of `hf_files`), naming `base_path` as its base model, so that
+    AutoPeftModelForCausalLM.from_pretrained(out_dir) or PeftModel.from_pretrained(<that model>, out_dir) loads it."""
     from safetensors.torch import save_file
 
     adapters = list(iter_adapter_tensors(model))  # (HF module name, lora_A | lora_B, tensor)
@@ -178,13 +218,38 @@ def write_peft_adapter(model: MegatronModel, out_dir: str, hf_config: dict) -> N
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
               "target_modules": sorted({module.rpartition(".")[2] for module, _, _ in adapters}),
-              "base_model_name_or_path": hf_config.get("_name_or_path") or None,
+              "base_model_name_or_path": base_path,
               "modules_to_save": sorted({name.split(".")[-2] for name, _ in saved}) or None,
               "use_rslora": False, "init_lora_weights": True}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    for name, data in (hf_files or {}).items():
+        if name in _TOKENIZER_FILES:
+            with open(os.path.join(out_dir, name), "wb") as f:
+                f.write(data)
+
+
+def write_base(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dict[str, bytes],
+               start: Mapping[str, torch.Tensor], max_shard_bytes: int = 2 << 30) -> None:
+    """Collective: a LoRA model's base as an HF directory written by global rank 0: its weights without
+    the adapters' update (in the model's dtype), the fully trained modules at their `start` values
+    (AdapterBase), config.json and `hf_files`."""
+    saved = _saved_modules(model.lora, model.dims.tie_word_embeddings)
+    writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if model.ps.rank == 0 else None
+    for name, tensor in iter_hf_tensors(model, merged=False):
+        if name.rsplit(".", 2)[-2] in saved and name in start:
+            tensor = start[name].to(tensor.dtype)
+        writer.add(name, tensor)
+    if model.ps.rank == 0:
+        writer.close()
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(model.precision.hf_config(hf_config), f, indent=2)
+        for name, data in hf_files.items():
+            if name != "config.json":
+                with open(os.path.join(out_dir, name), "wb") as f:
+                    f.write(data)
 
 
 def verify_model(model: MegatronModel, hf_dir: str, *, tol: float | None = None, seed: int = 0) -> dict:

@@ -168,7 +168,8 @@ class Run:
         from megappo.convert import export_hf
 
         hf_files = self._hf_files()
-        export_hf(self.actor.model, os.path.join(path, "actor"), self.hf_config, hf_files, overwrite=True)
+        base = adapter_base(self.cfg.to_dict()["model"]) if self.actor.model.lora.enabled else None
+        export_hf(self.actor.model, os.path.join(path, "actor"), self.hf_config, hf_files, overwrite=True, base=base)
         if self.critic:
             export_hf(self.critic.model, os.path.join(path, "critic"), self.critic_hf_config, hf_files,
                       overwrite=True)
@@ -193,6 +194,26 @@ def export_files(model_cfg, tokenizer) -> dict[str, bytes]:
             own.pop("generation_config.json", None)
         files.update(own)
     return files
+
+
+def adapter_base(model_section: dict):
+    """Where a LoRA actor's exported peft adapter finds its base model (megappo.convert.AdapterBase),
+    from the run's `model` section as plain data (a trainer checkpoint's saved config): model.path,
+    by its absolute path when it is a directory from here (a relative path is the training's working
+    directory's: export from there); a model built from model.hf_config is written next to the
+    adapter, its fully trained modules (modules_to_save) at the random init the run started from
+    (the same build as _hf_source's)."""
+    from megappo.config import SAVED_MODULES, ModelConfig
+    from megappo.convert import AdapterBase
+
+    path = model_section.get("path")
+    if path:
+        return AdapterBase(path=os.path.abspath(path) if os.path.isdir(path) else path)
+    from megappo.models.hf_reference import build_hf_model
+
+    hf = build_hf_model(model_section["hf_config"], seed=model_section.get("seed_init", ModelConfig.seed_init))
+    return AdapterBase(start={name: t for name, t in hf.state_dict().items()
+                              if name.rsplit(".", 2)[-2] in SAVED_MODULES})
 
 
 def policy_loss_knobs(cfg: Config) -> dict:

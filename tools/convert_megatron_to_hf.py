@@ -58,11 +58,16 @@ def convert(args) -> int:
     from megappo.convert import megatron_to_hf
     from megappo.parallel.state import destroy_parallel, init_parallel
 
+    from megappo.cli import adapter_base_of, peft_note
+
+    base = adapter_base_of(args.ckpt)  # a LoRA actor's: where its peft adapter finds the base model
     ps = init_parallel(args.tp, args.pp, ep=args.ep)
     results = megatron_to_hf(args.ckpt, args.out, ps, verify=args.verify, overwrite=args.overwrite,
-                             max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+                             max_shard_bytes=int(args.max_shard_gb * (1 << 30)), base=base)
     if ps.rank == 0:
         print(f"wrote {args.out}")
+        if base:
+            print(peft_note(args.out, base.path))
         if args.verify:
             print("verify: " + json.dumps(results))
     destroy_parallel()

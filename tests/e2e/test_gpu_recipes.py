@@ -290,10 +290,10 @@ def rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def check_export(out: str, live: str, init: str, role: str) -> None:
+def check_export(out: str, live: str, init: str, role: str, lora: bool = False) -> None:
     """`megappo export`'s directory `out` is bf16 (config.json says so), holds the tensors of the
     live model's export `live` bit for bit, differs from the tiny model `init` it started from,
-    and loads with transformers and its own tokenizer."""
+    and loads with transformers and its own tokenizer; a LoRA actor's (`lora`) adapter names `init` as its base."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
     with open(os.path.join(out, "config.json")) as f:
@@ -303,6 +303,10 @@ def check_export(out: str, live: str, init: str, role: str) -> None:
     unequal = [k for k in got if not torch.equal(got[k], want[k])]
     assert not unequal, f"{role}: the export of the checkpoint differs from the trained model in {unequal[:3]}"
     assert any(not torch.equal(got[k], start[k]) for k in got.keys() & start.keys()), f"{role}: no weight moved"
+    for export in (out, live) if lora else ():  # the peft adapter names the run's model.path, copies nothing
+        with open(os.path.join(export, "adapter", "adapter_config.json")) as f:
+            assert json.load(f)["base_model_name_or_path"] == os.path.abspath(init)
+        assert not os.path.exists(os.path.join(export, "base"))
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
@@ -361,7 +365,8 @@ def test_recipe_runs_two_steps_resumes_and_exports(recipe, variant, models, tmp_
     clis(str(tmp_path), *(["export", str(run_dir), str(tmp_path / f"export-{role}"), "--role", role]
                           for role in trained))
     for role in trained:
-        check_export(str(tmp_path / f"export-{role}"), str(run_dir / "hf" / role), init, role)
+        check_export(str(tmp_path / f"export-{role}"), str(run_dir / "hf" / role), init, role,
+                     lora=role == "actor" and cfg.actor.lora.rank > 0)
     times["export"] = time.time()
 
     if case_name(recipe, variant) == STRAIGHT:  # the resumed run is the run that did not stop, bit for bit
