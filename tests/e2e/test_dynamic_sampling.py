@@ -3,10 +3,10 @@
 generation batch or reach max_num_gen_batches (on_limit=fill):
 
 - a run killed after its step-2 checkpoint and resumed ends bit-identical (metrics, exported
-  weights) to a straight run, in rollout.mode sync, one_step_off and async (max_staleness 2: the
+  weights) to a straight run, in rollout.mode one_step_off and async (max_staleness 2: the
   checkpoint buffers batches generated ahead, their scores and filter metrics with them), and
-  the filter's metrics say what it did;
-- the multi-turn demo (environment scores) resumes exactly with filtering;
+  the filter's metrics say what it did; sync: the multi-turn demo (environment scores) resumes
+  exactly with filtering (tests/e2e/test_multiturn_demo.py);
 - on_limit=stop ends the run with one clear error line;
 - the demo learns under DAPO (the bar below).
 """
@@ -18,13 +18,12 @@ import pytest
 
 from tests.e2e._runs import hf_weights, metrics
 from tests.e2e.test_async import command
-from tests.e2e.test_multiturn_demo import resumes_exactly
 from tests.e2e.test_resume import REPO, env, kill_when, run
 
 FILTER = ["algorithm.filter_groups.enable=true", "rollout.n=4", "data.train_batch_size=16", "data.gen_batch_size=24",
           "algorithm.filter_groups.max_num_gen_batches=3", "actor.ppo_mini_batch_size=16",
           "critic.ppo_mini_batch_size=16"]
-MODES = {"sync": ["rollout.mode=sync"], "one_step_off": ["rollout.mode=one_step_off"],
+MODES = {"one_step_off": ["rollout.mode=one_step_off"],
          "async": ["rollout.mode=async", "rollout.max_staleness=2"]}
 
 
@@ -54,15 +53,6 @@ def test_filtered_run_killed_then_resumed_is_bit_identical(tmp_path, mode):
         assert r["filter_groups/evicted_samples"] == 4 * (r["filter_groups/generated_groups"] - passed - (16 - kept))
     assert any(r["train/num_gen_batches"] > 1 for r in steps) and any(r["filter_groups/evicted_samples"] for r in steps)
     assert all(r["val/score/mean"] >= 0 for r in rows if "val/score/mean" in r)  # validation: not filtered
-
-
-def test_filtered_multi_turn_run_resumes_exactly(tmp_path):
-    args = ["checkpoint.save_every=2", "run.val_every=2", "algorithm.filter_groups.enable=true", "rollout.n=4",
-            "data.train_batch_size=8", "data.gen_batch_size=16", "actor.ppo_mini_batch_size=8",
-            "critic.ppo_mini_batch_size=8"]
-    straight = resumes_exactly(tmp_path, *args)
-    steps = [r for r in straight if "critic/score/mean" in r]
-    assert all(r["filter_groups/evicted_samples"] > 0 and "env/turns_mean" in r for r in steps)
 
 
 def test_on_limit_stop_ends_the_run_with_one_line(tmp_path):

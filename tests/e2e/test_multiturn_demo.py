@@ -66,14 +66,19 @@ def test_multi_turn_run_resumes_exactly(tmp_path):
     """Per-turn seeds: 4 steps straight equal 2 steps, then a resumed run to 4; in bf16, the dtype of
     every GPU recipe (the multi-turn runner's observation masks and per-turn log-probs in bf16). With
     verl's multi-turn estimator (tir_optimal_token_baseline: the action tokens of each episode packed
-    across observation spans) and rollout correction (token IS, token_k3 rejection) on those masks."""
-    args = ["checkpoint.save_every=2", "run.val_every=2", "model.dtype=bfloat16", "rollout.n=2",
-            "data.train_batch_size=32", "algorithm.adv_estimator=tir_optimal_token_baseline",
+    across observation spans) and rollout correction (token IS, token_k3 rejection) on those masks.
+    With DAPO's dynamic sampling (docs/dapo.md) on the environment's scores: groups dropped, a second
+    generation batch drawn, all of it seeded so the resumed steps repeat."""
+    args = ["checkpoint.save_every=2", "run.val_every=2", "model.dtype=bfloat16", "rollout.n=4",
+            "data.train_batch_size=8", "data.gen_batch_size=16", "actor.ppo_mini_batch_size=8",
+            "critic.ppo_mini_batch_size=8", "algorithm.filter_groups.enable=true",
+            "algorithm.adv_estimator=tir_optimal_token_baseline",
             "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k3",
             "algorithm.rollout_correction.rollout_rs_threshold=1e-6"]
     straight = resumes_exactly(tmp_path, *args)
     assert any("env/turns_mean" in r for r in straight)
     trained = [r for r in straight if "critic/score/mean" in r]
+    assert all(r["filter_groups/evicted_samples"] > 0 and "env/turns_mean" in r for r in trained)
     assert all("rollout_corr/rollout_is_mean" in r for r in trained)
     assert any(r["rollout_corr/rollout_rs_masked_fraction"] > 0 for r in trained)  # bf16's mismatch rejects some
     # engine (float32 compute with the bf16 weights) and trainer (bf16) on the action tokens
