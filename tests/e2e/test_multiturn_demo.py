@@ -3,7 +3,7 @@
 tokens in the sequences, and a multi-turn run resumes exactly.
 
 The full claim (mean training reward >= 0.8 within 10 minutes, 300 steps) is measured in
-docs/environments.md; here a lower bar at 80 steps keeps the test near 1.5 minutes.
+benchmarks/RESULTS.md; here a lower bar at 80 steps keeps the test near 1.5 minutes.
 """
 
 import json
