@@ -1,9 +1,12 @@
-"""A real SLURM cluster of one node on this machine, for the tests: munged, slurmctld and slurmd
-started in the foreground from a private directory (their own munge key and socket, slurm.conf,
-cgroup.conf, state, spool and logs; free ports), and stopped again.
+"""A real SLURM cluster of one node (or `nodes=2`: two) on this machine, for the tests: munged,
+slurmctld and slurmd started in the foreground from a private directory (their own munge key and
+socket, slurm.conf, cgroup.conf, state, spool and logs; free ports), and stopped again. Several
+nodes are several slurmds on this host (`slurmd -N NAME`; Debian's slurmd is built with
+--enable-multiple-slurmd), each with its own port, pid file, spool and log (slurm.conf's %n); the
+first node is this machine's host name, the others NAME-2, ..., all at NodeAddr 127.0.0.1.
 
 `LocalSlurm(root).start()` writes the configuration, starts the three daemons and waits until the
-node is idle; `env()` is the environment for SLURM's client commands (SLURM_CONF), `sbatch`,
+nodes are idle; `env()` is the environment for SLURM's client commands (SLURM_CONF), `sbatch`,
 `job` (JobState and ExitCode from `scontrol show job`), `wait_running`, `wait_done` and
 `scancel` wrap them; `stop()` cancels what is left and ends the daemons it started (by their
 process ids). The node has this machine's CPUs; SLURM's GPU scheduling is not configured, so a job
