@@ -82,7 +82,7 @@ def test_sbatch_two_nodes_trains_saves_and_resumes(two_node_slurm, tmp_path):
     job, out = slurm.job(first), _out(tmp_path, first)
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, out[-6000:], slurm.logs())
     assert f"megappo: 2 nodes x 1 GPUs = 2 ranks; rendezvous {slurm.nodes[0]}:{port}" in out, out[-6000:]
-    assert "warning" not in out and "Traceback" not in out, out[-6000:]
+    assert "megappo: warning" not in out and "Traceback" not in out, out[-6000:]  # the job is the recipe's size
     # one rank on each slurmd, each its node's only rank, both told the same master
     assert sorted(seen) == ["0", "1"], (seen, out[-6000:])
     assert {seen[r]["SLURMD_NODENAME"] for r in seen} == set(slurm.nodes), seen
