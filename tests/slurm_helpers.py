@@ -1,9 +1,12 @@
-"""A real SLURM cluster of one node on this machine, for the tests: munged, slurmctld and slurmd
-started in the foreground from a private directory (their own munge key and socket, slurm.conf,
-cgroup.conf, state, spool and logs; free ports), and stopped again.
+"""A real SLURM cluster of one node (or `nodes=2`: two) on this machine, for the tests: munged,
+slurmctld and slurmd started in the foreground from a private directory (their own munge key and
+socket, slurm.conf, cgroup.conf, state, spool and logs; free ports), and stopped again. Several
+nodes are several slurmds on this host (`slurmd -N NAME`; Debian's slurmd is built with
+--enable-multiple-slurmd), each with its own port, pid file, spool and log (slurm.conf's %n); the
+first node is this machine's host name, the others NAME-2, ..., all at NodeAddr 127.0.0.1.
 
 `LocalSlurm(root).start()` writes the configuration, starts the three daemons and waits until the
-node is idle; `env()` is the environment for SLURM's client commands (SLURM_CONF), `sbatch`,
+nodes are idle; `env()` is the environment for SLURM's client commands (SLURM_CONF), `sbatch`,
 `job` (JobState and ExitCode from `scontrol show job`), `wait_running`, `wait_done` and
 `scancel` wrap them; `stop()` cancels what is left and ends the daemons it started (by their
 process ids). The node has this machine's CPUs; SLURM's GPU scheduling is not configured, so a job
@@ -70,9 +73,13 @@ def _free_port() -> int:
 
 
 class LocalSlurm:
-    def __init__(self, root: str, cpus: int | None = None, kill_wait_s: int = 60):
+    def __init__(self, root: str, cpus: int | None = None, kill_wait_s: int = 60, nodes: int = 1):
         self.root = os.path.abspath(root)
         self.node = socket.gethostname().split(".")[0]
+        # the first node is this machine's name (it resolves: the sbatch script's rendezvous is on the
+        # job's first node); the others are slurmds of their own on this host (`slurmd -N NAME`, Debian's
+        # slurmd is built with --enable-multiple-slurmd), reached at 127.0.0.1 on ports of their own
+        self.nodes = [self.node] + [f"{self.node}-{i + 1}" for i in range(1, nodes)]
         self.cpus = cpus or os.cpu_count() or 1
         self.kill_wait_s = kill_wait_s  # SIGTERM -> SIGKILL on scancel: time for the checkpoint
         self.procs: list[subprocess.Popen] = []
@@ -88,6 +95,12 @@ class LocalSlurm:
         for d in ("state", "spool", "log"):
             os.makedirs(self.path(d), exist_ok=True)
         ctld_port, d_port = _free_port(), _free_port()
+        if len(self.nodes) == 1:
+            node_lines = f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN\n"
+        else:  # several slurmds on this host: a port and a pid file, spool and log (%n: the node) each
+            node_lines = "".join(f"NodeName={n} NodeHostname={self.node} NodeAddr=127.0.0.1 Port={_free_port()} "
+                                 f"CPUs={self.cpus} State=UNKNOWN\n" for n in self.nodes)
+        tag = "" if len(self.nodes) == 1 else "-%n"
         conf = f"""\
 ClusterName=megappo-test
 SlurmctldHost={self.node}(127.0.0.1)
@@ -99,11 +112,11 @@ CryptoType=crypto/munge
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 StateSaveLocation={self.path('state')}
-SlurmdSpoolDir={self.path('spool')}
+SlurmdSpoolDir={self.path('spool')}{tag}
 SlurmctldPidFile={self.path('slurmctld.pid')}
-SlurmdPidFile={self.path('slurmd.pid')}
+SlurmdPidFile={self.path(f'slurmd{tag}.pid')}
 SlurmctldLogFile={self.path('log', 'slurmctld.log')}
-SlurmdLogFile={self.path('log', 'slurmd.log')}
+SlurmdLogFile={self.path('log', f'slurmd{tag}.log')}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -116,8 +129,7 @@ MinJobAge=3600
 KillWait={self.kill_wait_s}
 MpiDefault=none
 SlurmdParameters=config_overrides
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
-PartitionName=local Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{node_lines}PartitionName=local Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """
         with open(self.conf, "w") as f:
             f.write(conf)
@@ -125,7 +137,8 @@ PartitionName=local Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             f.write("CgroupPlugin=autodetect\nIgnoreSystemd=yes\nConstrainCores=no\nConstrainRAMSpace=no\n")
 
     def _daemon(self, *cmd: str) -> None:
-        log = open(self.path("log", os.path.basename(cmd[0]) + ".out"), "w")
+        name = os.path.basename(cmd[0]) + (f"-{cmd[cmd.index('-N') + 1]}" if "-N" in cmd else "")
+        log = open(self.path("log", name + ".out"), "w")
         self.procs.append(subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                            start_new_session=True))
 
@@ -140,13 +153,18 @@ PartitionName=local Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                      f"--log-file={self.path('log', 'munged.log')}", f"--seed-file={self.path('munge.seed')}")
         self._wait(lambda: os.path.exists(self.path("munge.sock")), timeout, "munged")
         self._daemon(_which("slurmctld"), "-D", "-i", "-f", self.conf)
-        self._daemon(_which("slurmd"), "-D", "-f", self.conf)
-        self._wait(self._node_idle, timeout, "the node to be idle")
+        if len(self.nodes) == 1:
+            self._daemon(_which("slurmd"), "-D", "-f", self.conf)
+        else:
+            for n in self.nodes:
+                os.makedirs(self.path(f"spool-{n}"), exist_ok=True)
+                self._daemon(_which("slurmd"), "-D", "-N", n, "-f", self.conf)
+        self._wait(self._node_idle, timeout, "the nodes to be idle")
         return self
 
     def _node_idle(self) -> bool:
         proc = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
-        return proc.returncode == 0 and proc.stdout.strip() == "idle"
+        return proc.returncode == 0 and proc.stdout.split() == ["idle"] * len(self.nodes)
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         end = time.monotonic() + timeout

@@ -5,7 +5,8 @@ the cluster started on this machine with `ray start --head`), checks that it has
 reserves one bundle per rank in a placement group (PACK: 1 CPU each, and 1 GPU for a GPU
 recipe), starts one actor per bundle and has each run megappo's normal entry,
 `python -m megappo.cli ARGV`, in a child process with the torchrun environment: RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE (the ranks on its node, in rank order), MASTER_ADDR (rank 0's node)
+LOCAL_RANK, LOCAL_WORLD_SIZE (the ranks on its node, in rank order; each node's ranks are
+consecutive, bundle 0's node first, so a TP group stays within a node), MASTER_ADDR (rank 0's node)
 and MASTER_PORT (a free port there); on a GPU recipe CUDA_VISIBLE_DEVICES lists the node's GPUs
 that Ray gave those ranks, in local-rank order, so LOCAL_RANK picks this rank's own. The ranks run
 in the driver's working directory with its PYTHONPATH: the recipe, data and run.output_dir must be
@@ -147,20 +148,35 @@ def _check_resources(ray, world: int, bundle: dict, address: str) -> None:
                           f"launch fewer ranks (--world-size N).")
 
 
-def _rendezvous(ray, actors, gpu: bool) -> list[dict]:
-    """Each rank's torchrun environment, from where Ray placed it."""
-    places = ray.get([a.where.remote() for a in actors])
-    master_addr = places[0][0]
-    master_port = ray.get(actors[0].free_port.remote())
+def _node_order(places: list[tuple]) -> list[int]:
+    """The actors (by bundle index) in rank order: each node's together, in bundle order, the nodes in
+    the order of their first bundle (bundle 0's node holds rank 0). Ray's PACK may interleave the
+    bundles of two nodes; Megatron's TP (then PP) groups are consecutive ranks, so without this a TP
+    group could span nodes although each node has a whole number of them."""
+    nodes = list(dict.fromkeys(p[1] for p in places))
+    return sorted(range(len(places)), key=lambda i: (nodes.index(places[i][1]), i))
+
+
+def _envs(places: list[tuple], master_port: int, gpu: bool) -> list[dict]:
+    """Each rank's torchrun environment from `places` ((node IP, node id, GPU ids) in rank order)."""
     envs = []
     for rank, (_, node, gpus) in enumerate(places):
         local = [r for r, p in enumerate(places) if p[1] == node]
-        env = {"RANK": str(rank), "WORLD_SIZE": str(len(actors)), "LOCAL_RANK": str(local.index(rank)),
-               "LOCAL_WORLD_SIZE": str(len(local)), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+        env = {"RANK": str(rank), "WORLD_SIZE": str(len(places)), "LOCAL_RANK": str(local.index(rank)),
+               "LOCAL_WORLD_SIZE": str(len(local)), "MASTER_ADDR": places[0][0], "MASTER_PORT": str(master_port)}
         if gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(places[r][2][0] for r in local)
         envs.append(env)
     return envs
+
+
+def _rendezvous(ray, actors, gpu: bool) -> tuple[list, list[dict]]:
+    """The actors in rank order (_node_order) and each rank's torchrun environment, from where Ray
+    placed them."""
+    places = ray.get([a.where.remote() for a in actors])
+    order = _node_order(places)
+    actors, places = [actors[i] for i in order], [places[i] for i in order]
+    return actors, _envs(places, ray.get(actors[0].free_port.remote()), gpu)
 
 
 def launch(argv: list[str], world: int, address: str = "auto", gpu: bool = False) -> int:
@@ -182,7 +198,7 @@ def launch(argv: list[str], world: int, address: str = "auto", gpu: bool = False
         actors = [rank_cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=
                                    PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
                   for i in range(world)]
-        envs = _rendezvous(ray, actors, gpu)
+        actors, envs = _rendezvous(ray, actors, gpu)
         pythonpath = os.environ.get("PYTHONPATH")
         for env in envs:
             env.update({"PYTHONPATH": pythonpath} if pythonpath else {})
