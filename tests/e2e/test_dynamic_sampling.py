@@ -4,8 +4,9 @@ generation batch or reach max_num_gen_batches (on_limit=fill):
 
 - a run killed after its step-2 checkpoint and resumed ends bit-identical (metrics, exported
   weights) to a straight run, in rollout.mode one_step_off and async (max_staleness 2: the
-  checkpoint buffers batches generated ahead, their scores and filter metrics with them), and
-  the filter's metrics say what it did; sync: the multi-turn demo (environment scores) resumes
+  checkpoint buffers batches generated ahead, their scores and filter metrics with them; with
+  run.critic_warmup=2 there, so the run resumes from a checkpoint taken in warmup), and the
+  filter's metrics say what it did; sync: the multi-turn demo (environment scores) resumes
   exactly with filtering (tests/e2e/test_multiturn_demo.py);
 - on_limit=stop ends the run with one clear error line;
 - the demo learns under DAPO (the bar below).
@@ -23,8 +24,10 @@ from tests.e2e.test_resume import REPO, env, kill_when, run
 FILTER = ["algorithm.filter_groups.enable=true", "rollout.n=4", "data.train_batch_size=16", "data.gen_batch_size=24",
           "algorithm.filter_groups.max_num_gen_batches=3", "actor.ppo_mini_batch_size=16",
           "critic.ppo_mini_batch_size=16"]
+#: async also carries run.critic_warmup=2 (the killed run resumes from the step-2 checkpoint, taken in warmup: the
+#: actor's optimizer has taken no step) and the staleness bound 2 (the checkpoint buffers the batches generated ahead)
 MODES = {"one_step_off": ["rollout.mode=one_step_off"],
-         "async": ["rollout.mode=async", "rollout.max_staleness=2"]}
+         "async": ["rollout.mode=async", "rollout.max_staleness=2", "run.critic_warmup=2"]}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -44,6 +47,13 @@ def test_filtered_run_killed_then_resumed_is_bit_identical(tmp_path, mode):
                                            hf_weights(straight / "hf" / "actor").values()))
     steps = [r for r in rows if "critic/score/mean" in r]
     assert len(steps) == 4
+    if mode == "async":  # batches generated ahead of the trainer, up to the bound
+        assert [r["rollout/staleness"] for r in steps] == [0, 1, 2, 2]
+    if mode == "async":  # critic warmup: steps 1-2 update the critic alone (no actor metrics, no lr step)
+        assert [("actor/pg_loss" in r, "critic/vf_loss" in r, "actor/lr" in r) for r in steps] == \
+            [(False, True, False)] * 2 + [(True, True, True)] * 2
+        critic = [hf_weights(d / "hf" / "critic") for d in (killed, straight)]
+        assert all(a.equal(b) for a, b in zip(critic[0].values(), critic[1].values()))
     for r in steps:  # generated groups = kept + dropped; the batch is train_batch_size groups
         kept, hit = r["filter_groups/kept_groups"], r["filter_groups/hit_limit"]
         assert kept == 16 or (hit == 1 and kept < 16), r

@@ -38,7 +38,7 @@ Variants that differ from another case only in hardware and layout become the sa
 and so do the 4gpu variants, whose micro-batches of 1 with packing only change how the same
 sequences are split into micro-batches. To keep CI under 50 minutes, some variants also run as a
 case that differs in one thing another case runs (the model family at a layout, TP2 for DP2, GRPO
-at PP2, recomputation on, KL in the reward): 10 runs for 8 recipes and 28 variants. `COLLAPSED`
+at PP2, recomputation on, KL in the reward): 9 runs for 8 recipes and 28 variants. `COLLAPSED`
 writes down which runs as which and why, and a test checks that the resolved configs are equal
 but for exactly the keys it names. What cannot run on CPU:
 sequence parallelism (above; the value head under it: tests/distributed/test_value_head_sp.py),
@@ -89,12 +89,16 @@ ANSWERS = {"gsm8k": ("#### ", ""), "math_boxed": ("\\boxed{", "}")}
 #: cases)
 RECOMPUTE = ("actor.recompute.granularity", "critic.recompute.granularity")
 COLLAPSED = {
-    "qwen2.5-7b-ppo-8gpu.yaml:4gpu": ("qwen2.5-7b-ppo-8gpu.yaml", "TP4 x DP1 instead of DP2: TP2",
-                                      ("actor.micro_batch_size", "critic.micro_batch_size")),
-    "qwen2.5-7b-ppo-8gpu.yaml:16gpu": ("qwen2.5-7b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2", ()),
+    "qwen2.5-7b-ppo-8gpu.yaml:4gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP1 instead of DP2: TP2, as the recipe",
+                                      ("actor.micro_batch_size", "critic.micro_batch_size", "model.path",
+                                       "run.output_dir")),
+    "qwen2.5-7b-ppo-8gpu.yaml:16gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2, as the recipe",
+                                       ("model.path", "run.output_dir")),
     "qwen2.5-7b-ppo-8gpu.yaml:16x40gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
     "qwen3-8b-ppo-8gpu.yaml:16gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2", ()),
     # CI time: the rest collapse across a difference that another case runs
+    "qwen2.5-7b-ppo-8gpu.yaml": ("qwen3-8b-ppo-8gpu.yaml", "the same PPO run at TP2 on Qwen3's stand-in; Qwen2.5's "
+                                 "runs as itself at PP2 (8x48gb) and DP2 (h200)", ("model.path", "run.output_dir")),
     "qwen3-8b-ppo-8gpu.yaml:8x48gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "the same PPO run at PP2 on Qwen2.5's "
                                       "stand-in; Qwen3 runs as itself at TP2 here and at PP2 in "
                                       "tests/distributed/test_models.py", ("model.path", "run.output_dir")),

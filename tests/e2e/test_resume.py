@@ -5,8 +5,8 @@ straight through; the checkpoint also resumes at another parallel layout, and ex
 Setting: the CPU demo in bfloat16 at DP=2 with the distributed optimizer (so optimizer state,
 float32 master weights included, is sharded), critic + GAE, a reference model with an adaptive
 KL coefficient in the reward (controller state), validation every 2 steps; 4 steps,
-checkpoints every 2. (fp32 exact resume: tests/e2e/test_async.py, test_multiturn_demo.py and
-tests/distributed/test_checkpoint.py.)
+checkpoints every 2. (fp32 exact resume: tests/e2e/test_dynamic_sampling.py (async, critic warmup),
+test_multiturn_demo.py and tests/distributed/test_checkpoint.py.)
 """
 
 import contextlib
@@ -99,33 +99,6 @@ def test_kill_during_save_then_resume_is_bit_identical(straight, tmp_path):
         unequal = [k for k in a if not torch.equal(a[k], b[k])]
         assert not unequal, f"{role}: {unequal[:3]}"
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("step_")) == ["step_00000002", "step_00000004"]
-
-
-def test_critic_warmup_killed_during_warmup_then_resumed_is_bit_identical(tmp_path):
-    """run.critic_warmup=2 (fp32, the demo's TP=2, async rollouts one step ahead): steps 1-2 train the
-    critic alone, with no actor update, metrics or weight sync; a run killed during warmup resumes
-    from a warmup checkpoint (the actor's optimizer has taken no step) and ends bit-identical."""
-    args = ["run.critic_warmup=2", "run.total_steps=4", "checkpoint.save_every=1", "checkpoint.save_hf_at_end=true",
-            "run.val_every=0", "run.val_before_train=false", "logging.progress_bar=false", "rollout.mode=async",
-            "rollout.max_staleness=1"]
-
-    def cmd(out):
-        return [sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", "recipes/demo-cpu.yaml",
-                f"run.output_dir={out}", *args]
-
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run(cmd(straight))
-    log = killed / "metrics.jsonl"
-    kill_when(cmd(killed), lambda: log.is_file() and '"step": 2' in log.read_text(), "step 2 was logged")
-    assert (killed / "checkpoints" / "latest").read_text() in ("step_00000001", "step_00000002")
-    assert "resumed from" in run(cmd(killed))
-    rows = metrics(straight)
-    assert metrics(killed) == rows
-    assert [("actor/pg_loss" in r, "critic/vf_loss" in r, "actor/lr" in r) for r in rows] == \
-        [(False, True, False)] * 2 + [(True, True, True)] * 2
-    for role in ("actor", "critic"):
-        a, b = hf_weights(straight / "hf" / role), hf_weights(killed / "hf" / role)
-        assert [k for k in a if not torch.equal(a[k], b[k])] == [], role
 
 
 def test_resume_at_another_layout(straight, tmp_path):
