@@ -746,6 +746,11 @@ class Config(_Section):
                  f"actor.moe_routing=replay records the engine's routes of single-turn responses; multi-turn "
                  f"episodes (rollout.env={self.rollout.env}) have no single record yet. Fix: set "
                  f"actor.moe_routing=recompute or rollout.env=single_turn.")
+        _require(self.actor.moe_routing != "replay" or self.actor.recompute.granularity == "none",
+                 f"actor.moe_routing=replay replays the engine's routes in the forward pass only; recomputation "
+                 f"(actor.recompute.granularity={self.actor.recompute.granularity}) would route again in the "
+                 f"backward with the trainer's own routers. Fix: set actor.recompute.granularity=none, or "
+                 f"actor.moe_routing=recompute.")
         _require(not self.ref_is_actor_base or all(v is None for v in dataclasses.astuple(self.ref.parallel)),
                  "with actor.lora the reference policy is the actor with its adapters off (no model of its own), "
                  "so ref.parallel does not apply. Fix: remove ref.parallel.")

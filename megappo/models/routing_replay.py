@@ -14,8 +14,8 @@ itself, and `RouteReplay` counts the (token, layer) pairs where the two sets dif
 routes that replay changed. With `replay=False` the same count says how often the
 trainer's routers disagree with the engine's while they choose for themselves.
 
-Activation recomputation would route again in the backward (REPLAY_BACKWARD); megappo
-does not recompute activations, so only the forward is replayed.
+Activation recomputation would route again in the backward (REPLAY_BACKWARD): only the
+forward is replayed, so the config refuses replay together with actor.recompute.
 
 Shape legend: t tokens of a micro-batch in the router's order ([S, B] flattened: s-major),
 L decoder layers (global), k experts per token.

@@ -227,6 +227,8 @@ GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}
      r"actor.micro_batch_size=3"),
     ({"checkpoint": {"save_every": -1}}, "checkpoint.save_every=-1 must be >= 0"),
     ({"run": {"total_steps": 0}}, "run.total_steps=0 must be >= 1"),
+    ({"actor": {"moe_routing": "replay", "recompute": {"granularity": "full"}}},
+     "would route again in the backward with the trainer's own routers. Fix: set actor.recompute.granularity=none"),
     ({"actor": {"moe_routing": "replay"}, "rollout": {"env": "lookup"}},
      "multi-turn episodes .rollout.env=lookup. have no single record yet. Fix: set actor.moe_routing=recompute"),
 ])
