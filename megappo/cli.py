@@ -437,9 +437,9 @@ def run_reporting_errors(func, *args) -> int:
             return peer[1]
         lost = _lost_ranks() if failure[1] == GAVE_UP_EXIT else None
         if lost is not None:  # several nodes: one line, by one survivor, names the ranks that went without a word
-            ranks, words_it = lost
+            ranks, words_it, store_gone = lost
             if words_it:
-                print(f"megappo: error: {_lost_line(ranks, failure[0])}", file=sys.stderr, flush=True)
+                print(f"megappo: error: {_lost_line(ranks, failure[0], store_gone)}", file=sys.stderr, flush=True)
             else:
                 time.sleep(2)  # the rank that words the line ends first: its launcher does not stop it before
             return GAVE_UP_EXIT
@@ -482,10 +482,10 @@ def _lost_ranks():
     return stage.roll_call() if stage is not None else None
 
 
-def _lost_line(ranks, error) -> str:
+def _lost_line(ranks, error, store_gone: bool) -> str:
     from megappo.parallel.stage import lost_line
 
-    return lost_line(ranks, getattr(error, "stage_name", "?"))
+    return lost_line(ranks, getattr(error, "stage_name", "?"), store_gone)
 
 
 def _end_progress_line() -> None:

@@ -24,11 +24,12 @@ launching agent's and outlives the failed rank; where rank 0 holds the store its
 launcher, a world of one) and rank 0 failed, the note cannot be read and the peers say what
 they saw, as before.
 
-A rank that dies without a word (SIGKILL, a crash, its node lost) leaves no note. When the world
-spans several nodes, each rank records its node in the store at start-up (`set_identity`), and
-the ranks that lose a peer hold a roll call (`roll_call`): each answers, waits `ROLL_CALL_S`
-for the others, and the ranks that neither answered nor left a note are the lost ones; the lowest
-rank that answered words the one line naming them and their node(s) (`lost_line`). On one node the
+A rank that dies without a word (SIGKILL, a crash, its node lost) leaves no note. Each rank
+records its node in the store at start-up and reads every rank's (`set_identity`); when they
+span several nodes, the ranks that lose a peer hold a roll call (`roll_call`): each answers,
+waits `ROLL_CALL_S` for the others, and the ranks that neither answered nor left a note are the
+lost ones; the lowest rank that answered words the one line naming them by node (`lost_line`).
+When the store itself is gone, it went with rank 0's node, which hosts it. On one node the
 launcher already names the rank that failed, and no roll call is held.
 
 This module does not know about models, configs or PPO.
@@ -65,10 +66,14 @@ def set_identity(rank: int, tp_rank: int, pp_rank: int, dp_rank: int, timeout_mi
     `node` (default `node_name()`) is recorded in the store for a roll call."""
     _identity["where"] = f"rank {rank} (tp_rank {tp_rank}, pp_rank {pp_rank}, dp_rank {dp_rank})"
     _identity["timeout"] = (f"{timeout_minutes * 60:g} s" if timeout_minutes < 1 else f"{timeout_minutes:g} min")
+    _identity.pop("nodes", None)
     try:
         store = _store()
-        if store is not None:
+        if store is not None:  # every rank's node, known before any can be lost (one round trip at start-up)
             store.set(f"{_NODE_KEY}{rank}", node or node_name())
+            keys = [f"{_NODE_KEY}{r}" for r in range(dist.get_world_size())]
+            store.wait(keys)
+            _identity["nodes"] = [v.decode() for v in store.multi_get(keys)]
     except Exception:  # no store to share it in: no roll call
         pass
 
@@ -114,40 +119,44 @@ def peer_failure() -> tuple[int, int] | None:
         return None
 
 
-def roll_call(wait_s: float = ROLL_CALL_S) -> tuple[dict[int, str], bool] | None:
+def roll_call(wait_s: float = ROLL_CALL_S) -> tuple[dict[int, str], bool, bool] | None:
     """Called by a rank whose collective lost a peer, on a world that spans several nodes: answers,
     waits `wait_s` for the other survivors, and returns ({lost rank: its node}, whether this rank
-    words the line: the lowest that answered); None on one node, when nobody is missing, or
-    without a store (it went with the lost node)."""
-    try:
-        store = _store()
-        return None if store is None else _roll_call(store, dist.get_world_size(), dist.get_rank(), wait_s)
-    except Exception:
+    words the line: the lowest that answered, whether the store went too); None on one node or
+    when nobody is missing. A store that went is taken to have gone with rank 0's node, which
+    hosts it (torchrun's node 0, the Ray launcher's rank 0): the lowest rank of each other node
+    words the line then (there is no store left to agree on one)."""
+    nodes, store = _identity.get("nodes"), _store()
+    if not nodes or store is None or not dist.is_initialized():
         return None
+    return _roll_call(store, nodes, dist.get_rank(), wait_s)
 
 
-def _roll_call(store, world: int, me: int, wait_s: float) -> tuple[dict[int, str], bool] | None:
-    keys = [f"{_NODE_KEY}{r}" for r in range(world)]
-    if not store.check(keys):
-        return None
-    nodes = [v.decode() for v in store.multi_get(keys)]
+def _roll_call(store, nodes: list[str], me: int, wait_s: float) -> tuple[dict[int, str], bool, bool] | None:
     if len(set(nodes)) < 2:
         return None
-    store.set(f"{_ANSWER_KEY}{me}", "lost a peer")
-    time.sleep(wait_s)
-    answered = [r for r in range(world) if store.check([f"{_ANSWER_KEY}{r}"])]
-    lost = {r: nodes[r] for r in range(world) if r not in answered}
-    return (lost, me == min(answered)) if lost else None
+    try:
+        store.set(f"{_ANSWER_KEY}{me}", "lost a peer")
+        time.sleep(wait_s)
+        answered = [r for r in range(len(nodes)) if store.check([f"{_ANSWER_KEY}{r}"])]
+    except Exception:  # the store is gone: with rank 0's node
+        if nodes[me] == nodes[0]:
+            return None
+        lost = {r: node for r, node in enumerate(nodes) if node == nodes[0]}
+        return lost, me == min(r for r, node in enumerate(nodes) if node == nodes[me]), True
+    lost = {r: nodes[r] for r in range(len(nodes)) if r not in answered}
+    return (lost, me == min(answered), False) if lost else None
 
 
-def lost_line(lost: dict[int, str], stage_name: str) -> str:
+def lost_line(lost: dict[int, str], stage_name: str, store_gone: bool = False) -> str:
     """The one line naming the lost ranks by node: `lost node 1 (host h): ranks 2, 3 stopped answering
     in stage 'update_actor' ...`."""
     by_node: dict[str, list[int]] = {}
     for rank, node in sorted(lost.items()):
         by_node.setdefault(node, []).append(rank)
     parts = [f"{node}: rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}" for node, ranks in by_node.items()]
-    return (f"{_identity['where']} lost {'; '.join(parts)} in stage '{stage_name}': they ended without a word "
+    store = " and the run's store, which that node hosted," if store_gone else ""
+    return (f"{_identity['where']} lost {'; '.join(parts)}{store} in stage '{stage_name}': they ended without a word "
             "(killed, crashed, or their node went down); the other ranks stopped. Fix: check that node, then rerun "
             "the same command: it resumes from the latest complete checkpoint.")
 

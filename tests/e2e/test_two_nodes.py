@@ -6,8 +6,8 @@ killed as a whole), running the CPU demo over gloo.
 - TP2 inside a node x DP2 across the two (4 ranks): steps and a save, metrics bitwise equal to
   the same layout on one node; RANK / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK per node; the
   run dir's files written once (rank 0's) or once per rank (checkpoint shards), never colliding.
-- Losing a node: SIGKILL of every process of the node that does not host the rendezvous store
-  (as a node that goes down) after the step-2 checkpoint: the other node's ranks stop at once,
+- Losing a node: SIGKILL of every process of node 1 (as a node that goes down; node 0's agent
+  hosts the ranks' store) after the step-2 checkpoint: the other node's ranks stop at once,
   one line names the lost node and its ranks, no process of the run is left, and a rerun
   resumes from step 2 with the metrics of the one-node run.
 - SIGTERM to one node only (SLURM preempting it): every rank stops at a step boundary with a
@@ -108,13 +108,11 @@ class Nodes:
         return sorted(({key: c.environ().get(key) for key in keys} for c in psutil.Process(self.agents[k].pid).children()),
                       key=lambda e: int(e["RANK"]))
 
-    def store_host(self) -> int:
-        """The agent that hosts the c10d rendezvous store (it listens on the endpoint's port)."""
-        for k, agent in enumerate(self.agents):
-            for c in psutil.Process(agent.pid).net_connections("tcp"):
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == self.port:
-                    return k
-        raise AssertionError("no agent listens on the rendezvous port")
+    def agent_of_node(self, group_rank: int) -> int:
+        """The agent whose ranks the rendezvous made node `group_rank` (their GROUP_RANK)."""
+        found = [k for k in range(2) if {r["GROUP_RANK"] for r in self.ranks(k)} == {str(group_rank)}]
+        assert len(found) == 1, [self.ranks(k) for k in range(2)]
+        return found[0]
 
     def kill(self) -> None:
         for p in self.processes():
@@ -193,8 +191,7 @@ def test_losing_a_node_stops_the_other_and_the_rerun_resumes(straight, tmp_path)
     try:
         wait_for_checkpoint(nodes, 2)
         time.sleep(0.2)  # into step 3
-        lost = 1 - nodes.store_host()  # a node down; the rendezvous store's host stays up (SLURM's first node)
-        group = nodes.ranks(lost)[0]["GROUP_RANK"]
+        lost = nodes.agent_of_node(1)  # node 0's agent hosts the ranks' store (MASTER_ADDR:MASTER_PORT)
         ranks = [int(r["RANK"]) for r in nodes.ranks(lost)]
         victims = nodes.processes(lost)
         start = time.time()
@@ -212,7 +209,7 @@ def test_losing_a_node_stops_the_other_and_the_rerun_resumes(straight, tmp_path)
     text = open(nodes.logs[1 - lost]).read()
     named = [line for line in text.splitlines() if line.startswith("megappo: error:")]
     assert len(named) == 1, text[-6000:]
-    assert f"lost node {group} (host {socket.gethostname()}): ranks {ranks[0]}, {ranks[1]}" in named[0], named
+    assert f"lost node 1 (host {socket.gethostname()}): ranks {ranks[0]}, {ranks[1]}" in named[0], named
     assert stopped_in < 60, f"the surviving node took {stopped_in:.0f}s to stop"  # gloo: the peer's socket closes
     # the rerun (both nodes again) resumes from step 2, the last complete checkpoint
     rerun = Nodes(out, 2, TP2)
@@ -230,7 +227,7 @@ def test_sigterm_to_one_node_stops_every_rank_with_a_checkpoint(straight, tmp_pa
     try:
         wait_for_checkpoint(nodes, 2)
         time.sleep(0.2)
-        preempted = 1 - nodes.store_host()
+        preempted = nodes.agent_of_node(1)
         for p in nodes.processes(preempted):  # as SLURM signals every process of the node's job step
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGTERM)

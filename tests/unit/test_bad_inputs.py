@@ -143,21 +143,26 @@ def test_a_roll_call_names_the_ranks_of_a_lost_node(rank3):
     neither answered nor left an error note are named, by node, by the lowest rank that answered."""
     import torch.distributed as dist
 
+    nodes = ["node 0 (host a)"] * 2 + ["node 1 (host b)"] * 2
     store = dist.HashStore()
-    for rank, node in enumerate(["node 0 (host a)"] * 2 + ["node 1 (host b)"] * 2):
-        store.set(f"{stage_module._NODE_KEY}{rank}", node)
     store.set(f"{stage_module._ANSWER_KEY}0", "lost a peer")
-    assert stage_module._roll_call(store, 4, 1, wait_s=0) == ({2: "node 1 (host b)", 3: "node 1 (host b)"}, False)
-    assert stage_module._roll_call(store, 4, 0, wait_s=0)[1] is True  # the lowest that answered words the line
+    assert stage_module._roll_call(store, nodes, 1, wait_s=0) == ({2: nodes[2], 3: nodes[3]}, False, False)
+    assert stage_module._roll_call(store, nodes, 0, wait_s=0)[1] is True  # the lowest that answered words the line
     store.set(f"{stage_module._ANSWER_KEY}3", "error")  # rank 3 ended on its own reported error: not lost
-    lost, _ = stage_module._roll_call(store, 4, 0, wait_s=0)
+    lost, _, _ = stage_module._roll_call(store, nodes, 0, wait_s=0)
     assert stage_module.lost_line(lost, "update_actor").startswith(
         "rank 3 (tp_rank 1, pp_rank 1, dp_rank 0) lost node 1 (host b): rank 2 in stage 'update_actor': they ended "
         "without a word (killed, crashed, or their node went down); the other ranks stopped. Fix: ")
-    one_node = dist.HashStore()
-    for rank in range(2):
-        one_node.set(f"{stage_module._NODE_KEY}{rank}", "node 0 (host a)")
-    assert stage_module._roll_call(one_node, 2, 0, wait_s=0) is None  # one node: the launcher names the rank
+    assert stage_module._roll_call(store, nodes[:1] * 4, 0, wait_s=0) is None  # one node: the launcher names the rank
+
+    class Gone:  # the store went with the node that hosted it (rank 0's)
+        def set(self, *a):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    assert stage_module._roll_call(Gone(), nodes, 3, wait_s=0) == ({0: nodes[0], 1: nodes[1]}, False, True)
+    assert stage_module._roll_call(Gone(), nodes, 2, wait_s=0)[1] is True  # the lowest rank of its node words it
+    assert "lost node 0 (host a): ranks 0, 1 and the run's store, which that node hosted, in stage 'gen'" in \
+        stage_module.lost_line({0: nodes[0], 1: nodes[1]}, "gen", store_gone=True)
 
 
 def test_cli_reports_run_failures_in_one_line(rank3, capsys):
