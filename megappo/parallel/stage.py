@@ -24,7 +24,8 @@ launching agent's and outlives the failed rank; where rank 0 holds the store its
 launcher, a world of one) and rank 0 failed, the note cannot be read and the peers say what
 they saw, as before.
 
-A rank that dies without a word (SIGKILL, a crash, its node lost) leaves no note. Each rank
+A rank that dies without a word (SIGKILL, a crash, its node lost) leaves no note, nor does one
+that hangs (the others time out). Each rank
 records its node in the store at start-up and reads every rank's (`set_identity`); when they
 span several nodes, the ranks that lose a peer hold a roll call (`roll_call`): each answers,
 waits `ROLL_CALL_S` for the others, and the ranks that neither answered nor left a note are the
@@ -149,16 +150,16 @@ def _roll_call(store, nodes: list[str], me: int, wait_s: float) -> tuple[dict[in
 
 
 def lost_line(lost: dict[int, str], stage_name: str, store_gone: bool = False) -> str:
-    """The one line naming the lost ranks by node: `lost node 1 (host h): ranks 2, 3 stopped answering
-    in stage 'update_actor' ...`."""
+    """The one line naming the lost ranks by node: `rank 0 (...) lost node 1 (host h): ranks 2, 3 in
+    stage 'update_actor': they stopped answering ...`."""
     by_node: dict[str, list[int]] = {}
     for rank, node in sorted(lost.items()):
         by_node.setdefault(node, []).append(rank)
     parts = [f"{node}: rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}" for node, ranks in by_node.items()]
     store = " and the run's store, which that node hosted," if store_gone else ""
-    return (f"{_identity['where']} lost {'; '.join(parts)}{store} in stage '{stage_name}': they ended without a word "
-            "(killed, crashed, or their node went down); the other ranks stopped. Fix: check that node, then rerun "
-            "the same command: it resumes from the latest complete checkpoint.")
+    return (f"{_identity['where']} lost {'; '.join(parts)}{store} in stage '{stage_name}': they stopped "
+            "answering (killed, crashed, hung, or their node went down); the other ranks stopped. Fix: check that "
+            "node, then rerun the same command: it resumes from the latest complete checkpoint.")
 
 
 def current_stage() -> str:

@@ -151,8 +151,8 @@ def test_a_roll_call_names_the_ranks_of_a_lost_node(rank3):
     store.set(f"{stage_module._ANSWER_KEY}3", "error")  # rank 3 ended on its own reported error: not lost
     lost, _, _ = stage_module._roll_call(store, nodes, 0, wait_s=0)
     assert stage_module.lost_line(lost, "update_actor").startswith(
-        "rank 3 (tp_rank 1, pp_rank 1, dp_rank 0) lost node 1 (host b): rank 2 in stage 'update_actor': they ended "
-        "without a word (killed, crashed, or their node went down); the other ranks stopped. Fix: ")
+        "rank 3 (tp_rank 1, pp_rank 1, dp_rank 0) lost node 1 (host b): rank 2 in stage 'update_actor': they stopped "
+        "answering (killed, crashed, hung, or their node went down); the other ranks stopped. Fix: ")
     assert stage_module._roll_call(store, nodes[:1] * 4, 0, wait_s=0) is None  # one node: the launcher names the rank
 
     class Gone:  # the store went with the node that hosted it (rank 0's)
