@@ -106,8 +106,8 @@ class Nodes:
     def ranks(self, k: int) -> list[dict]:
         """The torchrun variables of agent k's ranks (its children)."""
         keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE")
-        return sorted(({key: c.environ().get(key) for key in keys} for c in psutil.Process(self.agents[k].pid).children()),
-                      key=lambda e: int(e["RANK"]))
+        children = psutil.Process(self.agents[k].pid).children()
+        return sorted(({key: c.environ().get(key) for key in keys} for c in children), key=lambda e: int(e["RANK"]))
 
     def agent_of_node(self, group_rank: int) -> int:
         """The agent whose ranks the rendezvous made node `group_rank` (their GROUP_RANK)."""
