@@ -7,10 +7,11 @@ killed as a whole), running the CPU demo over gloo.
   the same layout on one node; RANK / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK per node; the
   run dir's files written once (rank 0's) or once per rank (checkpoint shards), never colliding.
 - Losing a node: SIGKILL of every process of node 1 (as a node that goes down; node 0's agent
-  hosts the ranks' store) after the step-2 checkpoint: the other node's ranks stop at once,
+  hosts the ranks' store) in the middle of step 4's save: the other node's ranks stop at once,
   one line names the lost node and its ranks, no process of the run is left, and a rerun
-  resumes from step 2 with the metrics of the one-node run. Losing node 0, whose agent hosts the
-  ranks' store: node 1's ranks name it, and the store, in one line.
+  resumes from step 2, the last complete checkpoint, with the metrics of the one-node run.
+  Losing node 0 (whose agent hosts the ranks' store) in step 3: node 1's ranks name it, and the
+  store, in one line.
 - SIGTERM to one node only (SLURM preempting it): every rank stops at a step boundary with a
   checkpoint, and a rerun resumes from it; never a hang (bounded waits).
 - PP2 across the nodes (1 rank per node): the same metrics as PP2 on one node.
@@ -188,12 +189,20 @@ def test_two_nodes_train_save_and_match_one_node(straight, tmp_path):
     assert len(done) == 1, nodes.output()  # one rank 0 across the nodes
 
 
-def kill_a_node_after_step_2(nodes: Nodes, node: int) -> tuple[str, list[int], float]:
-    """SIGKILL every process of node `node` (its agent, ranks and their children) in step 3; wait for
-    the other node's agent. Returns the other node's output, the killed ranks and how long the
-    other node took to end."""
+def kill_a_node(nodes: Nodes, node: int, mid_save: bool) -> tuple[str, list[int], float]:
+    """SIGKILL every process of node `node` (its agent, ranks and their children) in step 3, or
+    (`mid_save`) as soon as step 4's save has begun (its `.partial` directory exists); wait for the
+    other node's agent. Returns the other node's output, the killed ranks and how long the other
+    node took to end."""
     wait_for_checkpoint(nodes, 2)
-    time.sleep(0.2)  # into step 3
+    if mid_save:
+        partial = os.path.join(nodes.out, "checkpoints", "step_00000004.partial")
+        deadline = time.time() + TIMEOUT
+        while not os.path.isdir(partial):
+            assert time.time() < deadline and all(a.poll() is None for a in nodes.agents), nodes.output()
+            time.sleep(0.01)
+    else:
+        time.sleep(0.2)  # into step 3
     lost = nodes.agent_of_node(node)
     ranks = [int(r["RANK"]) for r in nodes.ranks(lost)]
     start = time.time()
@@ -213,9 +222,12 @@ def test_losing_a_node_stops_the_other_and_the_rerun_resumes(straight, tmp_path)
     out = str(tmp_path / "run")
     nodes = Nodes(out, 2, ["run.total_steps=40"])  # long enough that the kill lands mid-run
     try:
-        text, ranks, stopped_in = kill_a_node_after_step_2(nodes, 1)
+        text, ranks, stopped_in = kill_a_node(nodes, 1, mid_save=True)
     finally:
         nodes.kill()
+    checkpoints = os.path.join(out, "checkpoints")  # the kill landed in step 4's save: it stayed partial
+    assert open(os.path.join(checkpoints, "latest")).read() == "step_00000002", os.listdir(checkpoints)
+    assert not os.path.exists(os.path.join(checkpoints, "step_00000004")), os.listdir(checkpoints)
     named = [line for line in text.splitlines() if line.startswith("megappo: error:")]
     assert len(named) == 1, text[-6000:]
     assert f"lost node 1 (host {socket.gethostname()}): ranks {ranks[0]}, {ranks[1]} in stage" in named[0], named
@@ -235,7 +247,7 @@ def test_losing_the_node_that_hosts_the_store(tmp_path):
     ranks say so, in one line."""
     nodes = Nodes(str(tmp_path / "run"), 2, ["run.total_steps=40"])
     try:
-        text, ranks, stopped_in = kill_a_node_after_step_2(nodes, 0)
+        text, ranks, stopped_in = kill_a_node(nodes, 0, mid_save=False)
     finally:
         nodes.kill()
     named = [line for line in text.splitlines() if line.startswith("megappo: error:")]
