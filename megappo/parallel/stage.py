@@ -67,14 +67,15 @@ def set_identity(rank: int, tp_rank: int, pp_rank: int, dp_rank: int, timeout_mi
     `node` (default `node_name()`) is recorded in the store for a roll call."""
     _identity["where"] = f"rank {rank} (tp_rank {tp_rank}, pp_rank {pp_rank}, dp_rank {dp_rank})"
     _identity["timeout"] = (f"{timeout_minutes * 60:g} s" if timeout_minutes < 1 else f"{timeout_minutes:g} min")
-    _identity.pop("nodes", None)
+    _identity.pop("nodes", None), _identity.pop("pids", None)
     try:
         store = _store()
         if store is not None:  # every rank's node, known before any can be lost (one round trip at start-up)
-            store.set(f"{_NODE_KEY}{rank}", node or node_name())
+            store.set(f"{_NODE_KEY}{rank}", f"{os.getpid()} {node or node_name()}")
             keys = [f"{_NODE_KEY}{r}" for r in range(dist.get_world_size())]
             store.wait(keys)
-            _identity["nodes"] = [v.decode() for v in store.multi_get(keys)]
+            pids, nodes = zip(*(v.decode().split(" ", 1) for v in store.multi_get(keys)))
+            _identity["nodes"], _identity["pids"] = list(nodes), [int(p) for p in pids]
     except Exception:  # no store to share it in: no roll call
         pass
 
@@ -130,10 +131,23 @@ def roll_call(wait_s: float = ROLL_CALL_S) -> tuple[dict[int, str], bool, bool] 
     nodes, store = _identity.get("nodes"), _store()
     if not nodes or store is None or not dist.is_initialized():
         return None
-    return _roll_call(store, nodes, dist.get_rank(), wait_s)
+    return _roll_call(store, nodes, _identity["pids"], dist.get_rank(), wait_s)
 
 
-def _roll_call(store, nodes: list[str], me: int, wait_s: float) -> tuple[dict[int, str], bool, bool] | None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _roll_call(store, nodes: list[str], pids: list[int], me: int, wait_s: float
+               ) -> tuple[dict[int, str], bool, bool] | None:
+    """roll_call's work. A rank of this rank's own node that did not answer (blocked in a collective
+    with another survivor) but whose process is alive is not lost."""
     if len(set(nodes)) < 2:
         return None
     try:
@@ -145,7 +159,8 @@ def _roll_call(store, nodes: list[str], me: int, wait_s: float) -> tuple[dict[in
             return None
         lost = {r: node for r, node in enumerate(nodes) if node == nodes[0]}
         return lost, me == min(r for r, node in enumerate(nodes) if node == nodes[me]), True
-    lost = {r: nodes[r] for r in range(len(nodes)) if r not in answered}
+    lost = {r: nodes[r] for r in range(len(nodes))
+            if r not in answered and not (nodes[r] == nodes[me] and _alive(pids[r]))}
     return (lost, me == min(answered), False) if lost else None
 
 
