@@ -25,13 +25,14 @@ launcher, a world of one) and rank 0 failed, the note cannot be read and the pee
 they saw, as before.
 
 A rank that dies without a word (SIGKILL, a crash, its node lost) leaves no note, nor does one
-that hangs (the others time out). Each rank
-records its node in the store at start-up and reads every rank's (`set_identity`); when they
-span several nodes, the ranks that lose a peer hold a roll call (`roll_call`): each answers,
-waits `ROLL_CALL_S` for the others, and the ranks that neither answered nor left a note are the
-lost ones; the lowest rank that answered words the one line naming them by node (`lost_line`).
-When the store itself is gone, it went with rank 0's node, which hosts it. On one node the
-launcher already names the rank that failed, and no roll call is held.
+that hangs (the others time out). Each rank records its node and PID in the store at start-up
+and reads every rank's (`set_identity`); when they span several nodes, the ranks that lose a
+peer hold a roll call (`roll_call`): each answers, waits `ROLL_CALL_S` for the others, and the
+ranks that neither answered nor left a note, nor are live processes of the caller's own node
+(blocked in a collective with a survivor), are the lost ones; the lowest rank that answered
+words the one line naming them by node (`lost_line`). A survivor of a third node blocked that
+way would be named too. When the store itself is gone, it went with rank 0's node, which hosts
+it. On one node the launcher already names the rank that failed, and no roll call is held.
 
 This module does not know about models, configs or PPO.
 """
