@@ -471,6 +471,14 @@ def run_reporting_errors(func, *args) -> int:
         peer = _peer_failure() if failure[1] == GAVE_UP_EXIT else None
         if peer is not None:  # the rank this one lost reported its own error: that is the one message
             return peer[1]
+        lost = _lost_ranks() if failure[1] == GAVE_UP_EXIT else None
+        if lost is not None:  # several nodes: one line, by one survivor, names the ranks that went without a word
+            ranks, words_it, store_gone = lost
+            if words_it:
+                print(f"megappo: error: {_lost_line(ranks, failure[0], store_gone)}", file=sys.stderr, flush=True)
+            else:
+                time.sleep(2)  # the rank that words the line ends first: its launcher does not stop it before
+            return GAVE_UP_EXIT
         print(f"megappo: error: {failure[0]}", file=sys.stderr, flush=True)
         return failure[1] if failure[1] == GAVE_UP_EXIT else _told_peers(failure[1])
 
@@ -503,6 +511,17 @@ def _told_peers(code: int) -> int:
 def _peer_failure() -> tuple[int, int] | None:
     stage = sys.modules.get("megappo.parallel.stage")
     return stage.peer_failure() if stage is not None else None
+
+
+def _lost_ranks():
+    stage = sys.modules.get("megappo.parallel.stage")
+    return stage.roll_call() if stage is not None else None
+
+
+def _lost_line(ranks, error, store_gone: bool) -> str:
+    from megappo.parallel.stage import lost_line
+
+    return lost_line(ranks, getattr(error, "stage_name", "?"), store_gone)
 
 
 def _end_progress_line() -> None:

@@ -10,7 +10,10 @@ worded (megappo.parallel.stage) and the scan that keeps pickle loading out of me
 
 import ast
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -136,6 +139,41 @@ def test_a_timed_out_collective_names_rank_layout_and_stage(rank3):
         with stage("gen"):
             raise RuntimeError("shapes do not match")
     assert stage_module.current_stage() == "outside any named stage"
+
+
+def test_a_roll_call_names_the_ranks_of_a_lost_node(rank3):
+    """Several nodes: the ranks that lose a peer answer a roll call in the store; the ranks that
+    neither answered nor left an error note are named, by node, by the lowest rank that answered."""
+    import torch.distributed as dist
+
+    nodes = ["node 0 (host a)"] * 2 + ["node 1 (host b)"] * 2
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    pids = [gone.pid] * 4  # no such process
+    store = dist.HashStore()
+    store.set(f"{stage_module._ANSWER_KEY}0", "lost a peer")
+    assert stage_module._roll_call(store, nodes, pids, 1, wait_s=0) == ({2: nodes[2], 3: nodes[3]}, False, False)
+    assert stage_module._roll_call(store, nodes, pids, 0, wait_s=0)[1] is True  # the lowest that answered words it
+    store.set(f"{stage_module._ANSWER_KEY}3", "error")  # rank 3 ended on its own reported error: not lost
+    lost, _, _ = stage_module._roll_call(store, nodes, pids, 0, wait_s=0)
+    assert stage_module.lost_line(lost, "update_actor").startswith(
+        "rank 3 (tp_rank 1, pp_rank 1, dp_rank 0) lost node 1 (host b): rank 2 in stage 'update_actor': they stopped "
+        "answering (killed, crashed, hung, or their node went down); the other ranks stopped. Fix: ")
+    assert stage_module._roll_call(store, nodes[:1] * 4, pids, 0, wait_s=0) is None  # one node: the launcher says it
+    # a rank of this rank's node that did not answer (blocked in a collective with a survivor) but is alive: not lost
+    blocked = dist.HashStore()
+    blocked.set(f"{stage_module._ANSWER_KEY}1", "lost a peer")
+    assert stage_module._roll_call(blocked, nodes, [os.getpid(), *pids[1:]], 1, wait_s=0) == \
+        ({2: nodes[2], 3: nodes[3]}, True, False)
+
+    class Gone:  # the store went with the node that hosted it (rank 0's)
+        def set(self, *a):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    assert stage_module._roll_call(Gone(), nodes, pids, 3, wait_s=0) == ({0: nodes[0], 1: nodes[1]}, False, True)
+    assert stage_module._roll_call(Gone(), nodes, pids, 2, wait_s=0)[1] is True  # the lowest rank of its node words it
+    assert "lost node 0 (host a): ranks 0, 1 and the run's store, which that node hosted, in stage 'gen'" in \
+        stage_module.lost_line({0: nodes[0], 1: nodes[1]}, "gen", store_gone=True)
 
 
 def test_cli_reports_run_failures_in_one_line(rank3, capsys):
