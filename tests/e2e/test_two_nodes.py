@@ -3,17 +3,17 @@ tools/launch/slurm_multinode.sbatch (`--nnodes 2 --rdzv-backend c10d --rdzv-endp
 --max-restarts 0`) started twice, as two agents, each in its own session (a node that can be
 killed as a whole), running the CPU demo over gloo.
 
-- TP2 inside a node x DP2 across the two (4 ranks): steps and a save, metrics bitwise equal to
-  the same layout on one node; RANK / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK per node; the
-  run dir's files written once (rank 0's) or once per rank (checkpoint shards), never colliding.
-- Losing a node: SIGKILL of every process of node 1 (as a node that goes down; node 0's agent
-  hosts the ranks' store) in the middle of step 4's save: the other node's ranks stop at once,
-  one line names the lost node and its ranks, no process of the run is left, and a rerun
-  resumes from step 2, the last complete checkpoint, with the metrics of the one-node run.
+- TP2 inside a node x DP2 across the two (4 ranks), and losing a node: SIGKILL of every process
+  of node 1 (as a node that goes down; node 0's agent hosts the ranks' store) in the middle of
+  step 4's save: the other node's ranks stop at once, one line names the lost node and its
+  ranks, no process of the run is left, and a rerun resumes from step 2, the last complete
+  checkpoint; the run's metrics (steps 1-2 before the kill, 3-4 after) equal the same layout's
+  on one node, bitwise; RANK / LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK per node; the run
+  dir's files written once (rank 0's) or once per rank (checkpoint shards), never colliding.
   Losing node 0 (whose agent hosts the ranks' store) in step 3: node 1's ranks name it, and the
   store, in one line.
 - SIGTERM to one node only (SLURM preempting it): every rank stops at a step boundary with a
-  checkpoint, and a rerun resumes from it; never a hang (bounded waits).
+  checkpoint on every rank; never a hang (bounded waits).
 - PP2 across the nodes (1 rank per node): the same metrics as PP2 on one node.
 
 Marked `multinode` (pytest -m multinode runs them alone). Every process of a node is found by a
@@ -21,7 +21,6 @@ marker in its environment (inherited by every child).
 """
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -161,34 +160,6 @@ def straight(tmp_path_factory):
     return one_node(str(tmp_path_factory.mktemp("one-node") / "run"), 4, TP2)
 
 
-def test_two_nodes_train_save_and_match_one_node(straight, tmp_path):
-    out = str(tmp_path / "run")
-    nodes = Nodes(out, 2, TP2)
-    try:
-        wait_for_checkpoint(nodes, 2)
-        seen = [nodes.ranks(k) for k in range(2)]
-        codes = nodes.wait()
-        assert codes == [0, 0], nodes.output()
-    finally:
-        nodes.kill()
-    # per node: global RANK 0-3 split by node, LOCAL_RANK 0-1 and LOCAL_WORLD_SIZE 2 on each, GROUP_RANK the node
-    by_node = sorted(seen, key=lambda ranks: ranks[0]["GROUP_RANK"])
-    assert [[(r["GROUP_RANK"], r["RANK"], r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["WORLD_SIZE"]) for r in ranks]
-            for ranks in by_node] == [[("0", "0", "0", "2", "4"), ("0", "1", "1", "2", "4")],
-                                      [("1", "2", "0", "2", "4"), ("1", "3", "1", "2", "4")]]
-    assert metrics(out) == metrics(straight)
-    # one run dir for both nodes: the same files as on one node, rank 0's written once (the lock taken
-    # by global rank 0 only, and released), each rank's own checkpoint files under distinct names
-    def files(run):
-        return sorted(os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs)
-    assert files(out) == files(straight)
-    assert "megappo.lock" not in files(out)
-    rng = sorted(os.listdir(os.path.join(out, "checkpoints", "step_00000004", "rng")))
-    assert len(rng) == 4 and len(set(rng)) == 4, rng
-    done = [line for line in nodes.output(tail=0).splitlines() if line.startswith("done: 4 steps")]
-    assert len(done) == 1, nodes.output()  # one rank 0 across the nodes
-
-
 def kill_a_node(nodes: Nodes, node: int, mid_save: bool) -> tuple[str, list[int], float]:
     """SIGKILL every process of node `node` (its agent, ranks and their children) in step 3, or
     (`mid_save`) as soon as step 4's save has begun (its `.partial` directory exists); wait for the
@@ -232,14 +203,34 @@ def test_losing_a_node_stops_the_other_and_the_rerun_resumes(straight, tmp_path)
     assert len(named) == 1, text[-6000:]
     assert f"lost node 1 (host {socket.gethostname()}): ranks {ranks[0]}, {ranks[1]} in stage" in named[0], named
     assert stopped_in < 120, f"the surviving node took {stopped_in:.0f}s to stop"  # gloo: the peer's socket closes
-    # the rerun (both nodes again) resumes from step 2, the last complete checkpoint
+    # the rerun (both nodes again) resumes from step 2, the last complete checkpoint, and ends with the
+    # metrics of the same layout on one node (steps 1-2 trained before the kill, 3-4 by the rerun)
     rerun = Nodes(out, 2, TP2)
     try:
+        wait_for_checkpoint(rerun, 4)
+        seen = [rerun.ranks(k) for k in range(2)]
         assert rerun.wait() == [0, 0], rerun.output()
     finally:
         rerun.kill()
     assert "(step 2)" in rerun.output(tail=0), rerun.output()
     assert metrics(out) == metrics(straight)
+    # per node: global RANK 0-3 split by node, LOCAL_RANK 0-1 and LOCAL_WORLD_SIZE 2 on each, GROUP_RANK the node
+    by_node = sorted(seen, key=lambda ranks: ranks[0]["GROUP_RANK"])
+    assert [[(r["GROUP_RANK"], r["RANK"], r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["WORLD_SIZE"]) for r in ranks]
+            for ranks in by_node] == [[("0", "0", "0", "2", "4"), ("0", "1", "1", "2", "4")],
+                                      [("1", "2", "0", "2", "4"), ("1", "3", "1", "2", "4")]]
+
+    # one run dir for both nodes: the same files as on one node, rank 0's written once (the lock taken
+    # by global rank 0 only, and released), each rank's own checkpoint files under distinct names
+    def files(run):
+        return sorted(os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs
+                      if ".partial" not in d)
+    assert files(out) == files(straight)
+    assert "megappo.lock" not in files(out)
+    rng = sorted(os.listdir(os.path.join(out, "checkpoints", "step_00000004", "rng")))
+    assert len(rng) == 4 and len(set(rng)) == 4, rng
+    done = [line for line in rerun.output(tail=0).splitlines() if line.startswith("done: 2 steps")]
+    assert len(done) == 1, rerun.output()  # one rank 0 across the nodes
 
 
 def test_losing_the_node_that_hosts_the_store(tmp_path):
@@ -257,7 +248,7 @@ def test_losing_the_node_that_hosts_the_store(tmp_path):
     assert stopped_in < 120, f"the surviving node took {stopped_in:.0f}s to stop"
 
 
-def test_sigterm_to_one_node_stops_every_rank_with_a_checkpoint(straight, tmp_path):
+def test_sigterm_to_one_node_stops_every_rank_with_a_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     nodes = Nodes(out, 2, ["run.total_steps=40"])
     try:
@@ -278,14 +269,7 @@ def test_sigterm_to_one_node_stops_every_rank_with_a_checkpoint(straight, tmp_pa
     step = int(stopped[0].split("interrupted at step ")[1].split(":")[0])
     assert step >= 3 and open(os.path.join(out, "checkpoints", "latest")).read() == f"step_{step:08d}", text
     assert len(os.listdir(os.path.join(out, "checkpoints", f"step_{step:08d}", "rng"))) == 4  # every rank saved
-    if step < 4:  # the rerun resumes from that checkpoint, to the straight run's numbers
-        rerun = Nodes(out, 2, TP2)
-        try:
-            assert rerun.wait() == [0, 0], rerun.output()
-        finally:
-            rerun.kill()
-        assert f"(step {step})" in rerun.output(tail=0), rerun.output()
-        assert metrics(out) == metrics(straight)
+    # (a rerun resumes from the latest checkpoint as after a lost node: the test above)
 
 
 PP2 = ["parallel.tp=1", "parallel.pp=2", "run.total_steps=2"]
