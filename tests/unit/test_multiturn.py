@@ -22,7 +22,7 @@ from megappo.parallel.packing import MicroBatching, micro_batch_tensors
 from megappo.rollout.hf_engine import HFEngine
 from megappo.rollout.multiturn import (ObservationEncoder, ObservationError, observation_encoder,
                                        random_policy_episode_score, run_episodes, turn_seed)
-from megappo.tokenizer import char_tokenizer, load_tokenizer
+from megappo.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.user_code import UserCodeError
 
@@ -448,24 +448,6 @@ def play_guesses(env, tok, policy="error", guesses=("5", "7")):
                         make_env=lambda: env(max_guesses=3), tokenizer=tok,
                         encode_observation=observation_encoder(tok, env.observation_role, False, policy),
                         max_turns=3, max_turn_tokens=None, pad_token_id=0), actions
-
-
-def test_the_docs_example_environment_runs_from_a_users_file(tmp_path):
-    """docs/environments.md's GuessEnv, named as the page says (`my_env.py:GuessEnv` with env_args),
-    plays episodes through the runner with a tokenizer that has its letters: a wrong guess gets
-    'higher', the right one ends the episode with reward 1 and its metric; its declared metrics are
-    in the record even when no episode reported them."""
-    env = docs_guess_env(tmp_path)
-    with pytest.raises(ConfigError, match="max_guesses must be >= 1"):
-        check_env(f"{tmp_path / 'my_env.py'}:GuessEnv", {"max_guesses": 0})
-    tok = char_tokenizer("0123456789 abcdefghijklmnopqrstuvwxyz")
-    batch, (five, seven) = play_guesses(env, tok)
-    assert batch.env_scores.tolist() == [1.0] and batch.env_metrics["env/solved"] == 1.0
-    assert batch.env_metrics["env/turns_mean"] == 2.0 and batch.env_metrics["env/bad_format"] == 0.0
-    assert batch.env_metrics["env/unknown_char_observations"] == 0.0
-    observation = batch.response_ids[0][~batch.response_mask[0].bool() & batch.real_response_mask[0].bool()]
-    assert observation.tolist() == observation_encoder(tok, "user", False)("higher", five)
-    assert tok.pad_token_id not in observation.tolist()
 
 
 def test_observations_the_tokenizer_cannot_write_are_refused_or_counted(tmp_path, capsys):
