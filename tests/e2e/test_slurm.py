@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #: does not depend on the launcher (tests/e2e/test_cli_demo.py: the demo learns; tests/e2e/test_resume.py
 #: and test_interrupts.py: an interrupted run resumes bit for bit), so it is not measured here again.
 #: One rank per node, data parallel across the nodes (the recipe's hardware says so: no size warning)
-STEPS = 6
+STEPS = 8
 TWO_NODES = [f"run.total_steps={STEPS}", "hardware.nodes=2", "hardware.gpus_per_node=1", "parallel.tp=1",
              "run.val_every=0", "run.val_before_train=false", "logging.progress_bar=false"]
 
@@ -97,7 +97,8 @@ def test_sbatch_two_nodes_resumes_after_scancel(two_node_slurm, tmp_path):
     out = _out(tmp_path, first)
     assert job["JobState"] == "CANCELLED", (job, out)
     assert f"megappo: 2 nodes x 1 GPUs = 2 ranks; rendezvous {slurm.nodes[0]}:{port}" in out, out[-6000:]
-    assert "megappo: warning" not in out and "Traceback" not in out, out[-6000:]  # the job is the recipe's size
+    assert "megappo: warning" not in out, out[-6000:]  # the job is the recipe's size (torchrun's own SIGTERM
+    # traceback is expected here: SLURM signals every process of the step, the torchrun agents too)
     # one rank on each slurmd, each its node's only rank, both told the same master
     assert sorted(seen) == ["0", "1"], (seen, out[-6000:])
     assert {seen[r]["SLURMD_NODENAME"] for r in seen} == set(slurm.nodes), seen
@@ -113,7 +114,7 @@ def test_sbatch_two_nodes_resumes_after_scancel(two_node_slurm, tmp_path):
     second = slurm.sbatch(*submit, env=env, cwd=REPO)  # the same command again resumes
     job = slurm.wait_done(second, timeout=1200)
     out = _out(tmp_path, second)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, out[-6000:])
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0" and "Traceback" not in out, (job, out[-6000:])
     assert f"megappo: resumed from {run_dir}/checkpoints/step_{step:08d} (step {step})" in out, out[-6000:]
     rows = training_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step once: the first job's, then the rest
