@@ -1,6 +1,6 @@
 """megappo.parallel.ray_launch's ranks from where Ray placed its actors: each node's ranks
 consecutive (bundle 0's node first), LOCAL_RANK / LOCAL_WORLD_SIZE per node, MASTER_ADDR rank 0's
-node, CUDA_VISIBLE_DEVICES the node's GPUs in local-rank order. tests/e2e/test_ray_two_nodes.py
+node, CUDA_VISIBLE_DEVICES the node's GPUs in local-rank order. tests/e2e/test_ray_launcher.py
 checks the same on a real two-node cluster with one rank per node."""
 
 from megappo.parallel.ray_launch import _envs, _node_order
