@@ -14,6 +14,11 @@ step boundary with a checkpoint; a second signal kills them) and the launcher ex
 its own (rank 0 says what was saved).
 One process needs no launcher: init_parallel starts a world of one.
 
+A rank ends through `exit_rank(code)`: its non-daemon threads joined, stdout / stderr flushed
+and the atexit handlers run (the multiprocessing children of a save shut down, logging and
+sinks flushed), then `os._exit`: the interpreter's own teardown of torch, Megatron and the
+models' objects would take seconds per rank and writes nothing a finished rank still owes.
+
 No process of a run outlives it: torchrun starts each rank in its own session (so its own
 process group), and whatever a rank starts stays in that group (the multiprocessing children of
 a checkpoint save: Megatron's results queue is a spawned `multiprocessing.Manager` with its
@@ -91,6 +96,25 @@ def ensure_ranks(n: int, *, max_restarts: int = 0, restart_args: tuple[str, ...]
     target = ["-m", main_spec.name] if main_spec is not None else [sys.argv[0]]
     raise SystemExit(torchrun([*one_node_args(), "--nproc_per_node", str(n), *target, *sys.argv[1:]],
                               max_restarts=max_restarts, restart_args=restart_args, on_restart=on_restart))
+
+
+def exit_rank(code: int | None) -> None:
+    """End this process as a rank ends (the module docstring): threads joined, output flushed,
+    atexit handlers run, then os._exit(code) without the interpreter's teardown. Outside torchrun
+    (no TORCHELASTIC_RUN_ID: a world of one, a plain command) it is sys.exit(code)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        sys.exit(code)
+    import atexit
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def one_node_args() -> list[str]:

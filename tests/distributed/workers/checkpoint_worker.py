@@ -286,4 +286,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from megappo.parallel.launch import exit_rank
+
+    exit_rank(main())  # without the interpreter's teardown (megappo.parallel.launch)
