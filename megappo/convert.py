@@ -151,12 +151,7 @@ def export_hf(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: dic
             writer.add(name, tensor)
         if ps.rank == 0:
             writer.close()
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(model.precision.hf_config(hf_config), f, indent=2)
-            for name, data in hf_files.items():
-                if name != "config.json":
-                    with open(os.path.join(tmp, name), "wb") as f:
-                        f.write(data)
+            _write_config_and_files(tmp, model, hf_config, hf_files)
         if model.lora.enabled and not model.has_value_head:
             base = base or AdapterBase()
             base_path = base.path or os.path.join(os.path.abspath(out_dir), BASE_DIR)  # where it will be
@@ -244,12 +239,18 @@ def write_base(model: MegatronModel, out_dir: str, hf_config: dict, hf_files: di
         writer.add(name, tensor)
     if model.ps.rank == 0:
         writer.close()
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(model.precision.hf_config(hf_config), f, indent=2)
-        for name, data in hf_files.items():
-            if name != "config.json":
-                with open(os.path.join(out_dir, name), "wb") as f:
-                    f.write(data)
+        _write_config_and_files(out_dir, model, hf_config, hf_files)
+
+
+def _write_config_and_files(out_dir: str, model: MegatronModel, hf_config: dict, hf_files: dict[str, bytes]) -> None:
+    """Rank 0's part of an HF directory beside the weights: config.json (saying the model's dtype) and
+    `hf_files` (tokenizer files; their own config.json, if any, is the model's)."""
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(model.precision.hf_config(hf_config), f, indent=2)
+    for name, data in hf_files.items():
+        if name != "config.json":
+            with open(os.path.join(out_dir, name), "wb") as f:
+                f.write(data)
 
 
 def verify_model(model: MegatronModel, hf_dir: str, *, tol: float | None = None, seed: int = 0) -> dict:
