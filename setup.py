@@ -37,5 +37,5 @@ setup(
                  "ray>=2.10",  # tests/e2e/test_ray_launcher.py
                  "peft"],  # a LoRA export loads with peft (tests/e2e/test_lora.py)
     },
-    entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
+    entry_points={"console_scripts": ["megappo=megappo.cli:entry"]},
 )

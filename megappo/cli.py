@@ -545,7 +545,13 @@ def _run_failure(e: RuntimeError) -> tuple[RuntimeError, int] | None:
     return (collective, GAVE_UP_EXIT) if collective else None
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The `megappo` command (setup.py's console script) and `python -m megappo.cli`: `main()`, then a rank
+    skips the interpreter's teardown (seconds of it: megappo.parallel.launch.exit_rank); elsewhere sys.exit."""
     from megappo.parallel.launch import exit_rank
 
-    exit_rank(main())  # a rank skips the interpreter's teardown (seconds of it); elsewhere sys.exit
+    exit_rank(main())
+
+
+if __name__ == "__main__":
+    entry()

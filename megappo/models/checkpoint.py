@@ -104,6 +104,7 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
     if model.ps.rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
+    _in_process_write_results()
     dist_checkpointing.save(state, ckpt_dir)
     if model.ps.rank == 0:
         meta = {"format": "megappo-model-v1", "role": model.role, "with_optimizer": with_optimizer,
@@ -119,6 +120,20 @@ def _save(model: MegatronModel, state: dict, ckpt_dir: str, hf_config: dict, hf_
                 with open(os.path.join(ckpt_dir, "hf", name), "wb") as f:
                     f.write(data)
     dist.barrier()
+
+
+def _in_process_write_results() -> None:
+    """Megatron's checkpoint writer (filesystem_async) hands its writer processes' results back through a
+    queue it makes once per process from a `multiprocessing` Manager: a spawned server process (1-2 s at the
+    first save of every launch, measured on the CPU machine, and its shutdown at exit), there for a save that
+    runs in a background process. `dist_checkpointing.save` runs the save in this process, which is also the
+    one that reads the results, so a plain queue serves: set as that one queue before Megatron makes it."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", ()) is None:  # () : a Megatron without it: nothing to set
+        filesystem_async._results_queue = queue.Queue()
 
 
 @in_layout

@@ -3,8 +3,8 @@
 usage: torchrun --nproc_per_node 2 checkpoint_worker.py OUT_DIR [moe | bf16]
 
 For the plain and the distributed optimizer: a tiny Llama trains 2 steps at TP=2 (linear
-warmup and decay, so the scheduler state matters), is saved with `save_trainable`, and
-trains 2 more steps (the reference). A freshly built model (other initial weights) loads
+warmup and decay, so the scheduler state matters), is saved with `save_trainable` (leaving no
+process behind), and trains 2 more steps (the reference). A freshly built model (other initial weights) loads
 the checkpoint and trains the same 2 steps: its weights must equal the reference bit for
 bit. Then the same checkpoint loads at another layout (PP=2, or DP=2 for the distributed
 optimizer: resharding on load) and the 2 steps must agree with the reference to 1e-5.
@@ -25,6 +25,7 @@ checkpoint exports (megatron_to_hf) to bf16 HF tensors equal to the weights at t
 resume at another layout (TP2 -> PP2) agrees to bf16 rounding.
 """
 
+import multiprocessing
 import os
 import sys
 
@@ -94,6 +95,8 @@ def check(out: str, dist_opt: bool, moe: bool = False) -> None:
     original = trainable_at(ps, dist_opt, init_seed=5)
     train(ps, original, 2)
     save_trainable(original, ckpt, CFG)
+    # the save's writer processes are gone, and no Manager server stays behind (its results come back in-process)
+    assert not multiprocessing.active_children(), multiprocessing.active_children()
     train(ps, original, 2)
     reference = {k: v.clone() for k, v in iter_hf_tensors(original.model)}
     lr = original.optimizer.param_groups[0]["lr"]
