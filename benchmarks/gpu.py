@@ -22,8 +22,15 @@ mfu   The actor on Megatron-Core (megappo's `build_model`, local layer spec, and
         update       PolicyWorker.update: the same plus Megatron DDP (fp32 grad buffer) and
                      Megatron's Adam with fp32 main params; skipped when those 16 bytes per
                      parameter do not fit in free memory (8B on 80 GB)
+        ..., LM head in chunks of C   the forward and update rows again with model.lm_head_chunk_tokens=C
+                     (`--head-chunk`, default 1024; 0 leaves them out): the LM head, log-probs and entropy
+                     over chunks of C tokens, never the [T, V] logits (megappo.parallel.chunked_head);
+                     compare their `peak GB` and speed with the rows above
       A row that runs out of memory is retried at half the sequence length, down to
-      `--min-seq-len`; the row shows the length it ran at.
+      `--min-seq-len`; the row shows the length it ran at. `--profile-dir DIR`: one more call of each
+      update row under torch.profiler: DIR/<size>-<spec>-update[-chunked-head].txt (the operators by
+      device and by host time) and the row's `device_busy`, the kernels' time over the call's wall time
+      (under 1: the host sets the pace).
       Model FLOPs are megappo's own count (megappo.models.flops.pass_flops, the one the trainer's
       `perf/tflops/...` metrics use): 6 N T + 6 N_head K + 6 L A sum(s^2) for training, a third of
       it forward only, with the head on the K response positions, causal attention counted half.
@@ -101,10 +108,10 @@ E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_e2e")
 
 DEFAULTS = dict(e2e_recipes="grpo-1p7b,ppo-360m", e2e_steps=3, e2e_timeout=240, sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
                 micro_batches=4, warmup=2, steps=5, repeats=3, matmul_n=8192, gen_batch=64, gen_prompt_len=128,
-                gen_new_tokens=256, gen_repeats=5, bucket_mb=512)
+                gen_new_tokens=256, gen_repeats=5, bucket_mb=512, head_chunk=1024, profile_dir="")
 SMOKE = dict(e2e_recipes="tiny", e2e_steps=2, e2e_timeout=180, sizes="tiny", gen_size="tiny", dtype="float32", seq_len=64, min_seq_len=64, prompt_len=16,
              micro_batches=2, warmup=1, steps=2, repeats=2, matmul_n=256, gen_batch=4, gen_prompt_len=8,
-             gen_new_tokens=8, gen_repeats=2, bucket_mb=1)
+             gen_new_tokens=8, gen_repeats=2, bucket_mb=1, head_chunk=16, profile_dir="")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -272,8 +279,9 @@ def fwd_bwd_call(model, exp) -> Callable[[], None]:
     return call
 
 
-def throughput_row(b: Bench, what: str, dims, make_call, *, training: bool, **row_fields) -> Row:
-    """Tokens/s, TFLOP/s and MFU of `make_call(experience)()`; halves the sequence on OOM."""
+def throughput_row(b: Bench, what: str, dims, make_call, *, training: bool, profile: str = "", **row_fields) -> Row:
+    """Tokens/s, TFLOP/s and MFU of `make_call(experience)()`; halves the sequence on OOM. `profile`: a
+    file name for one profiled call after the timed ones (with --profile-dir)."""
     from megappo.models.flops import pass_flops
 
     def measure():
@@ -294,12 +302,49 @@ def throughput_row(b: Bench, what: str, dims, make_call, *, training: bool, **ro
         n, prompt = b.settings.micro_batches, min(b.settings.prompt_len, seq_len // 4)  # as ppo_experience
         tokens = n * seq_len
         tflops = pass_flops(dims, [seq_len] * n, n * (seq_len - prompt), training=training) / seconds / 1e12
-        return {"seq_len": seq_len, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "tflops": tflops, "mfu_vs_spec": tflops / b.peak_tflops if b.peak_tflops else None,
-                "mfu_vs_matmul": tflops / b.matmul_tflops if b.matmul_tflops else None,
-                "peak_mem_gb": peak_gb(b.device)}
+        values = {"seq_len": seq_len, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                  "tflops": tflops, "mfu_vs_spec": tflops / b.peak_tflops if b.peak_tflops else None,
+                  "mfu_vs_matmul": tflops / b.matmul_tflops if b.matmul_tflops else None,
+                  "peak_mem_gb": peak_gb(b.device)}
+        if profile and b.settings.profile_dir:
+            try:  # the timed row stands whatever the profiler does
+                values.update(profile_call(call, b, profile))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                values["profile"] = f"error: {type(e).__name__}: {e}"[:160]
+        return values
 
     return guarded("mfu", what, measure, **row_fields)
+
+
+def profile_call(call: Callable[[], Any], b: Bench, name: str) -> dict[str, Any]:
+    """One more call of `call` under torch.profiler: its operator table (the top 30 by device time, then by
+    host time) in `--profile-dir`/NAME.txt, and `device_busy`: the kernels' summed time over the call's wall
+    time (CUDA; None on a CPU), the fraction of the call the GPU computed: well under 1 means the host
+    (launches, Python) sets the pace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.cuda else [])
+    synchronize(b.device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        call()
+        synchronize(b.device)
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    busy = None
+    if b.cuda:  # kernels only: their self device time; the operators above them would count it again
+        kernels = sum(getattr(e, "self_device_time_total", 0) for e in averages
+                      if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+        busy = kernels / 1e6 / wall
+    os.makedirs(b.settings.profile_dir, exist_ok=True)
+    path = os.path.join(b.settings.profile_dir, f"{name}.txt")
+    with open(path, "w") as f:
+        f.write(f"{name}: wall {wall:.3f} s, device busy {busy if busy is None else f'{busy:.1%}'}\n\n")
+        for key in (("device_time_total", "cpu_time_total") if b.cuda else ("cpu_time_total",)):
+            f.write(averages.table(sort_by=key, row_limit=30) + "\n\n")
+    print(f"  profile: {path} (device busy {busy if busy is None else f'{busy:.1%}'})", flush=True)
+    return {"profile": path, "device_busy": busy}
 
 
 def update_memory_check(b: Bench, n_total: int) -> str | None:
@@ -336,11 +381,16 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     model = holder.pop("model")
     n_total = sum(p.numel() for _n, _r, p in model.named_parameters())
     print(f"  {label}: {n_total:,} parameters", flush=True)
-    reader = PolicyWorker(model, batching=MicroBatching(packed=False, micro_batch_size=1))
+    batching, head_chunk = MicroBatching(packed=False, micro_batch_size=1), b.settings.head_chunk
+    reader = PolicyWorker(model, batching=batching)
+    chunked_reader = PolicyWorker(model, batching=batching, lm_head_chunk_tokens=head_chunk)
     rows = [
         throughput_row(b, f"{label} forward (PolicyWorker.log_probs)", dims,
                        lambda exp: lambda: reader.log_probs(exp.seqs, with_entropy=True),
                        training=False, gpu_only=gpu_only),
+        *([throughput_row(b, f"{label} forward, LM head in chunks of {head_chunk}", dims,
+                          lambda exp: lambda: chunked_reader.log_probs(exp.seqs, with_entropy=True),
+                          training=False, gpu_only=gpu_only)] if head_chunk else []),
         throughput_row(b, f"{label} fwd+bwd (actor loss, no optimizer)", dims,
                        lambda exp: fwd_bwd_call(model, exp), training=True, gpu_only=gpu_only),
     ]
@@ -368,7 +418,12 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
                        loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
                        kl_loss_coef=0.0, kl_loss_type="low_var_kl", seed=0)
     rows.append(throughput_row(b, update, dims, lambda exp: lambda: actor.update(exp, **update_args),
-                               training=True, gpu_only=gpu_only))
+                               training=True, profile=f"{size}-{spec}-update", gpu_only=gpu_only))
+    if head_chunk:  # the same model, DDP buffers and optimizer; the passes compute the LM head chunk by chunk
+        chunked = PolicyWorker(model, batching=batching, trainable=actor.trainable, lm_head_chunk_tokens=head_chunk)
+        rows.append(throughput_row(b, f"{update}, LM head in chunks of {head_chunk}", dims,
+                                   lambda exp: lambda: chunked.update(exp, **update_args), training=True,
+                                   profile=f"{size}-{spec}-update-chunked-head", gpu_only=gpu_only))
     return rows
 
 
@@ -699,7 +754,7 @@ SECTIONS = {
     "mfu": (bench_mfu, (("seq_len", "seq", "{:d}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
                         ("seconds", "s/call", "{:.4f}"), ("tflops", "TFLOP/s", "{:.4g}"),
                         ("mfu_vs_spec", "MFU spec", "{:.1%}"), ("mfu_vs_matmul", "vs matmul", "{:.1%}"),
-                        ("peak_mem_gb", "peak GB", "{:.1f}"))),
+                        ("peak_mem_gb", "peak GB", "{:.1f}"), ("device_busy", "GPU busy", "{:.1%}"))),
     "gen": (bench_gen, (("tokens", "tokens", "{:d}"), ("seconds", "seconds", "{:.3f}"),
                         ("ms_per_step", "ms/step", "{:.2f}"), ("spread", "max/min", "{:.2f}"),
                         ("tokens_per_s", "tokens/s", "{:.0f}"), ("capture_s", "capture s", "{:.2f}"),
@@ -786,7 +841,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ("gen-batch", int, "gen: prompts"), ("gen-prompt-len", int, "gen: prompt tokens"),
             ("gen-new-tokens", int, "gen: new tokens"), ("bucket-mb", int, "sync: bridge bucket size"),
             ("e2e-recipes", str, "e2e: recipes of benchmarks/gpu_e2e/"), ("e2e-steps", int, "e2e: steps per run"),
-            ("e2e-timeout", int, "e2e: seconds per run")):
+            ("e2e-timeout", int, "e2e: seconds per run"),
+            ("head-chunk", int, "mfu: model.lm_head_chunk_tokens of the chunked-head rows (0: no such rows)"),
+            ("profile-dir", str, "mfu: profile one call of each update row into this directory ('': none)")):
         key = name.replace("-", "_")
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {DEFAULTS[key]}; smoke {SMOKE[key]})")
     args = p.parse_args(argv)

@@ -5,7 +5,8 @@
 
 Runs, each as a subprocess with its own time limit, one after another, within `--budget` seconds
 (570 by default: one 10-minute device call): the GPU-marked tests (`pytest -m gpu tests/unit`), then
-benchmarks/gpu.py's sections: smoke (tiny fp32 model, every path), mfu (1B), gen (1B: the hf engine's
+benchmarks/gpu.py's sections: smoke (tiny fp32 model, every path), mfu (1B, with and without the chunked
+LM head; one profiled call per update row in DIR/profile/), gen (1B: the hf engine's
 dynamic / static / CUDA-graph decode and transformers' static cache + compile, 5 timed calls each), sync
 (1B), and e2e
 (`megappo train` on the 1.7B GRPO and 360M PPO recipes of benchmarks/gpu_e2e/). A part that fails,
@@ -40,7 +41,7 @@ GPU_PY = os.path.join(ROOT, "benchmarks", "gpu.py")
 FULL = {
     "tests": (["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", "tests/unit"], 0.06),
     "smoke": ([GPU_PY, "--smoke", "--sections", "mfu,gen,sync"], 0.07),
-    "mfu": ([GPU_PY, "--sections", "mfu", "--sizes", "1b", "--steps", "3"], 0.10),
+    "mfu": ([GPU_PY, "--sections", "mfu", "--sizes", "1b", "--steps", "3", "--profile-dir", "{out}/profile"], 0.10),
     "gen": ([GPU_PY, "--sections", "gen", "--gen-size", "1b", "--gen-new-tokens", "128",
                     "--gen-repeats", "5"], 0.30),
     "sync": ([GPU_PY, "--sections", "sync", "--sizes", "1b", "--repeats", "2"], 0.07),
@@ -48,7 +49,7 @@ FULL = {
 }
 SMOKE = {
     "tests": FULL["tests"],
-    "bench": ([GPU_PY, "--smoke", "--e2e-dir", "{out}/e2e"], 0.9),  # the tiny run's files kept to check
+    "bench": ([GPU_PY, "--smoke", "--e2e-dir", "{out}/e2e", "--profile-dir", "{out}/profile"], 0.9),  # files kept to check
 }
 
 

@@ -54,6 +54,10 @@ def test_gpu_bench_smoke(tmp_path):
             assert all(r["status"].startswith("skipped: ") for r in gpu_only), gpu_only
     mfu = {r["what"]: r["values"] for r in results["sections"]["mfu"] if r["status"] == "ok"}
     assert any("update (PolicyWorker.update" in what for what in mfu)
+    chunked = [what for what in mfu if "LM head in chunks of 16" in what]  # the forward and the update rows
+    assert len(chunked) == 2, list(mfu)
+    profiled = [v["profile"] for v in mfu.values() if "profile" in v]  # the two update rows, profiled once each
+    assert len(profiled) == 2 and all(os.path.isfile(p) and "Self CPU" in open(p).read() for p in profiled), profiled
     assert all(v["mfu_vs_matmul"] > 0 for v in mfu.values())
     assert "== sync" in table and "vs copy_" in table
     # e2e: one megappo train run of benchmarks/gpu_e2e/tiny.yaml, summarised from its metrics.jsonl
