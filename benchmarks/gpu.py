@@ -334,9 +334,9 @@ def profile_call(call: Callable[[], Any], b: Bench, name: str) -> dict[str, Any]
     averages = prof.key_averages()
     busy = None
     if b.cuda:  # kernels only: their self device time; the operators above them would count it again
-        kernels = sum(getattr(e, "self_device_time_total", 0) for e in averages
-                      if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-        busy = kernels / 1e6 / wall
+        kernels = [getattr(e, "self_device_time_total", 0) for e in averages
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        busy = sum(kernels) / 1e6 / wall if kernels else None  # None: this torch's profiler named no kernel
     os.makedirs(b.settings.profile_dir, exist_ok=True)
     path = os.path.join(b.settings.profile_dir, f"{name}.txt")
     with open(path, "w") as f:

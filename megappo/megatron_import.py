@@ -12,7 +12,9 @@ fusions off). `install()` (run by megappo/__init__.py) adds an import hook: whil
 A function that is called is compiled exactly as before, at the same moment torch.compile would
 have compiled it (torch.compile itself compiles lazily, at the first call); one that is never
 called costs nothing. `torch.compile` of anything else (a module), and every call to it outside
-that import, is torch's own; the hook removes itself after the import.
+that import, is torch's own (a call from another thread during that import is deferred too: the
+same compile, later). The hook removes itself as soon as it has found `megatron.core`; when
+Megatron-Core was imported before megappo, or is found by another finder, nothing is deferred.
 
 This module does not know which Megatron functions are decorated or which of them a model calls.
 """
