@@ -75,4 +75,6 @@ def convert(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megappo.parallel.launch import exit_rank
+
+    exit_rank(main())  # a rank skips the interpreter's teardown (megappo.parallel.launch); elsewhere sys.exit
