@@ -14,11 +14,15 @@ Sections (sizes: Llama-architecture configs with random weights, `SIZES` below):
 
 mfu   The actor on Megatron-Core (megappo's `build_model`, local layer spec, and the
       Transformer Engine spec when transformer_engine imports), `--micro-batches` sequences of
-      `--seq-len` tokens (micro-batch 1) per call, after `--warmup` calls, median of `--steps`:
+      `--seq-len` tokens per call, after `--warmup` calls, median of `--steps`. The forward and update
+      rows run the workers as the trainer does by default: packed micro-batches of at most
+      `--pack-tokens` tokens (THD; on CUDA in bf16 attention is one fused varlen call per micro-batch,
+      megappo.models.attention_dispatch); `--pack-tokens 0`: one padded sequence per micro-batch
+      (Megatron's unfused DotProductAttention, the [heads, T, T] scores), as measured before 2026-11-26:
         forward      PolicyWorker.log_probs (the old-log-prob pass: log-probs + entropy)
         fwd+bwd      megappo's forward path (models.forward.run_micro_batches) with the actor's
                      loss (vocab-parallel log-probs + entropy, clipped policy loss), gradients
-                     only, no optimizer
+                     only, no optimizer; one padded sequence per micro-batch whatever --pack-tokens
         update       PolicyWorker.update: the same plus Megatron DDP (fp32 grad buffer) and
                      Megatron's Adam with fp32 main params; skipped when those 16 bytes per
                      parameter do not fit in free memory (8B on 80 GB)
@@ -108,10 +112,10 @@ E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_e2e")
 
 DEFAULTS = dict(e2e_recipes="grpo-1p7b,ppo-360m", e2e_steps=3, e2e_timeout=240, sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
                 micro_batches=4, warmup=2, steps=5, repeats=3, matmul_n=8192, gen_batch=64, gen_prompt_len=128,
-                gen_new_tokens=256, gen_repeats=5, bucket_mb=512, head_chunk=1024, profile_dir="")
+                gen_new_tokens=256, gen_repeats=5, bucket_mb=512, head_chunk=1024, profile_dir="", pack_tokens=4096)
 SMOKE = dict(e2e_recipes="tiny", e2e_steps=2, e2e_timeout=180, sizes="tiny", gen_size="tiny", dtype="float32", seq_len=64, min_seq_len=64, prompt_len=16,
              micro_batches=2, warmup=1, steps=2, repeats=2, matmul_n=256, gen_batch=4, gen_prompt_len=8,
-             gen_new_tokens=8, gen_repeats=2, bucket_mb=1, head_chunk=16, profile_dir="")
+             gen_new_tokens=8, gen_repeats=2, bucket_mb=1, head_chunk=16, profile_dir="", pack_tokens=64)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -381,20 +385,24 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     model = holder.pop("model")
     n_total = sum(p.numel() for _n, _r, p in model.named_parameters())
     print(f"  {label}: {n_total:,} parameters", flush=True)
-    batching, head_chunk = MicroBatching(packed=False, micro_batch_size=1), b.settings.head_chunk
+    head_chunk, pack = b.settings.head_chunk, b.settings.pack_tokens
+    # the trainer's default: packed by a token budget (one sequence always fits); or padded, one sequence each
+    batching = (MicroBatching(packed=True, max_tokens=max(pack, b.settings.seq_len)) if pack
+                else MicroBatching(packed=False, micro_batch_size=1))
+    mode = f"packed {pack}" if pack else "padded"
     reader = PolicyWorker(model, batching=batching)
     chunked_reader = PolicyWorker(model, batching=batching, lm_head_chunk_tokens=head_chunk)
     rows = [
-        throughput_row(b, f"{label} forward (PolicyWorker.log_probs)", dims,
+        throughput_row(b, f"{label} {mode} forward (PolicyWorker.log_probs)", dims,
                        lambda exp: lambda: reader.log_probs(exp.seqs, with_entropy=True),
                        training=False, gpu_only=gpu_only),
-        *([throughput_row(b, f"{label} forward, LM head in chunks of {head_chunk}", dims,
+        *([throughput_row(b, f"{label} {mode} forward, LM head in chunks of {head_chunk}", dims,
                           lambda exp: lambda: chunked_reader.log_probs(exp.seqs, with_entropy=True),
                           training=False, gpu_only=gpu_only)] if head_chunk else []),
-        throughput_row(b, f"{label} fwd+bwd (actor loss, no optimizer)", dims,
+        throughput_row(b, f"{label} padded fwd+bwd (actor loss, no optimizer)", dims,
                        lambda exp: fwd_bwd_call(model, exp), training=True, gpu_only=gpu_only),
     ]
-    update = f"{label} update (PolicyWorker.update, DDP + Adam)"
+    update = f"{label} {mode} update (PolicyWorker.update, DDP + Adam)"
     why = update_memory_check(b, n_total)
     if why:
         rows.append(Row("mfu", update, status=why, gpu_only=gpu_only))
@@ -404,7 +412,7 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     holder = {}
 
     def wrap():  # Megatron DDP around the chunks and Megatron's optimizer: once, after the rows above
-        holder["actor"] = PolicyWorker(model, batching=MicroBatching(packed=False, micro_batch_size=1),
+        holder["actor"] = PolicyWorker(model, batching=batching,
                                        trainable=make_trainable(model, OptimSettings(lr=1e-7, total_steps=1000)))
         return {}
 
@@ -835,7 +843,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, kind, text in (
             ("seq-len", int, "mfu: tokens per sequence"), ("min-seq-len", int, "mfu: halve on OOM down to this"),
             ("prompt-len", int, "mfu: prompt part of a sequence (loss on the rest)"),
-            ("micro-batches", int, "mfu: sequences per call (micro-batch 1)"),
+            ("micro-batches", int, "mfu: sequences per call"),
+            ("pack-tokens", int, "mfu: token budget of the packed micro-batches (0: one padded sequence each)"),
             ("warmup", int, "mfu: untimed calls"), ("steps", int, "mfu: timed calls"),
             ("repeats", int, "sync: timed repetitions"), ("gen-repeats", int, "gen: timed calls per row"), ("matmul-n", int, "mfu baseline matmul size"),
             ("gen-batch", int, "gen: prompts"), ("gen-prompt-len", int, "gen: prompt tokens"),

@@ -53,7 +53,7 @@ def test_gpu_bench_smoke(tmp_path):
         if not torch.cuda.is_available():
             assert all(r["status"].startswith("skipped: ") for r in gpu_only), gpu_only
     mfu = {r["what"]: r["values"] for r in results["sections"]["mfu"] if r["status"] == "ok"}
-    assert any("update (PolicyWorker.update" in what for what in mfu)
+    assert any("packed 64 update (PolicyWorker.update" in what for what in mfu)  # the trainer's packed path
     chunked = [what for what in mfu if "LM head in chunks of 16" in what]  # the forward and the update rows
     assert len(chunked) == 2, list(mfu)
     profiled = [v["profile"] for v in mfu.values() if "profile" in v]  # the two update rows, profiled once each
