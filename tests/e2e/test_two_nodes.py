@@ -12,8 +12,8 @@ killed as a whole), running the CPU demo over gloo.
   dir's files written once (rank 0's) or once per rank (checkpoint shards), never colliding.
   Losing node 0 (whose agent hosts the ranks' store) in step 3: node 1's ranks name it, and the
   store, in one line.
-- SIGTERM to one node only (SLURM preempting it): every rank stops at a step boundary with a
-  checkpoint on every rank; never a hang (bounded waits).
+- SIGTERM to one node only (SLURM preempting it), node 1 or node 0 (whose agent hosts the store):
+  every rank stops at a step boundary with a checkpoint on every rank; never a hang (bounded waits).
 - PP2 across the nodes (1 rank per node): the same metrics as PP2 on one node.
 
 Marked `multinode` (pytest -m multinode runs them alone). Every process of a node is found by a
@@ -248,13 +248,14 @@ def test_losing_the_node_that_hosts_the_store(tmp_path):
     assert stopped_in < 120, f"the surviving node took {stopped_in:.0f}s to stop"
 
 
-def test_sigterm_to_one_node_stops_every_rank_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("node", [1, 0], ids=["node1", "node0-hosting-the-store"])
+def test_sigterm_to_one_node_stops_every_rank_with_a_checkpoint(tmp_path, node):
     out = str(tmp_path / "run")
     nodes = Nodes(out, 2, ["run.total_steps=40"])
     try:
         wait_for_checkpoint(nodes, 2)
         time.sleep(0.2)
-        preempted = nodes.agent_of_node(1)
+        preempted = nodes.agent_of_node(node)
         for p in nodes.processes(preempted):  # as SLURM signals every process of the node's job step
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGTERM)
