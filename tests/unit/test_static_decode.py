@@ -9,6 +9,10 @@ bf16's tolerance, and the first tokens (the shared prefill's) agree exactly; lat
 tiny model may part where two logits tie within a bf16 rounding (attention sums over a different
 number of columns round differently in bf16). GPU-marked (skipped on CPU): the captured
 path against the uncaptured one, and a weight sync between two captured generations.
+What a capture needs, checked on the host: the step reads nothing back from the device (meta device),
+reads the same memory at every step of a bucket, and, replayed as a graph replays (`RecordedStep`: the
+step's ATen ops recorded once per bucket with their arguments frozen, then run again on the same
+tensors), gives the dynamic path's tokens across calls and a weight sync.
 """
 
 import copy
@@ -388,3 +392,100 @@ def test_every_step_of_a_bucket_reads_the_same_memory(model):
     assert all(len(set(steps)) == 1 for steps in seen.values()), {b: len(set(s)) for b, s in seen.items()}
     params_read = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     assert all(params_read <= steps[0] for steps in seen.values())
+
+
+class RecordedStep:
+    """What a CUDA graph keeps of a captured step, emulated on the host: the ATen ops the step ran, in
+    order, each with the tensors it read from outside the step (by object: the same memory at every
+    replay), the outputs of earlier ops it read (by position) and every other argument as the constant
+    it was at capture (Python numbers, shapes, dtypes). `replay()` runs those ops again on the same
+    outside tensors, as `graph.replay()` runs the same kernels on the same addresses: a step that
+    depends on a host value which changes between steps (a Python int column, a list of sizes) would
+    replay it frozen at its capture value, as a real graph would, and part from the eager steps."""
+
+    def __init__(self, step):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        ops, made, keep = [], {}, []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                leaves, spec = tree_flatten((args, kwargs or {}))
+                template = [("made", *made[id(x)]) if isinstance(x, torch.Tensor) and id(x) in made
+                            else ("outside", x) if isinstance(x, torch.Tensor) else ("constant", x) for x in leaves]
+                out = func(*args, **(kwargs or {}))
+                for j, x in enumerate(tree_flatten(out)[0]):
+                    if isinstance(x, torch.Tensor):
+                        made[id(x)] = (len(ops), j)
+                        keep.append(x)  # alive until recording ends, so no later tensor reuses its id
+                ops.append((func, spec, template))
+                return out
+
+        with torch.no_grad(), Mode():
+            step()  # the warm-up step runs for real (as before a capture); it is also what gets recorded
+        self.ops = ops
+
+    def replay(self) -> None:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        outputs = []
+        with torch.no_grad():
+            for func, spec, template in self.ops:
+                leaves = [outputs[x[1]][x[2]] if x[0] == "made" else x[1] for x in template]
+                args, kwargs = tree_unflatten(leaves, spec)
+                outputs.append(tree_flatten(func(*args, **kwargs))[0])
+
+
+def test_the_replay_emulation_catches_a_host_value_baked_into_a_step():
+    """The emulation is strict where a graph is: a step writing at a Python-int column replays at the
+    column of its capture, a step writing at a device-tensor column moves on."""
+    host_buf, device_buf, col, state = torch.zeros(4), torch.zeros(4), torch.zeros(1, dtype=torch.long), {"col": 0}
+
+    def host_step():
+        host_buf[state["col"]] += 1
+        state["col"] += 1
+
+    def device_step():
+        device_buf.index_add_(0, col, torch.ones(1))
+        col.add_(1)
+
+    for step in (host_step, device_step):
+        recorded = RecordedStep(step)
+        for _ in range(3):
+            recorded.replay()
+    assert host_buf.tolist() == [4, 0, 0, 0] and device_buf.tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_replayed_steps_equal_the_dynamic_path(model, greedy):
+    """Each bucket's step recorded once (per sampling setting) and replayed for every later step, in this
+    call and the next, across a weight sync: the tokens, ends and log-probs of the dynamic path. The CPU
+    stand-in for the GPU test of captured against uncaptured steps: it shows the step carries all of its
+    step-to-step state on the device (the column, the positions, the response step, the buckets' rows)."""
+    engine = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="static", eos_check_every=2)
+    dynamic = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="dynamic")
+    decoder, recorded, replays = engine._static, {}, []
+
+    def run_step(b, params, stop, key):
+        if key in recorded:
+            recorded[key].replay()
+            replays.append(b)
+        else:
+            recorded[key] = RecordedStep(lambda: decoder._step(b, params, stop))
+
+    decoder._run_step = run_step
+    sampling = dict(n=1, temperature=0, max_new_tokens=9) if greedy else dict(n=2, temperature=1.0, top_k=40,
+                                                                               max_new_tokens=9, seed=7)
+    free = dynamic.generate(MIXED, SamplingParams(**sampling)).response_ids
+    # EOS: the second token of every sample but sample 0, and none of sample 0's: most end at step 1, so the
+    # steps move down the buckets
+    params = SamplingParams(**sampling, eos_token_ids=tuple(sorted(set(free[1:, 1].tolist()) - set(free[0].tolist()))))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        assert_same(engine.generate(MIXED, params), dynamic.generate(MIXED, params))
+        new = [(name, p.detach() + 0.03 * torch.randn(p.shape, generator=gen)) for name, p in model.named_parameters()]
+        for e in (engine, dynamic):
+            e.update_weights([new])
+    assert_same(engine.generate(MIXED, params), dynamic.generate(MIXED, params))
+    assert len(recorded) >= 2 and len(set(replays)) >= 2 and len(replays) > 10, (list(recorded), replays)
