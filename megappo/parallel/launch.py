@@ -14,14 +14,15 @@ step boundary with a checkpoint; a second signal kills them) and the launcher ex
 its own (rank 0 says what was saved).
 One process needs no launcher: init_parallel starts a world of one.
 
-A rank ends through `exit_rank(code)`: its non-daemon threads joined, stdout / stderr flushed
-and the atexit handlers run (the multiprocessing children of a save shut down, logging and
-sinks flushed), then `os._exit` (`megappo.cli.entry`: the `megappo` command and `python -m megappo.cli`): the interpreter's own teardown of torch, Megatron and the
-models' objects would take seconds per rank and writes nothing a finished rank still owes.
+A rank ends through `exit_rank(code)` (`megappo.cli.entry`: the `megappo` command and `python -m
+megappo.cli`; the convert tools): its non-daemon threads joined, stdout / stderr flushed and the
+atexit handlers run (multiprocessing children shut down, logging and sinks flushed), then
+`os._exit`: the interpreter's own teardown of torch, Megatron and the models' objects would take
+seconds per rank and writes nothing a finished rank still owes.
 
 No process of a run outlives it: torchrun starts each rank in its own session (so its own
-process group), and whatever a rank starts stays in that group (the multiprocessing children of
-a checkpoint save: the forked writer processes of Megatron's dist-checkpointing). torchrun reaps the ranks, not their children, so when an attempt ends, for
+process group), and whatever a rank starts stays in that group (the forked writer processes of a
+checkpoint save). torchrun reaps the ranks, not their children, so when an attempt ends, for
 any reason, the launcher kills the process group of every rank it started (`_RankGroups`).
 
 Restarts (`max_restarts`): an attempt that failed because a rank died (ended by a signal other
