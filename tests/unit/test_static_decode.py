@@ -489,3 +489,26 @@ def test_replayed_steps_equal_the_dynamic_path(model, greedy):
             e.update_weights([new])
     assert_same(engine.generate(MIXED, params), dynamic.generate(MIXED, params))
     assert len(recorded) >= 2 and len(set(replays)) >= 2 and len(replays) > 10, (list(recorded), replays)
+
+
+def test_replayed_steps_equal_the_uncaptured_static_path_bit_for_bit_in_bf16(model):
+    """bf16, as the GPU test runs it: the replayed steps (RecordedStep) against the same steps run eagerly,
+    sampled with a stop id, over two calls: the same ops on the same inputs, so tokens and log-probs are
+    equal bit for bit (the GPU test allows 1e-2 for its kernels)."""
+    replayed, plain = (HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="static", eos_check_every=2,
+                                dtype="bfloat16") for _ in range(2))
+    decoder, recorded = replayed._static, {}
+
+    def run_step(b, params, stop, key):
+        if key in recorded:
+            recorded[key].replay()
+        else:
+            recorded[key] = RecordedStep(lambda: decoder._step(b, params, stop))
+
+    decoder._run_step = run_step
+    params = mixed_length_params(model, greedy=False)
+    for _ in range(2):
+        got, want = replayed.generate(MIXED, params), plain.generate(MIXED, params)
+        assert torch.equal(got.response_ids, want.response_ids) and got.finish_reasons == want.finish_reasons
+        assert torch.equal(got.rollout_log_probs, want.rollout_log_probs)
+    assert recorded and "stop" in want.finish_reasons
