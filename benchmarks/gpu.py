@@ -391,7 +391,7 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
                 else MicroBatching(packed=False, micro_batch_size=1))
     mode = f"packed {pack}" if pack else "padded"
     reader = PolicyWorker(model, batching=batching)
-    chunked_reader = PolicyWorker(model, batching=batching, lm_head_chunk_tokens=head_chunk)
+    chunked_reader = PolicyWorker(model, batching=batching, lm_head_chunk_tokens=head_chunk) if head_chunk else None
     rows = [
         throughput_row(b, f"{label} {mode} forward (PolicyWorker.log_probs)", dims,
                        lambda exp: lambda: reader.log_probs(exp.seqs, with_entropy=True),

@@ -457,15 +457,10 @@ def test_the_replay_emulation_catches_a_host_value_baked_into_a_step():
     assert host_buf.tolist() == [4, 0, 0, 0] and device_buf.tolist() == [1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
-def test_replayed_steps_equal_the_dynamic_path(model, greedy):
-    """Each bucket's step recorded once (per sampling setting) and replayed for every later step, in this
-    call and the next, across a weight sync: the tokens, ends and log-probs of the dynamic path. The CPU
-    stand-in for the GPU test of captured against uncaptured steps: it shows the step carries all of its
-    step-to-step state on the device (the column, the positions, the response step, the buckets' rows)."""
-    engine = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="static", eos_check_every=2)
-    dynamic = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="dynamic")
-    decoder, recorded, replays = engine._static, {}, []
+def replay_steps(decoder: StaticDecoder) -> tuple[dict, list[int]]:
+    """Make `decoder` record each bucket's step once (per sampling setting: the capture key) and replay it for
+    every later step, as the graphs path does: ({key: RecordedStep}, the bucket of every replayed step)."""
+    recorded, replays = {}, []
 
     def run_step(b, params, stop, key):
         if key in recorded:
@@ -475,6 +470,18 @@ def test_replayed_steps_equal_the_dynamic_path(model, greedy):
             recorded[key] = RecordedStep(lambda: decoder._step(b, params, stop))
 
     decoder._run_step = run_step
+    return recorded, replays
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_replayed_steps_equal_the_dynamic_path(model, greedy):
+    """Each bucket's step recorded once (per sampling setting) and replayed for every later step, in this
+    call and the next, across a weight sync: the tokens, ends and log-probs of the dynamic path. The CPU
+    stand-in for the GPU test of captured against uncaptured steps: it shows the step carries all of its
+    step-to-step state on the device (the column, the positions, the response step, the buckets' rows)."""
+    engine = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="static", eos_check_every=2)
+    dynamic = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="dynamic")
+    recorded, replays = replay_steps(engine._static)
     sampling = dict(n=1, temperature=0, max_new_tokens=9) if greedy else dict(n=2, temperature=1.0, top_k=40,
                                                                                max_new_tokens=9, seed=7)
     free = dynamic.generate(MIXED, SamplingParams(**sampling)).response_ids
@@ -497,15 +504,7 @@ def test_replayed_steps_equal_the_uncaptured_static_path_bit_for_bit_in_bf16(mod
     equal bit for bit (the GPU test allows 1e-2 for its kernels)."""
     replayed, plain = (HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="static", eos_check_every=2,
                                 dtype="bfloat16") for _ in range(2))
-    decoder, recorded = replayed._static, {}
-
-    def run_step(b, params, stop, key):
-        if key in recorded:
-            recorded[key].replay()
-        else:
-            recorded[key] = RecordedStep(lambda: decoder._step(b, params, stop))
-
-    decoder._run_step = run_step
+    recorded, _replays = replay_steps(replayed._static)
     params = mixed_length_params(model, greedy=False)
     for _ in range(2):
         got, want = replayed.generate(MIXED, params), plain.generate(MIXED, params)
