@@ -11,7 +11,7 @@
   slow_step2    global rank 0 sleeps 600 s at the start of step 2's generation: a step that
                 is still running when a signal comes
 
-The rest is the real CLI (megappo.cli.main): its launcher re-runs this script on every rank,
+The rest is the real CLI (megappo.cli.main, ended as megappo.cli.entry ends it): its launcher re-runs this script on every rank,
 so every rank injects the same fault.
 """
 
@@ -86,4 +86,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megappo.parallel.launch import exit_rank
+
+    exit_rank(main())  # as the megappo command ends (megappo.cli.entry)
