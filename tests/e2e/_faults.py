@@ -11,8 +11,8 @@
   slow_step2    global rank 0 sleeps 600 s at the start of step 2's generation: a step that
                 is still running when a signal comes
 
-The rest is the real CLI (megappo.cli.main, ended as megappo.cli.entry ends it): its launcher re-runs this script on every rank,
-so every rank injects the same fault.
+The rest is the real CLI (megappo.cli.main, ended as megappo.cli.entry ends it): its launcher
+re-runs this script on every rank, so every rank injects the same fault.
 """
 
 import os
