@@ -9,7 +9,8 @@
   sigint_setup  every rank sends itself SIGINT when its setup (megappo.run.create_run) is done,
                 before the first step
   slow_step2    global rank 0 sleeps 600 s at the start of step 2's generation: a step that
-                is still running when a signal comes
+                is still running when a signal comes (it first creates the file named by
+                $FAULT_HELD_FILE, if set, so a test can signal once step 2 is held)
 
 The rest is the real CLI (megappo.cli.main, ended as megappo.cli.entry ends it): its launcher
 re-runs this script on every rank, so every rank injects the same fault.
@@ -76,6 +77,8 @@ def main() -> int:
 
             def slow(run, step):
                 if step == 2:
+                    if os.environ.get("FAULT_HELD_FILE"):
+                        open(os.environ["FAULT_HELD_FILE"], "w").close()
                     time.sleep(600)
                 return generate(run, step)
 

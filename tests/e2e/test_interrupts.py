@@ -57,20 +57,24 @@ def metrics(out) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows]
 
 
-def interrupt(cmd, out, signals, *, after_step=2, to="group", timeout=400):
-    """Start `cmd` in its own session, wait until `after_step` is in metrics.jsonl, then send
+def interrupt(cmd, out, signals, *, after_step=2, held=None, to="group", timeout=400):
+    """Start `cmd` in its own session, wait until `after_step` is in metrics.jsonl (or, with
+    `held`, a path, until the fault `slow_step2` has created that file: step 2 is then held in
+    generation, past the step boundary where a first signal would still be honoured), then send
     `signals` (a list of (signal, seconds to wait before it)) to its process group (as a
     terminal does on Ctrl-C; the ranks have their own sessions), to the process alone
     (`to="launcher"`, as `kill PID` does) or to every process it started (`to="all"`, as SLURM
     signals a job step). Returns (exit code, output, seconds from the last signal to the exit)."""
-    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    e = dict(env(), FAULT_HELD_FILE=str(held)) if held else env()
+    proc = subprocess.Popen(cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.time() + timeout
+    waiting_for = f"the fault's file {held}" if held else f"step {after_step}"
     try:
-        while max(logged_steps(out), default=0) < after_step:
-            assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {after_step}:\n" \
+        while not (os.path.exists(held) if held else max(logged_steps(out), default=0) >= after_step):
+            assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {waiting_for}:\n" \
                                         f"{proc.stdout.read()[-6000:]}"
-            assert time.time() < deadline, f"no step {after_step} after {timeout}s"
+            assert time.time() < deadline, f"no {waiting_for} after {timeout}s"
             time.sleep(0.05)
         for sig, wait in signals:
             time.sleep(wait)
@@ -144,7 +148,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     that does not come; the second one ends every rank at once, still without tracebacks."""
     out = str(tmp_path / "run")
     code, output, elapsed = interrupt(command(out, fault="slow_step2"), out, [(signal.SIGINT, 0), (signal.SIGINT, 3)],
-                                      after_step=1)
+                                      held=tmp_path / "held")
     assert code == 130, output[-6000:]
     assert elapsed < 15, elapsed
     assert "Traceback" not in output and len(output.splitlines()) < 30, output
@@ -157,7 +161,7 @@ def test_a_second_ctrl_c_stops_a_world_of_one_at_once(tmp_path):
     although its main thread is busy."""
     out = str(tmp_path / "run")
     code, output, elapsed = interrupt(command(out, "parallel.tp=1", fault="slow_step2"), out,
-                                      [(signal.SIGINT, 0), (signal.SIGINT, 3)], after_step=1)
+                                      [(signal.SIGINT, 0), (signal.SIGINT, 3)], held=tmp_path / "held")
     assert code == 130, output[-6000:]
     assert elapsed < 15, elapsed
     assert "Traceback" not in output and "stopped at once" in output, output
