@@ -166,6 +166,8 @@ def kill_a_node(nodes: Nodes, node: int, mid_save: bool) -> tuple[str, list[int]
     other node's agent. Returns the other node's output, the killed ranks and how long the other
     node took to end."""
     wait_for_checkpoint(nodes, 2)
+    lost = nodes.agent_of_node(node)  # found before the wait below: the kill must land inside step 4's save
+    ranks = [int(r["RANK"]) for r in nodes.ranks(lost)]
     if mid_save:
         partial = os.path.join(nodes.out, "checkpoints", "step_00000004.partial")
         deadline = time.time() + TIMEOUT
@@ -174,8 +176,6 @@ def kill_a_node(nodes: Nodes, node: int, mid_save: bool) -> tuple[str, list[int]
             time.sleep(0.01)
     else:
         time.sleep(0.2)  # into step 3
-    lost = nodes.agent_of_node(node)
-    ranks = [int(r["RANK"]) for r in nodes.ranks(lost)]
     start = time.time()
     for p in nodes.processes(lost):
         with contextlib.suppress(psutil.Error):
