@@ -47,7 +47,8 @@ gen   Rollout generation with random weights, one batch (temperature 1, no top-k
       loop, the baseline), static (fixed-shape bucketed steps, uncaptured), graphs (CUDA only; the
       one-time capture cost in its own column), and the peer, transformers' `model.generate` with its
       static cache and torch.compile (CUDA only, not in --smoke; the first call's extra time, compile
-      and capture, in the capture column); SGLangEngine when sglang imports. Per row: the median call,
+      and capture, in the capture column); graphs again with every step attending over the whole cache
+      (no attention windows: what the windows save); SGLangEngine when sglang imports. Per row: the median call,
       ms per decode step, max/min over the calls, tokens/s, vs the baseline and vs the peer.
 sync  The weight bridge (`WeightBridge`) from the Megatron actor into the hf engine on the
       same device (colocated), with and without fingerprint verification, vs the baseline: a
@@ -491,10 +492,12 @@ def bench_gen(b: Bench) -> list[Row]:
     ids = prompts.to(b.device)
     count = s.gen_batch * s.gen_new_tokens
 
-    def engine_row(path: str, what: str, **row_fields) -> Row:
+    def engine_row(path: str, what: str, whole_cache: bool = False, **row_fields) -> Row:
         def measure():
             engine = HFEngine(model, pad_token_id=0, device=b.device, decode=path,
                               max_tokens=s.gen_prompt_len + s.gen_new_tokens)
+            if whole_cache:  # a window step past any capacity: every step attends over all C columns
+                engine._static.window = 1 << 30
             last = {}
 
             def run():
@@ -537,6 +540,10 @@ def bench_gen(b: Bench) -> list[Row]:
     why = why or ("skipped: --smoke (the full gen section measures the peer: its compile takes a minute)"
                   if s.smoke else None)
     rows.append(Row("gen", what, status=why, gpu_only=True) if why else guarded("gen", what, peer, gpu_only=True))
+    why = None if b.cuda else "skipped: needs CUDA"
+    what = f"hf engine graphs, every step attending over the whole cache (no windows), {label}"
+    rows.append(Row("gen", what, status=why, gpu_only=True) if why
+                else engine_row("graphs", what, whole_cache=True, gpu_only=True))
     why = unavailable("sglang", b.device)
     if why:
         rows.append(Row("gen", f"sglang engine (megappo), {label}", status=why, gpu_only=True))

@@ -42,8 +42,8 @@ FULL = {
     "tests": (["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", "tests/unit"], 0.06),
     "smoke": ([GPU_PY, "--smoke", "--sections", "mfu,gen,sync"], 0.07),
     "mfu": ([GPU_PY, "--sections", "mfu", "--sizes", "1b", "--steps", "3", "--profile-dir", "{out}/profile"], 0.10),
-    "gen": ([GPU_PY, "--sections", "gen", "--gen-size", "1b", "--gen-new-tokens", "128",
-                    "--gen-repeats", "5"], 0.30),
+    "gen": ([GPU_PY, "--sections", "gen", "--gen-size", "1b", "--gen-prompt-len", "32", "--gen-new-tokens", "128",
+                    "--gen-repeats", "5"], 0.30),  # short prompts, as RL prompts are: the windows show
     "sync": ([GPU_PY, "--sections", "sync", "--sizes", "1b", "--repeats", "2"], 0.07),
     "e2e": ([GPU_PY, "--sections", "e2e", "--e2e-timeout", "190"], 0.40),
 }

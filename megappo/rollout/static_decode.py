@@ -11,16 +11,23 @@ What it owns:
   uniforms, and the outputs (tokens, log-probs, the step of each sample's first stop token). A step
   feeds every row of its bucket one token at the shared cache column P + t - 1 (static cache
   positions, like transformers' StaticCache; rows differ only in their left padding, which the mask
-  hides), samples row i's token with u[t, sample_i] from the engine's seeded [R, N] draw (the same
-  `sample_tokens` as the dynamic path), and records it. Nothing reads a device value back inside a
+  hides), attends over the cache's first W columns only (the window: the written columns rounded up to
+  a multiple of the window step, so a step reads the KV it needs, not all C columns), samples row i's
+  token with u[t, sample_i] from the engine's seeded [R, N] draw (the same `sample_tokens` as the
+  dynamic path), and records it. Nothing reads a device value back inside a
   step. Every `eos_check_every` steps the host reads which samples still run: when none do the loop
   ends; when they fit a smaller bucket, they are moved (with their cache rows) to the first rows and
   the loop continues at that bucket. Finished samples left inside a bucket keep being computed and
   are masked out of the results afterwards (tokens after a sample's first stop token are dropped), so
   the steps run after the last sample finished cost time but change nothing.
 - Buckets: the call's N, then the powers of two below it; every step runs at one of them.
-- CUDA graphs (`capture=True`): the first step at a bucket and sampling setting runs eagerly (warm-up,
-  a real step), then is captured into a graph that later steps replay; all graphs share one memory
+- Windows: W grows with the column written, in steps of `window_step` columns (at most MAX_WINDOWS
+  windows over the capacity, at least WINDOW_MIN columns each, multiples of 16 for SDPA's masks); a step
+  runs at one (bucket, window) pair, and the host knows both without reading the device (the column
+  is the prompt width plus the step). At 128 x (32 + 512) tokens of a 1.7B MHA model the full cache is
+  4x the weights' bytes; a step that reads only the written columns reads about half of it on average.
+- CUDA graphs (`capture=True`): the first step at a bucket, window and sampling setting runs eagerly
+  (warm-up, a real step), then is captured into a graph that later steps replay; all graphs share one memory
   pool. Graphs read the model's parameters where they are: weight syncs must copy into them in place
   (the hf engine's `update_weights` does). The cache and the graphs stay until `free()`.
 
@@ -29,7 +36,8 @@ the buckets here are views of one storage at several batch sizes, and the column
 scalar shared by every layer.
 
 Shape legend: N samples (N_max the buffers' rows), b rows of the current bucket, P prompt width
-(left-padded), C cache capacity (>= P + R), R new tokens, V vocab, L layers, H_kv KV heads, d head dim.
+(left-padded), C cache capacity (>= P + R), W the current attention window (<= C), R new tokens,
+V vocab, L layers, H_kv KV heads, d head dim.
 
 This module does not know about Megatron, the bridge, configs, LoRA or MoE routing; it runs the
 model the hf engine hands it and samples with megappo.rollout.sampling, as the dynamic path does.
@@ -57,17 +65,25 @@ def decode_buckets(num: int) -> list[int]:
 
 
 CAPACITY_MULTIPLE = 64  # cache positions are allocated in these (SDPA's kernels want masks aligned to 16)
+WINDOW_MIN = 64  # the columns of the smallest attention window (module docstring, "Windows")
+MAX_WINDOWS = 16  # a long cache gets wider window steps: at most this many windows, so graphs per bucket
 RUNNING = 2**62  # first_stop of a sample that has sampled no stop token yet (any step is smaller)
 
 
-class FixedLayer(DynamicLayer):
-    """One layer's view of the decoder's cache at bucket b: keys / values [b, H_kv, C, d] (views of the
-    shared storage); a decode step writes its one column at the shared device column `col` in place and
-    attends over all C columns (the mask hides the unused ones)."""
+def window_step(capacity: int) -> int:
+    """The columns by which the attention window grows for a cache of `capacity` columns (a multiple
+    of 16: SDPA's memory-efficient kernel wants its mask's rows aligned)."""
+    return max(WINDOW_MIN, -(-capacity // (MAX_WINDOWS * 16)) * 16)
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, col: torch.Tensor):
+
+class FixedLayer(DynamicLayer):
+    """One layer's view of the decoder's cache at bucket b and window W: keys / values [b, H_kv, C, d]
+    (views of the shared storage); a decode step writes its one column at the shared device column `col`
+    (< W) in place and attends over the first W columns (the mask hides the unwritten ones)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, col: torch.Tensor, window: int):
         super().__init__()
-        self.keys, self.values, self.col = keys, values, col
+        self.keys, self.values, self.col, self.window = keys, values, col, window
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -75,10 +91,10 @@ class FixedLayer(DynamicLayer):
             (key_states.shape, self.keys.shape)
         self.keys.index_copy_(2, self.col, key_states)
         self.values.index_copy_(2, self.col, value_states)
-        return self.keys, self.values
+        return self.keys[:, :, :self.window], self.values[:, :, :self.window]
 
     def get_seq_length(self, *args, **kwargs) -> int:  # positions come as position_ids: the length is unused
-        return self.keys.shape[2]
+        return self.window
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
@@ -87,17 +103,20 @@ class FixedLayer(DynamicLayer):
 class StaticDecoder:
     """The fixed-shape decode loop (module docstring). `model`: the engine's HF causal LM; `cache_keyword`:
     the name its forward takes the cache under; `capture`: CUDA graphs; `eos_check_every`: steps between
-    the host's reads of which samples still run (>= 1); `log`: where the one line per new capture goes."""
+    the host's reads of which samples still run (>= 1); `log`: where the one line per new capture goes;
+    `window`: the window step in columns (a multiple of 16; default: `window_step` of the capacity)."""
 
     def __init__(self, model: torch.nn.Module, cache_keyword: str, *, capture: bool, eos_check_every: int,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, window: int | None = None):
         if eos_check_every < 1:
             raise ValueError(f"eos_check_every={eos_check_every} must be >= 1 (rollout.hf_eos_check_every)")
+        if window is not None and (window < 16 or window % 16):
+            raise ValueError(f"window={window}: the attention window step must be a positive multiple of 16")
         self.model, self.cache_keyword, self.capture = model, cache_keyword, capture
-        self.eos_check_every, self.log = eos_check_every, log
+        self.eos_check_every, self.log, self.window = eos_check_every, log, window
         self.kv: torch.Tensor | None = None
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._caches: dict[int, Cache] = {}
+        self._caches: dict[tuple[int, int], Cache] = {}  # (bucket, window) -> the layers' views
         self._stops: dict[tuple, torch.Tensor] = {}  # stop ids -> the device tensor steps compare with
         self._pool = None
         self.capture_seconds = 0.0  # all captures so far (warm-up step + capture)
@@ -141,11 +160,17 @@ class StaticDecoder:
         """Drop the graphs, then the buffers they read."""
         self._graphs, self._caches, self._stops, self._pool, self.kv = {}, {}, {}, None, None
 
-    def _cache(self, b: int) -> Cache:
-        if b not in self._caches:
-            self._caches[b] = Cache(layers=[FixedLayer(self.kv[i, 0, :b], self.kv[i, 1, :b], self.col)
-                                            for i in range(self.kv.shape[0])])
-        return self._caches[b]
+    def _cache(self, b: int, w: int) -> Cache:
+        if (b, w) not in self._caches:
+            self._caches[b, w] = Cache(layers=[FixedLayer(self.kv[i, 0, :b], self.kv[i, 1, :b], self.col, w)
+                                               for i in range(self.kv.shape[0])])
+        return self._caches[b, w]
+
+    def _window(self, col: int) -> int:
+        """The columns a step writing column `col` attends over: col + 1 rounded up to the window step."""
+        capacity = self.kv.shape[4]
+        step = self.window or window_step(capacity)
+        return min(capacity, -(-(col + 1) // step) * step)
 
     # ---------------------------------------------------------------- one step
 
@@ -161,12 +186,12 @@ class StaticDecoder:
         self.first_stop[rows] = torch.where(hit, self.step.expand(b), first)
         self.tok[:b] = tok
 
-    def _step(self, b: int, params: SamplingParams, stop: torch.Tensor) -> None:
-        """Feed rows [0, b) their last token at column `col`, sample response position `step`, advance.
-        Only device work on fixed buffers: what a CUDA graph captures."""
+    def _step(self, b: int, w: int, params: SamplingParams, stop: torch.Tensor) -> None:
+        """Feed rows [0, b) their last token at column `col` (< w), attending over columns [0, w), sample
+        response position `step`, advance. Only device work on fixed buffers: what a CUDA graph captures."""
         self.valid[:b].index_fill_(1, self.col, True)
-        out = self.model(input_ids=self.tok[:b, None], attention_mask=self.valid[:b, None, None, :],
-                         position_ids=self.pos[:b, None], use_cache=True, **{self.cache_keyword: self._cache(b)})
+        out = self.model(input_ids=self.tok[:b, None], attention_mask=self.valid[:b, None, None, :w],
+                         position_ids=self.pos[:b, None], use_cache=True, **{self.cache_keyword: self._cache(b, w)})
         logits = out.logits[:, -1].float()  # [b, V]
         uniforms = None if params.greedy else self.uniforms[self.step, self.sample[:b]]
         tok, lp = sample_tokens(logits, params, uniforms)
@@ -175,9 +200,9 @@ class StaticDecoder:
         self.col += 1
         self.step += 1
 
-    def _run_step(self, b: int, params: SamplingParams, stop: torch.Tensor, key: tuple) -> None:
+    def _run_step(self, b: int, w: int, params: SamplingParams, stop: torch.Tensor, key: tuple) -> None:
         if not self.capture:
-            self._step(b, params, stop)
+            self._step(b, w, params, stop)
             return
         graph = self._graphs.get(key)
         if graph is not None:
@@ -187,14 +212,14 @@ class StaticDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the warm-up is this step, run for real
-            self._step(b, params, stop)
+            self._step(b, w, params, stop)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:  # thread_local: a trainer thread's CUDA work (rollout.mode=async) does not break the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step(b, params, stop)  # recorded, not run
+                self._step(b, w, params, stop)  # recorded, not run
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - the same steps run uncaptured; say so once
             self.capture = False
@@ -259,10 +284,11 @@ class StaticDecoder:
                 if smaller < b:
                     self._compact(b, running, used=prompt_width + t - 1)
                     b = smaller
-            self._run_step(b, params, stop, (b, *setting))
+            w = self._window(prompt_width + t - 1)  # the column this step writes: P + t - 1
+            self._run_step(b, w, params, stop, (b, w, *setting))
         if self.graphs_captured > captured:
             self.log(f"megappo: hf engine: captured {self.graphs_captured - captured} decode graph(s) "
-                     f"(buckets of {num} samples) in {self.capture_seconds:.2f} s so far")
+                     f"(batch buckets x attention windows, {num} samples) in {self.capture_seconds:.2f} s so far")
         first = self.first_stop[:num]
         lengths = torch.where(first < width, first + 1, width)  # RUNNING > width
         keep = torch.arange(width, device=kv.device)[None, :] < lengths[:, None]

@@ -24,7 +24,7 @@ from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.hf_engine import HFEngine, cache_keyword
 from megappo.rollout import decode_paths
 from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
-from megappo.rollout.static_decode import StaticDecoder, decode_buckets
+from megappo.rollout.static_decode import StaticDecoder, decode_buckets, window_step
 from megappo.types import SamplingParams
 from tests.unit.test_hf_engine import MIXED, PAD, PROMPTS, mixed_length_params
 
@@ -337,8 +337,8 @@ def test_the_step_reads_nothing_back_from_the_device(family):
     stop = torch.empty(12, dtype=torch.long, device="meta")
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)):
         with torch.no_grad():
-            decoder._step(8, params, stop)
-            decoder._step(4, params, stop)
+            decoder._step(8, 64, params, stop)
+            decoder._step(4, 32, params, stop)
     assert decoder.tok.device.type == "meta"
 
 
@@ -374,11 +374,11 @@ def test_every_step_of_a_bucket_reads_the_same_memory(model):
     decoder, seen = engine._static, {}
     step = decoder._step
 
-    def recorded(b, params, stop):
+    def recorded(b, w, params, stop):
         reads = StorageReads()
         with reads.mode:
-            step(b, params, stop)
-        seen.setdefault(b, []).append(frozenset(reads.read))
+            step(b, w, params, stop)
+        seen.setdefault((b, w), []).append(frozenset(reads.read))
 
     decoder._step = recorded
     sampling = dict(n=2, temperature=1.0, max_new_tokens=9, seed=7)
@@ -462,12 +462,12 @@ def replay_steps(decoder: StaticDecoder) -> tuple[dict, list[int]]:
     every later step, as the graphs path does: ({key: RecordedStep}, the bucket of every replayed step)."""
     recorded, replays = {}, []
 
-    def run_step(b, params, stop, key):
+    def run_step(b, w, params, stop, key):
         if key in recorded:
             recorded[key].replay()
             replays.append(b)
         else:
-            recorded[key] = RecordedStep(lambda: decoder._step(b, params, stop))
+            recorded[key] = RecordedStep(lambda: decoder._step(b, w, params, stop))
 
     decoder._run_step = run_step
     return recorded, replays
@@ -496,6 +496,43 @@ def test_replayed_steps_equal_the_dynamic_path(model, greedy):
             e.update_weights([new])
     assert_same(engine.generate(MIXED, params), dynamic.generate(MIXED, params))
     assert len(recorded) >= 2 and len(set(replays)) >= 2 and len(replays) > 10, (list(recorded), replays)
+
+
+def test_window_steps():
+    """Windows grow by 64 columns up to 1024 columns of capacity, then by multiples of 16 that keep them
+    to 16 per capacity."""
+    assert [window_step(c) for c in (64, 576, 1024, 1088, 8192, 32768)] == [64, 64, 64, 80, 512, 2048]
+    assert all(-(-c // window_step(c)) <= 16 and window_step(c) % 16 == 0 for c in range(64, 40000, 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        StaticDecoder(None, "past_key_values", capture=False, eos_check_every=1, window=24)
+
+
+def test_steps_attend_over_the_written_columns_only(model):
+    """Each step attends over the written columns rounded up to the window step (16 here), not over the
+    whole cache: the windows grow with the column, a replayed step is recorded per (bucket, window), and
+    tokens, ends and log-probs are the dynamic path's."""
+    engine = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="static", eos_check_every=2, max_tokens=200)
+    engine._static.window = 16
+    dynamic = HFEngine(copy.deepcopy(model), pad_token_id=PAD, decode="dynamic")
+    widths = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["attention_mask"].shape[-1]), with_kwargs=True)
+    recorded, replays = replay_steps(engine._static)
+    try:
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=5)
+        got = engine.generate(MIXED, params)
+    finally:
+        hook.remove()
+    assert_same(got, dynamic.generate(MIXED, params))
+    prompt_width = got.prompt_ids.shape[1]
+    assert engine._static.kv.shape[4] == 256  # max_tokens 200, in multiples of 64
+    # the recorded (warm-up) steps' masks, the prefill's first: one per window, each the written columns
+    # rounded up to 16 (a replayed step runs below the hook, on the recorded ops)
+    windows = sorted({key[1] for key in recorded})
+    assert widths[1:] == windows and len(windows) >= 3, (widths, windows)
+    # step t writes column P + t - 1 (t = 1 ... 39): windows from ceil((P + 1) / 16) to ceil((P + 39) / 16) x 16
+    assert windows[0] == -(-(prompt_width + 1) // 16) * 16 and windows[-1] == -(-(prompt_width + 39) // 16) * 16
+    assert all(b - a == 16 for a, b in zip(windows, windows[1:])) and len(replays) > 30
 
 
 def test_replayed_steps_equal_the_uncaptured_static_path_bit_for_bit_in_bf16(model):
