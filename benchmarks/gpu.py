@@ -61,8 +61,10 @@ e2e   Whole runs of `megappo train` (a subprocess each) on the recipes in benchm
       medians over the steps after the first (warm-up) of the step, each stage's time and
       perf/throughput (tokens/s per GPU); the spread of the generation time (slowest / fastest step);
       the peak of perf/max_memory_allocated_gb against `megappo plan`'s total for the same recipe
-      (megappo.plan.make_plan); perf/mfu/actor. A run that fails or passes `--e2e-timeout` is an
-      error row with its log's tail.
+      (megappo.plan.make_plan); perf/mfu/actor. A run that fails is an error row with its log's tail;
+      a run that passes `--e2e-timeout` (or what is left of `--time-limit`) is killed (its whole
+      process group) and its row holds the steps it finished (`timed_out` set, `steps` below
+      `--e2e-steps`), an error row if none.
 
 `--smoke`: tiny sizes, fp32, short lengths; every section end to end in well under a minute
 on a CPU (tests/e2e/test_gpu_bench_smoke.py), or as a first check on a GPU machine.
@@ -74,6 +76,7 @@ This script does not know about PPO's algorithm or configs: it times megappo's p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -111,7 +114,7 @@ SIZES = {
 #: settings of a full run and of --smoke; a flag given on the command line wins over both
 E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_e2e")
 
-DEFAULTS = dict(e2e_recipes="grpo-1p7b,ppo-360m", e2e_steps=3, e2e_timeout=240, sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
+DEFAULTS = dict(e2e_recipes="grpo-1p7b,ppo-360m", e2e_steps=6, e2e_timeout=240, sizes="1b,8b", gen_size="1b", dtype="bfloat16", seq_len=4096, min_seq_len=1024, prompt_len=512,
                 micro_batches=4, warmup=2, steps=5, repeats=3, matmul_n=8192, gen_batch=64, gen_prompt_len=128,
                 gen_new_tokens=256, gen_repeats=5, bucket_mb=512, head_chunk=1024, profile_dir="", pack_tokens=4096)
 SMOKE = dict(e2e_recipes="tiny", e2e_steps=2, e2e_timeout=180, sizes="tiny", gen_size="tiny", dtype="float32", seq_len=64, min_seq_len=64, prompt_len=16,
@@ -143,6 +146,12 @@ class Bench:
     ps: Any = None  # megappo ParallelState (world of one), for the sections that build Megatron models
     peak_tflops: float | None = None
     matmul_tflops: float | None = None  # the mfu section's baseline, once measured
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def seconds_left(self) -> float:
+        """Of `--time-limit` (infinite without one)."""
+        limit = getattr(self.settings, "time_limit", None)
+        return float("inf") if not limit else limit - (time.perf_counter() - self.start)
 
     @property
     def cuda(self) -> bool:
@@ -704,13 +713,31 @@ def summarize_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
             "stages_s": {k.split("/", 1)[1]: median(k) for k in stages}}
 
 
-def e2e_row(b: Bench, name: str, out_dir: str) -> Row:
+def run_until(argv: list[str], env: dict[str, str], timeout: float, cwd: str | None = None) -> tuple[int | None, str]:
+    """Run `argv` in a new session with stdout and stderr together; past `timeout` seconds, kill its whole
+    process group (SIGKILL: a run's ranks and engine go with it, and a stopped run would save a
+    checkpoint first) and return (None, the output so far); else (exit code, output)."""
+    import signal
     import subprocess
 
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+
+
+def e2e_row(b: Bench, name: str, out_dir: str) -> Row:
     from megappo.recipe import load_config
     from megappo.plan import GIB, make_plan
 
     s = b.settings
+    timeout = min(s.e2e_timeout, b.seconds_left() - 10)  # 10 s to write the row and the JSON
     recipe = os.path.join(E2E_DIR, f"{name}.yaml")
     run_dir = os.path.join(out_dir, name)
     overrides = [f"hardware.device={'gpu' if b.cuda else 'cpu'}", f"run.output_dir={run_dir}",
@@ -723,22 +750,32 @@ def e2e_row(b: Bench, name: str, out_dir: str) -> Row:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         start = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", recipe, *overrides], env=env,
-                                  capture_output=True, text=True, timeout=s.e2e_timeout)
-        except subprocess.TimeoutExpired as e:
-            tail = (e.stdout or b"")[-3000:]
-            print(tail.decode() if isinstance(tail, bytes) else tail, file=sys.stderr)
-            raise RuntimeError(f"megappo train passed --e2e-timeout {s.e2e_timeout} s") from None
+        if timeout < 20:
+            raise RuntimeError(f"no time left for a run: {b.seconds_left():.0f} s of --time-limit {s.time_limit}")
+        rc, output = run_until([sys.executable, "-m", "megappo.cli", "train", recipe, *overrides], env, timeout)
         wall = time.perf_counter() - start
+        os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "e2e.log"), "w") as f:
-            f.write(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            print((proc.stdout + proc.stderr)[-3000:], file=sys.stderr)
-            last = [line for line in (proc.stdout + proc.stderr).strip().splitlines() if line.strip()]
-            raise RuntimeError(f"megappo train exited {proc.returncode}: {last[-1][:200] if last else ''}")
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            values = summarize_metrics([json.loads(line) for line in f if line.strip()])
+            f.write(output)
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        records = []
+        if os.path.isfile(metrics):
+            with open(metrics) as f:
+                for line in f:
+                    with contextlib.suppress(ValueError):  # a last line cut by the stop
+                        records.append(json.loads(line))
+        if rc != 0 and not (rc is None and any("step" in r for r in records)):
+            print(output[-3000:], file=sys.stderr)
+            if rc is None:
+                raise RuntimeError(f"megappo train passed its {timeout:.0f} s (--e2e-timeout, --time-limit) "
+                                   "before its first step")
+            last = [line for line in output.strip().splitlines() if line.strip()]
+            raise RuntimeError(f"megappo train exited {rc}: {last[-1][:200] if last else ''}")
+        values = summarize_metrics(records)
+        if rc is None:  # stopped at the timeout: the steps it finished
+            values["timed_out"] = True
+            print(f"gpu.py: e2e {name}: stopped after {timeout:.0f} s (--e2e-timeout, --time-limit), {values['steps']} "
+                  f"of {s.e2e_steps} steps done; the row holds those", file=sys.stderr)
         values.update(wall_s=wall, plan_gib=plan.total / GIB)
         if values["peak_mem_gib"] is not None:
             values["peak_vs_plan"] = values["peak_mem_gib"] / values["plan_gib"]
@@ -844,6 +881,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", help="write the config and every row here")
     p.add_argument("--e2e-dir", help="e2e: keep the runs (metrics.jsonl, e2e.log) here (default: a temporary directory)")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, when not in megappo.perf.PEAK_TFLOPS")
+    p.add_argument("--time-limit", type=float, help="seconds this run may take (e2e runs end in time to report)")
     p.add_argument("--sizes", help=f"mfu and sync sizes, of {list(SIZES)} (default {DEFAULTS['sizes']})")
     p.add_argument("--gen-size", choices=list(SIZES), help=f"gen's size (default {DEFAULTS['gen_size']})")
     p.add_argument("--dtype", choices=list(DTYPES), help="parameters and engine (default bfloat16; fp32 in --smoke)")

@@ -9,8 +9,11 @@ benchmarks/gpu.py's sections: smoke (tiny fp32 model, every path), mfu (1B, with
 LM head; one profiled call per update row in DIR/profile/), gen (1B: the hf engine's
 dynamic / static / CUDA-graph decode and transformers' static cache + compile, 5 timed calls each), sync
 (1B), and e2e
-(`megappo train` on the 1.7B GRPO and 360M PPO recipes of benchmarks/gpu_e2e/). A part that fails,
-passes its limit or cannot start is recorded with its exit code and log tail and the next one runs.
+(`megappo train` on the 1.7B GRPO and 360M PPO recipes of benchmarks/gpu_e2e/, 6 steps each). A part
+that fails, passes its limit (its whole process group is killed: nothing of it keeps the GPU) or
+cannot start is recorded with its exit code and log tail and the next one runs. gpu.py's parts get
+`--time-limit` (their limit less 15 s): an e2e run still going then is killed and its row keeps the
+steps it finished, so the part ends in time to write its JSON.
 Writes, after every part, DIR/gpu-check.json (every part's status, seconds and rows) and
 DIR/gpu-check.txt (the tables), DIR/<part>.log and DIR/<part>.json.
 
@@ -28,7 +31,6 @@ import argparse
 import glob
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,20 +66,20 @@ def unpack_wheels(wheel_dir: str, site: str) -> list[str]:
 
 
 def run_part(name: str, command: list[str], limit: float, out: str, env: dict) -> dict:
+    sys.path.insert(0, os.path.dirname(GPU_PY))
+    from gpu import run_until  # benchmarks/gpu.py: past the limit, the part's whole process group is killed
+
     part_json = os.path.join(out, f"{name}.json")
     command = [c.replace("{out}", out) for c in command]
-    if command[0] == GPU_PY:
-        command = command + ["--json", part_json]
+    if command[0] == GPU_PY:  # gpu.py ends its e2e runs in time to write its JSON
+        command = command + ["--json", part_json, "--time-limit", f"{max(limit - 15, 1):.0f}"]
     start = time.perf_counter()
     record = {"command": " ".join(command), "limit_s": round(limit)}
     try:
-        proc = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=limit)
-        log, record["rc"] = proc.stdout + proc.stderr, proc.returncode
-        record["status"] = "ok" if proc.returncode == 0 else f"error: exit code {proc.returncode}"
-    except subprocess.TimeoutExpired as e:
-        log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        record["rc"], record["status"] = None, f"error: passed its {limit:.0f} s"
+        rc, log = run_until([sys.executable, *command], env, limit, cwd=ROOT)
+        record["rc"] = rc
+        record["status"] = ("ok" if rc == 0 else f"error: passed its {limit:.0f} s" if rc is None
+                            else f"error: exit code {rc}")
     except OSError as e:
         log, record["rc"], record["status"] = str(e), None, f"error: {e}"
     record["seconds"] = time.perf_counter() - start
