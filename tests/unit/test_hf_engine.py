@@ -295,9 +295,9 @@ def test_engine_dtype_and_cache_choice():
 
 @pytest.mark.gpu
 def test_static_kv_cache_on_cuda_equals_the_dynamic_one():
-    """On the GPU, in bf16, on the dynamic decode path (rollout.hf_decode=dynamic; auto is the CUDA-graph
-    decode there, tests/unit/test_static_decode.py): the engine picks the static cache and samples what the
-    dynamic one does."""
+    """On the GPU, in bf16, on the dynamic decode path (rollout.hf_decode=dynamic; the CUDA-graph decode is
+    tests/unit/test_static_decode.py's): the engine picks the static cache and samples what the dynamic one
+    does."""
     model = build_hf_model(TINY_CONFIGS["llama"], seed=3)
     params = mixed_length_params(model, greedy=True)
     engines = [HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=3), pad_token_id=PAD, device="cuda",
