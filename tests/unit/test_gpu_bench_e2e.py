@@ -10,7 +10,6 @@ import os
 import sys
 import time
 
-import psutil
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +34,8 @@ time.sleep(300)
 
 
 def dead(pid: int) -> bool:
+    import psutil  # here, not at the top: `pytest -m gpu tests/unit` collects this file where psutil may be absent
+
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by its new parent
     except psutil.NoSuchProcess:
