@@ -628,13 +628,13 @@ class CheckpointConfig(_Section):
     """Trainer checkpoints (models, optimizers, schedulers, data cursor, RNG): megappo.checkpointing."""
 
     dir: Optional[str] = None  # None: <run.output_dir>/checkpoints
-    save_every: int = 0  # steps between checkpoints; 0: only at the end of training
+    save_every: int = 0  # steps between checkpoints; 0: only at the end of training; -1: never (Ctrl-C still saves)
     keep_last: int = 2  # newest checkpoints kept; 0: keep all
     resume: Literal["auto", "must", "off"] = "auto"  # auto: from `latest` if any; must: refuse to start without
     save_hf_at_end: bool = False  # also export the final actor (and critic) as HF directories under <run.output_dir>/hf
 
     def check(self) -> None:
-        _at_least(self, save_every=0, keep_last=0)
+        _at_least(self, save_every=-1, keep_last=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -736,6 +736,10 @@ class Config(_Section):
                 _require("=" in override and bool(key) and not key.startswith("variants"),
                          f"variants.{name}: '{override}' is not a KEY=VALUE override of this recipe. Fix: write "
                          f"it like hardware.gpus_per_node=4 or parallel.tp=2.")
+        _require(self.run.max_restarts == 0 or self.checkpoint.save_every >= 0,
+                 f"run.max_restarts={self.run.max_restarts} restarts a run from its latest checkpoint, but "
+                 "checkpoint.save_every=-1 saves none. Fix: set checkpoint.save_every=N (every N steps) or "
+                 "run.max_restarts=0.")
         _require(self.critic.enable is not False or not self.algorithm.needs_critic,
                  "algorithm.adv_estimator=gae needs a critic, but critic.enable=false. Fix: set critic.enable=null "
                  "(auto) or choose an outcome estimator, e.g. algorithm.adv_estimator=grpo.")

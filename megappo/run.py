@@ -110,7 +110,7 @@ class Run:
 
     def maybe_checkpoint(self, step: int) -> None:
         every = self.cfg.checkpoint.save_every
-        if every and step % every == 0:
+        if every > 0 and step % every == 0:  # 0: at the end only (finish); -1: never
             self.save_checkpoint(step)
 
     def save_checkpoint(self, step: int) -> str:
@@ -150,13 +150,13 @@ class Run:
         raise interrupts.Interrupted(signum, message)
 
     def finish(self) -> None:
-        """Collective: the final checkpoint (unless this step was just saved), the HF export if
-        asked for, and close the logger."""
+        """Collective: the final checkpoint (unless this step was just saved, or checkpoint.save_every=-1
+        asks for none), the HF export if asked for, and close the logger."""
         if self.rollouts:
             self.rollouts.close()
         if self.progress:
             self.progress.close()  # the last bar stays; what follows starts on a new line
-        if self.last_saved_step != self.total_steps:
+        if self.last_saved_step != self.total_steps and self.cfg.checkpoint.save_every >= 0:
             self.save_checkpoint(self.total_steps)
         if self.cfg.checkpoint.save_hf_at_end:
             self.export_hf(os.path.join(self.cfg.run.output_dir, "hf"))

@@ -5,7 +5,7 @@ megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
 need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
 `verl_reading(path, raw, value, is_key)` says how megappo reads a verl override: as a megappo
 override (`RENAMED`, then the section `PREFIXES` swapped for megappo's when that is a key megappo
-has; a value respelled by `BY_VALUE` or `VALUES`, a fraction counted by `RATIOS`), as a key megappo has
+has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`, a fraction counted by `RATIOS`), as a key megappo has
 no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why at start-up), or as
 refused, with how megappo does the same thing (`OTHERWISE`): the keys whose silent omission would
 change the training. `verl_hint` words the error a verl key in a recipe file or `apply_override` gets.
@@ -138,6 +138,14 @@ ADDED_ITEMS: dict[str, tuple[list[str], str]] = {
 RATIOS: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": ("actor.optim.warmup_steps", "run.total_steps"),
     "critic.optim.lr_warmup_steps_ratio": ("critic.optim.warmup_steps", "run.total_steps"),
+}
+
+#: verl key -> (megappo key, megappo's value) for verl's counts <= 0, which verl reads as "never" (its defaults are
+#: -1): no checkpoint at all, not even of the last step (megappo's 0 saves the last one); no validation during
+#: training. A count > 0 is read as RENAMED says.
+NEVER: dict[str, tuple[str, int]] = {
+    "trainer.save_freq": ("checkpoint.save_every", -1),
+    "trainer.test_freq": ("run.val_every", 0),
 }
 
 #: verl key -> (megappo key, what to add to verl's count): verl counts its steps from 1 and trains the actor
@@ -368,6 +376,9 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
         return "read", by_value
     if path in RATIOS:
         return ("ratio", *RATIOS[path])
+    if path in NEVER and isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+        key, never = NEVER[path]
+        return "read", f"{key}={never}"
     if path in SHIFTED and isinstance(value, int) and not isinstance(value, bool):
         key, shift = SHIFTED[path]
         return "read", f"{key}={max(value + shift, 0)}"

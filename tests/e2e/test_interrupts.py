@@ -101,8 +101,10 @@ def latest_step(out) -> int:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
+    """The run uninterrupted, with no checkpoint asked for (verl's save_freq=-1: none, not the last step's)."""
     out = str(tmp_path_factory.mktemp("straight"))
-    run(command(out))
+    run(command(out, "checkpoint.save_every=-1"))
+    assert not os.path.exists(os.path.join(out, "checkpoints", "latest"))
     return out
 
 
@@ -129,9 +131,10 @@ def test_ctrl_c_saves_the_last_step_and_the_rerun_resumes_exactly(straight, tmp_
 
 
 def test_sigterm_to_the_launcher_alone(tmp_path):
-    """SLURM or `kill PID` may signal only the launcher: it forwards the signal to its ranks."""
+    """SLURM or `kill PID` may signal only the launcher: it forwards the signal to its ranks. The step
+    it stops at is saved even where the run asked for no checkpoints (checkpoint.save_every=-1)."""
     out = str(tmp_path / "run")
-    code, output, _ = interrupt(command(out), out, [(signal.SIGTERM, 0)], to="launcher")
+    code, output, _ = interrupt(command(out, "checkpoint.save_every=-1"), out, [(signal.SIGTERM, 0)], to="launcher")
     check_graceful(code, output, out, 143)
 
 

@@ -225,7 +225,9 @@ GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}
     ({**GRPO, "actor": {"ppo_mini_batch_size": 256, "micro_batch_size": 3, "packing": False}},
      r"actor: a mini-batch of 1024 sequences \(actor.ppo_mini_batch_size=256 x rollout.n=4\) is not divisible by "
      r"actor.micro_batch_size=3"),
-    ({"checkpoint": {"save_every": -1}}, "checkpoint.save_every=-1 must be >= 0"),
+    ({"checkpoint": {"save_every": -2}}, "checkpoint.save_every=-2 must be >= -1"),
+    ({"checkpoint": {"save_every": -1}, "run": {"max_restarts": 2}},
+     "run.max_restarts=2 restarts a run from its latest checkpoint, but checkpoint.save_every=-1 saves none. Fix: "),
     ({"run": {"total_steps": 0}}, "run.total_steps=0 must be >= 1"),
     ({"actor": {"moe_routing": "replay", "recompute": {"granularity": "full"}}},
      "would route again in the backward with the trainer's own routers. Fix: set actor.recompute.granularity=none"),

@@ -21,6 +21,10 @@ READ = {
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2": ("actor.parallel.tp", 2),
     "trainer.total_epochs=3": ("run.total_epochs", 3),
     "trainer.save_freq=10": ("checkpoint.save_every", 10),
+    "trainer.save_freq=-1": ("checkpoint.save_every", -1),  # verl's "never": not even the last step
+    "trainer.save_freq=0": ("checkpoint.save_every", -1),
+    "trainer.test_freq=-1": ("run.val_every", 0),  # verl's "no validation during training"
+    "trainer.test_freq=5": ("run.val_every", 5),
     "data.max_response_length=4": ("rollout.max_new_tokens", 4),
     "critic.model.path=/c": ("critic.path", "/c"),
     "trainer.n_gpus_per_node=2": ("hardware.gpus_per_node", 2),
@@ -210,7 +214,7 @@ def test_every_mapped_key_exists_and_is_documented():
     docs = (REPO / "docs/config.md").read_text()
     section = docs[docs.index("### Coming from verl"):]
     tables = (verl_keys.RENAMED, verl_keys.OTHERWISE, verl_keys.BY_VALUE, verl_keys.VALUES, verl_keys.RATIOS,
-              verl_keys.MOOT, verl_keys.UNUSED, verl_keys.UNUSED_PATTERNS)
+              verl_keys.NEVER, verl_keys.MOOT, verl_keys.UNUSED, verl_keys.UNUSED_PATTERNS)
     missing = [k for table in tables for k in table if f"`{k}" not in section]
     missing += [f"{k}={v}" for k, values in verl_keys.UNUSED_VALUES.items() for v in values
                 if f"`{k}={v}`" not in section]
