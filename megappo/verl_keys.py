@@ -140,12 +140,13 @@ RATIOS: dict[str, tuple[str, str]] = {
     "critic.optim.lr_warmup_steps_ratio": ("critic.optim.warmup_steps", "run.total_steps"),
 }
 
-#: verl key -> (megappo key, megappo's value) for verl's counts <= 0, which verl reads as "never" (its defaults are
-#: -1): no checkpoint at all, not even of the last step (megappo's 0 saves the last one); no validation during
-#: training. A count > 0 is read as RENAMED says.
+#: verl key -> (megappo key, megappo's value) for verl's counts <= 0 or null, which verl reads as "never" or "no
+#: limit" (its defaults are -1 and null): no checkpoint at all, not even of the last step (megappo's 0 saves the
+#: last one); no validation during training; every checkpoint kept. A count > 0 is read as RENAMED says.
 NEVER: dict[str, tuple[str, int]] = {
     "trainer.save_freq": ("checkpoint.save_every", -1),
     "trainer.test_freq": ("run.val_every", 0),
+    "trainer.max_actor_ckpt_to_keep": ("checkpoint.keep_last", 0),
 }
 
 #: verl key -> (megappo key, what to add to verl's count): verl counts its steps from 1 and trains the actor
@@ -214,6 +215,18 @@ UNUSED: dict[str, str] = {
     "actor_rollout_ref.nccl_timeout": "megappo's collective timeout is parallel.timeout_minutes",
     "actor_rollout_ref.actor.nccl_timeout": "megappo's collective timeout is parallel.timeout_minutes",
     "trainer.nccl_timeout": "megappo's collective timeout is parallel.timeout_minutes",
+    "actor_rollout_ref.rollout.calculate_log_probs": "megappo's engines always return the sampled tokens' log-probs "
+                                                     "(rollout correction and the rollout metrics read them)",
+    "trainer.default_hdfs_dir": "megappo writes its checkpoints to checkpoint.dir only",
+    "trainer.del_local_ckpt_after_load": "megappo keeps the checkpoint it resumed from (checkpoint.keep_last prunes)",
+    "trainer.rollout_data_dir": "megappo keeps logging.samples=N samples of every step in samples.jsonl under "
+                                "run.output_dir (verl dumps every rollout there)",
+    "trainer.max_critic_ckpt_to_keep": "megappo keeps its models' checkpoints together, checkpoint.keep_last of them "
+                                       "(verl's trainer.max_actor_ckpt_to_keep)",
+    **{f"{role}.checkpoint.{what}_contents": "megappo's checkpoints hold all that exact resume needs (models, "
+                                             "optimizers, RNG, data cursor); HF weights: checkpoint.save_hf_at_end or "
+                                             "megappo export"
+       for role in ("actor_rollout_ref.actor", "critic") for what in ("save", "load")},
 }
 
 #: verl key patterns ('*' is one or more key parts) megappo reads but has no use for, and why
@@ -242,6 +255,12 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
                                               "(megappo: data.long_prompt_policy)"},
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": {"0": "no warmup, megappo's default",
                                                             "0.0": "no warmup, megappo's default"},
+    "actor_rollout_ref.hybrid_engine": {"true": "verl's only mode; megappo places its engine by rollout.engine and "
+                                                "rollout.mode (docs/engines.md, docs/async.md)"},
+    "actor_rollout_ref.rollout.multi_turn.enable": {"false": "single-turn rollouts are megappo's default "
+                                                             "(rollout.env=single_turn)"},
+    "trainer.resume_from_path": {"null": "no checkpoint named: megappo resumes from checkpoint.dir's newest"},
+    "data.reward_fn_key": {"data_source": "megappo's reward functions get each row's data_source, as verl's do"},
 }
 
 #: verl key -> how megappo does it, where there is no one key to rename it to
@@ -258,6 +277,11 @@ OTHERWISE: dict[str, str] = {
                                   "reward.functions=[path/to/file.py:function_name]",
     "data.truncation": "megappo keeps a prompt's end (verl's 'left'): write data.long_prompt_policy=truncate, error, "
                        "or skip",
+    "actor_rollout_ref.rollout.multi_turn.enable": "megappo's multi-turn rollouts and tool calls are environments: "
+                                                   "write rollout.env=tools, or rollout.env=my_env.py:MyEnv "
+                                                   "(docs/environments.md)",
+    "trainer.resume_from_path": "megappo resumes from the newest complete checkpoint in checkpoint.dir: write "
+                                "checkpoint.dir=DIR (checkpoint.resume=must refuses to start without one)",
     "data.filter_overlong_prompts": "write data.long_prompt_policy=skip (megappo's default)",
     "trainer.resume_mode": "write checkpoint.resume=auto, must (a checkpoint is required) or off (verl's 'disable'); "
                            "a checkpoint of your choice: checkpoint.dir",
@@ -376,7 +400,7 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
         return "read", by_value
     if path in RATIOS:
         return ("ratio", *RATIOS[path])
-    if path in NEVER and isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+    if path in NEVER and (value is None or isinstance(value, int) and not isinstance(value, bool) and value <= 0):
         key, never = NEVER[path]
         return "read", f"{key}={never}"
     if path in SHIFTED and isinstance(value, int) and not isinstance(value, bool):

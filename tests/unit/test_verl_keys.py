@@ -25,6 +25,8 @@ READ = {
     "trainer.save_freq=0": ("checkpoint.save_every", -1),
     "trainer.test_freq=-1": ("run.val_every", 0),  # verl's "no validation during training"
     "trainer.test_freq=5": ("run.val_every", 5),
+    "trainer.max_actor_ckpt_to_keep=null": ("checkpoint.keep_last", 0),  # verl's default: keep all
+    "trainer.max_actor_ckpt_to_keep=3": ("checkpoint.keep_last", 3),
     "data.max_response_length=4": ("rollout.max_new_tokens", 4),
     "critic.model.path=/c": ("critic.path", "/c"),
     "trainer.n_gpus_per_node=2": ("hardware.gpus_per_node", 2),
@@ -91,6 +93,16 @@ UNUSED = {
     "reward.reward_manager.name=naive": "verl's naive manager does",
     "trainer.log_val_generations=10": "logging.samples",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0": "no warmup",
+    # keys of verl's default trainer config that its scripts pass as they are
+    "actor_rollout_ref.rollout.calculate_log_probs=True": "always return the sampled tokens' log-probs",
+    "trainer.default_hdfs_dir=null": "checkpoint.dir only",
+    "trainer.rollout_data_dir=/tmp/rollouts": "samples.jsonl",
+    "trainer.max_critic_ckpt_to_keep=null": "checkpoint.keep_last",
+    "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra']": "exact resume",
+    "actor_rollout_ref.hybrid_engine=True": "rollout.engine and rollout.mode",
+    "actor_rollout_ref.rollout.multi_turn.enable=False": "rollout.env=single_turn",
+    "trainer.resume_from_path=null": "checkpoint.dir's newest",
+    "data.reward_fn_key=data_source": "data_source",
 }
 
 
@@ -115,6 +127,8 @@ REFUSED = {
     "actor_rollout_ref.model.some_new_knob=1": "megappo has no such key; remove it",
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=full":
         "the reference model only runs forward passes",
+    "actor_rollout_ref.rollout.multi_turn.enable=True": "write rollout.env=tools",
+    "trainer.resume_from_path=/ckpt/global_step_40": "write checkpoint.dir=DIR",
 }
 
 
