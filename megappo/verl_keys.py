@@ -184,6 +184,8 @@ UNUSED: dict[str, str] = {
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": _LOG_PROB_PASS,
     "actor_rollout_ref.model.use_fused_kernels": "megappo's log-probs are computed per token chunk in the loss "
                                                  "functions (no fused kernel to switch)",
+    "actor_rollout_ref.model.use_liger": "Liger's kernels patch the HF models of verl's FSDP backend; megappo trains "
+                                         "Megatron-Core models",
     "actor_rollout_ref.actor.entropy_checkpointing": "a memory saving of verl's entropy pass; megappo's memory "
                                                      "settings are actor.recompute.*",
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": "a memory saving of verl's entropy pass; megappo's "
@@ -233,6 +235,8 @@ UNUSED: dict[str, str] = {
 UNUSED_PATTERNS: dict[str, str] = {
     "ray_init.*": "megappo starts its ranks itself (torchrun, or --launcher ray on a running cluster)",
     "*.fsdp_config.*": "megappo trains with Megatron-Core, not FSDP",
+    "actor_rollout_ref.model.fused_kernel_options.*": "megappo's log-probs are computed per token chunk in the loss "
+                                                      "functions (no fused kernel to switch)",
     "*.ulysses_sequence_parallel_size": "Ulysses sequence parallelism is verl's FSDP backend's; megappo's is "
                                         "Megatron's parallel.sequence_parallel (with tp > 1)",
     "*.profiler.*": "megappo times its stages itself (timing_s/* metrics)",

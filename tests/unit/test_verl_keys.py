@@ -103,6 +103,8 @@ UNUSED = {
     "actor_rollout_ref.rollout.multi_turn.enable=False": "rollout.env=single_turn",
     "trainer.resume_from_path=null": "checkpoint.dir's newest",
     "data.reward_fn_key=data_source": "data_source",
+    "actor_rollout_ref.model.use_liger=True": "Megatron-Core models",
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton": "no fused kernel to switch",
 }
 
 
