@@ -4,32 +4,31 @@ bucket's step captured once as a CUDA graph and replayed (`rollout.hf_decode`, d
 
 What it owns:
 - (which path runs, and for which models, is megappo.rollout.decode_paths's `choose_decode`)
-- `StaticDecoder`: the decode loop after the engine's prefill. Its state lives in buffers allocated
-  once for [N_max samples, C positions] and reused by every call while they are large enough:
-  the KV cache `kv` [L, 2, N_max, H_kv, C, d] (all layers in one tensor, so compaction is one copy),
-  the attention mask `valid` [N_max, C], each row's last token, position and sample id, the [R, N]
-  uniforms, and the outputs (tokens, log-probs, the step of each sample's first stop token). A step
-  feeds every row of its bucket one token at the shared cache column P + t - 1 (static cache
-  positions, like transformers' StaticCache; rows differ only in their left padding, which the mask
-  hides), attends over the cache's first W columns only (the window: the written columns rounded up to
-  a multiple of the window step, so a step reads the KV it needs, not all C columns), samples row i's
-  token with u[t, sample_i] from the engine's seeded [R, N] draw (the same `sample_tokens` as the
-  dynamic path), and records it. Nothing reads a device value back inside a
-  step. Every `eos_check_every` steps the host reads which samples still run: when none do the loop
-  ends; when they fit a smaller bucket, they are moved (with their cache rows) to the first rows and
-  the loop continues at that bucket. Finished samples left inside a bucket keep being computed and
-  are masked out of the results afterwards (tokens after a sample's first stop token are dropped), so
-  the steps run after the last sample finished cost time but change nothing.
+- `StaticDecoder`: the decode loop after the engine's prefill. Its state lives in buffers allocated once for
+  [N_max samples, C positions] and reused by every call while they are large enough: the KV cache `kv`
+  [L, 2, N_max, H_kv, C, d] (all layers in one tensor, so compaction is one copy), the attention mask
+  `valid` [N_max, C], each row's last token, position and sample id, the [R, N] uniforms, and the outputs
+  (tokens, log-probs, the step of each sample's first stop token). A step feeds every row of its bucket one
+  token at the shared cache column P + t - 1 (static cache positions, like transformers' StaticCache; rows
+  differ only in their left padding, which the mask hides), attends over the cache's first W columns only
+  (the window: the written columns rounded up to a multiple of the window step, so a step reads the KV it
+  needs, not all C columns), samples row i's token with u[t, sample_i] from the engine's seeded [R, N] draw
+  (the same `sample_tokens` as the dynamic path), and records it. Nothing reads a device value back inside a
+  step. Every `eos_check_every` steps the host reads which samples still run: when none do the loop ends;
+  when they fit a smaller bucket, they are moved (with their cache rows) to the first rows and the loop
+  continues at that bucket. Finished samples left inside a bucket keep being computed and are masked out of
+  the results afterwards (tokens after a sample's first stop token are dropped), so the steps run after the
+  last sample finished cost time but change nothing.
 - Buckets: the call's N, then the powers of two below it; every step runs at one of them.
-- Windows: W grows with the column written, in steps of `window_step` columns (at most MAX_WINDOWS
-  windows over the capacity, at least WINDOW_MIN columns each, multiples of 16 for SDPA's masks); a step
-  runs at one (bucket, window) pair, and the host knows both without reading the device (the column
-  is the prompt width plus the step). At 128 x (32 + 512) tokens of a 1.7B MHA model the full cache is
-  4x the weights' bytes; a step that reads only the written columns reads about half of it on average.
+- Windows: W grows with the column written, in steps of `window_step` columns (at most MAX_WINDOWS windows
+  over the capacity, at least WINDOW_MIN columns each, multiples of 16 for SDPA's masks); a step runs at one
+  (bucket, window) pair, and the host knows both without reading the device (the column is the prompt width
+  plus the step). At 128 x (32 + 512) tokens of a 1.7B MHA model the full cache is 4x the weights' bytes; a
+  step that reads only the written columns reads about half of it on average.
 - CUDA graphs (`capture=True`): the first step at a bucket, window and sampling setting runs eagerly
   (warm-up, a real step), then is captured into a graph that later steps replay; all graphs share one memory
-  pool. Graphs read the model's parameters where they are: weight syncs must copy into them in place
-  (the hf engine's `update_weights` does). The cache and the graphs stay until `free()`.
+  pool. Graphs read the model's parameters where they are: weight syncs must copy into them in place (the hf
+  engine's `update_weights` does). The cache and the graphs stay until `free()`.
 
 Why not transformers' StaticCache: its layers hold one batch size each and count their own length;
 the buckets here are views of one storage at several batch sizes, and the column is one device
