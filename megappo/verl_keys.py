@@ -5,10 +5,11 @@ megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
 need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
 `verl_reading(path, raw, value, is_key)` says how megappo reads a verl override: as a megappo
 override (`RENAMED`, then the section `PREFIXES` swapped for megappo's when that is a key megappo
-has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`, a fraction counted by `RATIOS`), as a key megappo has
-no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why at start-up), or as
-refused, with how megappo does the same thing (`OTHERWISE`): the keys whose silent omission would
-change the training. `verl_hint` words the error a verl key in a recipe file or `apply_override` gets.
+has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`, a fraction counted by `RATIOS`), as a
+key megappo has no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why
+at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`): the keys whose
+silent omission would change the training. `verl_hint` words the error a verl key in a recipe file
+or `apply_override` gets.
 
 This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
 from megappo.recipe, says whether megappo has a key). megappo.recipe applies the readings, checks two
