@@ -714,11 +714,14 @@ def summarize_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_until(argv: list[str], env: dict[str, str], timeout: float, cwd: str | None = None) -> tuple[int | None, str]:
-    """Run `argv` in a new session with stdout and stderr together; past `timeout` seconds, kill its whole
-    process group (SIGKILL: a run's ranks and engine go with it, and a stopped run would save a
-    checkpoint first) and return (None, the output so far); else (exit code, output)."""
+    """Run `argv` in a new session with stdout and stderr together; past `timeout` seconds, kill it with
+    every process below it (SIGKILL: a stopped run would save a checkpoint first) and return (None, the
+    output so far); else (exit code, output). Its process group alone would not do: a launched world's
+    ranks (torchrun) and a part's own `run_until` children start sessions of their own."""
     import signal
     import subprocess
+
+    import psutil
 
     proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -726,8 +729,15 @@ def run_until(argv: list[str], env: dict[str, str], timeout: float, cwd: str | N
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
+        try:
+            below = psutil.Process(proc.pid).children(recursive=True)  # before the kill reparents them
+        except psutil.NoSuchProcess:
+            below = []
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        for child in below:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
         out, _ = proc.communicate()
         return None, out
 

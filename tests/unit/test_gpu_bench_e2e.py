@@ -1,5 +1,5 @@
-"""benchmarks/gpu.py's e2e rows when a run passes `--e2e-timeout`: the run's whole process group is killed
-(nothing of it keeps the GPU for the next part) and the row holds the steps it finished, read from its
+"""benchmarks/gpu.py's e2e rows when a run passes `--e2e-timeout`: the run is killed with every process
+below it, in its own session too (nothing of it keeps the GPU for the next part) and the row holds the steps it finished, read from its
 metrics.jsonl (a line cut by the kill left out); no finished step is an error row. The whole section
 runs end to end in tests/e2e/test_gpu_bench_smoke.py."""
 
@@ -27,7 +27,7 @@ gpu = load_gpu_bench()
 
 GRANDCHILD = """
 import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
 print("started", child.pid, flush=True)
 time.sleep(300)
 """
