@@ -22,12 +22,9 @@ bytes (static_decode's docstring).
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> int:
@@ -41,7 +38,9 @@ def main() -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from gpu import gen_values, timed_runs  # as gpu.py times its gen rows (importing it puts the repo on sys.path)
     from megappo.rollout.hf_engine import HFEngine
+    from megappo.rollout.static_decode import WHOLE_CACHE
     from megappo.types import SamplingParams
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,24 +54,16 @@ def main() -> int:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new, seed=0)
 
     rows, tokens = [], {}
-    for what, window in (("whole cache (baseline)", 1 << 30), ("windows", None)):
+    for what, window in (("whole cache (baseline)", WHOLE_CACHE), ("windows", None)):
         engine = HFEngine(model, pad_token_id=0, device=device, decode=path, max_tokens=args.prompt + args.new,
                           log=lambda line: None)
-        if window is not None:
-            engine._static.window = window  # a step past any capacity: every step attends over all C columns
+        engine._static.window = window
         engine.generate(prompts, params)  # warm-up (and, on CUDA, the captures)
-        times = []
-        for _ in range(args.repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            batch = engine.generate(prompts, params)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        tokens[what] = batch.response_ids
-        seconds = statistics.median(times)
-        rows.append((what, seconds, 1000 * seconds / args.new, int(batch.response_mask.sum()) / seconds))
+        last = {}
+        times = timed_runs(lambda: last.update(batch=engine.generate(prompts, params)), device, args.repeats)
+        tokens[what] = last["batch"].response_ids
+        values = gen_values(times, int(last["batch"].response_mask.sum()), args.new)
+        rows.append((what, values["seconds"], values["ms_per_step"], values["tokens_per_s"]))
         engine.release_memory()
 
     same = torch.equal(*tokens.values())

@@ -150,7 +150,7 @@ class Bench:
 
     def seconds_left(self) -> float:
         """Of `--time-limit` (infinite without one)."""
-        limit = getattr(self.settings, "time_limit", None)
+        limit = self.settings.time_limit
         return float("inf") if not limit else limit - (time.perf_counter() - self.start)
 
     @property
@@ -488,6 +488,7 @@ def bench_gen(b: Bench) -> list[Row]:
     gen_new_tokens decode steps), `--gen-repeats` timed calls each after one warm-up call."""
     from megappo.parallel import cpu_compat
     from megappo.rollout.hf_engine import HFEngine
+    from megappo.rollout.static_decode import WHOLE_CACHE
     from megappo.types import SamplingParams
 
     s = b.settings
@@ -505,8 +506,8 @@ def bench_gen(b: Bench) -> list[Row]:
         def measure():
             engine = HFEngine(model, pad_token_id=0, device=b.device, decode=path,
                               max_tokens=s.gen_prompt_len + s.gen_new_tokens)
-            if whole_cache:  # a window step past any capacity: every step attends over all C columns
-                engine._static.window = 1 << 30
+            if whole_cache:
+                engine._static.window = WHOLE_CACHE
             last = {}
 
             def run():

@@ -66,6 +66,7 @@ def decode_buckets(num: int) -> list[int]:
 CAPACITY_MULTIPLE = 64  # cache positions are allocated in these (SDPA's kernels want masks aligned to 16)
 WINDOW_MIN = 64  # the columns of the smallest attention window (module docstring, "Windows")
 MAX_WINDOWS = 16  # a long cache gets wider window steps: at most this many windows, so graphs per bucket
+WHOLE_CACHE = 1 << 30  # a window step past any capacity: every step attends over all C columns (a baseline)
 RUNNING = 2**62  # first_stop of a sample that has sampled no stop token yet (any step is smaller)
 
 
