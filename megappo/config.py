@@ -323,7 +323,7 @@ class ActorConfig(_Section):
     max_tokens_per_micro_batch: Optional[int] = None  # packing: tokens per micro-batch on one replica; None: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens) (verl: ppo_max_token_len_per_gpu)
     ppo_epochs: int = 1  # passes over each step's experience
     clip_ratio: float = 0.2  # PPO clip epsilon: ratio in [1 - eps_low, 1 + eps_high]
-    clip_ratio_low: Optional[float] = None  # eps_low; None: clip_ratio
+    clip_ratio_low: Optional[float] = None  # eps_low; None: clip_ratio; >= 1: no lower bound (CISPO's setting)
     clip_ratio_high: Optional[float] = None  # eps_high; None: clip_ratio (e.g. 0.28 for clip-higher)
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
     loss_agg_mode: LossAggMode = "token-mean"  # how token losses are reduced to one number
@@ -348,8 +348,6 @@ class ActorConfig(_Section):
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"{P}{name}={v} must be > 0. Fix: e.g. {P}{name}=0.2.")
-        _require(self.clip_low < 1, f"{P}clip_ratio_low={self.clip_low} must be < 1 (1 - eps_low is the lower "
-                                    f"ratio bound). Fix: e.g. {P}clip_ratio_low=0.2.")
         _require(self.clip_ratio_c > 1, f"{P}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound). "
                                         f"Fix: e.g. {P}clip_ratio_c=3.0.")
         _require(self.kl_loss_coef >= 0, f"{P}kl_loss_coef={self.kl_loss_coef} must be >= 0. Fix: use 0.0 or "
@@ -755,9 +753,13 @@ class Config(_Section):
                  f"(actor.recompute.granularity={self.actor.recompute.granularity}) would route again in the "
                  f"backward with the trainer's own routers. Fix: set actor.recompute.granularity=none, or "
                  f"actor.moe_routing=recompute.")
-        _require(not self.ref_is_actor_base or all(v is None for v in dataclasses.astuple(self.ref.parallel)),
-                 "with actor.lora the reference policy is the actor with its adapters off (no model of its own), "
-                 "so ref.parallel does not apply. Fix: remove ref.parallel.")
+        # a verl LoRA script gives the reference the actor's layout (verl, too, runs it as the actor's base)
+        actor_layout = dict(zip(("tp", "pp", "vpp"), self.layout("actor")), ep=self.expert_parallel("actor"))
+        _require(not self.ref_is_actor_base or all(
+                     v is None or v == actor_layout[k] for k, v in dataclasses.asdict(self.ref.parallel).items()),
+                 f"with actor.lora the reference policy is the actor with its adapters off (no model of its own), "
+                 f"so ref.parallel does not apply (it may only repeat the actor's layout, {actor_layout}). Fix: "
+                 f"remove ref.parallel.")
         for role in self.model_roles:
             tp, pp, vpp = self.layout(role)
             _require(vpp is None or pp > 1, f"{role}.parallel.vpp={vpp} needs a pipeline (pp > 1), but {role}'s pp is "

@@ -32,7 +32,8 @@ import yaml
 from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
 from megappo.errors import ConfigError
 from megappo.key_synonyms import synonym_hint, synonym_of
-from megappo.verl_keys import MOOT, NO_EQUIVALENT, spelling, verl_equivalent, verl_hint, verl_reading
+from megappo.verl_keys import (MOOT, NO_EQUIVALENT, REWARD_FILE, reward_file_reading, spelling, verl_equivalent,
+                               verl_hint, verl_reading)
 
 
 def _is_key(path: str) -> bool:
@@ -213,47 +214,71 @@ def _parsed(raw: str) -> Any:
         return raw
 
 
-def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, list[tuple[str, str, str, str]]]:
+def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, list[tuple[str, str, str, str]],
+                                                       list[ConfigError]]:
     """A command line as megappo's overrides: Hydra's '+'/'++' stripped, verl keys read as megappo's
-    (megappo.verl_keys.verl_reading). Also the VerlReading, and the ratios to count once every override is
-    applied: (verl key, raw value, megappo key, megappo key of the total). Raises ConfigError for a refused
-    verl key and for a megappo key that two spellings set to different values."""
-    out, reading, ratios = [], VerlReading(), []
+    (megappo.verl_keys.verl_reading). Also the VerlReading, the ratios to count once every override is
+    applied: (verl key, raw value, megappo key, megappo key of the total), and an error for each refused
+    verl key and each megappo key that two spellings set to different values (all of them: a verl script's
+    command line gets every fix at once)."""
+    out, reading, ratios, errors = [], VerlReading(), [], []
     setters: dict[str, tuple[str, Any]] = {}  # megappo key -> (key as written, value)
-    given = {k: spelling(_parsed(raw)) for k, raw in map(_key_value, overrides) if raw is not None}
+    values = {k: _parsed(raw) for k, raw in map(_key_value, overrides) if raw is not None and raw.strip()}
     for override in overrides:
-        key, raw = _key_value(override)
-        if raw is None or not raw.strip() or not key:
-            out.append(override)  # apply_override says what is wrong with it
-            continue
-        other, other_value, why = MOOT.get(key, (None, None, None))
-        found = ("unused", why) if other and given.get(other) == other_value else verl_reading(
-            key, raw.strip(), _parsed(raw), _is_key)
-        if found is None:
-            mine = f"{key}={raw}"
-        elif found[0] == "refused":
-            hint = synonym_hint(key, raw.strip(), _is_key) if found[1] == NO_EQUIVALENT else None
-            if hint:  # another trainer's name under a verl section (trainer.max_steps)
-                raise ConfigError(hint)
-            raise ConfigError(f"'{key}={raw.strip()}' is a verl key megappo does not read as written. Fix: "
-                              f"{found[1]} (docs/config.md, 'Coming from verl').")
-        elif found[0] == "unused":
-            reading.unused = [(k, w) for k, w in reading.unused if k != key] + [(key, found[1])]
-            continue
-        elif found[0] == "ratio":
-            ratios.append((key, raw.strip(), found[1], found[2]))
-            setters[found[1]] = _check_same(setters.get(found[1]), key, f"{raw.strip()} x {found[2]}", found[1])
-            continue
-        else:
-            mine = found[1]
-            ours, _, value = mine.partition("=")
-            shown = ours if value == raw.strip() else f"{ours}={value}"
-            reading.read = [(k, o) for k, o in reading.read if k.partition("=")[0] != key] + [
-                (key if value == raw.strip() else f"{key}={raw.strip()}", shown)]
+        try:
+            _read_one(override, values, out, reading, ratios, setters)
+        except ConfigError as e:
+            errors.append(e)
+    return out, reading, ratios, errors
+
+
+def _read_one(override: str, values: dict[str, Any], out: list[str], reading: VerlReading, ratios: list,
+              setters: dict[str, tuple[str, Any]]) -> None:
+    """read_overrides for one override (`values`: every override's parsed value by key): appended to `out`
+    (megappo's spelling), `reading` or `ratios`."""
+    key, raw = _key_value(override)
+    if raw is None or not raw.strip() or not key:
+        out.append(override)  # apply_override says what is wrong with it
+        return
+    other, other_value, why = MOOT.get(key, (None, None, None))
+    file_key = next((f for f, name in REWARD_FILE.items() if key == name), None)
+    if key in REWARD_FILE:  # verl's reward file and function: read together
+        found = reward_file_reading(values[key], values.get(REWARD_FILE[key]))
+        if REWARD_FILE[key] in values and found[0] == "read":
+            raw = f"{raw.strip()}, {REWARD_FILE[key]}={values[REWARD_FILE[key]]}"
+    elif file_key is not None:
+        found = (None, None) if reward_file_reading(values.get(file_key), key)[0] == "read" else (
+            "unused", f"verl reads it with {file_key} only, which is not given")
+    elif other and other in values and spelling(values[other]) == other_value:
+        found = ("unused", why)
+    else:
+        found = verl_reading(key, raw.strip(), _parsed(raw), _is_key)
+    if found == (None, None):  # read with another key
+        return
+    if found is None:
+        mine = f"{key}={raw}"
+    elif found[0] == "refused":
+        hint = synonym_hint(key, raw.strip(), _is_key) if found[1] == NO_EQUIVALENT else None
+        if hint:  # another trainer's name under a verl section (trainer.max_steps)
+            raise ConfigError(hint)
+        raise ConfigError(f"'{key}={raw.strip()}' is a verl key megappo does not read as written. Fix: "
+                          f"{found[1]} (docs/config.md, 'Coming from verl').")
+    elif found[0] == "unused":
+        reading.unused = [(k, w) for k, w in reading.unused if k != key] + [(key, found[1])]
+        return
+    elif found[0] == "ratio":
+        ratios.append((key, raw.strip(), found[1], found[2]))
+        setters[found[1]] = _check_same(setters.get(found[1]), key, f"{raw.strip()} x {found[2]}", found[1])
+        return
+    else:
+        mine = found[1]
         ours, _, value = mine.partition("=")
-        setters[ours] = _check_same(setters.get(ours), key, _parsed(value), ours)
-        out.append(mine)
-    return out, reading, ratios
+        shown = ours if value == raw.strip() else f"{ours}={value}"
+        reading.read = [(k, o) for k, o in reading.read if k.partition("=")[0] != key] + [
+            (key if value == raw.strip() else f"{key}={raw.strip()}", shown)]
+    ours, _, value = mine.partition("=")
+    setters[ours] = _check_same(setters.get(ours), key, _parsed(value), ours)
+    out.append(mine)
 
 
 def _check_same(before: Optional[tuple[str, Any]], key: str, value: Any, ours: str) -> tuple[str, Any]:
@@ -321,9 +346,16 @@ def read_config(path: str | None, overrides: Sequence[str] = (),
             raise ConfigError(f"variants.{variant} in '{path}' must be a list of KEY=VALUE overrides. Fix: write "
                               f"{variant}: [hardware.gpu_memory_gib=141, ...].")
         overrides = [*variants[variant], *overrides]
-    overrides, reading, ratios = read_overrides(overrides)
+    overrides, reading, ratios, errors = read_overrides(overrides)
     for override in overrides:
-        apply_override(data, override)
+        try:
+            apply_override(data, override)
+        except ConfigError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{len(errors)} overrides megappo cannot read as written (each line names its fix):\n"
+            + "\n".join(f"  - {e}" for e in errors))
     _count_ratios(data, ratios, reading)
     return config_from_dict(data), reading
 

@@ -7,9 +7,10 @@ need no table. verl nests the policy under `actor_rollout_ref` and the loop unde
 override (`RENAMED`, then the section `PREFIXES` swapped for megappo's when that is a key megappo
 has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`, a fraction counted by `RATIOS`), as a
 key megappo has no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why
-at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`): the keys whose
-silent omission would change the training. `verl_hint` words the error a verl key in a recipe file
-or `apply_override` gets.
+at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`, `REFUSED_PATTERNS`):
+the keys whose silent omission would change the training. verl's reward file and function name are
+read together (`REWARD_FILE`, `reward_file_reading`). `verl_hint` words the error a verl key in a
+recipe file or `apply_override` gets. The tables cover verl's own example scripts (tests/data/verl/).
 
 This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
 from megappo.recipe, says whether megappo has a key). megappo.recipe applies the readings, checks two
@@ -59,6 +60,18 @@ RENAMED: dict[str, str] = {
     "critic.optim.warmup_style": "critic.optim.lr_decay_style",
     "critic.megatron.tensor_model_parallel_size": "critic.parallel.tp",
     "critic.megatron.pipeline_model_parallel_size": "critic.parallel.pp",
+    "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": "ref.parallel.vpp",
+    "critic.megatron.virtual_pipeline_model_parallel_size": "critic.parallel.vpp",
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size": "actor.parallel.ep",
+    "actor_rollout_ref.ref.megatron.expert_model_parallel_size": "ref.parallel.ep",
+    "critic.megatron.expert_model_parallel_size": "critic.parallel.ep",
+    # verl's Megatron backend's LoRA section (its FSDP backend's flat lora_rank / lora_alpha / target_modules above)
+    **{f"{verl}.lora.{field}": f"{ours}.lora.{field}"
+       for verl, ours in (("actor_rollout_ref.model", "actor"), ("critic.model", "critic"))
+       for field in ("rank", "alpha", "dropout", "target_modules")},
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": "rollout.update_bucket_mb",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": "rollout.update_bucket_mb",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.max_turns",
     "reward_model.model.path": "reward.model_path",
     "reward_model.micro_batch_size_per_gpu": "reward.micro_batch_size",
     "reward_model.micro_batch_size": "reward.micro_batch_size",
@@ -108,6 +121,10 @@ BY_VALUE: dict[str, dict[str, str]] = {
     "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": 'checkpoint.resume="off"'},
     # verl validates greedily unless do_sample; megappo samples when rollout.val_temperature > 0
     "actor_rollout_ref.rollout.val_kwargs.do_sample": {"false": "rollout.val_temperature=0"},
+    # verl's R3 replays the experts the rollout engine chose (megappo's replay); R2 (the routes of the
+    # old-log-prob pass) megappo does not have
+    "actor_rollout_ref.actor.router_replay.mode": {"r3": "actor.moe_routing=replay",
+                                                   "disabled": "actor.moe_routing=recompute"},
 }
 
 #: verl key -> (the other verl key and its value that make it moot, why): verl drops long prompts when it
@@ -124,9 +141,10 @@ VALUES: dict[str, dict[str, str]] = {
     "trainer.logger": {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"},
 }
 
-#: list keys megappo has under verl's name, which verl (Hydra's ListConfig or a plain string) also takes as
-#: one string: a string is read as a one-item list
-ONE_OR_MORE: tuple[str, ...] = ("data.train_files", "data.val_files")
+#: megappo's list keys whose verl key (Hydra's ListConfig or a plain string) also takes one string: a string is
+#: read as a one-item list (verl's FSDP backend writes target_modules=all-linear)
+ONE_OR_MORE: tuple[str, ...] = ("data.train_files", "data.val_files", "actor.lora.target_modules",
+                                "critic.lora.target_modules")
 
 #: verl key (a list) -> items megappo always adds to it, and why
 ADDED_ITEMS: dict[str, tuple[list[str], str]] = {
@@ -162,6 +180,23 @@ _LOG_PROB_PASS = "megappo's old-log-prob pass uses the actor's micro-batches (ac
                  "actor.max_tokens_per_micro_batch)"
 _ENGINE_KNOB = "a knob of verl's vLLM/SGLang server; megappo's engine sizes itself (SGLang's own settings go " \
                "through rollout.sglang.*)"
+_RM_PACKING = "megappo packs the reward model's sequences without padding (reward.packing, on by default); the " \
+              "scores do not depend on how they are split"
+_KERNEL = "a Megatron kernel or overlap choice (same math); megappo chooses its kernels per device in one place " \
+          "(model.layer_spec; docs/precision.md)"
+_NO_OFFLOAD = "megappo keeps the optimizer in GPU memory in fp32 (no offload; docs/precision.md)"
+_OWN_BRIDGE = "megappo converts HF <-> Megatron weights with its own bridge (model.path is an HF directory; " \
+              "docs/conversion.md)"
+_NO_REMOTE_CODE = "megappo builds its models and reads its data itself (docs/models.md) and never runs code a " \
+                  "model or dataset directory ships"
+_EVEN_PP_SPLIT = "megappo splits the layers evenly over the pipeline stages (megappo plan shows each stage's memory)"
+_REWARD_SERVER = "verl serves its reward model with an inference engine; megappo runs it as a Megatron model on the " \
+                 "trainer's ranks (reward.model_path)"
+_LORA_INIT = "megappo initialises A as peft does (Kaiming-uniform) and B at zero, so training starts from the " \
+             "base model, as verl's does"
+_TEXT_ONLY = "megappo trains text-only language models and reads no images (a vision model is refused when it is " \
+             "built)"
+_ROLES_MEGATRON = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron")
 
 #: verl keys megappo reads but has no use for, and why: named in one start-up line, never silently dropped
 UNUSED: dict[str, str] = {
@@ -230,6 +265,67 @@ UNUSED: dict[str, str] = {
                                              "optimizers, RNG, data cursor); HF weights: checkpoint.save_hf_at_end or "
                                              "megappo export"
        for role in ("actor_rollout_ref.actor", "critic") for what in ("save", "load")},
+    "actor_rollout_ref.actor.calculate_sum_pi_squared": "megappo computes the sum of squared probabilities in the "
+                                                        "old-log-prob pass when algorithm.adv_estimator is "
+                                                        "optimal_token_baseline or tir_optimal_token_baseline, the "
+                                                        "estimators that read it (verl asks for the switch with them)",
+    "critic.model.use_remove_padding": _PACKING.replace("actor.", "critic."),
+    "critic.use_dynamic_bsz": _PACKING.replace("actor.", "critic."),
+    "reward_model.model.use_remove_padding": _RM_PACKING,
+    "reward_model.use_dynamic_bsz": _RM_PACKING,
+    "critic.forward_max_token_len_per_gpu": "megappo's value pass uses the critic's micro-batches "
+                                            "(critic.micro_batch_size, critic.max_tokens_per_micro_batch)",
+    "critic.forward_micro_batch_size_per_gpu": "megappo's value pass uses the critic's micro-batches "
+                                               "(critic.micro_batch_size, critic.max_tokens_per_micro_batch)",
+    "actor_rollout_ref.actor.strategy": "megappo trains with Megatron-Core (verl's megatron strategy; the math does "
+                                        "not depend on it)",
+    "actor_rollout_ref.ref.strategy": "megappo trains with Megatron-Core (verl's megatron strategy; the math does not "
+                                      "depend on it)",
+    "critic.strategy": "megappo trains with Megatron-Core (verl's megatron strategy; the math does not depend on it)",
+    "reward_model.strategy": "megappo trains with Megatron-Core (verl's megatron strategy; the math does not depend "
+                             "on it)",
+    "trainer.use_legacy_worker_impl": "verl's choice between its two worker implementations",
+    "actor_rollout_ref.actor.use_torch_compile": "megappo does not torch.compile its training passes",
+    "actor_rollout_ref.ref.use_torch_compile": "megappo does not torch.compile its training passes",
+    "actor_rollout_ref.model.trust_remote_code": _NO_REMOTE_CODE,
+    "critic.model.trust_remote_code": _NO_REMOTE_CODE,
+    "reward_model.model.trust_remote_code": _NO_REMOTE_CODE,
+    "data.trust_remote_code": _NO_REMOTE_CODE,
+    "data.filter_overlong_prompts_workers": "megappo reads its prompts in the trainer's process",
+    "actor_rollout_ref.model.use_shm": "verl's copy of the model to /dev/shm; megappo reads model.path as given",
+    "actor_rollout_ref.model.enable_activation_offload": "a memory saving of verl's FSDP backend; megappo's memory "
+                                                         "settings are actor.recompute.*",
+    "actor_rollout_ref.model.lora.merge": "how verl's adapters reach its engine; megappo's is rollout.lora_sync "
+                                          "(merged by default, as verl's merge=true)",
+    "actor_rollout_ref.rollout.layered_summon": "verl's gathering of FSDP LoRA weights layer by layer; megappo's "
+                                                "weight sync streams buckets (rollout.update_bucket_mb)",
+    "actor_rollout_ref.rollout.multi_stage_wake_up": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.disable_log_stats": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.skip_tokenizer_init": _ENGINE_KNOB,
+    "actor_rollout_ref.rollout.data_parallel_size": "the engine's data parallelism: SGLang's own rollout.sglang.dp_size",
+    "actor_rollout_ref.rollout.expert_parallel_size": "the engine's expert parallelism: SGLang's own "
+                                                      "rollout.sglang.ep_size",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": "megappo's engine records the routes exactly when "
+                                                               "actor.moe_routing=replay (verl's "
+                                                               "actor.router_replay.mode=R3)",
+    "actor_rollout_ref.actor.use_prefix_grouper": "a speed-up of verl's (each group's shared prompt computed once); "
+                                                  "the loss is the same",
+    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": "the reference pass computes log-probs only (no "
+                                                               "entropy)",
+    "actor_rollout_ref.model.torch_dtype": "megappo's compute dtype is model.dtype (docs/precision.md)",
+    "actor_rollout_ref.model.lora.lora_A_init_method": _LORA_INIT,
+    "actor_rollout_ref.model.lora.lora_B_init_method": _LORA_INIT,
+    **{f"actor_rollout_ref.model.mtp.{k}": "a setting of multi-token prediction, which megappo does not have "
+                                           "(mtp.enable=true is refused)"
+       for k in ("mtp_loss_scaling_factor", "detach_encoder", "enable_rollout", "speculative_algorithm",
+                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "method",
+                 "num_speculative_tokens")},
+    "data.image_key": _TEXT_ONLY,
+    "actor_rollout_ref.actor.freeze_vision_tower": _TEXT_ONLY,
+    "reward_model.use_reward_loop": "verl's reward service; megappo scores in the trainer (reward.functions, "
+                                    "reward.model_path)",
+    "reward_model.num_workers": "verl's reward service; megappo scores in the trainer (reward.functions, "
+                                "reward.model_path)",
 }
 
 #: verl key patterns ('*' is one or more key parts) megappo reads but has no use for, and why
@@ -242,6 +338,37 @@ UNUSED_PATTERNS: dict[str, str] = {
                                         "Megatron's parallel.sequence_parallel (with tp > 1)",
     "*.profiler.*": "megappo times its stages itself (timing_s/* metrics)",
     "global_profiler.*": "megappo times its stages itself (timing_s/* metrics)",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.*": "a setting of verl's vLLM server; megappo has no vLLM engine",
+    "actor_rollout_ref.rollout.engine_kwargs.trtllm.*": "a setting of verl's TensorRT-LLM server; megappo has no "
+                                                        "TensorRT-LLM engine",
+    "actor_rollout_ref.rollout.trace.*": "verl's rollout tracing; megappo keeps logging.samples=N samples of every "
+                                         "step in samples.jsonl",
+    "actor_rollout_ref.rollout.prometheus.*": "verl's engine monitoring; megappo logs its rollout/* and timing_s/* "
+                                              "metrics",
+    "reward_model.rollout.*": _REWARD_SERVER,
+    "algorithm.pf_ppo.*": "PF-PPO's settings; megappo has no PF-PPO (algorithm.use_pf_ppo=true is refused)",
+    **{f"*.model.override_config.{key}": "a limit, not a change to the model: with rotary positions the model's "
+                                         "math does not depend on it (megappo's sequences are "
+                                         "data.max_prompt_length + rollout.max_new_tokens long at most)"
+       for key in ("max_position_embeddings", "model_config.max_position_embeddings")},
+    "*.megatron.use_mbridge": _OWN_BRIDGE,
+    "*.megatron.vanilla_mbridge": _OWN_BRIDGE,
+    "*.megatron.seed": "megappo seeds every rank from run.seed",
+    "*.megatron.expert_tensor_parallel_size": "megappo splits each expert over the role's tensor-parallel ranks "
+                                              "(Megatron's default; the math is the same)",
+    **{f"*.megatron.override_transformer_config.{key}": _KERNEL for key in (
+        "apply_rope_fusion", "bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+        "gradient_accumulation_fusion", "persist_layer_norm", "moe_permute_fusion", "moe_grouped_gemm",
+        "deallocate_pipeline_outputs", "moe_shared_expert_overlap", "moe_enable_deepep", "moe_token_dispatcher_type",
+        "attention_backend")},
+    "*.megatron.override_transformer_config.moe_router_dtype": "megappo computes the router in model.dtype, as the HF "
+                                                               "model and the rollout engine do",
+    **{f"*.megatron.override_transformer_config.{key}": _EVEN_PP_SPLIT for key in (
+        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")},
+    **{f"*.optim.override_optimizer_config.{key}": _NO_OFFLOAD for key in (
+        "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "optimizer_cpu_offload",
+        "use_precision_aware_optimizer")},
 }
 
 #: verl key -> {value: why megappo has no use for it}; its other values are refused (OTHERWISE says how)
@@ -266,14 +393,40 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
                                                              "(rollout.env=single_turn)"},
     "trainer.resume_from_path": {"null": "no checkpoint named: megappo resumes from checkpoint.dir's newest"},
     "data.reward_fn_key": {"data_source": "megappo's reward functions get each row's data_source, as verl's do"},
+    **{f"{role}.context_parallel_size": {"1": "no context parallelism, as megappo's layouts"} for role in _ROLES_MEGATRON},
+    **{f"{role}.use_dist_checkpointing": {"false": "megappo loads model.path's HF weights, as verl then does"}
+       for role in _ROLES_MEGATRON},
+    **{f"{role}.dist_checkpointing_path": {"null": "no Megatron checkpoint named: megappo loads model.path"}
+       for role in _ROLES_MEGATRON},
+    "actor_rollout_ref.model.lora.type": {"lora": "megappo's adapters are LoRA's"},
+    "actor_rollout_ref.model.lora.dropout_position": {"pre": "megappo applies the adapters' dropout to their input, "
+                                                             "verl's pre"},
+    **{key: {"null": "no adapter to start from: megappo's adapters start at B = 0, as verl's"}
+       for key in ("actor_rollout_ref.model.lora_adapter_path", "actor_rollout_ref.model.lora.adapter_path")},
+    **{key: {"null": "no module excluded", "[]": "no module excluded"}
+       for key in ("actor_rollout_ref.model.exclude_modules", "actor_rollout_ref.model.lora.exclude_modules")},
+    "actor_rollout_ref.model.mtp.enable": {"false": "no multi-token prediction, as megappo"},
+    "actor_rollout_ref.model.mtp.enable_train": {"false": "no multi-token prediction, as megappo"},
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": {"null": "no tools"},
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": {"null": "no interaction"},
+    "actor_rollout_ref.rollout.multi_turn.format": {"hermes": "megappo's tools environment reads Hermes/Qwen "
+                                                              "<tool_call> JSON, verl's hermes format"},
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": {"null": "verl's no limit; megappo bounds an episode by "
+                                                                         "rollout.max_turns (default 8) and "
+                                                                         "rollout.max_new_tokens"},
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": {"null": "verl's no limit; megappo's tools environment "
+                                                                    "bounds its calls by rollout.env_args.max_tool_calls"},
+    "actor_rollout_ref.rollout.over_sample_rate": {"0": "verl's early stop of generation is off; megappo generates "
+                                                        "every sample to its end",
+                                                   "0.0": "verl's early stop of generation is off; megappo generates "
+                                                          "every sample to its end"},
+    "algorithm.use_pf_ppo": {"false": "PF-PPO off; megappo has none"},
+    **{key: {"null": "none named: megappo reads the rows itself"}
+       for key in ("data.custom_cls.path", "data.custom_cls.name", "data.sampler.class_path", "data.sampler.class_name")},
 }
 
 #: verl key -> how megappo does it, where there is no one key to rename it to
 OTHERWISE: dict[str, str] = {
-    "custom_reward_function.path": "write reward.functions=[path/to/file.py:function_name]",
-    "custom_reward_function.name": "write reward.functions=[path/to/file.py:function_name]",
-    "reward.custom_reward_function.path": "write reward.functions=[path/to/file.py:function_name]",
-    "reward.custom_reward_function.name": "write reward.functions=[path/to/file.py:function_name]",
     "reward_model.reward_manager": "megappo's reward path is verl's naive and dapo managers (reward.functions, "
                                    "reward.overlong_buffer); write another manager's scoring as a reward function, "
                                    "reward.functions=[path/to/file.py:function_name]",
@@ -306,11 +459,73 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity":
         "the reference model only runs forward passes, so it has nothing to recompute (actor.recompute and "
         "critic.recompute are the trained roles')",
-    "actor_rollout_ref.actor.calculate_sum_pi_squared": "megappo computes the sum of squared probabilities in the "
-                                                        "old-log-prob pass when algorithm.adv_estimator is "
-                                                        "optimal_token_baseline or tir_optimal_token_baseline",
+    **{f"{role}.context_parallel_size": "megappo has no context parallelism; for long sequences use "
+                                        "parallel.sequence_parallel=true with tp > 1, actor.recompute.* and "
+                                        "model.lm_head_chunk_tokens (docs/parallelism.md)" for role in _ROLES_MEGATRON},
+    **{f"{role}.{key}": "megappo loads HF weights from model.path; a Megatron checkpoint converts to one with "
+                        "tools/convert_megatron_to_hf.py (docs/conversion.md)"
+       for role in _ROLES_MEGATRON for key in ("use_dist_checkpointing", "dist_checkpointing_path")},
+    "actor_rollout_ref.actor.router_replay.mode": "megappo replays the experts the rollout engine chose (verl's R3: "
+                                                  "actor.moe_routing=replay) or lets the trainer's routers choose "
+                                                  "(disabled: actor.moe_routing=recompute); verl's R2 it does not have",
+    "actor_rollout_ref.model.lora.type": "megappo's adapters are plain LoRA (actor.lora.*; docs/lora.md)",
+    "actor_rollout_ref.model.lora.dropout_position": "megappo applies the adapters' dropout to their input (verl's "
+                                                     "pre): remove it",
+    **{key: "megappo starts its adapters at B = 0: merge the adapter into its base model (peft's merge_and_unload) "
+            "and set model.path to the result" for key in ("actor_rollout_ref.model.lora_adapter_path",
+                                                            "actor_rollout_ref.model.lora.adapter_path")},
+    **{key: "write actor.lora.target_modules=[...] naming the modules to adapt (docs/lora.md)"
+       for key in ("actor_rollout_ref.model.exclude_modules", "actor_rollout_ref.model.lora.exclude_modules")},
+    **{key: "megappo does not train or decode with multi-token-prediction heads: remove it"
+       for key in ("actor_rollout_ref.model.mtp.enable", "actor_rollout_ref.model.mtp.enable_train")},
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "megappo's tools are Python functions: write "
+                                                             "rollout.env=tools with rollout.env_args.tools=[...] "
+                                                             "(docs/tools.md); verl's tool YAML is not read",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "a simulated user is an environment in megappo: "
+                                                                    "write rollout.env=my_env.py:MyEnv "
+                                                                    "(docs/environments.md)",
+    "actor_rollout_ref.rollout.multi_turn.format": "megappo's tools environment reads Hermes/Qwen <tool_call> JSON "
+                                                   "(verl's hermes) only (docs/tools.md)",
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": "megappo bounds an episode by rollout.max_turns (actions) "
+                                                           "and rollout.env_args.max_tool_calls: write those "
+                                                           "(docs/tools.md)",
+    "actor_rollout_ref.rollout.over_sample_rate": "megappo generates every sample to its end (verl aborts the last "
+                                                  "over_sample_rate of the requests): remove it",
+    "algorithm.use_pf_ppo": "megappo has no PF-PPO (reweighting samples by their reward): remove it",
+    **{key: "megappo reads verl-layout JSONL/Parquet rows itself and runs no dataset class a config names: write "
+            "your rows in that layout (docs/own-data.md)" for key in ("data.custom_cls.path", "data.custom_cls.name")},
+    **{key: "megappo draws prompts in order or shuffled (data.shuffle, data.seed) and runs no sampler class a config "
+            "names; for a curriculum, order the rows of data.train_files and set data.shuffle=false"
+       for key in ("data.sampler.class_path", "data.sampler.class_name")},
     "actor_rollout_ref.actor.policy_loss.rollout_correction": "write algorithm.rollout_correction.* (verl copies it "
                                                               "there itself in bypass mode)",
+}
+
+#: verl's key naming a reward function's file -> its key naming the function (verl <= 0.8 at the top level, 0.9.1
+#: under reward): the two are read together as megappo's `reward.functions=[file:function]`, which replaces the
+#: recipe's functions as verl's file replaces its default scorer; megappo calls a verl `compute_score` with verl's
+#: arguments (megappo.rewards)
+REWARD_FILE: dict[str, str] = {
+    "custom_reward_function.path": "custom_reward_function.name",
+    "reward.custom_reward_function.path": "reward.custom_reward_function.name",
+}
+VERL_REWARD_NAME = "compute_score"  # verl's default custom_reward_function.name
+
+
+def reward_file_reading(path: Any, name: Any) -> tuple[str, str]:
+    """How megappo reads verl's reward file `path` (parsed; None: verl's default null) and function `name` (None:
+    not given): ('read', 'reward.functions=[...]') or ('unused', why)."""
+    if path is None or str(path).strip() == "":
+        return "unused", "no reward file named: megappo scores with reward.functions"
+    return "read", f"reward.functions=[{json_string(f'{path}:{name or VERL_REWARD_NAME}')}]"
+
+
+#: verl key patterns ('*' is one or more key parts) refused, and how megappo does it
+REFUSED_PATTERNS: dict[str, str] = {
+    "*.model.override_config.*": "megappo builds the model from model.path's config.json, which its rollout engine "
+                                 "reads too: change the value there (or in model.hf_config)",
+    "*.sandbox_fusion.*": "megappo calls no code-execution service; score code answers with a reward function of "
+                          "your own, reward.functions=[path/to/file.py:function_name]",
 }
 
 #: verl section prefix -> megappo's, tried when the key is in neither table
@@ -318,14 +533,17 @@ PREFIXES: dict[str, str] = {
     "actor_rollout_ref.actor.": "actor.",
     "actor_rollout_ref.rollout.": "rollout.",
     "actor_rollout_ref.ref.": "ref.",
+    "actor_rollout_ref.rollout.engine_kwargs.sglang.": "rollout.sglang.",
     "actor_rollout_ref.model.": "model.",
     "critic.model.": "critic.",
     "reward_model.": "reward.",
     "trainer.": "run.",
 }
 
-#: sections only verl has: a key under them is verl's even when no table names it
-SECTIONS = ("actor_rollout_ref", "trainer", "custom_reward_function", "reward_model")
+#: sections only verl has (also inside megappo's: critic.model, critic.megatron): a key under them is verl's
+#: even when no table names it
+SECTIONS = ("actor_rollout_ref", "trainer", "custom_reward_function", "reward_model", "critic.model",
+            "critic.megatron")
 
 
 NO_EQUIVALENT = ("megappo has no such key; remove it (megappo's sections are model, parallel, actor, critic, ref, "
@@ -340,21 +558,21 @@ def verl_equivalent(path: str, is_key: Callable[[str], bool]) -> Optional[tuple[
     """
     if path in RENAMED:
         return RENAMED[path], None
-    if path in OTHERWISE:
-        return None, OTHERWISE[path]
+    if path in OTHERWISE or _pattern(path, REFUSED_PATTERNS):
+        return None, OTHERWISE.get(path) or _pattern(path, REFUSED_PATTERNS)
     for verl, ours in PREFIXES.items():
         if path.startswith(verl) and is_key(ours + path[len(verl):]):
             return ours + path[len(verl):], None
-    if path.split(".")[0] in SECTIONS:
+    if any(path.startswith(section + ".") for section in SECTIONS):
         return None, NO_EQUIVALENT
     return None
 
 
-def _unused_pattern(path: str) -> Optional[str]:
+def _pattern(path: str, patterns: dict[str, str]) -> Optional[str]:
+    """The text of the first of `patterns` that dotted `path` matches, or None."""
     parts = path.split(".")
-    for pattern, why in UNUSED_PATTERNS.items():
-        want = pattern.split(".")
-        if _match(want, parts):
+    for pattern, why in patterns.items():
+        if _match(pattern.split("."), parts):
             return why
     return None
 
@@ -397,7 +615,7 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
     if is_key(path):
         return None
     spelled = spelling(value)
-    why = UNUSED.get(path) or _unused_pattern(path) or UNUSED_VALUES.get(path, {}).get(spelled)
+    why = UNUSED.get(path) or _pattern(path, UNUSED_PATTERNS) or UNUSED_VALUES.get(path, {}).get(spelled)
     if why:
         return "unused", why
     by_value = BY_VALUE.get(path, {}).get(spelled)
@@ -413,6 +631,9 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
         return "read", f"{key}={max(value + shift, 0)}"
     if path in BY_VALUE or path in OTHERWISE:
         return "refused", OTHERWISE.get(path) or f"its values megappo reads are {sorted(BY_VALUE[path])}"
+    how = _pattern(path, REFUSED_PATTERNS)
+    if how:
+        return "refused", how
     key = verl_equivalent(path, is_key)
     if key is None:
         return None
@@ -428,6 +649,8 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
         mine += [v for v in ADDED_ITEMS.get(path, ([], ""))[0] if v not in mine]
         return "read", f"{key[0]}=[{','.join(mine)}]" if isinstance(value, (list, tuple)) or path in ADDED_ITEMS \
             else f"{key[0]}={mine[0]}"
+    if key[0] in ONE_OR_MORE and isinstance(value, str):
+        return "read", f"{key[0]}=[{json_string(value)}]"
     return "read", f"{key[0]}={raw}"
 
 

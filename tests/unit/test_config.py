@@ -196,7 +196,7 @@ GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}
     ({"parallel": {"vpp": 2}}, "parallel.vpp=2 needs parallel.pp > 1 .* Fix: set parallel.vpp=null"),
     ({"parallel": {"sequence_parallel": True}}, "parallel.sequence_parallel needs parallel.tp > 1"),
     ({"actor": {"clip_ratio_c": 1.0}}, "actor.clip_ratio_c=1.0 must be > 1 .* Fix: e.g. actor.clip_ratio_c=3.0"),
-    ({"actor": {"clip_ratio_low": 1.2}}, "actor.clip_ratio_low=1.2 must be < 1"),
+    ({"actor": {"clip_ratio_low": -1}}, "actor.clip_ratio_low=-1.0 must be > 0"),
     ({"actor": {"clip_ratio_high": 0}}, "actor.clip_ratio_high=0.0 must be > 0"),
     ({"actor": {"optim": {"lr": 0}}}, "actor.optim.lr=0.0 must be > 0"),
     ({"critic": {"optim": {"betas": [0.9, 1.0]}}}, r"critic.optim.betas=\[0.9, 1.0\] must be in \[0, 1\)"),
@@ -324,7 +324,9 @@ def test_lora_settings_and_their_refusals():
         ({"critic": {"lora": {"rank": 4, "alpha": 0}}}, r"critic\.lora\.alpha=0.* must be > 0"),
         ({"ref": {"lora": {"rank": 4}}}, r"ref\.lora: the reference policy is the base model"),
         ({"reward": {"lora": {"rank": 4}}}, r"reward\.lora: the reward model is not trained"),
-        ({**kl, "ref": {"parallel": {"tp": 1}}}, r"ref\.parallel does not apply\. Fix: remove ref\.parallel"),
+        ({**kl, "ref": {"parallel": {"tp": 1}}}, r"ref\.parallel does not apply \(it may only repeat the actor's "
+                                                 r"layout, \{'tp': 2, 'pp': 1, 'vpp': None, 'ep': 1\}\)\. Fix: remove "
+                                                 r"ref\.parallel"),
         ({"critic": {"lora": {"rank": 4, "dropout": 0.1}, "recompute": {"granularity": "full"}}},
          r"critic\.lora\.dropout=0\.1 with critic\.recompute\.granularity=full.*Fix: set critic\.lora\.dropout=0"),
         ({"rollout": {"lora_sync": "adapters"}}, r"rollout\.lora_sync=adapters .* actor\.lora is off.*Fix: set "
@@ -338,6 +340,8 @@ def test_lora_settings_and_their_refusals():
         with pytest.raises(ConfigError, match=message):
             build(**sections)
     assert build(actor={"lora": {"rank": 8}}, rollout={"lora_sync": "adapters"}).rollout.lora_sync == "adapters"
+    # a verl LoRA script gives the reference the actor's layout: the same layout, so nothing to refuse
+    assert build(**kl, ref={"parallel": {"tp": 2, "pp": 1}}).layout("ref") == (2, 1, None)
     from megappo.models.hf_reference import TINY_CONFIGS
     from megappo.preflight import ModelConfigError, check_models
 

@@ -503,6 +503,19 @@ def test_cispo_by_hand():
     assert m["actor/pg_clipfrac"].item() == pytest.approx(0.5) and m["actor/pg_clipfrac_lower"].item() == 0.0
 
 
+def test_cispo_without_a_lower_bound():
+    """verl's CISPO example (examples/cispo_trainer) sets clip_ratio_low=10: 1 - 10 < 0 bounds nothing, so a
+    ratio far below 1 keeps its own weight (the paper's CISPO clips the IS weight from above only)."""
+    old, new = T([[-1.0, -1.0]], dtype=F64), T([[-4.0, -0.5]], dtype=F64)  # d = -3, 0.5
+    adv = T([[1.0, 1.0]], dtype=F64)
+    loss, grad, m = _run(POLICY_LOSSES["cispo"], old, new, adv, torch.ones(1, 2, dtype=F64), clip_ratio_low=10.0,
+                         clip_ratio_high=0.2)
+    w = [math.exp(-3.0), 1.2]  # e^-3 = 0.05 stays; e^0.5 is clipped to 1 + 0.2
+    assert loss.item() == pytest.approx(-(w[0] * -4.0 + w[1] * -0.5) / 2)
+    _assert_close(grad, T([[-w[0] / 2, -w[1] / 2]]))
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+
+
 def test_dro_by_hand():
     loss, grad, m = _run(POLICY_LOSSES["dro"], T([[-1.4]], dtype=F64), T([[-1.0]], dtype=F64), T([[2.0]], dtype=F64),
                          T([[1.0]], dtype=F64), dro_beta=0.5)

@@ -55,6 +55,21 @@ READ = {
     "+reward_model.reward_kwargs.max_resp_len=3": ("rollout.max_new_tokens", 3),
     "+run.total_steps=5": ("run.total_steps", 5),  # '+' on a key megappo has: a plain override
     "++actor.clip_ratio_high=0.28": ("actor.clip_ratio_high", 0.28),
+    # verl's Megatron backend: expert parallelism, its LoRA section, routing replay (R3: the engine's experts)
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2": ("actor.parallel.ep", 2),
+    "actor_rollout_ref.model.lora.rank=8": ("actor.lora.rank", 8),
+    "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj]": ("actor.lora.target_modules",
+                                                                             ["linear_qkv", "linear_proj"]),
+    "actor_rollout_ref.model.target_modules=all-linear": ("actor.lora.target_modules", ["all-linear"]),
+    "actor_rollout_ref.actor.router_replay.mode=disabled": ("actor.moe_routing", "recompute"),
+    "actor_rollout_ref.actor.router_replay.mode=R3": ("actor.moe_routing", "replay"),
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=2048": ("rollout.update_bucket_mb", 2048),
+    "actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=triton": ("rollout.sglang.attention_backend",
+                                                                                "triton"),
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5": ("rollout.max_turns", 5),
+    # verl's reward file (its function: verl's default compute_score), verl <= 0.8 and 0.9.1
+    "custom_reward_function.path=my_reward.py": ("reward.functions", ["my_reward.py:compute_score"]),
+    "reward.custom_reward_function.path=my_reward.py": ("reward.functions", ["my_reward.py:compute_score"]),
 }
 
 
@@ -105,6 +120,24 @@ UNUSED = {
     "data.reward_fn_key=data_source": "data_source",
     "actor_rollout_ref.model.use_liger=True": "Megatron-Core models",
     "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton": "no fused kernel to switch",
+    # keys of verl's example scripts (examples/*/*.sh at verl b178a3c)
+    "critic.model.use_remove_padding=True": "critic.packing",
+    "critic.forward_max_token_len_per_gpu=4096": "the critic's micro-batches",
+    "actor_rollout_ref.actor.calculate_sum_pi_squared=True": "optimal_token_baseline",
+    "actor_rollout_ref.actor.megatron.use_mbridge=True": "its own bridge",
+    "critic.megatron.override_transformer_config.gradient_accumulation_fusion=True": "same math",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32": "router in model.dtype",
+    "actor_rollout_ref.ref.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=13": "evenly",
+    "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True": "no offload",
+    "actor_rollout_ref.actor.megatron.context_parallel_size=1": "no context parallelism",
+    "actor_rollout_ref.model.trust_remote_code=True": "never runs code",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True": "no vLLM engine",
+    "reward_model.rollout.gpu_memory_utilization=0.5": "as a Megatron model",
+    "reward_model.use_reward_loop=True": "scores in the trainer",
+    "actor_rollout_ref.model.lora.merge=False": "rollout.lora_sync",
+    "actor_rollout_ref.rollout.multi_turn.format=hermes": "<tool_call> JSON",
+    "custom_reward_function.path=null": "no reward file named",
+    "custom_reward_function.name=compute_score": "with custom_reward_function.path only",
 }
 
 
@@ -120,8 +153,14 @@ def test_verl_override_megappo_has_no_use_for_is_named_with_why(override):
 
 #: a verl override whose omission would change the training -> words of the error's fix
 REFUSED = {
-    "custom_reward_function.path=r.py": "Fix: write reward.functions=[path/to/file.py:function_name]",
-    "reward.custom_reward_function.path=r.py": "Fix: write reward.functions=[path/to/file.py:function_name]",
+    "actor_rollout_ref.actor.megatron.context_parallel_size=2": "megappo has no context parallelism",
+    "actor_rollout_ref.actor.router_replay.mode=R2": "verl's R2 it does not have",
+    "actor_rollout_ref.model.override_config.rope_theta=1000000": "model.path's config.json",
+    "critic.model.some_new_knob=1": "megappo has no such key; remove it",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml": "rollout.env_args.tools",
+    "reward_model.sandbox_fusion.url=http://sandbox": "a reward function of your own",
+    "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True": "tools/convert_megatron_to_hf.py",
+    "actor_rollout_ref.rollout.over_sample_rate=0.1": "generates every sample to its end",
     "reward_model.reward_manager=prime": "write another manager's scoring as a reward function",
     "data.truncation=middle": "megappo keeps a prompt's end",
     "trainer.resume_mode=resume_path": "checkpoint.resume=auto, must",
@@ -140,6 +179,32 @@ def test_verl_override_that_would_change_the_training_is_refused_with_the_fix(ov
         load_config(DEMO, [override, "run.total_steps=null"])
     assert f"'{override}' is a verl key megappo does not read as written. Fix: " in str(e.value)
     assert REFUSED[override] in str(e.value)
+
+
+def test_every_override_megappo_cannot_read_is_in_one_error():
+    """A verl script's command line gets each refusal and each unknown key at once, each with its fix."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor.optim.lrr=1e-6",
+                           "actor_rollout_ref.actor.optim.lr=1e-6", "critic.model.some_new_knob=1",
+                           "actor_rollout_ref.model.override_config.rope_theta=1e6"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "4 overrides megappo cannot read as written (each line names its fix):"
+    assert [line.split("'")[1] for line in lines[1:]] == [  # verl's keys first, then megappo's
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.model.some_new_knob=1",
+        "actor_rollout_ref.model.override_config.rope_theta=1e6", "actor.optim.lrr"]
+    assert all(line.startswith("  - ") and "Fix:" in line for line in lines[1:])
+    assert "Did you mean 'actor.optim.lr'?" in lines[4]
+
+
+def test_a_verl_reward_file_is_read_with_its_function_name():
+    cfg, reading = read_config(DEMO, ["custom_reward_function.path=my_reward.py",
+                                      "custom_reward_function.name=my_score"])
+    assert cfg.reward.functions == ["my_reward.py:my_score"]  # the recipe's own functions are replaced, as in verl
+    assert reading.read == [("custom_reward_function.path=my_reward.py, custom_reward_function.name=my_score",
+                             'reward.functions=["my_reward.py:my_score"]')]
+    assert reading.unused == []
+    with pytest.raises(ConfigError, match="both set reward.functions"):
+        load_config(DEMO, ["custom_reward_function.path=my_reward.py", "reward.functions=[exact_match]"])
 
 
 def test_a_warmup_ratio_is_counted_from_the_total_steps():
@@ -282,3 +347,4 @@ def test_verls_rollout_correction_and_gdpo_keys_are_megappos():
     rc = cfg.algorithm.rollout_correction
     assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_is_batch_normalize) == (
         "sequence", "0.5_2.0", "seq_sum_k1", True)
+

@@ -1,7 +1,8 @@
 """verl's own DAPO and GSPO scripts' command lines (tests/data/verl/*.txt: the file and commit each comes
-from, its bash variables sized for the CPU demo) read by megappo as written: no key refused, every key
-either megappo's own, read as megappo's or named as unused, and each value read lands in the Config.
-`megappo plan` takes them too. (tests/e2e/test_verl_cli.py trains the DAPO one.)"""
+from, its bash variables sized for the CPU demo) and five of its examples at their own sizes
+(tests/data/verl/examples/) read by megappo as written: no key refused, every key either megappo's own,
+read as megappo's or named as unused, and each value read lands in the Config. `megappo plan` takes them
+too. (tests/e2e/test_verl_cli.py trains the DAPO one.)"""
 
 import json
 import pathlib
@@ -45,11 +46,9 @@ def _same(got, want) -> bool:
     return got == want
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_verl_script_is_read_as_written(script, tmp_path):
-    overrides = script_overrides(script, "/models/demo", "/data/train.jsonl", "/data/val.jsonl", str(tmp_path))
-    cfg, reading = read_config(DEMO, [*overrides, DEMO_MODEL])
-    cfg.validate_world(cfg.hardware_world_size)
+def _assert_every_override_lands(cfg, reading, overrides):
+    """Each override is megappo's own (its value in the Config), read as megappo's (that value in the Config)
+    or named as unused; none twice."""
     read = {verl.split("=")[0]: ours for verl, ours in reading.read}
     unused = dict(reading.unused)
     for override in overrides:
@@ -64,6 +63,14 @@ def test_verl_script_is_read_as_written(script, tmp_path):
         ours, _, value = read[key].partition("=")
         value = value.split(" (")[0]  # a ratio's count is followed by how it was counted
         assert _same(_get(cfg, ours), _yaml(value) if value else _yaml(raw)), (key, ours, _get(cfg, ours), raw)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_verl_script_is_read_as_written(script, tmp_path):
+    overrides = script_overrides(script, "/models/demo", "/data/train.jsonl", "/data/val.jsonl", str(tmp_path))
+    cfg, reading = read_config(DEMO, [*overrides, DEMO_MODEL])
+    cfg.validate_world(cfg.hardware_world_size)
+    _assert_every_override_lands(cfg, reading, overrides)
     lines = reading.lines()
     assert len(lines) == 2 and lines[0].startswith("verl keys read as megappo's: ")
     assert lines[1].startswith("verl keys megappo does not use: ")
@@ -71,6 +78,32 @@ def test_verl_script_is_read_as_written(script, tmp_path):
     assert "reward_model.reward_manager (megappo's reward path does what verl's dapo manager does" in lines[1]
     whys = [why for _, why in reading.unused]
     assert all(lines[1].count(f"({why})") == 1 for why in whys)  # keys with one reason share it
+
+
+#: verl's example scripts at their own sizes (tests/data/verl/examples/) -> what megappo reads them as
+EXAMPLES = {
+    "ppo_deepseek7b_llm": {"algorithm.adv_estimator": "gae", "critic.path": "deepseek-ai/deepseek-llm-7b-chat",
+                           "critic.packing": True, "hardware.gpus_per_node": 8},
+    "grpo_qwen3moe_30b_megatron": {"actor.parallel.ep": 8, "ref.parallel.ep": 8, "actor.parallel.tp": 1,
+                                   "reward.overlong_buffer.len": 4096, "rollout.max_new_tokens": 8192},
+    "cispo_qwen2_5_0_5b_gsm8k": {"actor.policy_loss.loss_mode": "cispo", "actor.clip_ratio_low": 10.0,
+                                 "actor.clip_ratio_high": 0.2},  # eps_low = 10: CISPO's weight has no lower bound
+    "grpo_qwen2_7b_megatron_lora": {"actor.lora.rank": 256, "actor.parallel.tp": 4, "ref_is_actor_base": True},
+    "otb_qwen2_5_7b": {"algorithm.adv_estimator": "optimal_token_baseline"},
+}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_verls_example_scripts_are_read_at_their_own_sizes(name):
+    """verl's examples for PPO with a critic, Megatron MoE with expert parallelism and DAPO's reward shaping,
+    CISPO, Megatron LoRA and the optimal token baseline, read on megappo's defaults (no recipe) for the GPUs
+    they name."""
+    overrides = script_overrides(REPO / f"tests/data/verl/examples/{name}.txt", "", "", "", "")
+    cfg, reading = read_config(None, overrides)
+    cfg.validate_world(cfg.hardware_world_size)
+    _assert_every_override_lands(cfg, reading, overrides)
+    for key, value in EXAMPLES[name].items():
+        assert _get(cfg, key) == value, key
 
 
 def test_the_dapo_scripts_set_dapos_keys():
