@@ -124,11 +124,6 @@ def parse_rs_thresholds(options: list[str], spec: float | str | None) -> dict[st
     return bounds
 
 
-_BYPASS_NORMALIZE = (f"{_KEY}rollout_is_batch_normalize=true needs decoupled mode: in bypass mode the IS weights "
-                     "are formed per micro-batch, so a batch mean would be a micro-batch mean. Fix: set "
-                     f"{_KEY}bypass_mode=false, or rollout_is_batch_normalize=false.")
-
-
 def validate(*, rollout_is: str | None = None, rollout_is_threshold: float | str | None = 2.0,
              rollout_is_batch_normalize: bool = False, rollout_rs: str | None = None,
              rollout_rs_threshold: float | str | None = None, bypass_mode: bool = False,
@@ -146,5 +141,3 @@ def validate(*, rollout_is: str | None = None, rollout_is_threshold: float | str
         parse_rs_thresholds(parse_rs_options(rollout_rs), rollout_rs_threshold)
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"{_KEY}loss_type={loss_type!r} is unknown. Fix: choose from {list(LOSS_TYPES)}.")
-    if bypass_mode and rollout_is_batch_normalize:
-        raise ValueError(_BYPASS_NORMALIZE)

@@ -39,6 +39,7 @@ from megappo.parallel.vocab_parallel import (vocab_parallel_log_probs, vocab_par
 from megappo.ppo import losses as ppo_losses
 from megappo.ppo.policy_losses import compute_policy_loss
 from megappo.ppo.kl import kl_penalty
+from megappo.ppo.rollout_correction import is_weight_sums
 from megappo.ppo.stats import masked_mean
 from megappo.rollout.routes import fill_unknown
 
@@ -268,15 +269,21 @@ class PolicyWorker(_Passes):
         assert self.trainable is not None, "the reference model is not trained"
         first_micro_batch = [True]
         parts = itertools.count()  # clip_cov draws its tokens from a generator seeded per micro-batch part
+        # bypass mode's REINFORCE loss weighs tokens by IS weights normalised by their mini-batch mean
+        normalized = loss_mode == "bypass_mode" and loss_knobs.get("loss_type") == "reinforce" and bool(
+            loss_knobs.get("rollout_is")) and bool(loss_knobs.get("rollout_is_batch_normalize"))
+        knobs_of = (lambda rows: {"rollout_is_batch_mean": self._is_batch_mean(exp, rows, loss_knobs)}) \
+            if normalized else None
 
-        def loss_for(counts):
+        def loss_for(counts, **mini_batch_knobs):
             def on_output(logits, mb):
                 lp, ent = self._token_stats(logits, mb, entropy=True)  # logged always
                 mask = mb["response_mask"]
                 pg_loss, m = compute_policy_loss(
                     loss_mode, old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
                     loss_agg_mode=loss_agg_mode, rollout_is_weights=mb.get("isw"),
-                    generator=torch.Generator().manual_seed(seed * 100_003 + next(parts)), **loss_knobs, **counts)
+                    generator=torch.Generator().manual_seed(seed * 100_003 + next(parts)), **loss_knobs,
+                    **mini_batch_knobs, **counts)
                 loss = pg_loss
                 ent_loss = ppo_losses.agg_loss(ent, mask, loss_agg_mode, **counts)
                 if entropy_coeff:
@@ -300,9 +307,32 @@ class PolicyWorker(_Passes):
                  "isw": exp.rollout_is_weights}
         with RouterStats(self.model) as routers:  # MoE: load balance of the update's routing
             out = _ppo_updates(self, exp, extra, loss_for, prefix="actor", mini_batch_size=mini_batch_size,
-                               epochs=epochs, seed=seed)
+                               epochs=epochs, seed=seed, knobs_of=knobs_of)
         moe = routers.metrics("actor")  # collective
         return {**out, **moe} if out else out
+
+    @torch.no_grad()
+    def _is_batch_mean(self, exp: Experience, rows: torch.Tensor, knobs: dict) -> float:
+        """Bypass mode's batch normalisation: the mean IS weight (current policy / the engine's) of the
+        mini-batch `rows`, from a forward pass of the policy that its update starts from; the same on every
+        rank (one all-reduce of the parts' sums; megappo.ppo.rollout_correction.is_weight_sums)."""
+        mbs = self._split(exp.seqs, rows, "response", {"old": exp.old_log_probs})
+
+        def on_output(logits, mb):
+            lp, _ = self._token_stats(logits, mb, entropy=False)
+            zero = (logits.hidden if isinstance(logits, HeadInput) else logits).new_zeros(())  # no loss
+            return zero, is_weight_sums(lp, mb["old"], mb["response_mask"], rollout_is=knobs["rollout_is"],
+                                        rollout_is_threshold=knobs["rollout_is_threshold"])
+
+        results = run_micro_batches(self.model, mbs, on_output, forward_only=True, routing=self.routing,
+                                    head_input=self.head_chunk > 0)
+        ps = self.model.ps
+        sums = torch.zeros(2, dtype=torch.float64)
+        if results and ps.tp_rank == 0:  # the last pipeline stage's results, once per tensor-parallel group
+            sums = torch.stack(results).sum(0).cpu()
+        sums = sums.to(ps.device)
+        dist.all_reduce(sums)
+        return float(sums[0] / sums[1]) if sums[1] > 0 else 1.0
 
 
 class ValueWorker(_Passes):
@@ -350,18 +380,20 @@ class ValueWorker(_Passes):
 
 
 def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, prefix: str,
-                 mini_batch_size: int, epochs: int, seed: int) -> dict[str, float]:
+                 mini_batch_size: int, epochs: int, seed: int, knobs_of=None) -> dict[str, float]:
     """`epochs` passes over shuffled mini-batches (sequences), one optimizer step each. Every
     mini-batch's loss function is built by `loss_for(counts)` with that mini-batch's global
-    token/sequence counts, so each DP replica and micro-batch computes its exact share."""
+    token/sequence counts, so each DP replica and micro-batch computes its exact share;
+    `knobs_of(rows)` (a collective), when given, adds loss knobs of the mini-batch's own."""
     trainable = worker.trainable
     model = trainable.model
     metrics: dict[str, list[float]] = {}
     for epoch in range(epochs):
         for rows in _mini_batches(exp.seqs.size, mini_batch_size, model.ps.dp, seed + epoch):
             counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
+            knobs = knobs_of(rows) if knobs_of else {}
             mbs = worker._split(exp.seqs, rows, "response", extra, training=True)
-            results, step = train_step(trainable, mbs, loss_for(counts), routing=worker.routing,
+            results, step = train_step(trainable, mbs, loss_for(counts, **knobs), routing=worker.routing,
                                        head_input=worker.head_chunk > 0)
             for r in results:  # parts of global-count losses: summed in _reduce_metrics
                 for k, v in r.items():

@@ -18,7 +18,7 @@ The two modes (`algorithm.rollout_correction.bypass_mode`):
 | mode | policies | old log-probs | weights and mask formed | policy loss |
 |---|---|---|---|---|
 | decoupled (false) | 3: rollout, old, current | recomputed by the trainer | once per batch, `rollout_correction(old, rollout, mask)` on the WHOLE batch | losses.policy_loss(rollout_is_weights=w) on the returned mask |
-| bypass (true) | 2: rollout = old, current | the engine's | per micro-batch inside the loss, from log_prob.detach() vs the engine's | `bypass_mode_loss` (ppo_clip or reinforce) |
+| bypass (true) | 2: rollout = old, current | the engine's | per micro-batch inside the loss, from log_prob.detach() vs the engine's (batch normalisation: by the mini-batch's mean, `is_weight_sums`) | `bypass_mode_loss` (ppo_clip or reinforce) |
 
 The options (keys under `algorithm.rollout_correction`; verl functions in
 verl/trainer/ppo/rollout_corr_helper.py unless said otherwise):
@@ -51,8 +51,12 @@ Differences from verl:
   - Batch normalisation: verl takes a distributed mean when torch.distributed is
     initialised. This module is pure and is given the WHOLE batch (the trainer calls
     `rollout_correction` once, on rank 0, with all rows), so its local mean IS the global
-    one. In bypass mode the weights are formed per micro-batch, where a batch mean would be
-    a micro-batch mean: `bypass_mode_loss` refuses rollout_is_batch_normalize=True.
+    one. In bypass mode verl forms the weights per micro-batch and divides them by that
+    micro-batch's mean (over all ranks), which depends on how the mini-batch is split;
+    megappo divides them by the MINI-BATCH's mean (one optimizer step's sequences): the
+    trainer sums `is_weight_sums` over the mini-batch in a forward pass of the current policy
+    before the update and gives each part `rollout_is_batch_mean` (loss_type=reinforce; with
+    ppo_clip the weights are metrics only, and a part's own mean is used).
   - `bypass_mode_loss` on a micro-batch without valid tokens returns the (zero) loss with no
     "rollout_corr/" metrics (verl raises ValueError); `reinforce_loss`'s actor/ppo_kl is a
     part of the global token mean, like losses.policy_loss (verl: a local masked mean).
@@ -131,9 +135,32 @@ def _batch_mean(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.
     """Mean weight over valid tokens (token) or over non-empty rows (sequence), as verl."""
     if level == "token":
         return masked_mean(weights, mask)
+    total, rows = _batch_sums(weights, mask, level)
+    return total / rows.clamp_min(1e-8)
+
+
+def _batch_sums(weights: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) whose ratio is `_batch_mean`: over valid tokens (token) or non-empty rows (sequence)."""
+    if level == "token":
+        return masked_sum(weights, mask), mask.sum()
     row_weights = masked_mean(weights, mask, dim=-1)  # [B]
     non_empty = (mask.sum(-1) > 0).to(weights.dtype)
-    return (row_weights * non_empty).sum() / non_empty.sum().clamp_min(1e-8)
+    return (row_weights * non_empty).sum(), non_empty.sum()
+
+
+def is_weight_sums(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,
+                   rollout_is: str, rollout_is_threshold: float | str) -> torch.Tensor:
+    """[2] float64 (sum, count) of the IS weights of a part of a mini-batch (all inputs [B, T]; log ratio =
+    log_prob - rollout_log_prob), whose totals over the parts give the mini-batch mean that bypass mode's
+    batch normalisation divides by (`bypass_mode_loss`'s rollout_is_batch_mean): over valid tokens
+    (rollout_is=token) or non-empty rows (sequence), after truncation, as `is_weights`' batch mean.
+    (0, 0) for a part without valid tokens."""
+    if not response_mask.any():
+        return torch.zeros(2, dtype=torch.float64, device=log_prob.device)
+    weights, _ = is_weights(log_prob.detach() - rollout_log_prob.detach(), response_mask, level=rollout_is,
+                            threshold=rollout_is_threshold)
+    total, count = _batch_sums(weights, response_mask.to(weights.dtype), rollout_is)
+    return torch.stack([total.double(), count.double()])
 
 
 def _is_metrics(weights: torch.Tensor, raw: torch.Tensor, log_ratio_for_metrics: torch.Tensor,
@@ -380,6 +407,7 @@ def reinforce_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantage
 def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                      response_mask: torch.Tensor, *, loss_type: str = "ppo_clip", rollout_is: str | None = None,
                      rollout_is_threshold: float | str | None = 2.0, rollout_is_batch_normalize: bool = False,
+                     rollout_is_batch_mean: float | None = None,
                      rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
                      clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
                      loss_agg_mode: str = "token-mean", rollout_is_weights: torch.Tensor | None = None,
@@ -400,10 +428,14 @@ def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advanta
     part keeps AFTER rejection: another normalisation.) The actor/* metrics are parts of global token means (sum
     them over parts; rejected tokens count as 0); the "rollout_corr/*" metrics are local to the
     part (verl averages them over micro-batches: average them over parts), and absent for a
-    part without valid tokens. `rollout_is_weights` must be None: this loss forms its own."""
+    part without valid tokens. `rollout_is_weights` must be None: this loss forms its own.
+    rollout_is_batch_normalize divides the weights by `rollout_is_batch_mean`, the mean of the mini-batch
+    this part belongs to (`is_weight_sums` over its parts; the metric rollout_is_batch_norm_factor), or,
+    when that is None, by this call's own mean (the whole mini-batch given at once)."""
     validate(rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
              rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
              rollout_rs_threshold=rollout_rs_threshold, bypass_mode=True, loss_type=loss_type)
+    given_mean = rollout_is_batch_normalize and rollout_is_batch_mean is not None
     if rollout_is_weights is not None:
         raise ValueError("bypass_mode_loss forms its own IS weights from the current log-probs, but precomputed "
                          "rollout_is_weights were given (decoupled mode's, or actor.old_logprob=is_correct). Fix: use "
@@ -412,7 +444,12 @@ def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advanta
     if response_mask.any():
         weights, mask, corr_metrics = rollout_correction(
             log_prob.detach(), old_log_prob, response_mask, rollout_is=rollout_is,
-            rollout_is_threshold=rollout_is_threshold, rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
+            rollout_is_threshold=rollout_is_threshold, rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold,
+            rollout_is_batch_normalize=rollout_is_batch_normalize and not given_mean)
+        if given_mean and weights is not None:  # as is_weights' own normalisation: not by a mean of ~0
+            weights = weights / rollout_is_batch_mean if rollout_is_batch_mean > 1e-8 else weights
+            corr_metrics[PREFIX + "rollout_is_batch_norm_factor"] = (rollout_is_batch_mean if rollout_is_batch_mean > 1e-8
+                                                                     else 1.0)
     counts = dict(loss_agg_mode=loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
                   loss_scale_factor=loss_scale_factor)
     if loss_type == "reinforce":

@@ -36,7 +36,8 @@ CASES = {
                                    "algorithm.rollout_correction.rollout_is=token",
                                    "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
                                    "algorithm.rollout_correction.rollout_rs=token_k1",
-                                   "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"],
+                                   "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+                                   "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
     "cispo+gdpo": ["algorithm.adv_estimator=gdpo", "rollout.n=2", "actor.policy_loss.loss_mode=cispo",
                    "reward.functions=[digit_successor,exact_match]", "algorithm.gdpo_reward_weights=[1.0,0.5]"],
     # DAPO without dynamic sampling (docs/dapo.md): clip-higher, token-mean, overlong shaping (a buffer of
@@ -81,6 +82,7 @@ def test_algorithm_runs(tmp_path, case):
     if "bypass_reinforce" in case:  # the loss forms weights and rejection per micro-batch (averaged)
         assert 0 < last["rollout_corr/rollout_is_mean"] <= 5.0
         assert 0 <= last["rollout_corr/rollout_rs_masked_fraction"] <= 1
+        assert 0 < last["rollout_corr/rollout_is_batch_norm_factor"] <= 5.0  # the mini-batch's mean weight
     if "seq_is+rs" in case:  # decoupled: once per batch, from the recomputed old log-probs
         for key in ("rollout_corr/rollout_is_seq_mean", "rollout_corr/rollout_rs_seq_mean_k3_masked_fraction",
                     "rollout_corr/kl", "rollout_corr/chi2_seq", "rollout/is_weight_mean"):

@@ -370,6 +370,10 @@ def test_policy_losses_rollout_correction_and_estimators_and_their_refusals():
     rc = build(algorithm={"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": "0.5_2.0",
                                                  "rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2,0.01"}})
     assert rc.rollout_correction.rollout_is_threshold == "0.5_2.0" and not rc.bypass_old_logprobs
+    # verl's examples/rollout_correction/run_with_rollout_corr.sh: bypass, REINFORCE, batch-normalised weights
+    rloo = build(algorithm={"rollout_correction": {"rollout_is": "sequence", "rollout_is_batch_normalize": True,
+                                                   "bypass_mode": True, "loss_type": "reinforce"}})
+    assert rloo.bypass_old_logprobs and rloo.policy_loss_mode == "bypass_mode"
     # YAML 1.1 would read 0.5_5 as the number 0.55: megappo's loader keeps numbers with '_' as strings
     icepop = load_config(None, ["model.path=m", "algorithm.rollout_correction.rollout_is=token",
                                 "algorithm.rollout_correction.rollout_is_threshold=0.5_5"])
@@ -396,8 +400,6 @@ def test_policy_losses_rollout_correction_and_estimators_and_their_refusals():
         ({"algorithm": {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "2_0.5"}}},
          r"rollout_is_threshold='2_0\.5': the lower bound exceeds the upper bound\. Fix"),
         ({"algorithm": {"rollout_correction": {"rollout_is": "tokens"}}}, r"'tokens' is not one of \['token', 'sequence'\]"),
-        ({"algorithm": {"rollout_correction": {"bypass_mode": True, "rollout_is_batch_normalize": True}}},
-         r"rollout_is_batch_normalize=true needs decoupled mode.*Fix: set algorithm\.rollout_correction\.bypass_mode=false"),
         ({"algorithm": {"rollout_correction": {"loss_type": "reinforce"}}},
          r"loss_type=reinforce applies in bypass mode only"),
         ({**grpo, "algorithm": {"adv_estimator": "optimal_token_baseline"}, "actor": {"old_logprob": "bypass"}},

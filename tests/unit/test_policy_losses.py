@@ -606,7 +606,9 @@ def test_knobs_and_their_verl_defaults():
         "dro": {"dro_beta": None},
         "cispo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
         "bypass_mode": {"loss_type": "ppo_clip", "rollout_is": None, "rollout_is_threshold": 2.0,
-                        "rollout_is_batch_normalize": False, "rollout_rs": None, "rollout_rs_threshold": None,
+                        "rollout_is_batch_normalize": False,
+                        "rollout_is_batch_mean": None,  # the trainer's (the mini-batch's mean), not verl's
+                        "rollout_rs": None, "rollout_rs_threshold": None,
                         "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0},
     }
     for name, knobs in expected.items():

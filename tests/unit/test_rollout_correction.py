@@ -14,7 +14,7 @@ from megappo.correction_spec import (
     RS_OPTIONS, RsBounds, parse_is_threshold, parse_rs_options, parse_rs_thresholds, validate,
 )
 from megappo.ppo.rollout_correction import (
-    PRESETS, bypass_mode_loss, is_weights, offpolicy_metrics, reinforce_loss, rejection_mask, rollout_correction,
+    PRESETS, bypass_mode_loss, is_weight_sums, is_weights, offpolicy_metrics, reinforce_loss, rejection_mask, rollout_correction,
 )
 
 T = torch.tensor
@@ -523,9 +523,8 @@ def test_option_and_setting_errors():
         validate(loss_type="ppo")
     with pytest.raises(ValueError, match=f"{RS_KEY} is required"):
         validate(rollout_rs="token_k2")
-    with pytest.raises(ValueError, match="needs decoupled mode.*bypass_mode=false"):
-        validate(rollout_is="token", rollout_is_batch_normalize=True, bypass_mode=True)
-    validate(rollout_is="token", rollout_is_batch_normalize=True)  # fine in decoupled mode
+    validate(rollout_is="token", rollout_is_batch_normalize=True, bypass_mode=True)  # fine in both modes
+    validate(rollout_is="token", rollout_is_batch_normalize=True)
     _, old, rollout, mask = _batch(0)
     with pytest.raises(ValueError, match="at least one valid token"):
         rollout_correction(old, rollout, torch.zeros_like(mask))
@@ -654,10 +653,42 @@ def test_bypass_loss_adds_up_over_row_parts_with_global_counts(loss_type, mode):
     assert empty.item() == 0.0 and not any(k.startswith("rollout_corr/") for k in m_empty)
 
 
-def test_bypass_loss_refuses_batch_normalisation_and_precomputed_weights():
+@pytest.mark.parametrize("level, threshold", [("token", 2.0), ("sequence", "0.5_5.0")])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_bypass_batch_normalisation_divides_by_the_mini_batch_mean_in_every_part(level, threshold, mode):
+    """verl's run_with_rollout_corr.sh: bypass, REINFORCE, batch-normalised IS weights. The parts of a
+    mini-batch, each given the mean that is_weight_sums adds up over the parts, sum to the loss of the whole
+    mini-batch normalised at once; verl's per-part normalisation (no mean given) does not."""
+    engine, current, adv, mask = _loss_batch(4)
+    rc = dict(loss_type="reinforce", rollout_is=level, rollout_is_threshold=threshold, rollout_is_batch_normalize=True)
+    counts = global_counts(mask)
+    x = current.clone().requires_grad_()
+    whole, m_whole = bypass_mode_loss(engine, x, adv, mask, loss_agg_mode=mode, **counts, **rc)
+    whole.backward()
+    w, _, m_w = rollout_correction(current, engine, mask, rollout_is=level, rollout_is_threshold=threshold,
+                                   rollout_is_batch_normalize=True)  # the whole batch's normalised weights
+    assert whole.item() == pytest.approx(agg_loss(-adv * w * current, mask, mode).item(), rel=1e-6)
+    sums = sum(is_weight_sums(current[i:i + 2], engine[i:i + 2], mask[i:i + 2], rollout_is=level,
+                              rollout_is_threshold=threshold) for i in range(0, 8, 2))
+    mean = float(sums[0] / sums[1])
+    assert mean == pytest.approx(m_w["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-6) and mean != 1.0
+    y = current.clone().requires_grad_()
+    parts = [bypass_mode_loss(engine[i:i + 2], y[i:i + 2], adv[i:i + 2], mask[i:i + 2], loss_agg_mode=mode,
+                              rollout_is_batch_mean=mean, **counts, **rc) for i in range(0, 8, 2)]
+    total = sum(p[0] for p in parts)
+    total.backward()
+    assert total.item() == pytest.approx(whole.item(), rel=1e-5)  # float32: the two means' roundings
+    assert torch.allclose(y.grad, x.grad, rtol=1e-5, atol=1e-8)
+    assert all(p[1]["rollout_corr/rollout_is_batch_norm_factor"] == mean for p in parts if p[1])
+    own = sum(bypass_mode_loss(engine[i:i + 2], current[i:i + 2], adv[i:i + 2], mask[i:i + 2], loss_agg_mode=mode,
+                               **counts, **rc)[0] for i in range(0, 8, 2))  # each part by its own mean
+    assert own.item() != pytest.approx(whole.item(), rel=1e-3)
+    assert is_weight_sums(current[4:5], engine[4:5], mask[4:5], rollout_is=level,  # an empty row: nothing
+                          rollout_is_threshold=threshold).tolist() == [0.0, 0.0]
+
+
+def test_bypass_loss_refuses_precomputed_weights_and_an_unknown_loss_type():
     engine, current, adv, mask = _loss_batch(0)
-    with pytest.raises(ValueError, match="needs decoupled mode.*bypass_mode=false"):
-        bypass_mode_loss(engine, current, adv, mask, rollout_is="token", rollout_is_batch_normalize=True)
     with pytest.raises(ValueError, match="precomputed"):
         bypass_mode_loss(engine, current, adv, mask, rollout_is_weights=torch.ones_like(mask))
     with pytest.raises(ValueError, match="loss_type"):

@@ -211,6 +211,9 @@ THROUGH_TRAINER = [
                                        rollout_rs="token_k1", rollout_rs_threshold="0.96_1.04")),
     ("bypass_mode", "seq-mean-token-mean", dict(loss_type="ppo_clip", rollout_rs="seq_mean_k3",
                                                  rollout_rs_threshold=5e-4)),
+    # batch-normalised weights: the trainer's pre-pass gives every part the mini-batch's mean
+    ("bypass_mode", "token-mean", dict(loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.02,
+                                       rollout_is_batch_normalize=True)),
 ]
 
 
