@@ -141,7 +141,7 @@ class OptimConfig(_Section):
     weight_decay: float = 0.01  # decoupled weight decay (AdamW)
     betas: tuple[float, float] = (0.9, 0.999)  # Adam beta1, beta2
     eps: float = 1e-8  # Adam epsilon
-    warmup_steps: int = 0  # linear warmup over this many optimizer steps
+    warmup_steps: int = 0  # linear warmup over this many training steps (the rate moves once per step, as verl's)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # after warmup
     min_lr_ratio: float = 0.0  # decay floor as a fraction of lr
 

@@ -262,11 +262,12 @@ def _hf_source(cfg: Config):
     return cfg.model.hf_config, checkpoint_state(hf), hf  # MoE: per-expert checkpoint names
 
 
-def _optim(section, total_steps: int, updates_per_step: int, use_dist_opt: bool) -> OptimSettings:
+def _optim(section, total_steps: int, use_dist_opt: bool) -> OptimSettings:
+    """A role's optimizer settings; its LR schedule advances once per training step (megappo.workers)."""
     o = section.optim
     return OptimSettings(lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay, betas=tuple(o.betas),
                          eps=o.eps, clip_grad=section.grad_clip, warmup_steps=o.warmup_steps,
-                         total_steps=total_steps * updates_per_step, decay_style=o.lr_decay_style,
+                         total_steps=total_steps, decay_style=o.lr_decay_style,
                          use_distributed_optimizer=use_dist_opt)
 
 
@@ -416,8 +417,7 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
         return plan.routing_replay and role in ("actor", "ref")
 
     def trainable(role: str, m: MegatronModel):
-        return make_trainable(m, _optim(getattr(cfg, role), total_steps, cfg.updates_per_step(role),
-                                        cfg.parallel.use_distributed_optimizer))
+        return make_trainable(m, _optim(getattr(cfg, role), total_steps, cfg.parallel.use_distributed_optimizer))
 
     temperature = cfg.rollout.temperature or 1.0
     actor_model = model("actor")

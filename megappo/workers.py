@@ -381,7 +381,9 @@ class ValueWorker(_Passes):
 
 def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, prefix: str,
                  mini_batch_size: int, epochs: int, seed: int, knobs_of=None) -> dict[str, float]:
-    """`epochs` passes over shuffled mini-batches (sequences), one optimizer step each. Every
+    """`epochs` passes over shuffled mini-batches (sequences), one optimizer step each, then one
+    step of the LR schedule (as verl: the rate is constant over a training step's mini-batches and
+    epochs, and `optim.warmup_steps` counts training steps). Every
     mini-batch's loss function is built by `loss_for(counts)` with that mini-batch's global
     token/sequence counts, so each DP replica and micro-batch computes its exact share;
     `knobs_of(rows)` (a collective), when given, adds loss knobs of the mini-batch's own."""
@@ -394,12 +396,13 @@ def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, pre
             knobs = knobs_of(rows) if knobs_of else {}
             mbs = worker._split(exp.seqs, rows, "response", extra, training=True)
             results, step = train_step(trainable, mbs, loss_for(counts, **knobs), routing=worker.routing,
-                                       head_input=worker.head_chunk > 0)
+                                       head_input=worker.head_chunk > 0, step_scheduler=False)
             for r in results:  # parts of global-count losses: summed in _reduce_metrics
                 for k, v in r.items():
                     metrics.setdefault(k, []).append(v)
             for key, name in (("grad_norm", "grad_norm"), ("lr", "lr"), ("skipped", "skipped_steps")):
                 metrics.setdefault(f"{prefix}/{name}", []).append(step[key])
+    trainable.scheduler.step(increment=1)
     return _reduce_metrics(model, metrics)
 
 

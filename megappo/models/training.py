@@ -6,7 +6,8 @@ decay, global-norm gradient clipping, optionally the distributed optimizer) and 
 `OptimizerParamScheduler` (linear warmup, then constant / linear / cosine decay).
 `train_step(trainable, micro_batches, on_output)` zeroes the grad buffers, runs forward and
 backward through the pipeline schedule, finalises gradients (DP reduction, tied-embedding
-and layernorm all-reduces), and steps optimizer and scheduler.
+and layernorm all-reduces), and steps the optimizer and (unless the caller steps it itself,
+as the PPO trainer does once per training step) the scheduler.
 
 Gradient reduction across DP is a SUM (the model's TransformerConfig sets
 `calculate_per_token_loss`): each rank's loss must already be normalised by the global
@@ -39,7 +40,7 @@ class OptimSettings:
     eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
-    total_steps: int = 1  # optimizer steps over the run (for decay)
+    total_steps: int = 1  # scheduler steps over the run (for decay): the PPO trainer's training steps
     decay_style: str = "constant"  # constant | linear | cosine
     use_distributed_optimizer: bool = False
 
@@ -109,10 +110,12 @@ def train_step(
     *,
     routing: RouteReplay | None = None,
     head_input: bool = False,
+    step_scheduler: bool = True,
 ) -> tuple[list[Any], dict[str, float]]:
     """One optimizer step over `micro_batches`; returns (last-stage results, step metrics).
     `routing`: how MoE routing records in the micro-batches are used (routing replay); `head_input`:
-    `on_output` gets the LM head's input (megappo.models.forward.run_micro_batches).
+    `on_output` gets the LM head's input (megappo.models.forward.run_micro_batches);
+    `step_scheduler`: advance the LR schedule after a successful step (False: the caller does).
 
     A step whose gradient norm is not finite is skipped (no update) and reported with
     `skipped=1`; the caller counts and decides when to abort.
@@ -128,7 +131,7 @@ def train_step(
         success, grad_norm, _ = trainable.optimizer.step()
     else:
         success, grad_norm = False, float("nan")
-    if success:
+    if success and step_scheduler:
         trainable.scheduler.step(increment=1)
     metrics = {
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
