@@ -142,6 +142,7 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)  # Adam beta1, beta2
     eps: float = 1e-8  # Adam epsilon
     warmup_steps: int = 0  # linear warmup over this many training steps (the rate moves once per step, as verl's)
+    warmup_steps_ratio: float = 0.0  # with warmup_steps 0: warm up over int(ratio x the run's training steps), counted when the run knows them (verl's lr_warmup_steps_ratio)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # after warmup
     min_lr_ratio: float = 0.0  # decay floor as a fraction of lr
 
@@ -152,7 +153,14 @@ class OptimConfig(_Section):
                  f"{P}betas={list(self.betas)} must be in [0, 1). Fix: e.g. {P}betas=[0.9,0.999].")
         _require(self.eps > 0, f"{P}eps={self.eps} must be > 0. Fix: e.g. {P}eps=1e-8.")
         _at_least(self, warmup_steps=0)
+        _require(0 <= self.warmup_steps_ratio <= 1, f"{P}warmup_steps_ratio={self.warmup_steps_ratio} must be in "
+                                                    f"[0, 1] (a fraction of the run's steps). Fix: e.g. 0.05.")
         _require(0 <= self.min_lr_ratio <= 1, f"{P}min_lr_ratio={self.min_lr_ratio} must be in [0, 1]. Fix: e.g. 0.1.")
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup steps of a run of `total_steps` training steps: warmup_steps, or with 0 the ratio's count
+        (verl: int(lr_warmup_steps_ratio x total_training_steps))."""
+        return self.warmup_steps or int(self.warmup_steps_ratio * total_steps)
 
 
 #: selective recomputation's modules (megappo.models.recompute uses these tables)

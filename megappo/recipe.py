@@ -214,28 +214,26 @@ def _parsed(raw: str) -> Any:
         return raw
 
 
-def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, list[tuple[str, str, str, str]],
-                                                       list[ConfigError]]:
+def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, list[ConfigError]]:
     """A command line as megappo's overrides: Hydra's '+'/'++' stripped, verl keys read as megappo's
-    (megappo.verl_keys.verl_reading). Also the VerlReading, the ratios to count once every override is
-    applied: (verl key, raw value, megappo key, megappo key of the total), and an error for each refused
-    verl key and each megappo key that two spellings set to different values (all of them: a verl script's
-    command line gets every fix at once)."""
-    out, reading, ratios, errors = [], VerlReading(), [], []
+    (megappo.verl_keys.verl_reading). Also the VerlReading and an error for each refused verl key and each
+    megappo key that two spellings set to different values (all of them: a verl script's command line gets
+    every fix at once)."""
+    out, reading, errors = [], VerlReading(), []
     setters: dict[str, tuple[str, Any]] = {}  # megappo key -> (key as written, value)
     values = {k: _parsed(raw) for k, raw in map(_key_value, overrides) if raw is not None and raw.strip()}
     for override in overrides:
         try:
-            _read_one(override, values, out, reading, ratios, setters)
+            _read_one(override, values, out, reading, setters)
         except ConfigError as e:
             errors.append(e)
-    return out, reading, ratios, errors
+    return out, reading, errors
 
 
-def _read_one(override: str, values: dict[str, Any], out: list[str], reading: VerlReading, ratios: list,
+def _read_one(override: str, values: dict[str, Any], out: list[str], reading: VerlReading,
               setters: dict[str, tuple[str, Any]]) -> None:
     """read_overrides for one override (`values`: every override's parsed value by key): appended to `out`
-    (megappo's spelling), `reading` or `ratios`."""
+    (megappo's spelling) or `reading`."""
     key, raw = _key_value(override)
     if raw is None or not raw.strip() or not key:
         out.append(override)  # apply_override says what is wrong with it
@@ -266,10 +264,6 @@ def _read_one(override: str, values: dict[str, Any], out: list[str], reading: Ve
     elif found[0] == "unused":
         reading.unused = [(k, w) for k, w in reading.unused if k != key] + [(key, found[1])]
         return
-    elif found[0] == "ratio":
-        ratios.append((key, raw.strip(), found[1], found[2]))
-        setters[found[1]] = _check_same(setters.get(found[1]), key, f"{raw.strip()} x {found[2]}", found[1])
-        return
     else:
         mine = found[1]
         ours, _, value = mine.partition("=")
@@ -288,26 +282,6 @@ def _check_same(before: Optional[tuple[str, Any]], key: str, value: Any, ours: s
         raise ConfigError(f"'{before[0]}={before[1]}' and '{key}={value}' both set {ours} (verl's and megappo's "
                           f"names for one setting), to different values. Fix: give it once.")
     return key, value
-
-
-def _count_ratios(data: dict, ratios: list[tuple[str, str, str, str]], reading: VerlReading) -> None:
-    """Set each verl ratio as megappo's count: int(ratio x total), as verl does."""
-    for key, raw, ours, total_key in ratios:
-        total = _lookup(data, total_key)
-        ratio = _parsed(raw)
-        if not isinstance(total, int) or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-            raise ConfigError(f"'{key}={raw}' is a fraction of {total_key}, which is "
-                              f"{'not set' if total is None else repr(total)}. Fix: set {total_key} (verl: "
-                              f"trainer.total_training_steps), or write {ours} (a number of steps) instead.")
-        apply_override(data, f"{ours}={int(ratio * total)}")
-        reading.read.append((f"{key}={raw}", f"{ours}={int(ratio * total)} ({raw} x {total_key}={total})"))
-
-
-def _lookup(data: dict, dotted: str) -> Any:
-    node: Any = data
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
 
 
 def load_config(path: str | None, overrides: Sequence[str] = (), variant: Optional[str] = None) -> Config:
@@ -346,7 +320,7 @@ def read_config(path: str | None, overrides: Sequence[str] = (),
             raise ConfigError(f"variants.{variant} in '{path}' must be a list of KEY=VALUE overrides. Fix: write "
                               f"{variant}: [hardware.gpu_memory_gib=141, ...].")
         overrides = [*variants[variant], *overrides]
-    overrides, reading, ratios, errors = read_overrides(overrides)
+    overrides, reading, errors = read_overrides(overrides)
     for override in overrides:
         try:
             apply_override(data, override)
@@ -356,7 +330,6 @@ def read_config(path: str | None, overrides: Sequence[str] = (),
         raise errors[0] if len(errors) == 1 else ConfigError(
             f"{len(errors)} overrides megappo cannot read as written (each line names its fix):\n"
             + "\n".join(f"  - {e}" for e in errors))
-    _count_ratios(data, ratios, reading)
     return config_from_dict(data), reading
 
 

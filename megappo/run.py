@@ -266,7 +266,7 @@ def _optim(section, total_steps: int, use_dist_opt: bool) -> OptimSettings:
     """A role's optimizer settings; its LR schedule advances once per training step (megappo.workers)."""
     o = section.optim
     return OptimSettings(lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay, betas=tuple(o.betas),
-                         eps=o.eps, clip_grad=section.grad_clip, warmup_steps=o.warmup_steps,
+                         eps=o.eps, clip_grad=section.grad_clip, warmup_steps=o.warmup_for(total_steps),
                          total_steps=total_steps, decay_style=o.lr_decay_style,
                          use_distributed_optimizer=use_dist_opt)
 

@@ -5,7 +5,7 @@ megappo keeps verl's names where it has the same knob (`data.train_batch_size`,
 need no table. verl nests the policy under `actor_rollout_ref` and the loop under `trainer`;
 `verl_reading(path, raw, value, is_key)` says how megappo reads a verl override: as a megappo
 override (`RENAMED`, then the section `PREFIXES` swapped for megappo's when that is a key megappo
-has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`, a fraction counted by `RATIOS`), as a
+has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`), as a
 key megappo has no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why
 at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`, `REFUSED_PATTERNS`):
 the keys whose silent omission would change the training. verl's reward file and function name are
@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 #: verl key -> megappo key, where the name differs beyond the section prefix
 RENAMED: dict[str, str] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor.optim.warmup_steps_ratio",
     "actor_rollout_ref.actor.optim.warmup_style": "actor.optim.lr_decay_style",
     "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor.optim.lr_decay_style",
     "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
@@ -57,6 +58,7 @@ RENAMED: dict[str, str] = {
     "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size",
     "critic.ppo_micro_batch_size": "critic.micro_batch_size",
     "critic.optim.lr_warmup_steps": "critic.optim.warmup_steps",
+    "critic.optim.lr_warmup_steps_ratio": "critic.optim.warmup_steps_ratio",
     "critic.optim.warmup_style": "critic.optim.lr_decay_style",
     "critic.megatron.tensor_model_parallel_size": "critic.parallel.tp",
     "critic.megatron.pipeline_model_parallel_size": "critic.parallel.pp",
@@ -152,17 +154,12 @@ ADDED_ITEMS: dict[str, tuple[list[str], str]] = {
                                   "`megappo plot` read (verl's 'file' logger)"),
 }
 
-#: verl key -> (megappo key, megappo key of the total): verl's fraction of a total, set as a count when the
-#: config is read (verl: int(ratio x total training steps))
-RATIOS: dict[str, tuple[str, str]] = {
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": ("actor.optim.warmup_steps", "run.total_steps"),
-    "critic.optim.lr_warmup_steps_ratio": ("critic.optim.warmup_steps", "run.total_steps"),
-}
-
 #: verl key -> (megappo key, megappo's value) for verl's counts <= 0 or null, which verl reads as "never" or "no
 #: limit" (its defaults are -1 and null): no checkpoint at all, not even of the last step (megappo's 0 saves the
 #: last one); no validation during training; every checkpoint kept. A count > 0 is read as RENAMED says.
 NEVER: dict[str, tuple[str, int]] = {
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": ("actor.optim.warmup_steps", 0),  # verl's -1: the ratio's
+    "critic.optim.lr_warmup_steps": ("critic.optim.warmup_steps", 0),
     "trainer.save_freq": ("checkpoint.save_every", -1),
     "trainer.test_freq": ("run.val_every", 0),
     "trainer.max_actor_ckpt_to_keep": ("checkpoint.keep_last", 0),
@@ -385,8 +382,6 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
                                                                "rollout.val_temperature > 0"},
     "data.filter_overlong_prompts": {"false": "verl then truncates or refuses long prompts by data.truncation "
                                               "(megappo: data.long_prompt_policy)"},
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": {"0": "no warmup, megappo's default",
-                                                            "0.0": "no warmup, megappo's default"},
     "actor_rollout_ref.hybrid_engine": {"true": "verl's only mode; megappo places its engine by rollout.engine and "
                                                 "rollout.mode (docs/engines.md, docs/async.md)"},
     "actor_rollout_ref.rollout.multi_turn.enable": {"false": "single-turn rollouts are megappo's default "
@@ -443,12 +438,6 @@ OTHERWISE: dict[str, str] = {
     "data.filter_overlong_prompts": "write data.long_prompt_policy=skip (megappo's default)",
     "trainer.resume_mode": "write checkpoint.resume=auto, must (a checkpoint is required) or off (verl's 'disable'); "
                            "a checkpoint of your choice: checkpoint.dir",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "write actor.optim.warmup_steps (a number of steps), or "
-                                                           "give run.total_steps (verl: trainer.total_training_steps) "
-                                                           "so that the ratio can be counted",
-    "critic.optim.lr_warmup_steps_ratio": "write critic.optim.warmup_steps (a number of steps), or give "
-                                          "run.total_steps (verl: trainer.total_training_steps) so that the ratio can "
-                                          "be counted",
     "actor_rollout_ref.rollout.val_kwargs.do_sample": "megappo samples in validation when rollout.val_temperature > "
                                                       "0: write rollout.val_temperature",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "write actor.recompute.granularity=full for true (full "
@@ -606,7 +595,6 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
 
     ('read', 'megappo.key=value')   a megappo override (the value respelled where megappo's differs);
     ('unused', why)                 megappo has no use for it, and says why at start-up;
-    ('ratio', megappo key, total)   a fraction of another key's count, set when every override is read;
     ('refused', how)                omitting it would change the training: an error that says how;
     None                            not a verl key (megappo's own, or a key neither has).
     """
@@ -621,8 +609,6 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
     by_value = BY_VALUE.get(path, {}).get(spelled)
     if by_value:
         return "read", by_value
-    if path in RATIOS:
-        return ("ratio", *RATIOS[path])
     if path in NEVER and (value is None or isinstance(value, int) and not isinstance(value, bool) and value <= 0):
         key, never = NEVER[path]
         return "read", f"{key}={never}"

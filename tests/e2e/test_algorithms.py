@@ -124,7 +124,8 @@ def test_flop_rates_are_logged_on_cpu(tmp_path):
 def test_the_lr_schedule_moves_once_per_training_step(tmp_path):
     """As verl's: the demo's 4 optimizer steps a training step (2 mini-batches x 2 epochs) share one rate, and
     optim.warmup_steps counts training steps (Megatron's linear warmup from 0: 0, lr / 2, lr). Stepped per
-    optimizer step, the first step's rates would be 0, 1/2, 1, 1 x lr."""
-    rows = train(tmp_path, ["run.total_steps=3", "actor.optim.warmup_steps=2", "critic.optim.warmup_steps=2"])
+    optimizer step, the first step's rates would be 0, 1/2, 1, 1 x lr. The critic's warmup is verl's ratio of the
+    run's steps: int(0.7 x 3) = 2."""
+    rows = train(tmp_path, ["run.total_steps=3", "actor.optim.warmup_steps=2", "critic.optim.warmup_steps_ratio=0.7"])
     assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])
     assert [r["critic/lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])

@@ -107,7 +107,6 @@ UNUSED = {
     "reward_model.reward_manager=dapo": "verl's dapo manager does",
     "reward.reward_manager.name=naive": "verl's naive manager does",
     "trainer.log_val_generations=10": "logging.samples",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0": "no warmup",
     # keys of verl's default trainer config that its scripts pass as they are
     "actor_rollout_ref.rollout.calculate_log_probs=True": "always return the sampled tokens' log-probs",
     "trainer.default_hdfs_dir=null": "checkpoint.dir only",
@@ -207,17 +206,19 @@ def test_a_verl_reward_file_is_read_with_its_function_name():
         load_config(DEMO, ["custom_reward_function.path=my_reward.py", "reward.functions=[exact_match]"])
 
 
-def test_a_warmup_ratio_is_counted_from_the_total_steps():
+def test_a_warmup_ratio_is_counted_when_the_run_knows_its_steps():
+    """verl's lr_warmup_steps_ratio: int(ratio x the run's training steps), also when they come from the data
+    (verl's PPO examples give no total_training_steps); verl's lr_warmup_steps > 0 wins, its -1 leaves the ratio."""
     cfg, reading = read_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05",
-                                      "trainer.total_training_steps=500"])
-    assert cfg.actor.optim.warmup_steps == 25  # verl: int(0.05 x 500)
-    assert ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05",
-            "actor.optim.warmup_steps=25 (0.05 x run.total_steps=500)") in reading.read
-    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1' is a fraction of "
-                                          r"run.total_steps, which is not set. Fix: set run.total_steps"):
-        load_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "run.total_steps=null"])
-    with pytest.raises(ConfigError, match="both set actor.optim.warmup_steps"):
-        load_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05", "actor.optim.warmup_steps=3"])
+                                      "actor_rollout_ref.actor.optim.lr_warmup_steps=-1", "run.total_steps=null"])
+    assert (cfg.actor.optim.warmup_steps_ratio, cfg.actor.optim.warmup_steps) == (0.05, 0)
+    assert ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "actor.optim.warmup_steps_ratio") in reading.read
+    assert cfg.actor.optim.warmup_for(500) == 25  # verl: int(0.05 x 500)
+    both = load_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05",
+                              "actor_rollout_ref.actor.optim.lr_warmup_steps=3"])
+    assert both.actor.optim.warmup_for(500) == 3
+    with pytest.raises(ConfigError, match=r"actor.optim.warmup_steps_ratio=1.5 must be in \[0, 1\]"):
+        load_config(DEMO, ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5"])
 
 
 @pytest.mark.parametrize("overrides, names", [
@@ -294,7 +295,7 @@ def test_every_mapped_key_exists_and_is_documented():
     assert not [k for k in verl_keys.RENAMED if _is_key(k)]  # a key megappo has needs no translation
     docs = (REPO / "docs/config.md").read_text()
     section = docs[docs.index("### Coming from verl"):]
-    tables = (verl_keys.RENAMED, verl_keys.OTHERWISE, verl_keys.BY_VALUE, verl_keys.VALUES, verl_keys.RATIOS,
+    tables = (verl_keys.RENAMED, verl_keys.OTHERWISE, verl_keys.BY_VALUE, verl_keys.VALUES,
               verl_keys.NEVER, verl_keys.MOOT, verl_keys.UNUSED, verl_keys.UNUSED_PATTERNS)
     missing = [k for table in tables for k in table if f"`{k}" not in section]
     missing += [f"{k}={v}" for k, values in verl_keys.UNUSED_VALUES.items() for v in values

@@ -123,7 +123,7 @@ def test_the_dapo_scripts_set_dapos_keys():
     gspo = script_overrides(REPO / "tests/data/verl/gspo_3b_math.txt", "/m", "/t", "/v", "/c")
     cfg, _ = read_config(DEMO, [*gspo, DEMO_MODEL])
     assert (cfg.actor.policy_loss.loss_mode, cfg.actor.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
-    assert (cfg.actor.clip_low, cfg.actor.clip_high, cfg.actor.optim.warmup_steps) == (0.0003, 0.0004, 1)
+    assert (cfg.actor.clip_low, cfg.actor.clip_high, cfg.actor.optim.warmup_for(cfg.run.total_steps)) == (0.0003, 0.0004, 1)
 
 
 def test_megappo_plan_takes_a_verl_script_and_says_what_it_read(tmp_path, capsys):
