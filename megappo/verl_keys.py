@@ -282,6 +282,7 @@ UNUSED: dict[str, str] = {
     "reward_model.strategy": "megappo trains with Megatron-Core (verl's megatron strategy; the math does not depend "
                              "on it)",
     "trainer.use_legacy_worker_impl": "verl's choice between its two worker implementations",
+    "actor_rollout_ref.actor.data_loader_seed": "megappo seeds its shuffles from run.seed",
     "actor_rollout_ref.actor.use_torch_compile": "megappo does not torch.compile its training passes",
     "actor_rollout_ref.ref.use_torch_compile": "megappo does not torch.compile its training passes",
     "actor_rollout_ref.model.trust_remote_code": _NO_REMOTE_CODE,
@@ -416,6 +417,8 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
                                                    "0.0": "verl's early stop of generation is off; megappo generates "
                                                           "every sample to its end"},
     "algorithm.use_pf_ppo": {"false": "PF-PPO off; megappo has none"},
+    **{f"{role}.shuffle": {"true": "megappo shuffles each epoch's sequences into mini-batches (seeded by run.seed)"}
+       for role in ("actor_rollout_ref.actor", "critic")},
     **{key: {"null": "none named: megappo reads the rows itself"}
        for key in ("data.custom_cls.path", "data.custom_cls.name", "data.sampler.class_path", "data.sampler.class_name")},
 }
@@ -481,6 +484,9 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.rollout.over_sample_rate": "megappo generates every sample to its end (verl aborts the last "
                                                   "over_sample_rate of the requests): remove it",
     "algorithm.use_pf_ppo": "megappo has no PF-PPO (reweighting samples by their reward): remove it",
+    **{f"{role}.shuffle": "megappo always shuffles each epoch's sequences into mini-batches (seeded by run.seed; "
+                          "verl's trainer.balance_batch reorders them too): remove it"
+       for role in ("actor_rollout_ref.actor", "critic")},
     **{key: "megappo reads verl-layout JSONL/Parquet rows itself and runs no dataset class a config names: write "
             "your rows in that layout (docs/own-data.md)" for key in ("data.custom_cls.path", "data.custom_cls.name")},
     **{key: "megappo draws prompts in order or shuffled (data.shuffle, data.seed) and runs no sampler class a config "
