@@ -318,6 +318,12 @@ class RolloutCorrectionConfig(_Section):
         return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
+def _check_loss_scale_factor(role: Any) -> None:
+    _require(role.loss_scale_factor is None or role.loss_scale_factor > 0,
+             f"{P}loss_scale_factor={role.loss_scale_factor} must be > 0. Fix: e.g. {P}loss_scale_factor=4096 (the "
+             f"response budget, rollout.max_new_tokens), or null for the step's longest response.")
+
+
 def _check_trained_role(role: Any) -> None:
     _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1, max_tokens_per_micro_batch=1)
     _require(role.grad_clip > 0, f"{P}grad_clip={role.grad_clip} must be > 0. Fix: e.g. {P}grad_clip=1.0.")
@@ -335,6 +341,7 @@ class ActorConfig(_Section):
     clip_ratio_high: Optional[float] = None  # eps_high; None: clip_ratio (e.g. 0.28 for clip-higher)
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
     loss_agg_mode: LossAggMode = "token-mean"  # how token losses are reduced to one number
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm: the constant each sequence's token sum is divided by (Dr. GRPO: the generation budget); None: the step's longest response
     entropy_coeff: float = 0.0  # entropy bonus weight (loss -= coeff * entropy)
     use_kl_loss: bool = False  # add a KL(actor || ref) term to the loss (GRPO style); needs the ref model
     kl_loss_coef: float = 0.001  # weight of that KL term
@@ -353,6 +360,7 @@ class ActorConfig(_Section):
 
     def check(self) -> None:
         _check_trained_role(self)
+        _check_loss_scale_factor(self)
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"{P}{name}={v} must be > 0. Fix: e.g. {P}{name}=0.2.")
@@ -385,6 +393,7 @@ class CriticConfig(_Section):
     cliprange_value: float = 0.5  # value clip around the old values
     grad_clip: float = 1.0  # global gradient-norm clip
     loss_agg_mode: LossAggMode = "token-mean"  # reduction of the value loss
+    loss_scale_factor: Optional[float] = None  # as actor.loss_scale_factor, for the value loss
     recompute: RecomputeConfig = _default(RecomputeConfig)  # activation recomputation (gradient checkpointing) of the critic's training passes
     lora: LoRAConfig = _default(LoRAConfig)  # LoRA adapters on the critic's trunk (its value head trains fully)
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))  # optimizer
@@ -392,6 +401,7 @@ class CriticConfig(_Section):
 
     def check(self) -> None:
         _check_trained_role(self)
+        _check_loss_scale_factor(self)
         _require(self.cliprange_value > 0, f"{P}cliprange_value={self.cliprange_value} must be > 0. Fix: e.g. 0.5.")
 
 

@@ -90,14 +90,15 @@ class Run:
         a = self.cfg.actor
         return dict(mini_batch_size=a.ppo_mini_batch_size * self.cfg.rollout.n, epochs=a.ppo_epochs,
                     loss_mode=self.cfg.policy_loss_mode, loss_knobs=policy_loss_knobs(self.cfg),
-                    loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
-                    kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, seed=self.cfg.run.seed * 7919 + step)
+                    loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, entropy_coeff=a.entropy_coeff,
+                    use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+                    seed=self.cfg.run.seed * 7919 + step)
 
     def critic_update_args(self, step: int) -> dict:
         c = self.cfg.critic
         return dict(mini_batch_size=c.ppo_mini_batch_size * self.cfg.rollout.n, epochs=c.ppo_epochs,
                     cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
-                    seed=self.cfg.run.seed * 7919 + step)
+                    loss_scale_factor=c.loss_scale_factor, seed=self.cfg.run.seed * 7919 + step)
 
     @property
     def peak_tflops(self) -> float | None:

@@ -263,7 +263,7 @@ class PolicyWorker(_Passes):
 
     def update(self, exp: Experience, *, mini_batch_size: int, epochs: int, loss_mode: str, loss_knobs: dict,
                loss_agg_mode: str, entropy_coeff: float, use_kl_loss: bool, kl_loss_coef: float, kl_loss_type: str,
-               seed: int) -> dict[str, float]:
+               seed: int, loss_scale_factor: float | None = None) -> dict[str, float]:
         """PPO epochs over mini-batches (sequences), one optimizer step per mini-batch. The policy loss is
         `POLICY_LOSSES[loss_mode]` (megappo.ppo.policy_losses) given the `loss_knobs` it takes."""
         assert self.trainable is not None, "the reference model is not trained"
@@ -307,7 +307,7 @@ class PolicyWorker(_Passes):
                  "isw": exp.rollout_is_weights}
         with RouterStats(self.model) as routers:  # MoE: load balance of the update's routing
             out = _ppo_updates(self, exp, extra, loss_for, prefix="actor", mini_batch_size=mini_batch_size,
-                               epochs=epochs, seed=seed, knobs_of=knobs_of)
+                               epochs=epochs, seed=seed, knobs_of=knobs_of, loss_scale_factor=loss_scale_factor)
         moe = routers.metrics("actor")  # collective
         return {**out, **moe} if out else out
 
@@ -362,7 +362,7 @@ class ValueWorker(_Passes):
         return self._gather(mbs, results, seqs.size)
 
     def update(self, exp: Experience, *, mini_batch_size: int, epochs: int, cliprange_value: float,
-               loss_agg_mode: str, seed: int) -> dict[str, float]:
+               loss_agg_mode: str, seed: int, loss_scale_factor: float | None = None) -> dict[str, float]:
         assert self.trainable is not None, "the reward model is not trained"
 
         def loss_for(counts):
@@ -376,23 +376,29 @@ class ValueWorker(_Passes):
             return on_output
 
         return _ppo_updates(self, exp, {"values": exp.values, "returns": exp.returns}, loss_for, prefix="critic",
-                            mini_batch_size=mini_batch_size, epochs=epochs, seed=seed)
+                            mini_batch_size=mini_batch_size, epochs=epochs, seed=seed,
+                            loss_scale_factor=loss_scale_factor)
 
 
 def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, prefix: str,
-                 mini_batch_size: int, epochs: int, seed: int, knobs_of=None) -> dict[str, float]:
+                 mini_batch_size: int, epochs: int, seed: int, knobs_of=None,
+                 loss_scale_factor: float | None = None) -> dict[str, float]:
     """`epochs` passes over shuffled mini-batches (sequences), one optimizer step each, then one
     step of the LR schedule (as verl: the rate is constant over a training step's mini-batches and
     epochs, and `optim.warmup_steps` counts training steps). Every
     mini-batch's loss function is built by `loss_for(counts)` with that mini-batch's global
     token/sequence counts, so each DP replica and micro-batch computes its exact share;
-    `knobs_of(rows)` (a collective), when given, adds loss knobs of the mini-batch's own."""
+    `knobs_of(rows)` (a collective), when given, adds loss knobs of the mini-batch's own.
+    seq-mean-token-sum-norm divides by `loss_scale_factor`, or without one by the step's longest
+    response (the batch's response width, the same in every part)."""
     trainable = worker.trainable
     model = trainable.model
     metrics: dict[str, list[float]] = {}
     for epoch in range(epochs):
         for rows in _mini_batches(exp.seqs.size, mini_batch_size, model.ps.dp, seed + epoch):
             counts = ppo_losses.global_counts(exp.seqs.response_mask[rows])
+            if loss_scale_factor is not None:
+                counts["loss_scale_factor"] = loss_scale_factor
             knobs = knobs_of(rows) if knobs_of else {}
             mbs = worker._split(exp.seqs, rows, "response", extra, training=True)
             results, step = train_step(trainable, mbs, loss_for(counts, **knobs), routing=worker.routing,

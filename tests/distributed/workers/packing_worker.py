@@ -203,7 +203,8 @@ def check_bf16(ps, family: str, vpp) -> None:
 #: tests/unit/test_policy_losses.py); kl_cov, which always takes some, is left to the unit tests.
 CLIP = dict(clip_ratio_low=0.04, clip_ratio_high=0.05, clip_ratio_c=3.0)
 THROUGH_TRAINER = [
-    ("vanilla", "seq-mean-token-sum-norm", {}), ("gspo", "seq-mean-token-mean", {}), ("gspo", "token-mean", {}),
+    ("vanilla", "seq-mean-token-sum-norm", {}), ("vanilla", "seq-mean-token-sum-norm", dict(loss_scale_factor=7.0)),
+    ("gspo", "seq-mean-token-mean", {}), ("gspo", "token-mean", {}),
     ("cispo", "token-mean", {}), ("sapo", "token-mean", dict(tau_pos=1.0, tau_neg=1.05)), ("gpg", "token-sum", {}),
     ("dppo_tv", "token-mean", {}), ("dppo_kl", "seq-mean-token-sum", {}), ("geo_mean", "token-mean", {}),
     ("dro", "token-mean", dict(dro_beta=0.1)), ("clip_cov", "token-mean", dict(clip_cov_lb=1e3, clip_cov_ub=1e4)),
@@ -244,9 +245,10 @@ def check_policy_losses(ps, family: str, vpp, dtype: str) -> None:
         load_hf_weights(actor, hf.state_dict())  # every loss starts from the same weights
         weights = None if mode == "bypass_mode" else isw  # bypass forms its own
         exp = Experience(seqs=seqs, old_log_probs=old, advantages=adv, rollout_is_weights=weights)
-        got = worker.update(exp, mini_batch_size=N, epochs=1, loss_mode=mode, loss_knobs={**CLIP, **knobs},
+        loss_knobs = {k: v for k, v in knobs.items() if k != "loss_scale_factor"}  # the role's, not the loss's
+        got = worker.update(exp, mini_batch_size=N, epochs=1, loss_mode=mode, loss_knobs={**CLIP, **loss_knobs},
                             loss_agg_mode=agg, entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,
-                            kl_loss_type="low_var_kl", seed=3)
+                            kl_loss_type="low_var_kl", seed=3, loss_scale_factor=knobs.get("loss_scale_factor"))
         if ps.rank == 0:
             loss, want = compute_policy_loss(mode, old_log_prob=old, log_prob=ref_lp * mask, advantages=adv,
                                              response_mask=mask, loss_agg_mode=agg, rollout_is_weights=weights,
