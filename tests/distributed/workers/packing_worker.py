@@ -203,7 +203,8 @@ def check_bf16(ps, family: str, vpp) -> None:
 #: tests/unit/test_policy_losses.py); kl_cov, which always takes some, is left to the unit tests.
 CLIP = dict(clip_ratio_low=0.04, clip_ratio_high=0.05, clip_ratio_c=3.0)
 THROUGH_TRAINER = [
-    ("vanilla", "seq-mean-token-sum-norm", {}), ("vanilla", "seq-mean-token-sum-norm", dict(loss_scale_factor=7.0)),
+    ("vanilla", "seq-mean-token-sum-norm", {}),  # divided by R = 7, the batch's response width, in every part
+    ("vanilla", "seq-mean-token-sum-norm", dict(loss_scale_factor=3.0)),  # the role's constant instead
     ("gspo", "seq-mean-token-mean", {}), ("gspo", "token-mean", {}),
     ("cispo", "token-mean", {}), ("sapo", "token-mean", dict(tau_pos=1.0, tau_neg=1.05)), ("gpg", "token-sum", {}),
     ("dppo_tv", "token-mean", {}), ("dppo_kl", "seq-mean-token-sum", {}), ("geo_mean", "token-mean", {}),
