@@ -32,8 +32,8 @@ import yaml
 from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
 from megappo.errors import ConfigError
 from megappo.key_synonyms import synonym_hint, synonym_of
-from megappo.verl_keys import (MOOT, NO_EQUIVALENT, REWARD_FILE, reward_file_reading, spelling, verl_equivalent,
-                               verl_hint, verl_reading)
+from megappo.verl_keys import (MOOT, NO_EQUIVALENT, REWARD_FILE, SECTION_DEFAULTS, reward_file_reading, spelling,
+                               verl_equivalent, verl_hint, verl_reading)
 
 
 def _is_key(path: str) -> bool:
@@ -230,6 +230,20 @@ def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, li
     return out, reading, errors
 
 
+def _section_defaults(data: dict, overrides: Sequence[str], reading: VerlReading) -> None:
+    """verl's defaults that differ from megappo's, set in the raw recipe `data` where the command line gives
+    the verl key that brings one and neither it nor the recipe sets the key (megappo.verl_keys.SECTION_DEFAULTS)."""
+    given = {_key_value(o)[0] for o in overrides}
+    for trigger, mine, set_by, why in SECTION_DEFAULTS:
+        ours = mine.partition("=")[0]
+        node: Any = data
+        for part in ours.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None and trigger in given and not any(k in given for k in set_by):
+            apply_override(data, mine)
+            reading.read.append((f"{set_by[0]} (not given)", f"{mine} ({why})"))
+
+
 def _read_one(override: str, values: dict[str, Any], out: list[str], reading: VerlReading,
               setters: dict[str, tuple[str, Any]]) -> None:
     """read_overrides for one override (`values`: every override's parsed value by key): appended to `out`
@@ -320,12 +334,14 @@ def read_config(path: str | None, overrides: Sequence[str] = (),
             raise ConfigError(f"variants.{variant} in '{path}' must be a list of KEY=VALUE overrides. Fix: write "
                               f"{variant}: [hardware.gpu_memory_gib=141, ...].")
         overrides = [*variants[variant], *overrides]
-    overrides, reading, errors = read_overrides(overrides)
+    given = overrides
+    overrides, reading, errors = read_overrides(given)
     for override in overrides:
         try:
             apply_override(data, override)
         except ConfigError as e:
             errors.append(e)
+    _section_defaults(data, given, reading)
     if errors:
         raise errors[0] if len(errors) == 1 else ConfigError(
             f"{len(errors)} overrides megappo cannot read as written (each line names its fix):\n"

@@ -9,7 +9,8 @@ has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`), as a
 key megappo has no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why
 at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`, `REFUSED_PATTERNS`):
 the keys whose silent omission would change the training. verl's reward file and function name are
-read together (`REWARD_FILE`, `reward_file_reading`). `verl_hint` words the error a verl key in a
+read together (`REWARD_FILE`, `reward_file_reading`), and a verl section a command line uses brings verl's
+default where it differs from megappo's (`SECTION_DEFAULTS`). `verl_hint` words the error a verl key in a
 recipe file or `apply_override` gets. The tables cover verl's own example scripts (tests/data/verl/).
 
 This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
@@ -495,6 +496,19 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.actor.policy_loss.rollout_correction": "write algorithm.rollout_correction.* (verl copies it "
                                                               "there itself in bypass mode)",
 }
+
+#: verl's defaults that differ from megappo's, brought by a verl key a command line gives: (that key, megappo's
+#: override of verl's default, the keys that set it instead, why). verl's Megatron LoRA section defaults alpha
+#: to 32 (its FSDP backend's flat lora_alpha: 16, megappo's default); left out, a script's lora.rank would
+#: train at half verl's scale alpha / rank.
+SECTION_DEFAULTS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("actor_rollout_ref.model.lora.rank", "actor.lora.alpha=32",
+     ("actor_rollout_ref.model.lora.alpha", "actor_rollout_ref.model.lora_alpha", "actor.lora.alpha"),
+     "verl's default for its Megatron LoRA section"),
+    ("critic.model.lora.rank", "critic.lora.alpha=32",
+     ("critic.model.lora.alpha", "critic.model.lora_alpha", "critic.lora.alpha"),
+     "verl's default for its Megatron LoRA section"),
+)
 
 #: verl's key naming a reward function's file -> its key naming the function (verl <= 0.8 at the top level, 0.9.1
 #: under reward): the two are read together as megappo's `reward.functions=[file:function]`, which replaces the

@@ -206,6 +206,23 @@ def test_a_verl_reward_file_is_read_with_its_function_name():
         load_config(DEMO, ["custom_reward_function.path=my_reward.py", "reward.functions=[exact_match]"])
 
 
+def test_verls_megatron_lora_section_brings_its_default_alpha(tmp_path):
+    """verl's Megatron LoRA section defaults alpha to 32 (megappo's and verl's FSDP lora_alpha: 16): a script that
+    gives its lora.rank without alpha trains at verl's scale; an alpha given anywhere (either spelling, the
+    recipe) stands."""
+    cfg, reading = read_config(DEMO, ["actor_rollout_ref.model.lora.rank=8"])
+    assert (cfg.actor.lora.rank, cfg.actor.lora.alpha) == (8, 32.0)
+    assert ("actor_rollout_ref.model.lora.alpha (not given)",
+            "actor.lora.alpha=32 (verl's default for its Megatron LoRA section)") in reading.read
+    for given in (["actor_rollout_ref.model.lora.alpha=64"], ["actor.lora.alpha=64"]):
+        assert load_config(DEMO, ["actor_rollout_ref.model.lora.rank=8", *given]).actor.lora.alpha == 64.0
+    assert load_config(DEMO, ["actor_rollout_ref.model.lora_rank=8"]).actor.lora.alpha == 16.0  # FSDP's keys: 16
+    recipe = yaml.safe_load(open(DEMO))
+    recipe["actor"]["lora"] = {"alpha": 64}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert load_config(str(tmp_path / "r.yaml"), ["actor_rollout_ref.model.lora.rank=8"]).actor.lora.alpha == 64.0
+
+
 def test_a_warmup_ratio_is_counted_when_the_run_knows_its_steps():
     """verl's lr_warmup_steps_ratio: int(ratio x the run's training steps), also when they come from the data
     (verl's PPO examples give no total_training_steps); verl's lr_warmup_steps > 0 wins, its -1 leaves the ratio."""
