@@ -257,6 +257,10 @@ class LoRAConfig(_Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
+#: apply_chat_template's arguments megappo sets in each rendering (data.apply_chat_template_kwargs may not)
+TEMPLATE_ARGUMENTS_SET_BY_MEGAPPO = ("conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
+                                     "return_tensors", "continue_final_message")
+
 #: verl 0.9.1's policy losses (megappo.ppo.policy_losses.POLICY_LOSSES; a unit test keeps the two equal)
 POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
                      "cispo", "bypass_mode")
@@ -612,6 +616,7 @@ class DataConfig(_Section):
     shuffle: bool = True  # reshuffle prompts every epoch
     seed: int = 1  # shuffling / generation seed
     apply_chat_template: bool = True  # render prompts with the tokenizer's chat template
+    apply_chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # more keyword arguments of the template in every rendering (prompts, multi-turn turns), e.g. {enable_thinking: false} for Qwen3 (verl's key)
     system_prompt: Optional[str] = None  # a system message put before every prompt that has none (tool descriptions)
     #: example turns put after the system message of every prompt, e.g. a question, the assistant's tool call,
     #: the tool's answer and the final answer: [{role: user, content: ...}, {role: assistant, content: ...}, ...]
@@ -628,6 +633,14 @@ class DataConfig(_Section):
             _require(set(m) == {"role", "content"} and m["role"] in ("user", "assistant", "tool"),
                      f"{P}few_shot[{i}]={m} is not a chat message. Fix: write {{role: user, content: ...}} "
                      "(role user, assistant or tool; the system message is data.system_prompt).")
+        _require(not self.apply_chat_template_kwargs or self.apply_chat_template,
+                 f"{P}apply_chat_template_kwargs={self.apply_chat_template_kwargs} are the chat template's, but "
+                 f"{P}apply_chat_template=false renders no template. Fix: set {P}apply_chat_template=true or "
+                 f"{P}apply_chat_template_kwargs={{}}.")
+        reserved = sorted(set(self.apply_chat_template_kwargs) & set(TEMPLATE_ARGUMENTS_SET_BY_MEGAPPO))
+        _require(not reserved, f"{P}apply_chat_template_kwargs sets {reserved}, which megappo sets itself in each "
+                               f"rendering. Fix: remove them (the template's own variables, such as enable_thinking, "
+                               f"go there).")
         _require(not self.few_shot or self.few_shot[0]["role"] == "user",
                  f"{P}few_shot starts with a turn of role "
                  f"'{self.few_shot[0]['role'] if self.few_shot else ''}'. Fix: start it with the example's question, "

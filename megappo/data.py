@@ -143,9 +143,10 @@ def numbered(source: str, n: int, kind: RowKind = "list", split: str = "training
 
 
 def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, system_prompt: str | None = None,
-                  few_shot: Sequence[dict] = ()) -> list[int]:
+                  few_shot: Sequence[dict] = (), template_kwargs: dict | None = None) -> list[int]:
     """Token ids of one prompt. `system_prompt` becomes the first message unless the row has its own;
-    the `few_shot` turns come right after the system message (the row's, this one, or none)."""
+    the `few_shot` turns come right after the system message (the row's, this one, or none);
+    `template_kwargs`: more arguments of the chat template (data.apply_chat_template_kwargs)."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -154,7 +155,8 @@ def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, system_prom
     system = messages[:1] if has_system else [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages = [*system, *few_shot, *messages[has_system:]]
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **(template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     text = "\n".join(m["content"] for m in messages)  # a text prompt is one message: the text as it is
     return tokenizer.encode(text, add_special_tokens=False)
@@ -162,7 +164,7 @@ def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, system_prom
 
 def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 512,
                   long_prompt_policy: str = "skip", apply_chat_template: bool = True, source: str = "dataset",
-                  system_prompt: str | None = None, few_shot: Sequence[dict] = (),
+                  system_prompt: str | None = None, few_shot: Sequence[dict] = (), template_kwargs: dict | None = None,
                   origins: Sequence[RowOrigin] | None = None) -> tuple[list[PromptExample], dict[str, int]]:
     """Tokenize rows; returns (examples, {"skipped_long": k, "truncated_long": k}). `origins`: each
     row's RowOrigin (None: the rows are numbered 1.. of `source`), kept in its example and named in errors."""
@@ -175,7 +177,7 @@ def build_prompts(rows: Iterable[dict], tokenizer, *, prompt_key: str = "prompt"
                 f"{origin} has no '{prompt_key}' (keys: {sorted(row)}). Fix: add a '{prompt_key}' to the "
                 "row, or set data.prompt_key to the column that holds the prompt."
             )
-        ids = render_prompt(row[prompt_key], tokenizer, apply_chat_template, system_prompt, few_shot)
+        ids = render_prompt(row[prompt_key], tokenizer, apply_chat_template, system_prompt, few_shot, template_kwargs)
         longest = max(longest, len(ids))
         if len(ids) > max_prompt_length:
             if long_prompt_policy == "error":

@@ -198,7 +198,7 @@ def rollout(run: Run, prompts: list, params: SamplingParams) -> RolloutBatch:
             lambda contexts, turn_params: engine_generate(run, contexts, turn_params), prompts, params,
             make_env=lambda: env(**cfg.env_args), tokenizer=run.tokenizer,
             encode_observation=observation_encoder(run.tokenizer, env.observation_role, run.cfg.data.apply_chat_template,
-                                                   cfg.bad_observation_policy),
+                                                   cfg.bad_observation_policy, run.cfg.data.apply_chat_template_kwargs),
             max_turns=cfg.max_turns, max_turn_tokens=cfg.max_turn_tokens, pad_token_id=run.tokenizer.pad_token_id)
     batch.examples = [prompts[i] for i in batch.prompt_index.tolist()]
     return batch

@@ -134,7 +134,7 @@ def load_prompts(cfg: Config, tokenizer) -> tuple[list, list, dict[str, int]]:
     rows, origins = check_data(rows, tokenizer, source=source, origins=origins, **check)
     kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
               long_prompt_policy=d.long_prompt_policy, apply_chat_template=d.apply_chat_template,
-              system_prompt=d.system_prompt, few_shot=d.few_shot)
+              system_prompt=d.system_prompt, few_shot=d.few_shot, template_kwargs=d.apply_chat_template_kwargs)
     train_examples, data_stats = build_prompts(rows, tokenizer, source=str(d.builtin or d.train_files),
                                                origins=origins, **kw)
     val_examples = []

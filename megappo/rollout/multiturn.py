@@ -21,7 +21,9 @@ turn), taken as the difference between two renderings of one conversation, with 
 the observation (so a default system prompt a template inserts is not repeated; a template that
 renders the last assistant turn differently, as Qwen3 does, is cut after that turn's closer instead), preceded by
 what the template puts after an assistant turn's stop token (Qwen's "\\n" after <|im_end|>; the
-whole turn closer when the action was cut by its token budget). Without a chat template the
+whole turn closer when the action was cut by its token budget). Every rendering takes the
+template arguments the prompts took (data.apply_chat_template_kwargs: Qwen3's enable_thinking=false
+opens the next assistant turn with an empty think block, as the prompt). Without a chat template the
 text is encoded as is. Observations are checked first (`observation_ids`): one that is not text
 raises a TypeError naming the environment class; one with characters the tokenizer has no
 token for (the built-in character tokenizers encode them as <pad>) raises an ObservationError
@@ -70,8 +72,9 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
     return None if seed is None else seed + turn * TURN_SEED_STRIDE
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, template_kwargs: dict) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                        **template_kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -83,21 +86,26 @@ class ObservationError(ValueError):
 class ObservationEncoder:
     """Observation text -> the token ids appended to an episode after an action (module docstring)."""
 
-    def __init__(self, tokenizer, role: str, use_chat_template: bool, bad_observation_policy: str = "error"):
+    def __init__(self, tokenizer, role: str, use_chat_template: bool, bad_observation_policy: str = "error",
+                 template_kwargs: dict | None = None):
         if bad_observation_policy not in ("error", "warn"):
             raise ValueError(f"bad_observation_policy={bad_observation_policy!r}: must be 'error' or 'warn'")
         self.tokenizer, self.role, self.policy = tokenizer, role, bad_observation_policy
         self.unk = unknown_token(tokenizer)  # read once: it parses the whole tokenizer.json
         self.warned = False
         self.chat = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+        self.template_kwargs = dict(template_kwargs or {})  # data.apply_chat_template_kwargs, as the prompts'
         self.closer: list[int] = []
         if self.chat:
             user = {"role": "user", "content": "Q"}
             self.base = [user, {"role": "assistant", "content": "A"}]
-            self.base_ids = _render(tokenizer, self.base, False)
-            self.user_len = len(_render(tokenizer, [user], False))  # where the assistant turn starts at the latest
-            start = len(_render(tokenizer, [user], True))
-            tails = [_render(tokenizer, [user, {"role": "assistant", "content": c}], False)[start:] for c in "AB"]
+            self.base_ids = self._render(self.base, False)
+            self.user_len = len(self._render([user], False))  # where the assistant turn starts at the latest
+            whole = [self._render([user, {"role": "assistant", "content": c}], False) for c in "AB"]
+            # the contents start where the two renderings first differ (not where the generation prompt ends:
+            # template arguments such as enable_thinking=false put an empty think block in that prompt only)
+            start = next((i for i, (a, b) in enumerate(zip(*whole)) if a != b), min(map(len, whole)))
+            tails = [w[start:] for w in whole]
             # the common end of two assistant turns, never reaching into their contents' tokens
             room = min(len(t) - len(tokenizer.encode(c, add_special_tokens=False)) for t, c in zip(tails, "AB"))
             k = 0
@@ -105,10 +113,13 @@ class ObservationEncoder:
                 k += 1
             self.closer = tails[0][len(tails[0]) - k:]  # what the template puts after an assistant message
 
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        return _render(self.tokenizer, messages, generation_prompt, self.template_kwargs)
+
     def __call__(self, text: str, action_ids: Sequence[int]) -> list[int]:
         if not self.chat:
             return self.tokenizer.encode(text, add_special_tokens=False)
-        full = _render(self.tokenizer, [*self.base, {"role": self.role, "content": text}], True)
+        full = self._render([*self.base, {"role": self.role, "content": text}], True)
         turn = full[len(self.base_ids):] if full[:len(self.base_ids)] == self.base_ids else self._after_assistant(full)
         if self.closer and action_ids and action_ids[-1] == self.closer[0]:
             return self.closer[1:] + turn  # the action's stop token opened the closer: the rest of it
@@ -148,11 +159,17 @@ class ObservationEncoder:
             "role the template renders as a plain next turn (e.g. 'user' or 'tool').")
 
 
+def observation_encoder(tokenizer, role: str, use_chat_template: bool, bad_observation_policy: str = "error",
+                        template_kwargs: dict | None = None) -> ObservationEncoder:
+    """One encoder per (tokenizer, role, template use, policy, template arguments), built on first use."""
+    return _observation_encoder(tokenizer, role, use_chat_template, bad_observation_policy,
+                                json.dumps(template_kwargs or {}, sort_keys=True))
+
+
 @functools.lru_cache(maxsize=8)
-def observation_encoder(tokenizer, role: str, use_chat_template: bool,
-                        bad_observation_policy: str = "error") -> ObservationEncoder:
-    """One encoder per (tokenizer, role, template use, policy), built on first use."""
-    return ObservationEncoder(tokenizer, role, use_chat_template, bad_observation_policy)
+def _observation_encoder(tokenizer, role: str, use_chat_template: bool, bad_observation_policy: str,
+                         template_kwargs: str) -> ObservationEncoder:
+    return ObservationEncoder(tokenizer, role, use_chat_template, bad_observation_policy, json.loads(template_kwargs))
 
 
 def env_name(cls: type) -> str:

@@ -214,6 +214,11 @@ GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}
     ({"rollout": {"sync_mode": "disk"}}, "rollout.sync_mode=disk needs rollout.engine=sglang"),
     ({"data": {"builtin": "x", "train_files": ["a"]}}, "data.builtin and data.train_files are both set"),
     ({"data": {"builtin": "x", "builtin_size": 10}}, "data.builtin_size=10 is smaller than data.train_batch_size=1024"),
+    ({"data": {"apply_chat_template": False, "apply_chat_template_kwargs": {"enable_thinking": False}}},
+     r"data.apply_chat_template_kwargs=\{'enable_thinking': False\} are the chat template's, but "
+     r"data.apply_chat_template=false renders no template"),
+    ({"data": {"apply_chat_template_kwargs": {"tokenize": False}}},
+     r"data.apply_chat_template_kwargs sets \['tokenize'\], which megappo sets itself"),
     ({"algorithm": {"adv_estimator": "grpo"}}, "compares samples of the same prompt, but rollout.n=1. Fix: set "
                                                "rollout.n >= 2"),
     ({"algorithm": {"adv_estimator": "rloo"}}, "rollout.n >= 2"),

@@ -294,7 +294,7 @@ def test_last_action_token_skips_observation_holes():
 def fake_run(env, engine, tok, **rollout):
     cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(env=env, env_args={}, max_turns=4, max_turn_tokens=None,
                                                               bad_observation_policy="error", **rollout),
-                                data=types.SimpleNamespace(apply_chat_template=False))
+                                data=types.SimpleNamespace(apply_chat_template=False, apply_chat_template_kwargs={}))
     return types.SimpleNamespace(cfg=cfg, engine=engine, tokenizer=tok)
 
 
@@ -530,3 +530,24 @@ def test_what_an_environment_raises_names_its_class_the_row_and_the_turn(tmp_pat
     with pytest.raises(UserCodeError, match=r"^environment .*/flaky_env.py:Flaky.reset raised RuntimeError: no sandbox "
                                             r"on val.jsonl:1 \(validation row, prompt '1\?'\)\. Fix"):
         run_episodes(Scripted([[8, 1]], tok.eos_token_id).generate, exs, SamplingParams(max_new_tokens=20), **kw)
+
+
+def test_chat_template_kwargs_reach_every_rendering():
+    """data.apply_chat_template_kwargs (verl's key; Qwen3's enable_thinking) in the prompts and in the turns a
+    multi-turn episode appends: each opens the next assistant turn as the template does with those arguments."""
+    think = TEMPLATE.replace("{{ '<|im_start|>assistant\\n' }}",
+                             "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+                             "{{ '<think></think>' }}{% endif %}")
+    tok = bpe_tokenizer(think)
+    off = {"enable_thinking": False}
+    user = [{"role": "user", "content": "what is x?"}]
+    plain, = build_prompts([{"prompt": user, "reward_model": {"ground_truth": "1"}}], tok)[0]
+    prompt, = build_prompts([{"prompt": user, "reward_model": {"ground_truth": "1"}}], tok, template_kwargs=off)[0]
+    assert tok.decode(prompt.prompt_ids).endswith("assistant\n<think></think>")
+    assert not tok.decode(plain.prompt_ids).endswith("</think>")
+    direct = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True, **off)
+    assert list(prompt.prompt_ids) == list(direct["input_ids"] if hasattr(direct, "keys") else direct)
+    action = tok.encode("look up x", add_special_tokens=False) + [tok.eos_token_id]
+    obs = observation_encoder(tok, "tool", True, "error", off)("x=seven", action)
+    assert tok.decode(obs) == "\n<|im_start|>tool\nx=seven<|im_end|>\n<|im_start|>assistant\n<think></think>"
+    assert not tok.decode(observation_encoder(tok, "tool", True)("x=seven", action)).endswith("</think>")
