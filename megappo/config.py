@@ -322,15 +322,12 @@ class RolloutCorrectionConfig(_Section):
         return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
-def _check_loss_scale_factor(role: Any) -> None:
-    _require(role.loss_scale_factor is None or role.loss_scale_factor > 0,
-             f"{P}loss_scale_factor={role.loss_scale_factor} must be > 0. Fix: e.g. {P}loss_scale_factor=4096 (the "
-             f"response budget, rollout.max_new_tokens), or null for the step's longest response.")
-
-
 def _check_trained_role(role: Any) -> None:
     _at_least(role, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1, max_tokens_per_micro_batch=1)
     _require(role.grad_clip > 0, f"{P}grad_clip={role.grad_clip} must be > 0. Fix: e.g. {P}grad_clip=1.0.")
+    _require(role.loss_scale_factor is None or role.loss_scale_factor > 0,
+             f"{P}loss_scale_factor={role.loss_scale_factor} must be > 0. Fix: e.g. {P}loss_scale_factor=4096 (the "
+             f"response budget, rollout.max_new_tokens), or null for the step's longest response.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +361,6 @@ class ActorConfig(_Section):
 
     def check(self) -> None:
         _check_trained_role(self)
-        _check_loss_scale_factor(self)
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"{P}{name}={v} must be > 0. Fix: e.g. {P}{name}=0.2.")
@@ -405,7 +401,6 @@ class CriticConfig(_Section):
 
     def check(self) -> None:
         _check_trained_role(self)
-        _check_loss_scale_factor(self)
         _require(self.cliprange_value > 0, f"{P}cliprange_value={self.cliprange_value} must be > 0. Fix: e.g. 0.5.")
 
 

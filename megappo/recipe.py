@@ -244,6 +244,9 @@ def _section_defaults(data: dict, overrides: Sequence[str], reading: VerlReading
             reading.read.append((f"{set_by[0]} (not given)", f"{mine} ({why})"))
 
 
+_REWARD_FILE_OF = {name: file for file, name in REWARD_FILE.items()}  # verl's function-name key -> its file key
+
+
 def _read_one(override: str, values: dict[str, Any], out: list[str], reading: VerlReading,
               setters: dict[str, tuple[str, Any]]) -> None:
     """read_overrides for one override (`values`: every override's parsed value by key): appended to `out`
@@ -253,20 +256,18 @@ def _read_one(override: str, values: dict[str, Any], out: list[str], reading: Ve
         out.append(override)  # apply_override says what is wrong with it
         return
     other, other_value, why = MOOT.get(key, (None, None, None))
-    file_key = next((f for f, name in REWARD_FILE.items() if key == name), None)
     if key in REWARD_FILE:  # verl's reward file and function: read together
         found = reward_file_reading(values[key], values.get(REWARD_FILE[key]))
         if REWARD_FILE[key] in values and found[0] == "read":
             raw = f"{raw.strip()}, {REWARD_FILE[key]}={values[REWARD_FILE[key]]}"
-    elif file_key is not None:
-        found = (None, None) if reward_file_reading(values.get(file_key), key)[0] == "read" else (
-            "unused", f"verl reads it with {file_key} only, which is not given")
+    elif key in _REWARD_FILE_OF:
+        if reward_file_reading(values.get(_REWARD_FILE_OF[key]), None)[0] == "read":
+            return  # read with its file
+        found = ("unused", f"verl reads it with {_REWARD_FILE_OF[key]} only, which is not given")
     elif other and other in values and spelling(values[other]) == other_value:
         found = ("unused", why)
     else:
         found = verl_reading(key, raw.strip(), _parsed(raw), _is_key)
-    if found == (None, None):  # read with another key
-        return
     if found is None:
         mine = f"{key}={raw}"
     elif found[0] == "refused":

@@ -39,7 +39,7 @@ from megappo.parallel.vocab_parallel import (vocab_parallel_log_probs, vocab_par
 from megappo.ppo import losses as ppo_losses
 from megappo.ppo.policy_losses import compute_policy_loss
 from megappo.ppo.kl import kl_penalty
-from megappo.ppo.rollout_correction import is_weight_sums
+from megappo.ppo.rollout_correction import is_weight_sums, weights_need_batch_mean
 from megappo.ppo.stats import masked_mean
 from megappo.rollout.routes import fill_unknown
 
@@ -269,11 +269,8 @@ class PolicyWorker(_Passes):
         assert self.trainable is not None, "the reference model is not trained"
         first_micro_batch = [True]
         parts = itertools.count()  # clip_cov draws its tokens from a generator seeded per micro-batch part
-        # bypass mode's REINFORCE loss weighs tokens by IS weights normalised by their mini-batch mean
-        normalized = loss_mode == "bypass_mode" and loss_knobs.get("loss_type") == "reinforce" and bool(
-            loss_knobs.get("rollout_is")) and bool(loss_knobs.get("rollout_is_batch_normalize"))
         knobs_of = (lambda rows: {"rollout_is_batch_mean": self._is_batch_mean(exp, rows, loss_knobs)}) \
-            if normalized else None
+            if loss_mode == "bypass_mode" and weights_need_batch_mean(**loss_knobs) else None
 
         def loss_for(counts, **mini_batch_knobs):
             def on_output(logits, mb):

@@ -148,6 +148,14 @@ def _batch_sums(weights: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[
     return (row_weights * non_empty).sum(), non_empty.sum()
 
 
+def weights_need_batch_mean(*, loss_type: str = "ppo_clip", rollout_is: str | None = None,
+                            rollout_is_batch_normalize: bool = False, **_) -> bool:
+    """Whether bypass mode's loss weighs its tokens by batch-normalised IS weights, so each part needs the
+    mini-batch's mean (`rollout_is_batch_mean`, from `is_weight_sums`): REINFORCE with weights and batch
+    normalisation. With ppo_clip the weights are metrics only (a part's own mean serves)."""
+    return loss_type == "reinforce" and rollout_is is not None and rollout_is_batch_normalize
+
+
 def is_weight_sums(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,
                    rollout_is: str, rollout_is_threshold: float | str) -> torch.Tensor:
     """[2] float64 (sum, count) of the IS weights of a part of a mini-batch (all inputs [B, T]; log ratio =

@@ -14,7 +14,8 @@ from megappo.correction_spec import (
     RS_OPTIONS, RsBounds, parse_is_threshold, parse_rs_options, parse_rs_thresholds, validate,
 )
 from megappo.ppo.rollout_correction import (
-    PRESETS, bypass_mode_loss, is_weight_sums, is_weights, offpolicy_metrics, reinforce_loss, rejection_mask, rollout_correction,
+    PRESETS, bypass_mode_loss, is_weight_sums, is_weights, offpolicy_metrics, reinforce_loss, rejection_mask,
+    rollout_correction, weights_need_batch_mean,
 )
 
 T = torch.tensor
@@ -661,6 +662,8 @@ def test_bypass_batch_normalisation_divides_by_the_mini_batch_mean_in_every_part
     mini-batch normalised at once; verl's per-part normalisation (no mean given) does not."""
     engine, current, adv, mask = _loss_batch(4)
     rc = dict(loss_type="reinforce", rollout_is=level, rollout_is_threshold=threshold, rollout_is_batch_normalize=True)
+    assert weights_need_batch_mean(**rc)  # the trainer gives this loss the mini-batch's mean
+    assert not weights_need_batch_mean(**{**rc, "loss_type": "ppo_clip"})  # its weights are metrics only
     counts = global_counts(mask)
     x = current.clone().requires_grad_()
     whole, m_whole = bypass_mode_loss(engine, x, adv, mask, loss_agg_mode=mode, **counts, **rc)
