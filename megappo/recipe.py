@@ -235,13 +235,17 @@ def _section_defaults(data: dict, overrides: Sequence[str], reading: VerlReading
     the verl key that brings one and neither it nor the recipe sets the key (megappo.verl_keys.SECTION_DEFAULTS)."""
     given = {_key_value(o)[0] for o in overrides}
     for trigger, mine, set_by, why in SECTION_DEFAULTS:
-        ours = mine.partition("=")[0]
-        node: Any = data
-        for part in ours.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is None and trigger in given and not any(k in given for k in set_by):
+        if _lookup(data, mine.partition("=")[0]) is None and trigger in given and not any(k in given for k in set_by):
             apply_override(data, mine)
             reading.read.append((f"{set_by[0]} (not given)", f"{mine} ({why})"))
+
+
+def _lookup(data: dict, dotted: str) -> Any:
+    """The raw recipe's value at `dotted`, or None."""
+    node: Any = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 _REWARD_FILE_OF = {name: file for file, name in REWARD_FILE.items()}  # verl's function-name key -> its file key
