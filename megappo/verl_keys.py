@@ -9,8 +9,8 @@ has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`), as a
 key megappo has no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why
 at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`, `REFUSED_PATTERNS`):
 the keys whose silent omission would change the training. verl's reward file and function name are
-read together (`REWARD_FILE`, `reward_file_reading`), and a verl section a command line uses brings verl's
-default where it differs from megappo's (`SECTION_DEFAULTS`). `verl_hint` words the error a verl key in a
+read together (`REWARD_FILE`, `reward_file_reading`), and some verl keys bring verl's default of a key the
+command line leaves out where it differs from megappo's (`SECTION_DEFAULTS`). `verl_hint` words the error a verl key in a
 recipe file or `apply_override` gets. The tables cover verl's own example scripts (tests/data/verl/).
 
 This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
@@ -155,9 +155,10 @@ ADDED_ITEMS: dict[str, tuple[list[str], str]] = {
                                   "`megappo plot` read (verl's 'file' logger)"),
 }
 
-#: verl key -> (megappo key, megappo's value) for verl's counts <= 0 or null, which verl reads as "never" or "no
-#: limit" (its defaults are -1 and null): no checkpoint at all, not even of the last step (megappo's 0 saves the
-#: last one); no validation during training; every checkpoint kept. A count > 0 is read as RENAMED says.
+#: verl key -> (megappo key, megappo's value) for verl's counts <= 0 or null, which verl reads as "none", "never"
+#: or "no limit" (its defaults are -1 and null): no warmup steps of its own (lr_warmup_steps_ratio counts then);
+#: no checkpoint at all, not even of the last step (megappo's 0 saves the last one); no validation during
+#: training; every checkpoint kept. A count > 0 is read as RENAMED says.
 NEVER: dict[str, tuple[str, int]] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps": ("actor.optim.warmup_steps", 0),  # verl's -1: the ratio's
     "critic.optim.lr_warmup_steps": ("critic.optim.warmup_steps", 0),
@@ -567,8 +568,9 @@ def verl_equivalent(path: str, is_key: Callable[[str], bool]) -> Optional[tuple[
     """
     if path in RENAMED:
         return RENAMED[path], None
-    if path in OTHERWISE or _pattern(path, REFUSED_PATTERNS):
-        return None, OTHERWISE.get(path) or _pattern(path, REFUSED_PATTERNS)
+    how = OTHERWISE.get(path) or _pattern(path, REFUSED_PATTERNS)
+    if how:
+        return None, how
     for verl, ours in PREFIXES.items():
         if path.startswith(verl) and is_key(ours + path[len(verl):]):
             return ours + path[len(verl):], None
