@@ -72,12 +72,6 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
     return None if seed is None else seed + turn * TURN_SEED_STRIDE
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, template_kwargs: dict) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                        **template_kwargs)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 class ObservationError(ValueError):
     """An observation cannot be appended as tokens: the chat template cannot render its turn as a
     continuation of the episode, or the tokenizer has no token for some of its characters."""
@@ -114,7 +108,9 @@ class ObservationEncoder:
             self.closer = tails[0][len(tails[0]) - k:]  # what the template puts after an assistant message
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        return _render(self.tokenizer, messages, generation_prompt, self.template_kwargs)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                 **self.template_kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def __call__(self, text: str, action_ids: Sequence[int]) -> list[int]:
         if not self.chat:
