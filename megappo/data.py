@@ -30,6 +30,7 @@ import os
 import random
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
+from megappo.tokenizer import chat_template_ids
 from megappo.user_code import short_text
 
 
@@ -155,9 +156,7 @@ def render_prompt(prompt: Any, tokenizer, apply_chat_template: bool, system_prom
     system = messages[:1] if has_system else [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages = [*system, *few_shot, *messages[has_system:]]
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            **(template_kwargs or {}))
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_template_ids(tokenizer, messages, generation_prompt=True, template_kwargs=template_kwargs)
     text = "\n".join(m["content"] for m in messages)  # a text prompt is one message: the text as it is
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -10,6 +10,8 @@ tokenizer_config.json, special_tokens_map.json, generation_config.json), which
 `transformers.AutoTokenizer.from_pretrained` loads with the same ids; `special_token_ids(tok)`
 are the ids config.json names. `unknown_characters(tok, texts)` are the characters of each text
 the tokenizer has no token for (the data check's and the multi-turn runner's observation check).
+`chat_template_ids(tok, messages, ...)` renders chat messages with the tokenizer's template to token ids
+(the prompts' and the multi-turn turns' one way, with data.apply_chat_template_kwargs).
 
 This module does not know about models or training.
 """
@@ -22,6 +24,15 @@ import os
 from megappo.errors import ConfigError
 
 BUILTIN_ALPHABETS = {"digits": "0123456789>+-=? "}
+
+
+def chat_template_ids(tokenizer, messages: list[dict], *, generation_prompt: bool,
+                      template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template (with the next assistant turn's
+    opening when `generation_prompt`); `template_kwargs`: the template's own arguments (enable_thinking)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                        **(template_kwargs or {}))
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a list of ids, or an encoding holding them
 
 
 def char_tokenizer(alphabet: str):

@@ -58,7 +58,7 @@ import torch
 
 from megappo.envs.base import Action, Environment, Episode, StepResult
 from megappo.rollout.engine import left_pad
-from megappo.tokenizer import characters_encoded_as, unknown_token
+from megappo.tokenizer import characters_encoded_as, chat_template_ids, unknown_token
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.user_code import UserCodeError
 
@@ -108,9 +108,8 @@ class ObservationEncoder:
             self.closer = tails[0][len(tails[0]) - k:]  # what the template puts after an assistant message
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                                 **self.template_kwargs)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_template_ids(self.tokenizer, messages, generation_prompt=generation_prompt,
+                                 template_kwargs=self.template_kwargs)
 
     def __call__(self, text: str, action_ids: Sequence[int]) -> list[int]:
         if not self.chat:
