@@ -36,6 +36,15 @@ refuses to start without one, `off` starts fresh (and refuses to write into a ch
 directory that has one, so nothing is overwritten by accident). The checkpoint may be
 loaded at another TP/PP/DP layout. What a changed recipe may change is `check_resumable`.
 
+Going back (`checkpoint.resume_from`): a run resumes from the checkpoint it names instead of
+`latest` and starts a branch: every checkpoint it saves records `branch: {from: <that
+checkpoint's real path>}` in its trainer state, and the same command run again (a requeue, a
+restart) continues from the newest intact checkpoint of that branch rather than going back
+again. When the branch starts, `set_aside_later` moves checkpoint.dir's checkpoints after the
+named step into `superseded/from_step_N_<time>/`, with copies of the run's metrics.jsonl and
+samples.jsonl (which the resumed run cuts back to step N): nothing is deleted. A named
+checkpoint that fails its check is refused (no fallback to another: it was chosen).
+
 This module does not know the order of a PPO step or how models are built.
 """
 
@@ -70,6 +79,7 @@ DIGESTS = "digests"
 DIGEST_FORMAT = "megappo-digests-v1"
 HASH = "blake2b-128"
 ERROR_LOG = "errors.log"
+SUPERSEDED = "superseded"  # checkpoints (and metric logs) a branch from an earlier step moved aside
 NOT_VERIFIED = "not verified (no digests: written by an older megappo)"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank_(\d+)\.pt)$")  # Megatron's shards, our rng files
@@ -120,7 +130,8 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
-    """The trainer state to resume from (with its 'path'), per checkpoint.resume; None to start fresh.
+    """The trainer state to resume from (with its 'path' and 'branch'), per checkpoint.resume and
+    checkpoint.resume_from; None to start fresh.
 
     The checkpoint `latest` names is checked first (`check_files`; `verify`: "sizes" reads no
     shard, "full" also compares digests: collective when a process group is up, each rank hashing
@@ -128,6 +139,8 @@ def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
     before it is taken instead, saying so; none left: CheckpointError. Every refusal comes
     before any model is built.
     """
+    if cfg.checkpoint.resume_from is not None:
+        return _find_branch(cfg, verify)
     root, mode = cfg.checkpoint_dir, cfg.checkpoint.resume
     path = latest_checkpoint(root) if os.path.isdir(root) else None
     if mode == "must" and path is None:
@@ -142,24 +155,128 @@ def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
         return None
     state = None
     if path is not None:
-        path, state = _intact_checkpoint(root, path, full=verify == "full")
-        if state.get("format") != FORMAT:
-            raise ConfigError(f"'{path}' is not a {FORMAT} checkpoint (format {state.get('format')!r}).")
-        check_resumable(state["config"], cfg.to_dict(), path)
+        older = sorted((n for n in os.listdir(root) if _STEP_DIR.match(n) and n < os.path.basename(path)
+                        and os.path.isfile(os.path.join(root, n, STATE_FILE))), reverse=True)
+        found = _intact_checkpoint([path, *(os.path.join(root, n) for n in older)], full=verify == "full")
+        if isinstance(found, list):
+            raise CheckpointError(f"no intact checkpoint in {root}: {len(found)} damaged (newest: {found[0]}). "
+                                  "Fix: restore the damaged files from a copy, or start a new run (another "
+                                  "run.output_dir, or checkpoint.resume=off with a fresh checkpoint.dir).",
+                                  every_rank=True)
+        path, state = _resumable(found, cfg)
+    _warn_unfinished(root, path, state)
+    return dict(state, path=path, branch=state.get("branch")) if state else None
+
+
+def named_checkpoint(cfg: Config) -> str:
+    """The step directory checkpoint.resume_from names: a step number (or step_NNNNNNNN) of
+    checkpoint.dir, or a path (a step directory; a run or checkpoint directory: its `latest`). It may
+    no longer exist: `keep_last` prunes it once its branch saved that many newer checkpoints."""
+    name = str(cfg.checkpoint.resume_from).strip()
+    number = re.fullmatch(r"(?:step_)?(\d+)", name)
+    if number and not os.path.exists(name):
+        return os.path.join(cfg.checkpoint_dir, step_dir_name(int(number.group(1))))
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, STATE_FILE)):
+        return resolve_checkpoint(name)
+    return name
+
+
+def _find_branch(cfg: Config, verify: str) -> dict:
+    """find_resume under checkpoint.resume_from: the newest intact checkpoint of checkpoint.dir that a
+    run started from the named checkpoint saved (the branch continues), else the named one itself."""
+    root, named = cfg.checkpoint_dir, named_checkpoint(cfg)
+    branch = {"from": os.path.realpath(named)}
+    later = []
+    for name in sorted((n for n in os.listdir(root) if _STEP_DIR.match(n)) if os.path.isdir(root) else [],
+                       reverse=True):
+        path = os.path.join(root, name)
+        if os.path.realpath(path) != branch["from"] and _state_or_none(path).get("branch") == branch:
+            later.append(path)
+    exists = os.path.isfile(os.path.join(named, STATE_FILE))
+    if not exists and not later:
+        given, step = cfg.checkpoint.resume_from, _STEP_DIR.match(os.path.basename(named))
+        if step and os.path.dirname(named) == root:
+            have = sorted(int(n[len("step_"):]) for n in (os.listdir(root) if os.path.isdir(root) else [])
+                          if _STEP_DIR.match(n) and os.path.isfile(os.path.join(root, n, STATE_FILE)))
+            raise ConfigError(f"checkpoint.resume_from={given}: {root} has no complete checkpoint of step "
+                              f"{int(step.group(1))} (its steps: {have or 'none'}). Fix: name one of those steps, or "
+                              "the path of a step_NNNNNNNN directory.")
+        raise ConfigError(f"checkpoint.resume_from={given}: no megappo trainer checkpoint there (no {STATE_FILE}). "
+                          f"Fix: name a step of {root} (a number) or the path of a step_NNNNNNNN directory.")
+    found = _intact_checkpoint([*later, *([named] if exists else [])], full=verify == "full")
+    if isinstance(found, list):  # no other checkpoint is taken in place of the one named
+        what = f"names {named}, which is damaged" if exists else \
+            f"names {named} (pruned), and every checkpoint of its branch is damaged (the oldest"
+        raise CheckpointError(f"checkpoint.resume_from {what}: {found[-1]}{'' if exists else ')'}. Fix: restore it "
+                              "from a copy, or name another checkpoint.", every_rank=True)
+    path, state = _resumable(found, cfg)
+    _warn_unfinished(root, path, state)
+    return dict(state, path=path, branch=branch)
+
+
+def _state_or_none(path: str) -> dict:
+    """A checkpoint's trainer state, or {} when it cannot be read (being moved aside, damaged)."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _resumable(found: tuple[str, dict], cfg: Config) -> tuple[str, dict]:
+    path, state = found
+    if state.get("format") != FORMAT:
+        raise ConfigError(f"'{path}' is not a {FORMAT} checkpoint (format {state.get('format')!r}).")
+    check_resumable(state["config"], cfg.to_dict(), path)
+    return path, state
+
+
+def _warn_unfinished(root: str, path: str | None, state: dict | None) -> None:
     unfinished = unfinished_saves(root, state["step"] if state else 0)
     if unfinished:  # a run stopped during a save (a second Ctrl-C, a kill): its step is not there to resume
         starts = f"resuming from {path} (step {state['step']})" if state else "starting from step 0"
         warnings.warn(f"{os.path.join(root, unfinished[-1])} is a save that did not finish (the run was stopped "
-                      f"during it), so it cannot be resumed: {starts}.", CheckpointWarning, stacklevel=2)
-    return dict(state, path=path) if state else None
+                      f"during it), so it cannot be resumed: {starts}.", CheckpointWarning, stacklevel=3)
 
 
-def _intact_checkpoint(root: str, latest: str, full: bool) -> tuple[str, dict]:
-    """(path, trainer state) of the newest checkpoint from `latest` down that passes its check."""
-    older = sorted((n for n in os.listdir(root) if _STEP_DIR.match(n) and n < os.path.basename(latest)
-                    and os.path.isfile(os.path.join(root, n, STATE_FILE))), reverse=True)
+def set_aside_later(cfg: Config, resume: dict | None) -> str | None:
+    """Where a run starts a branch from the checkpoint checkpoint.resume_from names: move checkpoint.dir's
+    checkpoints (and unfinished saves) after its step into superseded/from_step_N_<UTC time>/, with copies
+    of run.output_dir's metrics.jsonl and samples.jsonl, and point `latest` at the newest checkpoint left
+    at or before the step (none: removed), so no later one is resumed or pruned. Run by the one process
+    that holds the run's lock, before any rank starts. The directory it made, or None (nothing after)."""
+    if not resume or resume.get("branch") is None or os.path.realpath(resume["path"]) != resume["branch"]["from"]:
+        return None
+    root, step = cfg.checkpoint_dir, resume["step"]
+    names = os.listdir(root) if os.path.isdir(root) else []
+    later = sorted(n for n in names if (_STEP_DIR.match(n) or n.endswith(".partial") and _STEP_DIR.match(n[:-8]))
+                   and int(n[len("step_"):len("step_") + 8]) > step)
+    if not later:
+        return None
+    import time
+
+    aside = os.path.join(root, SUPERSEDED, f"from_{step_dir_name(step)}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    os.makedirs(aside)
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        if os.path.isfile(os.path.join(cfg.run.output_dir, log)):
+            shutil.copy2(os.path.join(cfg.run.output_dir, log), os.path.join(aside, log))
+    left = sorted(n for n in names if _STEP_DIR.match(n) and n not in later
+                  and os.path.isfile(os.path.join(root, n, STATE_FILE)))
+    if left:
+        _write_atomic(os.path.join(root, LATEST), left[-1])
+    elif os.path.exists(os.path.join(root, LATEST)):
+        os.remove(os.path.join(root, LATEST))
+    for name in later:
+        os.rename(os.path.join(root, name), os.path.join(aside, name))
+    return aside
+
+
+def _intact_checkpoint(paths: list[str], full: bool) -> tuple[str, dict] | list[str]:
+    """(path, trainer state) of the first of `paths` that passes its check, warning about each one that does
+    not (and about the fall back); when none does, what is wrong with each."""
     damaged = []
-    for path in [latest, *(os.path.join(root, n) for n in older)]:
+    for path in paths:
         problem = _check_everywhere(path, full)
         if problem is None or problem == NOT_VERIFIED:
             try:
@@ -176,9 +293,7 @@ def _intact_checkpoint(root: str, latest: str, full: bool) -> tuple[str, dict]:
                 return path, state
         warnings.warn(f"checkpoint {path} is damaged: {problem}; skipping it.", CheckpointWarning, stacklevel=3)
         damaged.append(problem)
-    raise CheckpointError(f"no intact checkpoint in {root}: {len(damaged)} damaged (newest: {damaged[0]}). Fix: "
-                          f"restore the damaged files from a copy, or start a new run (another run.output_dir, or "
-                          f"checkpoint.resume=off with a fresh checkpoint.dir).", every_rank=True)
+    return damaged
 
 
 def _check_everywhere(path: str, full: bool) -> str | None:
@@ -409,6 +524,7 @@ class TrainerState:
     sampler: dict | None
     kl_coef: float
     nan_skips: int
+    branch: dict | None = None  # {"from": the checkpoint checkpoint.resume_from named}: the run's branch
 
 
 def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg: Config, *, hf_config: dict,

@@ -119,9 +119,23 @@ def _train_start_up(args):
     except BaseException:
         lock.release()
         raise
+    if os.environ.get("RANK", "0") == "0":  # the process holding the lock: a branch from an earlier checkpoint
+        _set_aside_later(cfg, resume)
     if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
         _say_verl_lines(verl.lines(), cfg.run.output_dir)  # once the run is not refused (it then writes nothing)
     return cfg, world, on_ray, resume, lock
+
+
+def _set_aside_later(cfg, resume) -> None:
+    """checkpoint.resume_from starting its branch: checkpoint.dir's later checkpoints moved aside, said in one line."""
+    from megappo.checkpointing import set_aside_later
+
+    aside = set_aside_later(cfg, resume)
+    if aside:
+        moved = sorted(n for n in os.listdir(aside) if n.startswith("step_"))
+        print(f"megappo: going back to {resume['path']} (step {resume['step']}, checkpoint.resume_from): the later "
+              f"checkpoints of {cfg.checkpoint_dir} ({', '.join(moved)}) and copies of metrics.jsonl / "
+              f"samples.jsonl are in {aside}; nothing was deleted.", flush=True)
 
 
 #: the run's record of its start-up lines about verl keys (rewritten at every start)

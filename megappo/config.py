@@ -655,10 +655,18 @@ class CheckpointConfig(_Section):
     save_every: int = 0  # steps between checkpoints; 0: only at the end of training; -1: never (Ctrl-C still saves)
     keep_last: int = 2  # newest checkpoints kept; 0: keep all
     resume: Literal["auto", "must", "off"] = "auto"  # auto: from `latest` if any; must: refuse to start without
+    # a checkpoint to go back to instead of `latest`: a step number (or step_NNNNNNNN) of checkpoint.dir, or a step
+    # directory's path (any run's); checkpoint.dir's later checkpoints are moved aside, not deleted; the same
+    # command run again continues from the newest checkpoint saved after it (docs/checkpoints.md)
+    resume_from: Union[int, str, None] = None
     save_hf_at_end: bool = False  # also export the final actor (and critic) as HF directories under <run.output_dir>/hf
 
     def check(self) -> None:
         _at_least(self, save_every=-1, keep_last=0)
+        _require(not (self.resume_from is not None and self.resume == "off"),
+                 f"checkpoint.resume_from={self.resume_from} names a checkpoint to resume from, but "
+                 "checkpoint.resume=off starts fresh. Fix: drop one of them (checkpoint.resume=auto or must "
+                 "resumes from the named checkpoint).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -268,7 +268,7 @@ def _read_one(override: str, values: dict[str, Any], out: list[str], reading: Ve
         if reward_file_reading(values.get(_REWARD_FILE_OF[key]), None)[0] == "read":
             return  # read with its file
         found = ("unused", f"verl reads it with {_REWARD_FILE_OF[key]} only, which is not given")
-    elif other and other in values and spelling(values[other]) == other_value:
+    elif other and other in values and spelling(values[other]) in other_value:
         found = ("unused", why)
     else:
         found = verl_reading(key, raw.strip(), _parsed(raw), _is_key)

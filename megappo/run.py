@@ -78,6 +78,7 @@ class Run:
     start_step: int = 0  # the step a resumed run continues after
     nan_skips: int = 0  # steps skipped for non-finite losses so far (carried across resumes)
     last_saved_step: int | None = None
+    branch: dict | None = None  # the branch a checkpoint.resume_from run continues (megappo.checkpointing)
     rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
     reward_checks: RewardChecks | None = None  # how your reward functions are checked (reward.bad_value_policy, ...)
 
@@ -120,7 +121,8 @@ class Run:
         if self.ps.is_rank0:
             buffered = self.rollouts.settle()  # the batches generated ahead, waited for
             trainer = checkpointing.TrainerState(step=step, sampler=self.sampler.state_dict(),
-                                                 kl_coef=float(self.kl_ctrl.value), nan_skips=self.nan_skips)
+                                                 kl_coef=float(self.kl_ctrl.value), nan_skips=self.nan_skips,
+                                                 branch=self.branch)
         path = checkpointing.save(self.cfg.checkpoint_dir, step, self.trainables, trainer, self.cfg,
                                   hf_config=self.hf_config, hf_files=self._hf_files(),
                                   critic_hf_config=self.critic_hf_config, rank=self.ps.rank,
@@ -349,6 +351,7 @@ def create_run(cfg: Config) -> Run:
                val_examples=prompts.val, sampler=prompts.sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress,
                total_steps=prompts.total_steps, start_step=start_step, nan_skips=nan_skips,
                last_saved_step=start_step if resume else None, rollouts=rollouts,
+               branch=resume["branch"] if resume else None,
                reward_checks=RewardChecks.of(cfg.reward))
 
 
@@ -492,7 +495,9 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
                           run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step,
                           progress=progress, console=cfg.logging.console)
     if resume:
-        print(f"megappo: resumed from {resume['path']} (step {start_step})", flush=True)
+        branch = resume["branch"]["from"] if resume["branch"] else None
+        since = f", the branch from {branch}" if branch and branch != os.path.realpath(resume["path"]) else ""
+        print(f"megappo: resumed from {resume['path']} (step {start_step}{since})", flush=True)
     print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(prompts.train)}"
           f"{_long_prompts_note(prompts.stats, cfg.data.max_prompt_length)} | steps={prompts.total_steps} | "
           f"critic={'on' if roles.critic else 'off'} ref={_ref_note(cfg) if roles.ref else 'off'}"

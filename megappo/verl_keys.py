@@ -89,6 +89,8 @@ RENAMED: dict[str, str] = {
     "trainer.experiment_name": "logging.run_name",
     "trainer.logger": "logging.sinks",
     "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
+    # verl reads it with resume_mode=resume_path only (MOOT); megappo's step directory, not verl's global_step_N
+    "trainer.resume_from_path": "checkpoint.resume_from",
     # DAPO's reward manager: verl <= 0.8 reads reward_model.reward_kwargs, verl 0.9.1 reward.reward_kwargs; its
     # max_resp_len is the length the overlong penalty counts from, megappo's rollout.max_new_tokens (a different
     # value than data.max_response_length's is refused as a conflict: megappo has one length for both)
@@ -121,7 +123,8 @@ BY_VALUE: dict[str, dict[str, str]] = {
     "data.truncation": {"left": "data.long_prompt_policy=truncate", "error": "data.long_prompt_policy=error"},
     "data.filter_overlong_prompts": {"true": "data.long_prompt_policy=skip"},
     # "off" quoted: YAML 1.1 reads a bare off as false
-    "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": 'checkpoint.resume="off"'},
+    "trainer.resume_mode": {"auto": "checkpoint.resume=auto", "disable": 'checkpoint.resume="off"',
+                            "resume_path": "checkpoint.resume=must"},
     # verl validates greedily unless do_sample; megappo samples when rollout.val_temperature > 0
     "actor_rollout_ref.rollout.val_kwargs.do_sample": {"false": "rollout.val_temperature=0"},
     # verl's R3 replays the experts the rollout engine chose (megappo's replay); R2 (the routes of the
@@ -130,12 +133,14 @@ BY_VALUE: dict[str, dict[str, str]] = {
                                                    "disabled": "actor.moe_routing=recompute"},
 }
 
-#: verl key -> (the other verl key and its value that make it moot, why): verl drops long prompts when it
-#: loads the data, so its truncation never sees one
-MOOT: dict[str, tuple[str, str, str]] = {
-    "data.truncation": ("data.filter_overlong_prompts", "true", "verl drops long prompts when it loads the data "
+#: verl key -> (the other verl key, its values that make it moot, why): verl drops long prompts when it
+#: loads the data, so its truncation never sees one; it reads resume_from_path in resume_path mode only
+MOOT: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "data.truncation": ("data.filter_overlong_prompts", ("true",), "verl drops long prompts when it loads the data "
                         "(data.filter_overlong_prompts=true), before truncating; megappo skips them "
                         "(data.long_prompt_policy=skip)"),
+    "trainer.resume_from_path": ("trainer.resume_mode", ("auto", "disable"), "verl reads it with "
+                                 "trainer.resume_mode=resume_path only"),
 }
 
 #: verl key -> its values' megappo spelling, where they differ (a list value: item by item); a value not listed
@@ -438,11 +443,9 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_turn.enable": "megappo's multi-turn rollouts and tool calls are environments: "
                                                    "write rollout.env=tools, or rollout.env=my_env.py:MyEnv "
                                                    "(docs/environments.md)",
-    "trainer.resume_from_path": "megappo resumes from the newest complete checkpoint in checkpoint.dir: write "
-                                "checkpoint.dir=DIR (checkpoint.resume=must refuses to start without one)",
     "data.filter_overlong_prompts": "write data.long_prompt_policy=skip (megappo's default)",
     "trainer.resume_mode": "write checkpoint.resume=auto, must (a checkpoint is required) or off (verl's 'disable'); "
-                           "a checkpoint of your choice: checkpoint.dir",
+                           "a checkpoint of your choice: checkpoint.resume_from=PATH or a step number",
     "actor_rollout_ref.rollout.val_kwargs.do_sample": "megappo samples in validation when rollout.val_temperature > "
                                                       "0: write rollout.val_temperature",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "write actor.recompute.granularity=full for true (full "

@@ -10,6 +10,7 @@ test_multiturn_demo.py and tests/distributed/test_checkpoint.py.)
 """
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -99,6 +100,30 @@ def test_kill_during_save_then_resume_is_bit_identical(straight, tmp_path):
         unequal = [k for k in a if not torch.equal(a[k], b[k])]
         assert not unequal, f"{role}: {unequal[:3]}"
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("step_")) == ["step_00000002", "step_00000004"]
+
+
+def test_going_back_to_an_earlier_checkpoint_replays_it_exactly(straight, tmp_path):
+    """checkpoint.resume_from=2 in a finished run's directory: step 4's checkpoint and the metric log are moved
+    aside, steps 3-4 are trained again to the same numbers and weights, and the same command run again
+    continues the new branch (here: nothing to do) rather than going back a second time."""
+    out = str(tmp_path / "back")
+    shutil.copytree(straight, out)
+    ckpts = os.path.join(out, "checkpoints")
+    log = run(command(out, *DP2, "checkpoint.resume_from=2"))
+    assert f"going back to {os.path.join(ckpts, 'step_00000002')} (step 2, checkpoint.resume_from)" in log
+    aside = os.path.join(ckpts, "superseded", os.listdir(os.path.join(ckpts, "superseded"))[0])
+    assert sorted(os.listdir(aside)) == ["metrics.jsonl", "samples.jsonl", "step_00000004"]
+    assert metrics(out) == metrics(straight)  # steps 3-4 again, bit for bit
+    with open(os.path.join(aside, "metrics.jsonl")) as f:
+        assert f.read() == open(os.path.join(straight, "metrics.jsonl")).read()
+    for role in ("actor", "critic"):
+        a, b = hf_weights(os.path.join(straight, "hf", role)), hf_weights(os.path.join(out, "hf", role))
+        assert all(torch.equal(a[k], b[k]) for k in a), role
+    with open(os.path.join(ckpts, "step_00000004", "trainer_state.json")) as f:
+        assert json.load(f)["branch"] == {"from": os.path.realpath(os.path.join(ckpts, "step_00000002"))}
+    again = run(command(out, *DP2, "checkpoint.resume_from=2"), timeout=120)
+    assert "nothing to do: " in again and "step_00000004 is at step 4" in again
+    assert len(os.listdir(os.path.join(ckpts, "superseded"))) == 1
 
 
 def test_resume_at_another_layout(straight, tmp_path):

@@ -4,6 +4,7 @@ tests/e2e/test_resume.py.)"""
 
 import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -20,13 +21,13 @@ def cfg_at(tmp_path, **sections):
     return config_from_dict({**MIN, "run": {"output_dir": str(tmp_path)}, **sections})
 
 
-def fake_checkpoint(root, step, config, complete=True, digests=True):
+def fake_checkpoint(root, step, config, complete=True, digests=True, branch=None):
     """A step directory with just the trainer state (what find_resume reads) and its digests
-    (`digests=False`: as an older megappo wrote it)."""
+    (`digests=False`: as an older megappo wrote it); `branch`: saved by a run that went back to it."""
     path = os.path.join(root, checkpointing.step_dir_name(step) + ("" if complete else ".partial"))
     os.makedirs(path)
     state = {"format": checkpointing.FORMAT, "step": step, "sampler": None, "kl_coef": 0.1, "nan_skips": 0,
-             "config": config.to_dict()}
+             "branch": branch, "config": config.to_dict()}
     with open(os.path.join(path, checkpointing.STATE_FILE), "w") as f:
         json.dump(state, f)
     if digests:
@@ -160,9 +161,9 @@ def test_a_buffered_batch_keeps_each_rows_origin(tmp_path):
     assert checkpointing.load_rollout_buffer(str(tmp_path))[0][1].examples[0].origin is None
 
 
-def digested_checkpoint(root, step, config, nan_skips=0, shard=b"\0" * 4096):
+def digested_checkpoint(root, step, config, nan_skips=0, shard=b"\0" * 4096, branch=None):
     """A fake checkpoint with a weight shard, an rng file and the digests a save records (2 ranks)."""
-    path = fake_checkpoint(root, step, config)
+    path = fake_checkpoint(root, step, config, branch=branch)
     state_file = os.path.join(path, checkpointing.STATE_FILE)
     state = json.load(open(state_file))
     with open(state_file, "w") as f:
@@ -348,3 +349,86 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_with_the_traceback_in_erro
                        f"into {os.path.join(cfg.checkpoint_dir, 'latest')} to resume from it, or restore the files "
                        "from a copy.")
     assert "in unreadable" in open(log).read()
+
+
+def test_resume_from_goes_back_and_a_rerun_continues_the_branch(tmp_path):
+    """checkpoint.resume_from=4 with steps 2, 4, 6 saved: the run starts from step 4, step 6 and an unfinished
+    save of step 8 are moved aside with the metric logs (nothing deleted), `latest` names step 4; once the
+    branch saved step 5, the same command continues from it instead of going back to 4 again."""
+    cfg = cfg_at(tmp_path)
+    root = cfg.checkpoint_dir
+    for step in (2, 4, 6):
+        fake_checkpoint(root, step, cfg)
+    fake_checkpoint(root, 8, cfg, complete=False)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(7)))
+    back = cfg_at(tmp_path, checkpoint={"resume_from": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unfinished save of step 8
+        state = checkpointing.find_resume(back, verify="full")
+    named = os.path.join(root, "step_00000004")
+    assert state["step"] == 4 and state["path"] == named and state["branch"] == {"from": os.path.realpath(named)}
+    aside = checkpointing.set_aside_later(back, state)
+    assert os.path.dirname(aside) == os.path.join(root, checkpointing.SUPERSEDED)
+    assert os.path.basename(aside).startswith("from_step_00000004_")
+    assert sorted(os.listdir(aside)) == ["metrics.jsonl", "step_00000006", "step_00000008.partial"]
+    assert (tmp_path / "metrics.jsonl").read_text() == open(os.path.join(aside, "metrics.jsonl")).read()
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000004", "superseded"]
+    assert open(os.path.join(root, "latest")).read() == "step_00000004"
+    assert checkpointing.find_resume(cfg)["step"] == 4  # a run without resume_from resumes there too
+
+    fake_checkpoint(root, 5, cfg, branch=state["branch"])  # the branch's first save
+    again = checkpointing.find_resume(back, verify="full")
+    assert again["step"] == 5 and again["branch"] == state["branch"]
+    assert checkpointing.set_aside_later(back, again) is None  # continuing: nothing moves
+    assert checkpointing.find_resume(cfg)["branch"] == state["branch"]  # a plain resume keeps the branch
+    shutil.rmtree(named)  # keep_last pruned the checkpoint the branch started from: the rerun still continues
+    assert checkpointing.find_resume(back, verify="full")["step"] == 5
+
+
+@pytest.mark.parametrize("spelling", ["4", "step_00000004", "path", "run dir"])
+def test_resume_from_takes_a_step_a_step_name_or_a_path(tmp_path, spelling):
+    other = cfg_at(tmp_path / "other")
+    fake_checkpoint(other.checkpoint_dir, 2, other)
+    named = fake_checkpoint(other.checkpoint_dir, 4, other)
+    cfg = cfg_at(tmp_path / "run")
+    if spelling in ("4", "step_00000004"):
+        cfg = cfg_at(tmp_path / "other", checkpoint={"resume_from": spelling})
+    else:
+        cfg = cfg_at(tmp_path / "run", checkpoint={"resume_from": named if spelling == "path" else str(tmp_path / "other")})
+    state = checkpointing.find_resume(cfg)
+    assert state["path"] == named and state["branch"]["from"] == os.path.realpath(named)
+    assert checkpointing.set_aside_later(cfg, state) is None  # nothing after step 4 in checkpoint.dir
+
+
+def test_resume_from_refuses_a_missing_or_damaged_checkpoint_without_taking_another(tmp_path):
+    cfg = cfg_at(tmp_path)
+    root = cfg.checkpoint_dir
+    digested_checkpoint(root, 2, cfg)
+    named = digested_checkpoint(root, 4, cfg)
+    with pytest.raises(ConfigError, match=r"^checkpoint.resume_from=3: .* has no complete checkpoint of step 3 \(its "
+                                          r"steps: \[2, 4\]\)\. Fix: name one of those steps"):
+        checkpointing.find_resume(cfg_at(tmp_path, checkpoint={"resume_from": 3}))
+    with pytest.raises(ConfigError, match=r"^checkpoint.resume_from=/no/such: no megappo trainer checkpoint there "
+                                          r"\(no trainer_state.json\)\. Fix: "):
+        checkpointing.find_resume(cfg_at(tmp_path, checkpoint={"resume_from": "/no/such"}))
+    os.truncate(os.path.join(named, "actor", ".metadata"), 10)
+    with pytest.warns(UserWarning, match="step_00000004 is damaged"), \
+            pytest.raises(CheckpointError, match=r"^checkpoint.resume_from names .*step_00000004, which is damaged: "
+                                                 r".*actor/.metadata: 10 bytes.*Fix: restore it from a copy, or name "
+                                                 r"another checkpoint\.$"):
+        checkpointing.find_resume(cfg_at(tmp_path, checkpoint={"resume_from": 4}), verify="full")
+
+
+def test_a_damaged_checkpoint_of_the_branch_falls_back_to_the_named_one(tmp_path):
+    cfg = cfg_at(tmp_path, checkpoint={"resume_from": 2})
+    root = cfg.checkpoint_dir
+    named = digested_checkpoint(root, 2, cfg)
+    branch = {"from": os.path.realpath(named)}
+    later = digested_checkpoint(root, 3, cfg, branch=branch)
+    os.truncate(os.path.join(later, "actor", "__1_0.distcp"), 7)
+    with pytest.warns(UserWarning) as caught:
+        state = checkpointing.find_resume(cfg, verify="full")
+    assert state["path"] == named and state["branch"] == branch
+    assert "step_00000003 is damaged: " in str(caught[0].message)
+    assert str(caught[1].message) == f"falling back to {named} (step 2), the newest intact checkpoint."
+    assert os.listdir(checkpointing.set_aside_later(cfg, state)) == ["step_00000003"]  # the branch starts again

@@ -42,6 +42,8 @@ READ = {
     "data.truncation=error": ("data.long_prompt_policy", "error"),
     "data.filter_overlong_prompts=True": ("data.long_prompt_policy", "skip"),
     "trainer.resume_mode=disable": ("checkpoint.resume", "off"),
+    "trainer.resume_mode=resume_path": ("checkpoint.resume", "must"),
+    "trainer.resume_from_path=/ckpt/step_00000040": ("checkpoint.resume_from", "/ckpt/step_00000040"),
     "trainer.logger=['console','wandb']": ("logging.sinks", ["console", "wandb", "jsonl"]),
     "trainer.logger=[console,file]": ("logging.sinks", ["console", "jsonl"]),
     "actor_rollout_ref.rollout.val_kwargs.do_sample=False": ("rollout.val_temperature", 0.0),
@@ -162,13 +164,11 @@ REFUSED = {
     "actor_rollout_ref.rollout.over_sample_rate=0.1": "generates every sample to its end",
     "reward_model.reward_manager=prime": "write another manager's scoring as a reward function",
     "data.truncation=middle": "megappo keeps a prompt's end",
-    "trainer.resume_mode=resume_path": "checkpoint.resume=auto, must",
     "trainer.logger=[console,mlflow]": "megappo has no ['mlflow'] for it",
     "actor_rollout_ref.model.some_new_knob=1": "megappo has no such key; remove it",
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=full":
         "the reference model only runs forward passes",
     "actor_rollout_ref.rollout.multi_turn.enable=True": "write rollout.env=tools",
-    "trainer.resume_from_path=/ckpt/global_step_40": "write checkpoint.dir=DIR",
 }
 
 
@@ -262,6 +262,16 @@ def test_verl_truncation_is_moot_when_verl_filters_long_prompts():
     cfg, reading = read_config(DEMO, ["data.truncation=error", "data.filter_overlong_prompts=true"])
     assert cfg.data.long_prompt_policy == "skip"
     assert [k for k, _ in reading.unused] == ["data.truncation"]
+
+
+def test_verl_resume_from_path_is_read_in_resume_path_mode_and_moot_otherwise():
+    cfg = load_config(DEMO, ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/step_00000040"])
+    assert (cfg.checkpoint.resume, cfg.checkpoint.resume_from) == ("must", "/ckpt/step_00000040")
+    for mode, resume in (("auto", "auto"), ("disable", "off")):  # verl then ignores the path
+        cfg, reading = read_config(DEMO, [f"trainer.resume_mode={mode}", "trainer.resume_from_path=/ckpt/step_1"])
+        assert (cfg.checkpoint.resume, cfg.checkpoint.resume_from) == (resume, None)
+        assert reading.unused == [("trainer.resume_from_path", "verl reads it with trainer.resume_mode=resume_path "
+                                                               "only")]
 
 
 def test_misspelled_megappo_key_still_gets_did_you_mean():
