@@ -38,6 +38,7 @@ from megappo.run import Run
 from megappo.samples import pick_samples
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.user_code import UserCodeError
+from megappo.val_metrics import by_data_source
 from megappo.workers import Experience, SeqBatch, TokenStats, pass_metrics
 
 
@@ -443,10 +444,12 @@ def validate(run: Run) -> dict[str, float]:
     with run.rollouts.at_latest():  # async mode: no generation runs, the engine holds the trained weights
         batch = rollout(run, run.val_examples, params)  # one batch: small val sets
     read = responses(run, batch)
-    scores = rewards(run, batch, None, read)
+    scores, _, fields = generation_scores(run, batch, read)
     with naming_prompts(run, batch):
         metrics = score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read)
+    returned = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
     return {"val/score/mean": scores.mean().item(), **metrics,
             "val/response_length/mean": batch.real_response_mask.sum(-1).float().mean().item(),
-            **{f"val/{k}": v for k, v in (batch.env_metrics or {}).items()}}
+            **{f"val/{k}": v for k, v in (batch.env_metrics or {}).items()},
+            **by_data_source(read[3], batch.prompt_index.tolist(), {"reward": scores.tolist(), **returned})}
 

@@ -31,7 +31,7 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     # megappo's own keys after the script's: the demo's model, the run's directory and length, and no W&B
     # (the script logs to W&B, which needs an account): the same spelling later wins, as in verl
     extra = [DEMO_MODEL, f"run.output_dir={run}", "run.total_steps=2", "trainer.logger=[console]",
-             "logging.progress_bar=false"]
+             "logging.progress_bar=false", "actor_rollout_ref.rollout.val_kwargs.n=4"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml", *overrides, *extra],
@@ -50,5 +50,12 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
                                                                 unused[0][len("megappo: "):]]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 2
+    # validation before training, 4 samples of each of the 8 prompts: verl's per-source statistics, its core
+    # variable acc (DAPO's overlong shaping keeps the unshaped correctness), grouped by prompt
+    val = next(r for r in rows if r["step"] == 0)
+    assert {"val-core/digit_successor/acc/mean@4", "val-core/digit_successor/acc/best@4/mean",
+            "val-aux/digit_successor/acc/std@4", "val-aux/digit_successor/reward/worst@2/mean"} <= val.keys()
+    assert 0 <= val["val-core/digit_successor/acc/mean@4"] <= val["val-core/digit_successor/acc/best@4/mean"] <= 1
+    assert abs(val["val-aux/digit_successor/reward/mean@4"] - val["val/score/mean"]) < 1e-6  # 8 prompts x 4
     config = json.loads((run / "config.json").read_text())
     assert config["algorithm"]["filter_groups"]["enable"] and config["reward"]["overlong_buffer"]["len"] == 1
