@@ -69,6 +69,7 @@ import torch.distributed as dist
 from megappo.config import Config
 from megappo.errors import CheckpointError, CheckpointWarning, ConfigError
 from megappo.data import PromptExample, RowOrigin
+from megappo.samples import plain_data
 from megappo.types import RolloutBatch
 
 LATEST = "latest"
@@ -642,6 +643,8 @@ def _plain_batch(batch: RolloutBatch) -> dict:
     plain = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     if plain["examples"] is not None:
         plain["examples"] = [dataclasses.asdict(e) for e in plain["examples"]]
+    if plain["score_fields"] is not None:  # what reward functions returned: numpy's numbers too
+        plain["score_fields"] = plain_data(plain["score_fields"])
     return plain
 
 

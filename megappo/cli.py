@@ -507,10 +507,12 @@ def _user_traceback(e) -> str:
     if cause is None:
         return ""
     ours = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(asyncio.__file__))
-    frames = traceback.extract_tb(cause.__traceback__)
+    remote = getattr(cause, "remote_frames", None)  # raised in a reward worker (megappo.reward_workers)
+    frames = traceback.StackSummary.from_list(remote) if remote else traceback.extract_tb(cause.__traceback__)
     theirs = [f for f in frames if not f.filename.startswith(ours)] or frames
-    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
-                    *traceback.format_exception_only(cause)])
+    last = [f"{cause.remote_type}: {cause}\n"] if hasattr(cause, "remote_type") else \
+        traceback.format_exception_only(cause)
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs), *last])
 
 
 def _told_peers(code: int) -> int:

@@ -442,6 +442,9 @@ class RewardConfig(_Section):
     # warn (score 0, warn once per function, count reward/bad_values)
     bad_value_policy: Literal["error", "warn"] = "error"
     timeout_s: float = 60.0  # your own function's limit per call (rank 0); past it the run ends naming it and the row; 0: none
+    # processes that call reward.functions on a step's responses, in parallel and while the step's model
+    # passes run (megappo.reward_workers); 0: rank 0 calls them after the passes, one response after another
+    num_workers: int = 0
     model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
     model_weight: float = 1.0  # weight of the reward model's score in the sum
     micro_batch_size: int = 4  # reward-model sequences per forward on one replica (without packing)
@@ -451,7 +454,7 @@ class RewardConfig(_Section):
     overlong_buffer: OverlongBufferConfig = _default(OverlongBufferConfig)  # DAPO's length penalty near rollout.max_new_tokens
 
     def check(self) -> None:
-        _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1)
+        _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1, num_workers=0)
         _require(self.timeout_s >= 0, f"{P}timeout_s={self.timeout_s} must be >= 0. Fix: e.g. {P}timeout_s=60 "
                  f"(0: no limit).")
         n_w, n_f = len(self.function_weights or ()), len(self.functions)
@@ -680,6 +683,9 @@ class LoggingConfig(_Section):
     # 10th step) or full (the main metrics of every step, with its samples); metrics.jsonl has everything either way
     console: Literal["compact", "full"] = "compact"
     samples: int = 1  # prompt/response/score examples shown per step (console) and kept (samples.jsonl); 0: none
+    # every generation of each step, as <dir>/<step>.jsonl (verl's trainer.rollout_data_dir); None: none
+    rollout_dir: Optional[str] = None
+    validation_dir: Optional[str] = None  # every validation generation, as <dir>/<step>.jsonl (verl's validation_data_dir)
 
     def check(self) -> None:
         _at_least(self, samples=0)

@@ -127,9 +127,9 @@ def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[]
         prompts = [p for _ in range(k) for p in draw()]
         batch = generate(prompts, round_seed(seed, len(rounds)))
         t = time.perf_counter()
-        batch.scores, batch.score_components, fields = score(batch)
-        uniform = uniform_groups(metric_values(f.metric, batch.scores, fields, f.functions), batch.prompt_index,
-                                 len(prompts))
+        batch.scores, batch.score_components, batch.score_fields = score(batch)
+        values = metric_values(f.metric, batch.scores, batch.score_fields, f.functions)
+        uniform = uniform_groups(values, batch.prompt_index, len(prompts))
         score_time += time.perf_counter() - t
         for g, same in enumerate(uniform.tolist()):
             (dropped if same else kept).append((len(rounds), g))
@@ -186,7 +186,7 @@ def take_groups(rounds: Sequence[RolloutBatch], chosen: Sequence[tuple[int, int]
 _LEFT = {"prompt_ids": None, "prompt_mask": 0}  # left-padded [N, P]; None: the pad token
 _RIGHT = {"response_ids": None, "response_mask": 0, "rollout_log_probs": 0, "response_attention_mask": 0}
 _ROWS = ("reward_baselines", "env_scores", "clipped", "scores", "score_components")  # [N, ...]
-_LISTS = ("finish_reasons", "examples")
+_LISTS = ("finish_reasons", "examples", "score_fields")
 _SAME = ("logprob_mode", "policy_version")
 _OTHER = ("prompt_index", "routes", "env_metrics", "gen_metrics")
 

@@ -31,11 +31,12 @@ from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
 from megappo.ppo.rollout_correction import rollout_correction
+from megappo.reward_workers import Scoring
 from megappo.rewards import CORRECT_SCORE, Scored, score_batch, score_records
 from megappo.rollout.bridge import logprob_mismatch
 from megappo.rollout.multiturn import observation_encoder, run_episodes
 from megappo.run import Run
-from megappo.samples import pick_samples
+from megappo.samples import pick_samples, write_generations
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.user_code import UserCodeError
 from megappo.val_metrics import by_data_source
@@ -62,6 +63,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         batch = broadcast_from_rank0(run.rollouts.next_batch(step, lambda k: generate(run, k))
                                      if run.ps.is_rank0 else None)
     seqs = to_seqs(batch)
+    early = start_scoring(run, batch) if run.ps.is_rank0 else None  # reward workers score during the passes below
     old = TokenStats(None)  # bypass: the engine's log-probs are the old ones, no recompute
     if not run.cfg.bypass_old_logprobs:
         with timed(m, "old_log_prob"):
@@ -76,10 +78,11 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     with timed(m, "adv"):  # rank 0 scores and computes advantages while the others wait for them
         if run.ps.is_rank0:
             with timed(m, "reward"):
-                read = responses(run, batch)  # decoded once for the rewards and the score metrics
+                read = early.read if early else responses(run, batch)  # decoded once for rewards and metrics
                 bad_before = run.reward_checks.bad_values
                 if batch.scores is None:  # each function once, its scores kept for GDPO (dynamic sampling: done)
-                    batch.scores, batch.score_components, _ = generation_scores(run, batch, read)
+                    batch.scores, batch.score_components, batch.score_fields = generation_scores(
+                        run, batch, read, early.scoring if early else None)
                 scores = rewards(run, batch, rm_scores)
                 m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
                 with naming_prompts(run, batch):
@@ -89,7 +92,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
                                   sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
             m.update(rollout_metrics(batch, scores, exp, old.entropy))
-            run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
+            log_generations(run, step, batch, scores)
         exp = broadcast_from_rank0(exp)
     if run.critic:
         with timed(m, "update_critic"):
@@ -108,6 +111,14 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
 FLOP_STAGES = {("actor", "forward"): ("old_log_prob", "old_log_prob"), ("ref", "forward"): ("ref", "ref"),
                ("critic", "forward"): ("values", "values"), ("reward", "forward"): ("reward_model", "reward_model"),
                ("actor", "train"): ("update_actor", "actor"), ("critic", "train"): ("update_critic", "critic")}
+
+
+def log_generations(run: Run, step: int, batch: RolloutBatch, scores: torch.Tensor) -> None:
+    """Rank 0: logging.samples of the step's generations to the logger, and with logging.rollout_dir every
+    one of them to <dir>/<step>.jsonl (megappo.samples)."""
+    run.logger.add_samples(step, pick_samples(run.tokenizer, batch, scores, run.cfg.logging.samples))
+    if run.cfg.logging.rollout_dir:
+        write_generations(run.cfg.logging.rollout_dir, step, pick_samples(run.tokenizer, batch, scores, -1))
 
 
 def critic_warmup(run: Run, step: int) -> bool:
@@ -168,17 +179,18 @@ def group_prompts(batch: RolloutBatch) -> list:
     return [batch.examples[first[g]] for g in range(len(first))]
 
 
-def generation_scores(run: Run, batch: RolloutBatch, read: tuple | None = None
+def generation_scores(run: Run, batch: RolloutBatch, read: tuple | None = None, scoring: Scoring | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict]]:
     """What `rewards` gives without the reward model (at generation with dynamic sampling): [N] sequence scores (the
     overlong penalty included, as verl's seq_reward), [N, K] each of reward.functions' scores (None
     without functions), [N] the other fields they returned. With the overlong penalty on, `acc` that no
-    function returned is the unshaped score's correctness (verl's acc is the scorer's, before it)."""
+    function returned is the unshaped score's correctness (verl's acc is the scorer's, before it).
+    `scoring`: the reward workers' calls of the functions on `read`, started earlier (`start_scoring`)."""
     cfg = run.cfg.reward
     scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
     values, fields = None, [{} for _ in range(batch.num_samples)]
     if cfg.functions:
-        record = scored(run, batch, cfg.functions, cfg.function_weights, read or responses(run, batch))
+        record = scored(run, batch, cfg.functions, cfg.function_weights, read or responses(run, batch), scoring)
         scores += torch.tensor(record.totals)
         values, fields = torch.tensor(record.values, dtype=torch.float32), record.fields
     if cfg.overlong_buffer.enable:
@@ -244,10 +256,31 @@ def overlong_log(run: Run, batch: RolloutBatch) -> dict[str, float]:
     return overlong_metrics(overlong_shaping(run, batch)) if ob.enable and ob.log else {}
 
 
-def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple) -> Scored:
-    """score_records with the run's reward checks; a failing function's error names the row's prompt too."""
+def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple, scoring: Scoring | None = None) -> Scored:
+    """score_records with the run's reward checks, the functions called by the reward workers where there are
+    some (`scoring`: already started); a failing function's error names the row's prompt too."""
+    if scoring is None and run.reward_workers:
+        scoring = run.reward_workers.start(*read[:4])
     with naming_prompts(run, batch):
-        return score_records(names, weights, *read, checks=run.reward_checks)
+        return score_records(names, weights, *read, checks=run.reward_checks,
+                             outcomes=scoring.outcomes() if scoring else None)
+
+
+@dataclasses.dataclass
+class EarlyScoring:
+    """A training batch's responses as the reward functions read them, and the reward workers' calls on them."""
+
+    read: tuple
+    scoring: Scoring
+
+
+def start_scoring(run: Run, batch: RolloutBatch) -> EarlyScoring | None:
+    """Rank 0: hand the batch's responses to the reward workers, which score them while the step's model
+    passes run; None without workers, or for a batch scored at generation (dynamic sampling)."""
+    if not run.reward_workers or batch.scores is not None:
+        return None
+    read = responses(run, batch)
+    return EarlyScoring(read, run.reward_workers.start(*read[:4]))
 
 
 @contextlib.contextmanager
@@ -400,7 +433,7 @@ def train(run: Run) -> list[dict[str, float]]:
     if run.ps.is_rank0:
         run.rollouts.synced(run.start_step)
     if run.cfg.run.val_before_train and not run.start_step:  # a resumed run validated before its first step
-        val = validate(run)
+        val = validate(run, run.start_step)
         if run.ps.is_rank0:
             run.logger.log(run.start_step, val)
     for step in range(run.start_step + 1, run.total_steps + 1):
@@ -411,7 +444,7 @@ def train(run: Run) -> list[dict[str, float]]:
             run.rollouts.synced(step)  # ppo_step ended with the weight sync
         if run.cfg.run.val_every and step % run.cfg.run.val_every == 0:
             with timed(metrics, "validation"):
-                metrics.update(validate(run))
+                metrics.update(validate(run, step))
         if run.ps.is_rank0:
             metrics.update(run.rollouts.metrics())
             metrics["timing_s/step"] = time.perf_counter() - start
@@ -433,8 +466,9 @@ def train(run: Run) -> list[dict[str, float]]:
     return history
 
 
-def validate(run: Run) -> dict[str, float]:
-    """Generation on the validation prompts with the reward functions: `val/...` metrics."""
+def validate(run: Run, step: int) -> dict[str, float]:
+    """Generation on the validation prompts with the reward functions: `val/...` metrics (and with
+    logging.validation_dir every generation in <dir>/<step>.jsonl)."""
     if not run.ps.is_rank0 or not run.val_examples:
         return {}
     cfg = run.cfg.rollout
@@ -448,6 +482,9 @@ def validate(run: Run) -> dict[str, float]:
     with naming_prompts(run, batch):
         metrics = score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read)
     returned = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
+    if run.cfg.logging.validation_dir:
+        batch.score_fields = fields
+        write_generations(run.cfg.logging.validation_dir, step, pick_samples(run.tokenizer, batch, scores, -1))
     return {"val/score/mean": scores.mean().item(), **metrics,
             "val/response_length/mean": batch.real_response_mask.sum(-1).float().mean().item(),
             **{f"val/{k}": v for k, v in (batch.env_metrics or {}).items()},

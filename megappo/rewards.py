@@ -32,6 +32,11 @@ function; a call that takes longer than `reward.timeout_s` ends the run naming t
 row and the limit (`call_with_timeout`). The built-in functions return 0, 0.5 or 1 and are not
 checked.
 
+`call_functions` calls the functions on one response and gives each one's outcome (its value, a
+timeout, what it raised); `score_records` turns the outcomes into checked scores, calling the
+functions itself or reading the outcomes reward workers computed in other processes
+(megappo.reward_workers, reward.num_workers): the same checks and errors either way.
+
 `reads(name)` says which row fields a function needs (`reward_model.ground_truth`, or
 `extra_info.task` / `extra_info.entry` for reasoning-gym); the start-up data check
 (megappo.datacheck) counts the rows that lack them. A function of your own is taken to read
@@ -53,7 +58,7 @@ import re
 import signal
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from megappo.errors import ConfigError
 from megappo.user_code import UserCodeError, load_spec
@@ -298,21 +303,42 @@ def _warn_once(checks: RewardChecks, name: str, what: str, text: str) -> None:
         print(f"megappo: warning: {text}", file=sys.stderr, flush=True)
 
 
-def _custom_score(name: str, fn, response: str, ground_truth: Any, extra: dict, data_source, row,
-                  checks: RewardChecks, fields: dict) -> float:
-    """Your function's score as a float (the other entries of a dict it returns go into `fields`); what it raises, a result that is not a number, NaN or inf
-    (reward.bad_value_policy=error) and a call past reward.timeout_s are a UserCodeError naming
-    the function and the row."""
+#: what one call of one function gave: ("ok", its value), ("timeout", None) or ("error", what it raised)
+Outcome = tuple[str, Any]
+
+
+def call_functions(names: Sequence[str], response: str, ground_truth: Any, extra: dict, data_source,
+                   timeout_s: float) -> list[Outcome]:
+    """Each named function's outcome on one response, your own functions under the time limit (what
+    rank 0 runs, or a reward worker: megappo.reward_workers). A built-in function's error is raised."""
+    out = []
+    for name in names:
+        fn = get_reward_fn(name)
+        if not hasattr(fn, "custom"):
+            out.append(("ok", fn(response, ground_truth, extra)))
+            continue
+        try:
+            out.append(("ok", call_with_timeout(lambda: fn(response, ground_truth, extra, data_source=data_source),
+                                                timeout_s)))
+        except _TimedOut:
+            out.append(("timeout", None))
+        except Exception as e:
+            out.append(("error", e))
+    return out
+
+
+def _custom_score(name: str, outcome: Outcome, row, checks: RewardChecks, fields: dict) -> float:
+    """Your function's score as a float from its `outcome` (the other entries of a dict it returns go into
+    `fields`); what it raised, a result that is not a number, NaN or inf (reward.bad_value_policy=error)
+    and a call past reward.timeout_s are a UserCodeError naming the function and the row."""
     code = f"reward function '{name}'"
-    try:
-        value = call_with_timeout(lambda: fn(response, ground_truth, extra, data_source=data_source),
-                                  checks.timeout_s)
-    except _TimedOut:
+    kind, value = outcome
+    if kind == "timeout":
         raise UserCodeError(code, f"did not return within reward.timeout_s={checks.timeout_s:g} s", row=row,
                             fix="make it return sooner on such responses, or raise reward.timeout_s (0: no "
-                                "limit)") from None
-    except Exception as e:
-        raise UserCodeError(code, e, row=row) from e
+                                "limit)")
+    if kind == "error":
+        raise UserCodeError(code, value, row=row) from value
     if isinstance(value, dict) and "score" in value:  # verl lets compute_score return {"score": ..., ...}
         fields.update((k, v) for k, v in value.items() if k != "score")
         value = value["score"]
@@ -365,9 +391,11 @@ def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses
 def score_records(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
                   ground_truths: Sequence[Any], extras: Sequence[dict],
                   data_sources: Sequence[str] | None = None, rows: Sequence | None = None, *,
-                  checks: RewardChecks | None = None) -> Scored:
+                  checks: RewardChecks | None = None, outcomes: Iterable[list[Outcome]] | None = None) -> Scored:
     """`score_batch` with each function's own score and the extra fields of the dicts they returned
-    (when two functions return the same field, the later one's is kept)."""
+    (when two functions return the same field, the later one's is kept). `outcomes`: the functions'
+    outcomes on each response, in order, when reward workers called them (megappo.reward_workers);
+    None: they are called here."""
     checks = RewardChecks() if checks is None else checks
     fns = [get_reward_fn(n) for n in names]
     weights = list(weights) if weights is not None else [1.0] * len(fns)
@@ -375,12 +403,14 @@ def score_records(names: Sequence[str], weights: Sequence[float] | None, respons
         raise ValueError(f"reward.function_weights has {len(weights)} entries for {len(fns)} functions")
     sources = data_sources if data_sources is not None else [None] * len(responses)
     rows = rows if rows is not None else [None] * len(responses)
+    if outcomes is None:  # called here, one response after another (a failing one stops the rest)
+        outcomes = (call_functions(names, r, gt, ex, src, checks.timeout_s)
+                    for r, gt, ex, src in zip(responses, ground_truths, extras, sources))
     out = Scored([], [], [])
-    for r, gt, ex, src, row in zip(responses, ground_truths, extras, sources, rows):
+    for row, called in zip(rows, outcomes):
         total, values, fields = 0.0, [], {}
-        for w, fn, name in zip(weights, fns, names):
-            values.append(_custom_score(name, fn, r, gt, ex, src, row, checks, fields) if hasattr(fn, "custom")
-                          else fn(r, gt, ex))
+        for w, fn, name, outcome in zip(weights, fns, names, called, strict=True):
+            values.append(_custom_score(name, outcome, row, checks, fields) if hasattr(fn, "custom") else outcome[1])
             total += w * values[-1]
         out.totals.append(total)
         out.values.append(values)

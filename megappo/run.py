@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megappo import checkpointing, interrupts
+from megappo.reward_workers import RewardWorkers
 from megappo.rewards import RewardChecks
 from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.data import PromptSampler
@@ -81,6 +82,7 @@ class Run:
     branch: dict | None = None  # the branch a checkpoint.resume_from run continues (megappo.checkpointing)
     rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
     reward_checks: RewardChecks | None = None  # how your reward functions are checked (reward.bad_value_policy, ...)
+    reward_workers: RewardWorkers | None = None  # rank 0, reward.num_workers > 0: the processes that call them
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -163,6 +165,8 @@ class Run:
             self.save_checkpoint(self.total_steps)
         if self.cfg.checkpoint.save_hf_at_end:
             self.export_hf(os.path.join(self.cfg.run.output_dir, "hf"))
+        if self.reward_workers:
+            self.reward_workers.close()
         if self.logger:
             self.logger.close()
 
@@ -352,7 +356,9 @@ def create_run(cfg: Config) -> Run:
                total_steps=prompts.total_steps, start_step=start_step, nan_skips=nan_skips,
                last_saved_step=start_step if resume else None, rollouts=rollouts,
                branch=resume["branch"] if resume else None,
-               reward_checks=RewardChecks.of(cfg.reward))
+               reward_checks=RewardChecks.of(cfg.reward),
+               reward_workers=RewardWorkers(cfg.reward.functions, cfg.reward.num_workers, cfg.reward.timeout_s)
+               if ps.is_rank0 and cfg.reward.num_workers and cfg.reward.functions else None)
 
 
 def model_source(cfg: Config) -> ModelSource:
@@ -502,7 +508,8 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
           f"{_long_prompts_note(prompts.stats, cfg.data.max_prompt_length)} | steps={prompts.total_steps} | "
           f"critic={'on' if roles.critic else 'off'} ref={_ref_note(cfg) if roles.ref else 'off'}"
           f"{_lora_note(cfg)} | "
-          f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}", flush=True)
+          f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}"
+          f"{f' reward_workers={cfg.reward.num_workers}' if cfg.reward.num_workers else ''}", flush=True)
     if any(state is not ps for state in layouts.values()):
         print("megappo: per-role layouts: " + ", ".join(
             f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"

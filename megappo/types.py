@@ -79,6 +79,7 @@ class RolloutBatch:
     #: again; None: scored by the trainer
     scores: torch.Tensor | None = None
     score_components: torch.Tensor | None = None  # [N, K] with `scores`: each of reward.functions' scores, unweighted
+    score_fields: list[dict] | None = None  # N dicts with `scores`: the fields reward functions returned ("acc", ...)
     #: metrics of the generation (dynamic sampling's `filter_groups/...`, its timings), logged by the
     #: step that trains on the batch (in one_step_off / async mode the generation ran earlier)
     gen_metrics: dict[str, float] | None = None

@@ -41,8 +41,8 @@ class UserCodeError(Exception):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        what = (f"raised {type(self.cause).__name__}: {self.cause}" if isinstance(self.cause, BaseException)
-                else self.cause)
+        kind = getattr(self.cause, "remote_type", type(self.cause).__name__)  # raised in a reward worker: its class
+        what = f"raised {kind}: {self.cause}" if isinstance(self.cause, BaseException) else self.cause
         row = (self.row.describe(self.prompt) if self.row is not None
                else f"prompt {short_text(self.prompt)}" if self.prompt is not None else "")
         at = ", ".join(w for w in (row, f"turn {self.turn}" if self.turn is not None else "") if w)

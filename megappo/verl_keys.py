@@ -91,6 +91,8 @@ RENAMED: dict[str, str] = {
     "trainer.max_actor_ckpt_to_keep": "checkpoint.keep_last",
     # verl reads it with resume_mode=resume_path only (MOOT); megappo's step directory, not verl's global_step_N
     "trainer.resume_from_path": "checkpoint.resume_from",
+    "trainer.rollout_data_dir": "logging.rollout_dir",
+    "trainer.validation_data_dir": "logging.validation_dir",
     # DAPO's reward manager: verl <= 0.8 reads reward_model.reward_kwargs, verl 0.9.1 reward.reward_kwargs; its
     # max_resp_len is the length the overlong penalty counts from, megappo's rollout.max_new_tokens (a different
     # value than data.max_response_length's is refused as a conflict: megappo has one length for both)
@@ -206,7 +208,8 @@ _ROLES_MEGATRON = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.me
 UNUSED: dict[str, str] = {
     "trainer.device": "megappo uses CUDA when it is there, else the CPU (parallel.backend=auto)",
     "trainer.log_val_generations": "megappo keeps logging.samples=N samples of every step in samples.jsonl "
-                                   "(the console shows them per logging.console)",
+                                   "(the console shows them per logging.console); every validation generation: "
+                                   "logging.validation_dir=DIR",
     "trainer.val_only": "megappo has no validation-only mode",
     "trainer.balance_batch": "megappo packs sequences into micro-batches by their lengths (actor.packing)",
     "trainer.ray_wait_register_center_timeout": "megappo starts no Ray register center",
@@ -261,8 +264,6 @@ UNUSED: dict[str, str] = {
                                                      "(rollout correction and the rollout metrics read them)",
     "trainer.default_hdfs_dir": "megappo writes its checkpoints to checkpoint.dir only",
     "trainer.del_local_ckpt_after_load": "megappo keeps the checkpoint it resumed from (checkpoint.keep_last prunes)",
-    "trainer.rollout_data_dir": "megappo keeps logging.samples=N samples of every step in samples.jsonl under "
-                                "run.output_dir (verl dumps every rollout there)",
     "trainer.max_critic_ckpt_to_keep": "megappo keeps its models' checkpoints together, checkpoint.keep_last of them "
                                        "(verl's trainer.max_actor_ckpt_to_keep)",
     **{f"{role}.checkpoint.{what}_contents": "megappo's checkpoints hold all that exact resume needs (models, "
@@ -329,8 +330,6 @@ UNUSED: dict[str, str] = {
     "actor_rollout_ref.actor.freeze_vision_tower": _TEXT_ONLY,
     "reward_model.use_reward_loop": "verl's reward service; megappo scores in the trainer (reward.functions, "
                                     "reward.model_path)",
-    "reward_model.num_workers": "verl's reward service; megappo scores in the trainer (reward.functions, "
-                                "reward.model_path)",
 }
 
 #: verl key patterns ('*' is one or more key parts) megappo reads but has no use for, and why
@@ -396,6 +395,7 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
                                                              "(rollout.env=single_turn)"},
     "trainer.resume_from_path": {"null": "no checkpoint named: megappo resumes from checkpoint.dir's newest"},
     "data.reward_fn_key": {"data_source": "megappo's reward functions get each row's data_source, as verl's do"},
+    "reward_model.num_workers": {"null": "verl's legacy key, unset (verl 0.9.1: reward.num_workers, megappo's name)"},
     **{f"{role}.context_parallel_size": {"1": "no context parallelism, as megappo's layouts"} for role in _ROLES_MEGATRON},
     **{f"{role}.use_dist_checkpointing": {"false": "megappo loads model.path's HF weights, as verl then does"}
        for role in _ROLES_MEGATRON},

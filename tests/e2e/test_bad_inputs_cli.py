@@ -71,15 +71,16 @@ def score(response, ground_truth, extra):
 """
 
 
-def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_in_the_users_reward_function_is_the_one_message(tmp_path, workers):
     """Two ranks; the user's reward function raises on the row whose answer is 7 (line 7 of the file): its
     own traceback, then one message naming the function, the row (file:line, training) and its prompt, last on the screen; the other
     rank exits quietly with it (no lost connection), the launcher adds nothing and does not
-    restart although run.max_restarts allows it."""
+    restart although run.max_restarts allows it. The same when reward workers called it (reward.num_workers)."""
     (tmp_path / "my_reward.py").write_text(REWARD_THAT_RAISES)
     run = tmp_path / "run"
     code, out = megappo(*SMALL, rows_file(tmp_path, digit_rows(8)), f"reward.functions=[{tmp_path}/my_reward.py:score]",
-                        "run.max_restarts=1", f"run.output_dir={run}")
+                        "run.max_restarts=1", f"run.output_dir={run}", f"reward.num_workers={workers}")
     assert code == 4, out[-4000:]
     assert out.rstrip().splitlines()[-1] == (
         f"megappo: error: reward function '{tmp_path}/my_reward.py:score' raised ValueError: no scorer for 7 yet on "

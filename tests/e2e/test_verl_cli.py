@@ -31,7 +31,8 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     # megappo's own keys after the script's: the demo's model, the run's directory and length, and no W&B
     # (the script logs to W&B, which needs an account): the same spelling later wins, as in verl
     extra = [DEMO_MODEL, f"run.output_dir={run}", "run.total_steps=2", "trainer.logger=[console]",
-             "logging.progress_bar=false", "actor_rollout_ref.rollout.val_kwargs.n=4"]
+             "logging.progress_bar=false", "actor_rollout_ref.rollout.val_kwargs.n=4",
+             f"trainer.rollout_data_dir={run / 'rollouts'}", f"trainer.validation_data_dir={run / 'validation'}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml", *overrides, *extra],
@@ -57,5 +58,15 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
             "val-aux/digit_successor/acc/std@4", "val-aux/digit_successor/reward/worst@2/mean"} <= val.keys()
     assert 0 <= val["val-core/digit_successor/acc/mean@4"] <= val["val-core/digit_successor/acc/best@4/mean"] <= 1
     assert abs(val["val-aux/digit_successor/reward/mean@4"] - val["val/score/mean"]) < 1e-6  # 8 prompts x 4
+    # every generation: the trained batches (16 groups of 4, kept by dynamic sampling, with their acc) and the
+    # validation's, one file a step
+    assert sorted(os.listdir(run / "rollouts")) == ["1.jsonl", "2.jsonl"] and os.listdir(run / "validation") == ["0.jsonl"]
+    for step in (1, 2):
+        records = [json.loads(line) for line in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        assert len(records) == 64 and sorted({r["group"] for r in records}) == list(range(16))
+        assert all(r["step"] == step and "acc" in r["fields"] and r["data_source"] == "digit_successor" for r in records)
+    records = [json.loads(line) for line in (run / "validation" / "0.jsonl").read_text().splitlines()]
+    assert len(records) == 32
+    assert sum(r["fields"]["acc"] for r in records) / 32 == val["val-core/digit_successor/acc/mean@4"]
     config = json.loads((run / "config.json").read_text())
     assert config["algorithm"]["filter_groups"]["enable"] and config["reward"]["overlong_buffer"]["len"] == 1

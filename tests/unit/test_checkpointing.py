@@ -7,6 +7,7 @@ import os
 import shutil
 import warnings
 
+import numpy as np
 import pytest
 
 from megappo import checkpointing
@@ -151,11 +152,14 @@ def test_a_buffered_batch_keeps_each_rows_origin(tmp_path):
     batch = RolloutBatch(prompt_ids=torch.tensor([[3, 4]]), prompt_mask=torch.ones(1, 2), response_ids=torch.tensor([[5]]),
                          response_mask=torch.ones(1, 1), rollout_log_probs=torch.tensor([[-0.5]]),
                          finish_reasons=["stop"], prompt_index=torch.zeros(1, dtype=torch.long),
-                         examples=[PromptExample([3, 4], "demo", "7", {"k": 1}, 0, origin)])
+                         examples=[PromptExample([3, 4], "demo", "7", {"k": 1}, 0, origin)],
+                         score_fields=[{"acc": np.bool_(True), "pred": "7", "f": np.float32(0.5), "t": torch.tensor(2)}])
     plain = checkpointing._plain_batch(batch)
     torch.save({"batches": [{"step": 5, "batch": plain}]}, tmp_path / checkpointing.ROLLOUT_BUFFER)
-    [(_, loaded)] = checkpointing.load_rollout_buffer(str(tmp_path))
+    [(_, loaded)] = checkpointing.load_rollout_buffer(str(tmp_path))  # weights_only: Python's types only
     assert loaded.examples[0].origin == origin and str(loaded.examples[0].origin) == "val.jsonl:3"
+    assert loaded.score_fields == [{"acc": True, "pred": "7", "f": 0.5, "t": 2}]
+    assert [type(v) for v in loaded.score_fields[0].values()] == [bool, str, float, int]
     del plain["examples"][0]["origin"]
     torch.save({"batches": [{"step": 5, "batch": plain}]}, tmp_path / checkpointing.ROLLOUT_BUFFER)
     assert checkpointing.load_rollout_buffer(str(tmp_path))[0][1].examples[0].origin is None

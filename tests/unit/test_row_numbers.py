@@ -64,7 +64,7 @@ def reward_error(examples, tmp_path, monkeypatch) -> str:
                          response_ids=torch.zeros(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.long),
                          rollout_log_probs=torch.zeros(n, 1), finish_reasons=["stop"] * n,
                          prompt_index=torch.arange(n), examples=examples)
-    run = types.SimpleNamespace(tokenizer=TOK, reward_checks=RewardChecks())
+    run = types.SimpleNamespace(tokenizer=TOK, reward_checks=RewardChecks(), reward_workers=None)
     with pytest.raises(UserCodeError) as raised:
         scored(run, batch, ["mine.py:score"], None, responses(run, batch))
     return str(raised.value)

@@ -2,12 +2,13 @@
 samples.jsonl (truncated like metrics.jsonl on resume)."""
 
 import json
+import os
 
 import torch
 
 from megappo.data import PromptExample
 from megappo.metrics import MetricLogger, format_sample
-from megappo.samples import pick_samples
+from megappo.samples import pick_samples, write_generations
 from megappo.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch
 
@@ -36,11 +37,28 @@ def test_pick_samples_spreads_over_the_batch_and_decodes_as_the_reward_saw_it():
     got = pick_samples(TOK, batch, scores, 2)
     assert [g["prompt"] for g in got] == ["0+1=", "4+1="]  # the first of each half
     assert got[0] == {"prompt": "0+1=", "response": "1", "score": 0.0, "ground_truth": "0", "data_source": "my_sums",
-                      "finish_reason": "stop", "response_tokens": 2}
+                      "finish_reason": "stop", "response_tokens": 2, "group": 0}
     last = pick_samples(TOK, batch, scores, 8)[-1]
     assert (last["response"], last["finish_reason"], last["response_tokens"], last["score"]) == ("99", "length", 2,
                                                                                                  0.875)
     assert pick_samples(TOK, batch, scores, 0) == [] and len(pick_samples(TOK, batch, scores, 100)) == 8
+    assert pick_samples(TOK, batch, scores, -1) == pick_samples(TOK, batch, scores, 8)  # -1: every sample
+
+
+def test_every_generation_of_a_step_with_its_reward_fields_in_one_file(tmp_path):
+    """logging.rollout_dir / validation_dir: <dir>/<step>.jsonl holds every sample, its group and the fields its
+    reward function returned; writing a step again (a resumed run replaying it) replaces the file."""
+    batch = batch_of(["1+1=", "2+1="], ["2", "4"], [True, True])
+    batch.prompt_index = torch.tensor([0, 0])  # two samples of one prompt
+    batch.score_fields = [{"acc": True, "pred": "2"}, {"acc": False, "pred": "4", "extra": {"why": 3}}]
+    records = pick_samples(TOK, batch, torch.tensor([1.0, 0.0]), -1)
+    path = write_generations(str(tmp_path / "rollouts"), 7, records)
+    assert path == str(tmp_path / "rollouts" / "7.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    assert [(r["step"], r["group"], r["response"], r["score"], r["fields"]) for r in rows] == [
+        (7, 0, "2", 1.0, {"acc": True, "pred": "2"}), (7, 0, "4", 0.0, {"acc": False, "pred": "4", "extra": {"why": 3}})]
+    write_generations(str(tmp_path / "rollouts"), 7, records[:1])
+    assert len(open(path).readlines()) == 1 and sorted(os.listdir(tmp_path / "rollouts")) == ["7.jsonl"]
 
 
 def test_samples_under_the_step_line_and_in_samples_jsonl(tmp_path, capsys):

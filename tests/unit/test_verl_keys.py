@@ -44,6 +44,8 @@ READ = {
     "trainer.resume_mode=disable": ("checkpoint.resume", "off"),
     "trainer.resume_mode=resume_path": ("checkpoint.resume", "must"),
     "trainer.resume_from_path=/ckpt/step_00000040": ("checkpoint.resume_from", "/ckpt/step_00000040"),
+    "trainer.rollout_data_dir=/tmp/rollouts": ("logging.rollout_dir", "/tmp/rollouts"),
+    "trainer.validation_data_dir=/tmp/val": ("logging.validation_dir", "/tmp/val"),
     "trainer.logger=['console','wandb']": ("logging.sinks", ["console", "wandb", "jsonl"]),
     "trainer.logger=[console,file]": ("logging.sinks", ["console", "jsonl"]),
     "actor_rollout_ref.rollout.val_kwargs.do_sample=False": ("rollout.val_temperature", 0.0),
@@ -112,7 +114,6 @@ UNUSED = {
     # keys of verl's default trainer config that its scripts pass as they are
     "actor_rollout_ref.rollout.calculate_log_probs=True": "always return the sampled tokens' log-probs",
     "trainer.default_hdfs_dir=null": "checkpoint.dir only",
-    "trainer.rollout_data_dir=/tmp/rollouts": "samples.jsonl",
     "trainer.max_critic_ckpt_to_keep=null": "checkpoint.keep_last",
     "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra']": "exact resume",
     "actor_rollout_ref.hybrid_engine=True": "rollout.engine and rollout.mode",
