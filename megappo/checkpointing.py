@@ -187,9 +187,9 @@ def _find_branch(cfg: Config, verify: str) -> dict:
     run started from the named checkpoint saved (the branch continues), else the named one itself."""
     root, named = cfg.checkpoint_dir, named_checkpoint(cfg)
     branch = {"from": os.path.realpath(named)}
-    later = []
-    for name in sorted((n for n in os.listdir(root) if _STEP_DIR.match(n)) if os.path.isdir(root) else [],
-                       reverse=True):
+    later = []  # run.val_only validates the named checkpoint itself, not where its branch got to
+    for name in sorted((n for n in os.listdir(root) if _STEP_DIR.match(n)) if os.path.isdir(root) and
+                       not cfg.run.val_only else [], reverse=True):
         path = os.path.join(root, name)
         if os.path.realpath(path) != branch["from"] and _state_or_none(path).get("branch") == branch:
             later.append(path)

@@ -119,8 +119,8 @@ def _train_start_up(args):
     except BaseException:
         lock.release()
         raise
-    if os.environ.get("RANK", "0") == "0":  # the process holding the lock: a branch from an earlier checkpoint
-        _set_aside_later(cfg, resume)
+    if os.environ.get("RANK", "0") == "0" and not cfg.run.val_only:  # the lock's holder: a branch from an earlier
+        _set_aside_later(cfg, resume)                                  # checkpoint (a validation moves nothing)
     if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
         _say_verl_lines(verl.lines(), cfg.run.output_dir)  # once the run is not refused (it then writes nothing)
     return cfg, world, on_ray, resume, lock
@@ -180,12 +180,12 @@ def cmd_train(args) -> int:
 def _train(args, cfg, world, on_ray, resume) -> int:
     from megappo.parallel.launch import ensure_ranks
 
-    if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
+    if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps and not cfg.run.val_only:
         from megappo.checkpointing import find_resume
 
         with warnings.catch_warnings(action="ignore"):  # the ranks say which file is damaged, if they start
             resume = find_resume(cfg, verify="full")  # the digests too, before saying there is nothing to do
-    if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps:
+    if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps and not cfg.run.val_only:
         print(f"nothing to do: {resume['path']} is at step {resume['step']} and run.total_steps="
               f"{cfg.run.total_steps}. Raise run.total_steps to train longer, or export the models: "
               f"megappo export {cfg.run.output_dir} OUT_DIR", flush=True)
@@ -211,7 +211,7 @@ def _train(args, cfg, world, on_ray, resume) -> int:
     from megappo.orchestrator import train
     from megappo.parallel.stage import stage
     from megappo.parallel.state import destroy_parallel
-    from megappo.run import create_run
+    from megappo.run import create_run, val_only_dir
 
     with stage("setup"):  # the stage a failed collective reports when no inner one is named
         run = create_run(cfg)
@@ -228,7 +228,12 @@ def _train(args, cfg, world, on_ray, resume) -> int:
             interrupts.uninstall()
             destroy_parallel()
             return e.exit_code
-    if run.ps.is_rank0:
+    if run.ps.is_rank0 and cfg.run.val_only:
+        val = history[0]
+        print(f"done: validated at step {run.start_step}: val/score/mean={val.get('val/score/mean', float('nan')):.3f}"
+              f" over {len(run.val_examples)} prompts x {cfg.rollout.val_n}; metrics in "
+              f"{os.path.join(val_only_dir(cfg), 'metrics.jsonl')}", flush=True)
+    elif run.ps.is_rank0:
         png = plot_run(cfg.run.output_dir)
         print(done_line(history, run.start_step, run.total_steps, cfg.run.output_dir, png), flush=True)
     destroy_parallel()

@@ -705,6 +705,9 @@ class RunConfig(_Section):
     # (megappo.parallel.launch; when `megappo train` starts its ranks, not under an outside torchrun)
     max_restarts: int = 0
     critic_warmup: int = 0  # the first N steps train the critic alone (the actor stays frozen; verl's trainer.critic_warmup)
+    # validate once and stop (verl's trainer.val_only): model.path's weights, or the checkpoint resumed from (e.g.
+    # checkpoint.resume_from=PATH); no training step, no checkpoint; metrics in <run.output_dir>/val_only/
+    val_only: bool = False
 
     def check(self) -> None:
         _at_least(self, total_steps=1, total_epochs=1, val_every=0, max_nan_skips=0, max_restarts=0, critic_warmup=0)
@@ -1084,6 +1087,8 @@ class Config(_Section):
         _require(not wants_val or bool(self.data.val_files or self.data.builtin),
                  "run.val_every / run.val_before_train ask for validation, but data.val_files is empty. Fix: set "
                  "data.val_files=[val.jsonl] or run.val_every=0 run.val_before_train=false.")
+        _require(not self.run.val_only or bool(self.data.val_files or self.data.builtin),
+                 "run.val_only=true validates, but data.val_files is empty. Fix: set data.val_files=[val.jsonl].")
 
     def to_dict(self) -> dict:
         """Plain YAML/JSON data; `megappo.recipe.config_from_dict(cfg.to_dict()) == cfg`."""

@@ -5,7 +5,8 @@ Metric names follow verl's namespaces (`actor/pg_loss`, `critic/vf_loss`,
 `MetricLogger(run_dir, sinks, resume_step=N)` writes one JSON object per step to
 `run_dir/metrics.jsonl` and to the other sinks; on opening it keeps only the records of steps
 <= N (the checkpoint a run resumes from; none for a run that starts at step 0, even when an
-earlier attempt stopped before its first checkpoint), so every step is in the file once.
+earlier attempt stopped before its first checkpoint), so every step is in the file once;
+`resume_step=None` keeps every record (run.val_only's log of one validation per start).
 `read_metrics` keeps the last record of a step should a file still hold repeats (one written
 before that rule). A step's generation samples (`add_samples`, records from
 megappo.samples) are printed under its console line (`console="compact"`: those of step 1 and of
@@ -46,7 +47,7 @@ COMPACT_SAMPLES_EVERY = 10
 
 class MetricLogger:
     def __init__(self, run_dir: str, sinks: Iterable[str] = ("console", "jsonl"), *, project: str = "megappo",
-                 run_name: str | None = None, config: Mapping | None = None, resume_step: int = 0,
+                 run_name: str | None = None, config: Mapping | None = None, resume_step: int | None = 0,
                  progress: Progress | None = None, console: str = "compact"):
         sinks = list(sinks)
         unknown = [s for s in sinks if s not in SINKS]
@@ -60,12 +61,12 @@ class MetricLogger:
         self._jsonl = None
         if "jsonl" in sinks:
             path = os.path.join(run_dir, "metrics.jsonl")
-            if os.path.exists(path):  # steps after the checkpoint (all, without one) are logged again
-                _truncate_after(path, resume_step)
+            if os.path.exists(path) and resume_step is not None:  # steps after the checkpoint are logged again
+                _truncate_after(path, resume_step)  # (all, without one; None: every record is kept)
             self._jsonl = open(path, "a")
         self._samples_jsonl, self._samples = None, []
         samples = os.path.join(run_dir, "samples.jsonl")
-        if os.path.exists(samples):
+        if os.path.exists(samples) and resume_step is not None:
             # a fresh run starts it empty, a resumed one at its checkpoint
             _truncate_after(samples, resume_step, one_per_step=False)
         self._tb = None
@@ -77,7 +78,8 @@ class MetricLogger:
             # a resumed run drops the events logged after its checkpoint (all, on a fresh start), as
             # metrics.jsonl does
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"),
-                                     purge_step=resume_step + 1 if resume_step else 0)
+                                     purge_step=None if resume_step is None else resume_step + 1 if resume_step
+                                     else 0)
         self._wandb = None
         if "wandb" in sinks:
             try:

@@ -432,6 +432,12 @@ def train(run: Run) -> list[dict[str, float]]:
     run.bridge.sync()
     if run.ps.is_rank0:
         run.rollouts.synced(run.start_step)
+    if run.cfg.run.val_only:  # verl's trainer.val_only: one validation of these weights, no step, no checkpoint
+        val = validate(run, run.start_step)
+        if run.ps.is_rank0:
+            run.logger.log(run.start_step, val)
+        run.close()
+        return [val]
     if run.cfg.run.val_before_train and not run.start_step:  # a resumed run validated before its first step
         val = validate(run, run.start_step)
         if run.ps.is_rank0:

@@ -165,6 +165,15 @@ class Run:
             self.save_checkpoint(self.total_steps)
         if self.cfg.checkpoint.save_hf_at_end:
             self.export_hf(os.path.join(self.cfg.run.output_dir, "hf"))
+        self.close()
+
+    def close(self) -> None:
+        """The rollout side's threads, the progress line, the reward workers and the logger: a run's end
+        (`finish` saves first; run.val_only saves nothing)."""
+        if self.rollouts:
+            self.rollouts.close()
+        if self.progress:
+            self.progress.close()
         if self.reward_workers:
             self.reward_workers.close()
         if self.logger:
@@ -487,19 +496,31 @@ def resume_state(resume: dict | None, ps: ParallelState, roles: Roles, kl_ctrl, 
     return resume["step"], resume["nan_skips"]
 
 
+def val_only_dir(cfg: Config) -> str:
+    """Where run.val_only logs its validations."""
+    return os.path.join(cfg.run.output_dir, "val_only")
+
+
 def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, layouts: dict[str, ParallelState],
              *, resume: dict | None, start_step: int) -> tuple[MetricLogger | None, Progress | None]:
     """Rank 0: config.json in run.output_dir, the progress bar and the metric logger, and the start-up
     lines (resumed from where; world, prompts, steps, roles; per-role layouts). (None, None) elsewhere."""
     if not ps.is_rank0:
         return None, None
-    os.makedirs(cfg.run.output_dir, exist_ok=True)
-    with open(os.path.join(cfg.run.output_dir, "config.json"), "w") as f:
+    log_dir = val_only_dir(cfg) if cfg.run.val_only else cfg.run.output_dir  # a validation leaves the run's own
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, "config.json"), "w") as f:
         json.dump(cfg.to_dict(), f, indent=2)
-    progress = Progress(prompts.total_steps, start=start_step, enabled=cfg.logging.progress_bar)
-    logger = MetricLogger(cfg.run.output_dir, cfg.logging.sinks, project=cfg.logging.project,
-                          run_name=cfg.logging.run_name, config=cfg.to_dict(), resume_step=start_step,
-                          progress=progress, console=cfg.logging.console)
+    progress = Progress(prompts.total_steps, start=start_step, enabled=cfg.logging.progress_bar and not cfg.run.val_only)
+    # run.val_only: its own log, every validation kept (the run's metrics.jsonl is not cut back or added to)
+    logger = MetricLogger(log_dir, cfg.logging.sinks,
+                          project=cfg.logging.project, run_name=cfg.logging.run_name, config=cfg.to_dict(),
+                          resume_step=None if cfg.run.val_only else start_step, progress=progress,
+                          console=cfg.logging.console)
+    if cfg.run.val_only:
+        weights = f"{resume['path']} (step {start_step})" if resume else f"model.path {cfg.model.path or '(built)'}"
+        print(f"megappo: run.val_only: validating {weights} once, no training; metrics in "
+              f"{os.path.join(val_only_dir(cfg), 'metrics.jsonl')}", flush=True)
     if resume:
         branch = resume["branch"]["from"] if resume["branch"] else None
         since = f", the branch from {branch}" if branch and branch != os.path.realpath(resume["path"]) else ""

@@ -93,6 +93,8 @@ RENAMED: dict[str, str] = {
     "trainer.resume_from_path": "checkpoint.resume_from",
     "trainer.rollout_data_dir": "logging.rollout_dir",
     "trainer.validation_data_dir": "logging.validation_dir",
+    # verl validates only when val_before_train is true too (else it trains); megappo's val_only always validates
+    "trainer.val_only": "run.val_only",
     # DAPO's reward manager: verl <= 0.8 reads reward_model.reward_kwargs, verl 0.9.1 reward.reward_kwargs; its
     # max_resp_len is the length the overlong penalty counts from, megappo's rollout.max_new_tokens (a different
     # value than data.max_response_length's is refused as a conflict: megappo has one length for both)
@@ -210,7 +212,6 @@ UNUSED: dict[str, str] = {
     "trainer.log_val_generations": "megappo keeps logging.samples=N samples of every step in samples.jsonl "
                                    "(the console shows them per logging.console); every validation generation: "
                                    "logging.validation_dir=DIR",
-    "trainer.val_only": "megappo has no validation-only mode",
     "trainer.balance_batch": "megappo packs sequences into micro-batches by their lengths (actor.packing)",
     "trainer.ray_wait_register_center_timeout": "megappo starts no Ray register center",
     "reward_model.enable": "megappo uses a reward model when reward.model_path is set",

@@ -126,6 +126,27 @@ def test_going_back_to_an_earlier_checkpoint_replays_it_exactly(straight, tmp_pa
     assert len(os.listdir(os.path.join(ckpts, "superseded"))) == 1
 
 
+def test_val_only_validates_a_checkpoint_and_leaves_the_run_as_it_was(straight, tmp_path):
+    """run.val_only in a finished run's directory: step 2's checkpoint (checkpoint.resume_from), then the latest
+    (step 4), each validated once, to the numbers the run logged at those steps; nothing trained, saved, moved
+    or cut back; the validations kept side by side in val_only/metrics.jsonl."""
+    out = str(tmp_path / "eval")
+    shutil.copytree(straight, out)
+    before = {name: open(os.path.join(out, name)).read() for name in ("metrics.jsonl", "samples.jsonl")}
+    ckpts = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    for extra in (["checkpoint.resume_from=2"], []):
+        log = run(command(out, *DP2, "run.val_only=true", *extra))
+        assert "megappo: run.val_only: validating " in log and "done: validated at step " in log
+    assert {name: open(os.path.join(out, name)).read() for name in before} == before
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ckpts
+    rows = metrics(os.path.join(out, "val_only"))
+    assert [r["step"] for r in rows] == [2, 4]
+    logged = {r["step"]: r for r in metrics(straight)}
+    for row in rows:
+        want = {k: v for k, v in logged[row["step"]].items() if k.startswith(("val/", "val-core/", "val-aux/"))}
+        assert want and {k: v for k, v in row.items() if k != "step"} == want
+
+
 def test_resume_at_another_layout(straight, tmp_path):
     """The DP=2 distributed-optimizer checkpoint of step 2 continues at TP=2 (resharded on load)."""
     out = tmp_path / "tp2"

@@ -184,6 +184,10 @@ def test_training_requirements_are_a_method():
               run={"val_every": 5}).require_training_data()
     build(data={"builtin": "digit_successor"}, reward={"functions": ["digit_successor"]},
           run={"val_before_train": True}).require_training_data()
+    with pytest.raises(ConfigError, match=r"run.val_only=true validates, but data.val_files is empty\. Fix: set "
+                                          r"data.val_files=\[val.jsonl\]"):
+        build(data={"train_files": ["t.jsonl"]}, reward={"functions": ["gsm8k"]},
+              run={"val_only": True}).require_training_data()
 
 
 GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}

@@ -46,6 +46,7 @@ READ = {
     "trainer.resume_from_path=/ckpt/step_00000040": ("checkpoint.resume_from", "/ckpt/step_00000040"),
     "trainer.rollout_data_dir=/tmp/rollouts": ("logging.rollout_dir", "/tmp/rollouts"),
     "trainer.validation_data_dir=/tmp/val": ("logging.validation_dir", "/tmp/val"),
+    "trainer.val_only=True": ("run.val_only", True),
     "trainer.logger=['console','wandb']": ("logging.sinks", ["console", "wandb", "jsonl"]),
     "trainer.logger=[console,file]": ("logging.sinks", ["console", "jsonl"]),
     "actor_rollout_ref.rollout.val_kwargs.do_sample=False": ("rollout.val_temperature", 0.0),
