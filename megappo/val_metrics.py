@@ -11,6 +11,10 @@ each variable (`reward`: the response's score; the fields reward functions retur
     maj@k/mean, maj@k/std                               the value of the most frequent `pred` among the k
                                                         drawn (ties: the first drawn), when every response
                                                         has a `pred`
+    pass@k (k = 1 and the k above)                      where every value is 0 or 1: the chance that k
+                                                        responses drawn without replacement hold a 1,
+                                                        1 - C(n - c, k) / C(n, k) for c ones (megappo's;
+                                                        verl has none: its best@k draws with replacement)
 
 and averages each over the data source's prompts. Names are verl's: `val-core/<source>/<var>/<stat>`
 for the core variable (`acc` where the data source has it, else `reward`) at the largest n for
@@ -71,6 +75,8 @@ def _prompt_stats(values: list, preds: list | None) -> dict[str, float]:
     if n == 1:
         return stats
     stats[f"std@{n}"] = float(vals.std())
+    if np.isin(vals, (0.0, 1.0)).all():  # right / wrong: the unbiased pass@k too
+        stats.update({f"pass@{k}": _pass_at(n, int(vals.sum()), k) for k in (1, *_subset_sizes(n))})
     votes = _codes(preds) if preds is not None and len(preds) == n and all(p is not None for p in preds) else None
     for k in _subset_sizes(n):
         drawn = _draws(n, k)
@@ -80,6 +86,15 @@ def _prompt_stats(values: list, preds: list | None) -> dict[str, float]:
             majority = vals[drawn[np.arange(len(drawn)), _majority_position(votes[drawn])]]
             stats[f"maj@{k}/mean"], stats[f"maj@{k}/std"] = float(majority.mean()), float(majority.std())
     return stats
+
+
+def _pass_at(n: int, correct: int, k: int) -> float:
+    """The chance that k of the n responses drawn without replacement hold a correct one:
+    1 - C(n - correct, k) / C(n, k) (Chen et al. 2021, the unbiased pass@k), as a product."""
+    wrong_only = 1.0
+    for i in range(k):
+        wrong_only *= max(n - correct - i, 0) / (n - i)
+    return 1.0 - wrong_only
 
 
 def _subset_sizes(n: int) -> list[int]:

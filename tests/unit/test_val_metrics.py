@@ -79,7 +79,7 @@ def test_equal_to_verls_loop(n):
                  "pred": preds,
                  "format": [None if rng.random() < 0.2 else rng.random() for _ in prompts]}  # some missing
     got = by_data_source(sources, prompts, variables)
-    assert got == reference(sources, prompts, variables)
+    assert {k: v for k, v in got.items() if "/pass@" not in k} == reference(sources, prompts, variables)
     assert ("val-core/aime/acc/mean@%d" % n) in got and "val-aux/aime/reward/mean@%d" % n in got
     if n > 1:
         assert f"val-core/openai/gsm8k/acc/maj@{n}/mean" in got and f"val-aux/aime/acc/worst@{n}/mean" in got
@@ -95,3 +95,18 @@ def test_known_values_without_acc_or_pred():
     # prompt 0 always gives 1; prompt 1 draws its one 1 four times with probability 1/256
     assert got["val-aux/s/reward/worst@4/mean"] == pytest.approx((1 + 1 / 256) / 2, abs=0.01)
     assert not [k for k in got if "maj@" in k or "/note/" in k]
+
+
+@pytest.mark.parametrize("n, correct", [(2, 1), (5, 0), (5, 2), (8, 3), (8, 8)])
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_response(n, correct):
+    """megappo's own statistic beside verl's: the unbiased pass@k of 0/1 values, against counting the k-subsets
+    (without replacement) that hold a 1; a variable that is not 0/1 (reward 0.5) gets none."""
+    from itertools import combinations
+
+    values = [1] * correct + [0] * (n - correct)
+    got = by_data_source(["s"] * n, [0] * n, {"acc": values, "reward": [0.5] * n})
+    ks = [1] + [k for k in (2, 4, 8) if k < n] + ([n] if n > 1 else [])
+    for k in dict.fromkeys(ks):
+        subsets = list(combinations(values, k))
+        assert got[f"val-aux/s/acc/pass@{k}"] == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
+    assert not [key for key in got if "/reward/pass@" in key]
