@@ -484,12 +484,12 @@ def validate(run: Run, step: int) -> dict[str, float]:
     with run.rollouts.at_latest():  # async mode: no generation runs, the engine holds the trained weights
         batch = rollout(run, run.val_examples, params)  # one batch: small val sets
     read = responses(run, batch)
-    scores, _, fields = generation_scores(run, batch, read)
+    scores, _, batch.score_fields = generation_scores(run, batch, read)
     with naming_prompts(run, batch):
         metrics = score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read)
+    fields = batch.score_fields
     returned = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
     if run.cfg.logging.validation_dir:
-        batch.score_fields = fields
         write_generations(run.cfg.logging.validation_dir, step, pick_samples(run.tokenizer, batch, scores, -1))
     return {"val/score/mean": scores.mean().item(), **metrics,
             "val/response_length/mean": batch.real_response_mask.sum(-1).float().mean().item(),
