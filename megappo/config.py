@@ -548,6 +548,8 @@ class RolloutConfig(_Section):
     sglang: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through to sglang.Engine
     val_temperature: float = 0.0  # validation sampling temperature
     val_n: int = 1  # validation samples per prompt
+    val_top_p: Optional[float] = None  # validation nucleus sampling; None: top_p (verl's val_kwargs.top_p)
+    val_top_k: Optional[int] = None  # validation top-k; None: top_k (verl's val_kwargs.top_k)
     env: str = "single_turn"  # episode environment: single_turn, tools, lookup, or pkg.module:Class / file.py:Class (docs/environments.md)
     env_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of the environment class
     max_turns: int = 8  # multi-turn: actions per episode at most (max_new_tokens stays the episode's token budget)
@@ -585,8 +587,12 @@ class RolloutConfig(_Section):
         _at_least(self, max_staleness=1)
         _require(self.temperature >= 0 and self.val_temperature >= 0,
                  f"{P}temperature / {P}val_temperature must be >= 0. Fix: use 0 for greedy decoding.")
-        _require(0 < self.top_p <= 1, f"{P}top_p={self.top_p} must be in (0, 1]. Fix: use 1.0 to disable.")
-        _require(self.top_k == -1 or self.top_k >= 1, f"{P}top_k={self.top_k} must be -1 (off) or >= 1.")
+        for key in ("top_p", "val_top_p"):
+            value = getattr(self, key)
+            _require(value is None or 0 < value <= 1, f"{P}{key}={value} must be in (0, 1]. Fix: use 1.0 to disable.")
+        for key in ("top_k", "val_top_k"):
+            value = getattr(self, key)
+            _require(value is None or value == -1 or value >= 1, f"{P}{key}={value} must be -1 (off) or >= 1.")
         _require(self.engine == "sglang" or self.sync_mode == "tensor",
                  f"{P}sync_mode={self.sync_mode} needs {P}engine=sglang. Fix: set {P}sync_mode=tensor.")
         _require(self.lora_sync == "merged" or self.engine == "hf",

@@ -472,17 +472,23 @@ def train(run: Run) -> list[dict[str, float]]:
     return history
 
 
+def validation_params(cfg, eos_ids: tuple[int, ...]) -> SamplingParams:
+    """Validation's sampling (the rollout section `cfg`): val_n samples at val_temperature, val_top_p and
+    val_top_k (None: the training's top_p, top_k), seeded by rollout.seed at every validation."""
+    return SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature,
+                          top_p=cfg.top_p if cfg.val_top_p is None else cfg.val_top_p,
+                          top_k=cfg.top_k if cfg.val_top_k is None else cfg.val_top_k,
+                          max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_ids,
+                          stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed)
+
+
 def validate(run: Run, step: int) -> dict[str, float]:
     """Generation on the validation prompts with the reward functions: `val/...` metrics (and with
     logging.validation_dir every generation in <dir>/<step>.jsonl)."""
     if not run.ps.is_rank0 or not run.val_examples:
         return {}
-    cfg = run.cfg.rollout
-    params = SamplingParams(n=cfg.val_n, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
-                            stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed)
     with run.rollouts.at_latest():  # async mode: no generation runs, the engine holds the trained weights
-        batch = rollout(run, run.val_examples, params)  # one batch: small val sets
+        batch = rollout(run, run.val_examples, validation_params(run.cfg.rollout, run.eos_ids))  # one batch
     read = responses(run, batch)
     scores, _, batch.score_fields = generation_scores(run, batch, read)
     with naming_prompts(run, batch):

@@ -45,6 +45,8 @@ RENAMED: dict[str, str] = {
     "actor_rollout_ref.rollout.response_length": "rollout.max_new_tokens",
     "actor_rollout_ref.rollout.val_kwargs.temperature": "rollout.val_temperature",
     "actor_rollout_ref.rollout.val_kwargs.n": "rollout.val_n",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "rollout.val_top_p",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": "rollout.val_top_k",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.sglang.mem_fraction_static",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "ref.max_tokens_per_micro_batch",
@@ -247,10 +249,6 @@ UNUSED: dict[str, str] = {
     "actor_rollout_ref.rollout.load_format": _ENGINE_KNOB,
     "actor_rollout_ref.rollout.enable_prefix_caching": _ENGINE_KNOB,
     "actor_rollout_ref.rollout.dtype": _ENGINE_KNOB + "; the engine runs in model.dtype",
-    "actor_rollout_ref.rollout.val_kwargs.top_p": "megappo validates with the training rollout.top_p (validation "
-                                                  "only; training is unchanged)",
-    "actor_rollout_ref.rollout.val_kwargs.top_k": "megappo validates with the training rollout.top_k (validation "
-                                                  "only; training is unchanged)",
     "actor_rollout_ref.ref.megatron.param_offload": "megappo keeps the reference model in GPU memory (no offload)",
     "actor_rollout_ref.actor.megatron.param_offload": "megappo keeps the actor in GPU memory (no offload)",
     "actor_rollout_ref.actor.megatron.grad_offload": "megappo keeps the actor in GPU memory (no offload)",

@@ -1,6 +1,7 @@
 """Validation statistics per data source (megappo.val_metrics) against a reference written the way verl
 0.9.1's process_validation_metrics computes them: a Python loop per prompt, per bootstrap draw, with
-numpy's global generator reseeded for every call. Equal exactly (the same draws, the same reductions)."""
+numpy's global generator reseeded for every call. Equal exactly (the same draws, the same reductions).
+Also megappo's unbiased pass@k, and validation's own sampling parameters."""
 
 import random
 from collections import defaultdict
@@ -110,3 +111,15 @@ def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_response(n, correct)
         subsets = list(combinations(values, k))
         assert got[f"val-aux/s/acc/pass@{k}"] == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
     assert not [key for key in got if "/reward/pass@" in key]
+
+
+def test_validation_samples_with_its_own_top_p_and_top_k_or_the_trainings():
+    """rollout.val_top_p / val_top_k (verl's val_kwargs.top_p / top_k; DAPO validates at top_p 0.7)."""
+    from megappo.config import RolloutConfig
+    from megappo.orchestrator import validation_params
+
+    own = validation_params(RolloutConfig(top_p=0.9, top_k=50, val_top_p=0.7, val_top_k=-1, val_temperature=1.0,
+                                          val_n=4, seed=3), (2,))
+    assert (own.top_p, own.top_k, own.temperature, own.n, own.seed, own.eos_token_ids) == (0.7, -1, 1.0, 4, 3, (2,))
+    same = validation_params(RolloutConfig(top_p=0.9, top_k=50), (2,))
+    assert (same.top_p, same.top_k, same.temperature, same.n) == (0.9, 50, 0.0, 1)
