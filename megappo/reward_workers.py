@@ -67,6 +67,10 @@ class Scoring:
                                     "native code, os._exit, or the out-of-memory killer)",
                                     fix="run with reward.num_workers=0 to see the error in the trainer's "
                                         "process") from None
+            except Exception as e:  # what a function returned could not travel back (pickle)
+                raise UserCodeError("reward functions", f"returned what a reward worker cannot send back "
+                                    f"({type(e).__name__}: {e})", fix="return a number, or a dict of numbers and "
+                                    "strings, or run with reward.num_workers=0") from None
 
 
 def _call_chunk(names: tuple[str, ...], timeout_s: float, items: list[tuple]) -> list[list[Outcome]]:

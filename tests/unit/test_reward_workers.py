@@ -40,6 +40,8 @@ REWARDS = textwrap.dedent('''
             return float("nan")
         if response == "die":
             os._exit(3)
+        if response == "lambda":
+            return {"score": 1.0, "how": lambda: 1}
         return 0.5
 ''')
 
@@ -106,10 +108,14 @@ def test_errors_timeouts_and_bad_values_are_the_same_as_rank_0s(rewards_file):
         workers.close()
 
 
-def test_a_worker_that_dies_ends_the_run_with_one_clear_error(rewards_file):
+def test_a_result_that_cannot_travel_or_a_worker_that_dies_is_one_clear_error(rewards_file):
     name = f"{rewards_file}:strict"
     workers = RewardWorkers([name], 1, timeout_s=5)
     try:
+        read = batch(["lambda"])
+        with pytest.raises(UserCodeError, match=r"returned what a reward worker cannot send back \(.*Fix: return a "
+                                                r"number, or a dict of numbers and strings"):
+            score_records([name], None, *read, outcomes=workers.start(*read[:4]).outcomes())
         read = batch(["ok", "die"])
         with pytest.raises(UserCodeError, match=r"a reward worker process died while scoring .* Fix: run with "
                                                 r"reward.num_workers=0"):
