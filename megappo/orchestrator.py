@@ -91,7 +91,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                 m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; earlier in one_step_off/async)
             exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
                                   sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
-            m.update(rollout_metrics(batch, scores, exp, old.entropy))
+            m.update(rollout_metrics(batch, scores, exp, old.entropy, run.cfg.data.max_prompt_length))
             log_generations(run, step, batch, scores)
         exp = broadcast_from_rank0(exp)
     if run.critic:
@@ -353,7 +353,7 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
     adv, ret = advantages(cfg.algorithm, token_rewards, mask, values, batch, old_log_probs=old_lp,
                           sum_pi_squared=sum_pi_squared, rollout_is_weights=is_weights, reward_components=components,
                           reward_component_weights=cfg.algorithm.gdpo_reward_weights)
-    m["critic/rewards/mean"] = (token_rewards.sum(-1)).mean().item()
+    m.update(spread("critic/rewards", token_rewards.sum(-1)))
     mask = mask_truncated(cfg.algorithm.mask_truncated_completions, batch, mask, m)
     return Experience(seqs=dataclasses.replace(seqs, response_mask=mask), old_log_probs=old_lp, advantages=adv,
                       ref_log_probs=ref_lp, values=values, returns=ret, rollout_is_weights=is_weights)
@@ -401,15 +401,18 @@ def advantages(algo, token_rewards, mask, values, batch: RolloutBatch, **inputs)
                              norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, **inputs)
 
 
-def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> dict[str, float]:
+def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy, max_prompt_length: int) -> dict[str, float]:
+    """verl's data metrics of a step's batch (its compute_data_metrics): scores, advantages, returns and values
+    (mean / max / min over the response tokens), response and prompt lengths, and the rollout's entropy."""
     mask = batch.response_mask.bool()
     lengths = batch.real_response_mask.sum(-1).float()
+    prompts = batch.prompt_mask.sum(-1).float()
     out = {
-        "critic/score/mean": scores.mean().item(),
-        "critic/score/max": scores.max().item(),
-        "critic/score/min": scores.min().item(),
-        "critic/advantages/mean": exp.advantages[mask].mean().item(),
-        "response_length/mean": lengths.mean().item(),
+        **spread("critic/score", scores),
+        **spread("critic/advantages", exp.advantages[mask]),
+        **spread("response_length", lengths),
+        **spread("prompt_length", prompts),
+        "prompt_length/clip_ratio": (prompts >= max_prompt_length).float().mean().item(),
         "perf/total_num_tokens": float(batch.prompt_mask.sum() + batch.real_response_mask.sum()),
         "response_length/clip_ratio": batch.clip_ratio,
         **(batch.env_metrics or {}),
@@ -417,12 +420,20 @@ def rollout_metrics(batch: RolloutBatch, scores, exp: Experience, entropy) -> di
     if entropy is not None:
         out["actor/rollout_entropy"] = entropy[mask].mean().item()
     if exp.returns is not None:
-        out["critic/returns/mean"] = exp.returns[mask].mean().item()
+        out.update(spread("critic/returns", exp.returns[mask]))
     if exp.values is not None:
-        out["critic/values/mean"] = exp.values[mask].mean().item()
+        out.update(spread("critic/values", exp.values[mask]))
         ret, val = exp.returns[mask], exp.values[mask]
         out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-8)).item()
     return out
+
+
+def spread(name: str, values: torch.Tensor) -> dict[str, float]:
+    """`<name>/mean`, `/max`, `/min` of `values` (NaN for none, as verl logs them)."""
+    values = values.float()
+    if not values.numel():
+        return {f"{name}/{k}": float("nan") for k in ("mean", "max", "min")}
+    return {f"{name}/mean": values.mean().item(), f"{name}/max": values.max().item(), f"{name}/min": values.min().item()}
 
 
 def train(run: Run) -> list[dict[str, float]]:

@@ -264,3 +264,39 @@ def test_the_done_line_says_the_runs_total_after_a_resume():
     assert done_line(history, 31, 100, "runs/x", "runs/x/curves.png") == (
         "done: 69 steps this launch (100 of 100 in the run), final critic/score/mean=0.980; metrics in "
         "runs/x/metrics.jsonl, curves in runs/x/curves.png")
+
+
+def test_a_steps_data_metrics_are_verls_with_max_and_min():
+    """verl's compute_data_metrics: scores, rewards, advantages, returns and values with mean / max / min over
+    the response tokens, response and prompt lengths with their clip ratios; NaN where there are none;
+    resume_step=None (run.val_only's log) keeps every record."""
+    import types
+
+    import torch
+
+    from megappo.orchestrator import rollout_metrics, spread
+    from megappo.types import RolloutBatch
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    batch = RolloutBatch(prompt_ids=torch.zeros(2, 4, dtype=torch.long), prompt_mask=torch.tensor([[0, 1, 1, 1],
+                                                                                                    [1, 1, 1, 1]]),
+                         response_ids=torch.zeros(2, 3, dtype=torch.long), response_mask=mask,
+                         rollout_log_probs=torch.zeros(2, 3), finish_reasons=["stop", "length"],
+                         prompt_index=torch.tensor([0, 1]))
+    exp = types.SimpleNamespace(advantages=torch.tensor([[0.5, -1.0, 9.0], [2.0, 9.0, 9.0]]),
+                                returns=torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]]), values=None)
+    m = rollout_metrics(batch, torch.tensor([1.0, 0.0]), exp, None, max_prompt_length=4)
+    assert (m["critic/advantages/max"], m["critic/advantages/min"], m["critic/advantages/mean"]) == (2.0, -1.0, 0.5)
+    assert (m["critic/returns/max"], m["critic/returns/min"]) == (3.0, 1.0) and "critic/values/max" not in m
+    assert (m["response_length/max"], m["response_length/min"], m["response_length/mean"]) == (2.0, 1.0, 1.5)
+    assert (m["prompt_length/max"], m["prompt_length/min"], m["prompt_length/clip_ratio"]) == (4.0, 3.0, 0.5)
+    assert (m["critic/score/max"], m["critic/score/min"]) == (1.0, 0.0)
+    assert all(v != v for v in spread("critic/values", torch.zeros(0)).values())  # NaN: nothing to describe
+
+
+def test_a_logger_that_keeps_every_record(tmp_path):
+    for step in (4, 2):  # run.val_only at step 4, then at step 2: both rows stay
+        log = MetricLogger(str(tmp_path), ["jsonl"], resume_step=None)
+        log.log(step, {"val/score/mean": step / 10})
+        log.close()
+    assert [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [4, 2]
