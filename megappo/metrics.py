@@ -353,6 +353,15 @@ PLOT_PANELS = (
 )
 
 
+def plot_panels(rows: list[dict]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """PLOT_PANELS, the reward panel with each data source's core validation metric where the validation set
+    has several (megappo.val_metrics: `val-core/<source>/<var>/mean@N`, ...)."""
+    sources = sorted({k for r in rows for k in r if k.startswith("val-core/") and "/mean@" in k})
+    if len({"/".join(k.split("/")[1:-2]) for k in sources}) < 2:  # val-core/<source>/<var>/mean@N
+        return PLOT_PANELS
+    return tuple((title, keys + tuple(sources)) if title == "reward" else (title, keys) for title, keys in PLOT_PANELS)
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
@@ -368,8 +377,9 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), 3.2))
-    for ax, (title, keys) in zip(axes, PLOT_PANELS):
+    panels = plot_panels(rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:

@@ -300,3 +300,14 @@ def test_a_logger_that_keeps_every_record(tmp_path):
         log.log(step, {"val/score/mean": step / 10})
         log.close()
     assert [r["step"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [4, 2]
+
+
+def test_the_reward_curves_show_each_data_source_when_there_are_several():
+    from megappo.metrics import PLOT_PANELS, plot_panels
+
+    one = [{"step": 0, "val-core/openai/gsm8k/acc/mean@4": 0.5, "val-core/openai/gsm8k/acc/best@4/mean": 0.7}]
+    assert plot_panels(one) == PLOT_PANELS  # one source: val/score/mean says it
+    two = [dict(one[0], **{"val-core/aime/acc/mean@4": 0.1})]
+    reward = dict(plot_panels(two))["reward"]
+    assert reward == ("critic/score/mean", "val/score/mean", "val-core/aime/acc/mean@4",
+                      "val-core/openai/gsm8k/acc/mean@4")
