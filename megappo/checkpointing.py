@@ -60,6 +60,7 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -255,8 +256,6 @@ def set_aside_later(cfg: Config, resume: dict | None) -> str | None:
                    and int(n[len("step_"):len("step_") + 8]) > step)
     if not later:
         return None
-    import time
-
     aside = os.path.join(root, SUPERSEDED, f"from_{step_dir_name(step)}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     os.makedirs(aside)
     for log in ("metrics.jsonl", "samples.jsonl"):

@@ -67,10 +67,6 @@ class Scoring:
                                     "native code, os._exit, or the out-of-memory killer)",
                                     fix="run with reward.num_workers=0 to see the error in the trainer's "
                                         "process") from None
-            except Exception as e:  # what a function returned could not travel back (pickle)
-                raise UserCodeError("reward functions", f"returned what a reward worker cannot send back "
-                                    f"({type(e).__name__}: {e})", fix="return a number, or a dict of numbers and "
-                                    "strings, or run with reward.num_workers=0") from None
 
 
 def _call_chunk(names: tuple[str, ...], timeout_s: float, items: list[tuple]) -> list[list[Outcome]]:
@@ -92,8 +88,14 @@ class RemoteError(Exception):
 
 def _portable(outcome: Outcome) -> Outcome:
     """An outcome the trainer's process can unpickle: Python's own exceptions as they are, others as a
-    RemoteError; either with the frames of the call (`remote_frames`: file, line, function, text)."""
+    RemoteError; either with the frames of the call (`remote_frames`: file, line, function, text). A
+    value that does not pickle (a lambda in the dict) is an "unsendable" outcome saying so."""
     kind, value = outcome
+    if kind == "ok":
+        try:
+            pickle.dumps(value)
+        except Exception as e:
+            return "unsendable", f"{type(value).__name__} ({type(e).__name__}: {e})"
     if kind != "error":
         return outcome
     frames = [tuple(f) for f in traceback.extract_tb(value.__traceback__)]

@@ -303,7 +303,8 @@ def _warn_once(checks: RewardChecks, name: str, what: str, text: str) -> None:
         print(f"megappo: warning: {text}", file=sys.stderr, flush=True)
 
 
-#: what one call of one function gave: ("ok", its value), ("timeout", None) or ("error", what it raised)
+#: what one call of one function gave: ("ok", its value), ("timeout", None) or ("error", what it raised); from a
+#: reward worker also ("unsendable", what it returned), a value that cannot travel between processes
 Outcome = tuple[str, Any]
 
 
@@ -339,6 +340,9 @@ def _custom_score(name: str, outcome: Outcome, row, checks: RewardChecks, fields
                                 "limit)")
     if kind == "error":
         raise UserCodeError(code, value, row=row) from value
+    if kind == "unsendable":
+        raise UserCodeError(code, f"returned a {value}, which a reward worker cannot send back", row=row,
+                            fix="return a number, or a dict of numbers and strings (or run with reward.num_workers=0)")
     if isinstance(value, dict) and "score" in value:  # verl lets compute_score return {"score": ..., ...}
         fields.update((k, v) for k, v in value.items() if k != "score")
         value = value["score"]

@@ -113,8 +113,9 @@ def test_a_result_that_cannot_travel_or_a_worker_that_dies_is_one_clear_error(re
     workers = RewardWorkers([name], 1, timeout_s=5)
     try:
         read = batch(["lambda"])
-        with pytest.raises(UserCodeError, match=r"returned what a reward worker cannot send back \(.*Fix: return a "
-                                                r"number, or a dict of numbers and strings"):
+        with pytest.raises(UserCodeError, match=r"strict' returned a dict \(.*\), which a reward worker cannot send "
+                                                r"back on train.jsonl:1 \(training row\)\. Fix: return a number, or a "
+                                                r"dict of numbers and strings"):
             score_records([name], None, *read, outcomes=workers.start(*read[:4]).outcomes())
         read = batch(["ok", "die"])
         with pytest.raises(UserCodeError, match=r"a reward worker process died while scoring .* Fix: run with "
