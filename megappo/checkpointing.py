@@ -157,8 +157,7 @@ def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
         return None
     state = None
     if path is not None:
-        older = sorted((n for n in os.listdir(root) if _STEP_DIR.match(n) and n < os.path.basename(path)
-                        and os.path.isfile(os.path.join(root, n, STATE_FILE))), reverse=True)
+        older = [n for n in reversed(_complete_steps(root)) if n < os.path.basename(path)]
         found = _intact_checkpoint([path, *(os.path.join(root, n) for n in older)], full=verify == "full")
         if isinstance(found, list):
             raise CheckpointError(f"no intact checkpoint in {root}: {len(found)} damaged (newest: {found[0]}). "
@@ -189,8 +188,7 @@ def _find_branch(cfg: Config, verify: str) -> dict:
     root, named = cfg.checkpoint_dir, named_checkpoint(cfg)
     branch = {"from": os.path.realpath(named)}
     later = []  # run.val_only validates the named checkpoint itself, not where its branch got to
-    for name in sorted((n for n in os.listdir(root) if _STEP_DIR.match(n)) if os.path.isdir(root) and
-                       not cfg.run.val_only else [], reverse=True):
+    for name in reversed(_complete_steps(root) if not cfg.run.val_only else []):
         path = os.path.join(root, name)
         if os.path.realpath(path) != branch["from"] and _state_or_none(path).get("branch") == branch:
             later.append(path)
@@ -198,8 +196,7 @@ def _find_branch(cfg: Config, verify: str) -> dict:
     if not exists and not later:
         given, step = cfg.checkpoint.resume_from, _STEP_DIR.match(os.path.basename(named))
         if step and os.path.dirname(named) == root:
-            have = sorted(int(n[len("step_"):]) for n in (os.listdir(root) if os.path.isdir(root) else [])
-                          if _STEP_DIR.match(n) and os.path.isfile(os.path.join(root, n, STATE_FILE)))
+            have = [int(n[len("step_"):]) for n in _complete_steps(root)]
             raise ConfigError(f"checkpoint.resume_from={given}: {root} has no complete checkpoint of step "
                               f"{int(step.group(1))} (its steps: {have or 'none'}). Fix: name one of those steps, or "
                               "the path of a step_NNNNNNNN directory.")
@@ -214,6 +211,12 @@ def _find_branch(cfg: Config, verify: str) -> dict:
     path, state = _resumable(found, cfg)
     _warn_unfinished(root, path, state)
     return dict(state, path=path, branch=branch)
+
+
+def _complete_steps(root: str) -> list[str]:
+    """The step_NNNNNNNN directories of `root` that hold a trainer state, oldest first ([] without `root`)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n for n in names if _STEP_DIR.match(n) and os.path.isfile(os.path.join(root, n, STATE_FILE)))
 
 
 def _state_or_none(path: str) -> dict:
@@ -252,8 +255,8 @@ def set_aside_later(cfg: Config, resume: dict | None) -> str | None:
         return None
     root, step = cfg.checkpoint_dir, resume["step"]
     names = os.listdir(root) if os.path.isdir(root) else []
-    later = sorted(n for n in names if (_STEP_DIR.match(n) or n.endswith(".partial") and _STEP_DIR.match(n[:-8]))
-                   and int(n[len("step_"):len("step_") + 8]) > step)
+    later = sorted(n for n in names if _STEP_DIR.match(n) and int(n[len("step_"):]) > step)
+    later += unfinished_saves(root, step)
     if not later:
         return None
     aside = os.path.join(root, SUPERSEDED, f"from_{step_dir_name(step)}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
@@ -261,8 +264,7 @@ def set_aside_later(cfg: Config, resume: dict | None) -> str | None:
     for log in ("metrics.jsonl", "samples.jsonl"):
         if os.path.isfile(os.path.join(cfg.run.output_dir, log)):
             shutil.copy2(os.path.join(cfg.run.output_dir, log), os.path.join(aside, log))
-    left = sorted(n for n in names if _STEP_DIR.match(n) and n not in later
-                  and os.path.isfile(os.path.join(root, n, STATE_FILE)))
+    left = [n for n in _complete_steps(root) if n not in later]
     if left:
         _write_atomic(os.path.join(root, LATEST), left[-1])
     elif os.path.exists(os.path.join(root, LATEST)):

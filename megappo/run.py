@@ -156,24 +156,26 @@ class Run:
 
     def finish(self) -> None:
         """Collective: the final checkpoint (unless this step was just saved, or checkpoint.save_every=-1
-        asks for none), the HF export if asked for, and close the logger."""
-        if self.rollouts:
-            self.rollouts.close()
-        if self.progress:
-            self.progress.close()  # the last bar stays; what follows starts on a new line
+        asks for none), the HF export if asked for, and close the reward workers and the logger."""
+        self._stop_generation()
         if self.last_saved_step != self.total_steps and self.cfg.checkpoint.save_every >= 0:
             self.save_checkpoint(self.total_steps)
         if self.cfg.checkpoint.save_hf_at_end:
             self.export_hf(os.path.join(self.cfg.run.output_dir, "hf"))
-        self.close()
+        self._release()
 
     def close(self) -> None:
-        """The rollout side's threads, the progress line, the reward workers and the logger: a run's end
-        (`finish` saves first; run.val_only saves nothing)."""
+        """The end of a run that saves nothing (run.val_only): `finish` without its checkpoint and export."""
+        self._stop_generation()
+        self._release()
+
+    def _stop_generation(self) -> None:
         if self.rollouts:
             self.rollouts.close()
         if self.progress:
-            self.progress.close()
+            self.progress.close()  # the last bar stays; what follows starts on a new line
+
+    def _release(self) -> None:
         if self.reward_workers:
             self.reward_workers.close()
         if self.logger:
