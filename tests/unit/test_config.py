@@ -215,6 +215,11 @@ GRPO = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 4}}
     ({"algorithm": {"kl_ctrl": {"horizon": 0}}}, "algorithm.kl_ctrl.horizon=0 must be >= 1"),
     ({"rollout": {"top_p": 0}}, r"rollout.top_p=0.0 must be in \(0, 1\]"),
     ({"rollout": {"top_k": 0}}, "rollout.top_k=0 must be -1 .off. or >= 1"),
+    ({"rollout": {"val_top_p": 1.5}}, r"rollout.val_top_p=1.5 must be in \(0, 1\]"),
+    ({"rollout": {"val_top_k": 0}}, "rollout.val_top_k=0 must be -1 .off. or >= 1"),
+    ({"checkpoint": {"resume_from": 250, "resume": "off"}}, r"checkpoint.resume_from=250 names a checkpoint to "
+                                                            r"resume from, but checkpoint.resume=off starts fresh\. Fix:"),
+    ({"reward": {"num_workers": -1}}, "reward.num_workers=-1 must be >= 0"),
     ({"rollout": {"sync_mode": "disk"}}, "rollout.sync_mode=disk needs rollout.engine=sglang"),
     ({"data": {"builtin": "x", "train_files": ["a"]}}, "data.builtin and data.train_files are both set"),
     ({"data": {"builtin": "x", "builtin_size": 10}}, "data.builtin_size=10 is smaller than data.train_batch_size=1024"),
