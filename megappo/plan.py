@@ -85,7 +85,7 @@ from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
 from megappo.models.recompute import Recompute
-from megappo.rollout.decode_paths import AUTO_CHOOSES_GRAPHS, static_unsupported
+from megappo.rollout.decode_paths import static_unsupported
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0  # per GPU: CUDA context, NCCL buffers, allocator slack
@@ -617,7 +617,7 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
             gpu_engine_kv = rows * seq * 2 * actor.num_layers * actor.num_query_groups * actor.head_dim * db
         # the CUDA-graph decode keeps its KV cache through the trainer's passes (docs/engines.md, "Memory")
         kv_kept = gpu_engine_kv > 0 and (cfg.rollout.hf_decode == "graphs" or (
-            cfg.rollout.hf_decode == "auto" and AUTO_CHOOSES_GRAPHS and static_unsupported(types.SimpleNamespace(**hf)) is None))
+            cfg.rollout.hf_decode == "auto" and static_unsupported(types.SimpleNamespace(**hf)) is None))
         overlaps = cfg.rollout.mode != "sync" or kv_kept
         start = sum(r.weights + r.grads + r.master for r in roles) + reserve + host_engine + gpu_engine
         engine = None

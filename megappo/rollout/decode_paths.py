@@ -9,13 +9,9 @@ from __future__ import annotations
 
 #: rollout.hf_decode values: dynamic = the hf engine's decode loop (rows leave, shapes shrink); static =
 #: static_decode's fixed-shape steps without capture; graphs = the same, each bucket's step a CUDA graph (CUDA only);
-#: auto = dynamic until the captured path has run on a GPU (AUTO_CHOOSES_GRAPHS), then graphs on CUDA for a
-#: supported model, dynamic elsewhere
+#: auto = graphs on CUDA for a supported model, dynamic elsewhere (graphs ran on an H200 on 2026-11-27:
+#: benchmarks/RESULTS.md)
 DECODE_PATHS = ("auto", "dynamic", "static", "graphs")
-
-#: whether `auto` picks the CUDA-graph decode on CUDA. False until its GPU-marked tests and `make gpu-check`'s
-#: gen part have run on a GPU (benchmarks/GPU.md): a default users get must have run where they run it
-AUTO_CHOOSES_GRAPHS = False
 
 #: model types whose forward the fixed-shape step runs as it is: dense, full attention on every layer,
 #: a 4D attention mask taken as given (transformers' masking_utils), the cache through `cache.update`
@@ -57,6 +53,4 @@ def choose_decode(requested: str, device, model) -> tuple[str, str]:
         return "dynamic", f"auto: CUDA graphs need CUDA, the engine is on {device}"
     if why_not:
         return "dynamic", f"auto: {why_not}"
-    if not AUTO_CHOOSES_GRAPHS:
-        return "dynamic", "auto: the CUDA-graph decode has not run on a GPU yet; rollout.hf_decode=graphs tries it"
     return "graphs", "auto: CUDA and a supported model"

@@ -22,7 +22,6 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.hf_engine import HFEngine, cache_keyword
-from megappo.rollout import decode_paths
 from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
 from megappo.rollout.static_decode import StaticDecoder, decode_buckets, window_step
 from megappo.types import SamplingParams
@@ -50,12 +49,10 @@ def assert_same(got, want, atol=LOG_PROB_ATOL_FP32):
     assert torch.equal(got.prompt_ids, want.prompt_ids) and torch.equal(got.prompt_index, want.prompt_index)
 
 
-def test_the_path_is_chosen_in_one_place(monkeypatch):
+def test_the_path_is_chosen_in_one_place():
     dense, moe = build_hf_model(TINY_CONFIGS["llama"], seed=1), build_hf_model(TINY_CONFIGS["qwen3_moe"], seed=1)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert choose_decode("auto", cpu, dense)[0] == "dynamic"
-    assert choose_decode("auto", cuda, dense)[0] == ("graphs" if decode_paths.AUTO_CHOOSES_GRAPHS else "dynamic")
-    monkeypatch.setattr(decode_paths, "AUTO_CHOOSES_GRAPHS", True)
     assert choose_decode("auto", cuda, dense) == ("graphs", "auto: CUDA and a supported model")
     assert choose_decode("auto", cuda, moe)[0] == "dynamic" and "qwen3_moe" in choose_decode("auto", cuda, moe)[1]
     assert choose_decode("static", cpu, dense)[0] == "static" and choose_decode("dynamic", cuda, moe)[0] == "dynamic"
@@ -241,7 +238,7 @@ def cuda_engines(path_a, path_b, family="llama"):
 def test_captured_equals_uncaptured_on_cuda(greedy):
     """bf16 on the GPU: graphs (captured once per bucket, replayed) against the same steps uncaptured:
     the same tokens and ends; log-probs within bf16's tolerance (the same kernels: expected equal)."""
-    captured, plain = cuda_engines("graphs", "static")  # not "auto": it runs dynamic until AUTO_CHOOSES_GRAPHS
+    captured, plain = cuda_engines("graphs", "static")
     assert captured.decode_path == "graphs" and plain.decode_path == "static"
     params = mixed_length_params(build_hf_model(TINY_CONFIGS["llama"], seed=3), greedy)
     for _ in range(2):  # the second call replays the graphs the first captured
