@@ -29,6 +29,11 @@ What it owns:
   (warm-up, a real step), then is captured into a graph that later steps replay; all graphs share one memory
   pool. Graphs read the model's parameters where they are: weight syncs must copy into them in place (the hf
   engine's `update_weights` does). The cache and the graphs stay until `free()`.
+- Attention of the step's one query token (`grouped_decode_attention`, the model's attention function during
+  a step): the query heads that share a KV head are that KV head's rows, so each KV head's cache
+  columns are read once. transformers' SDPA function (5.17; later versions pack the heads the same way)
+  copies K and V out to every query head (`repeat_kv`) whenever a mask is given, as it is here: g copies of
+  the window written and read again, at every layer and step (g query heads per KV head: 4 in Llama-3.2-1B).
 
 Why not transformers' StaticCache: its layers hold one batch size each and count their own length;
 the buckets here are views of one storage at several batch sizes, and the column is one device
@@ -48,7 +53,9 @@ import time
 from typing import Callable
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from megappo.rollout.sampling import sample_tokens
 from megappo.types import SamplingParams
@@ -74,6 +81,30 @@ def window_step(capacity: int) -> int:
     """The columns by which the attention window grows for a cache of `capacity` columns (a multiple
     of 16: SDPA's memory-efficient kernel wants its mask's rows aligned)."""
     return max(WINDOW_MIN, -(-capacity // (MAX_WINDOWS * 16)) * 16)
+
+
+GROUPED_DECODE = "megappo_grouped_decode"  # the name the step's attention function is registered under
+
+
+def grouped_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for one query token: query [b, H, 1, d] viewed as [b, H_kv, g, d]
+    (query head j uses KV head j // g, as `repeat_kv` pairs them), so SDPA reads key / value [b, H_kv, W, d]
+    as they are; the mask [b, 1, 1, W] is shared by a row's heads. Returns ([b, 1, H, d], None) as
+    transformers' own functions do. Anything else (more query tokens, no grouping, a training module)
+    goes to transformers' SDPA function unchanged."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, heads, q_len, dim = query.shape
+    if q_len != 1 or groups == 1 or dropout or (attention_mask is not None and attention_mask.shape[1] != 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
 
 
 class FixedLayer(DynamicLayer):
@@ -190,8 +221,14 @@ class StaticDecoder:
         """Feed rows [0, b) their last token at column `col` (< w), attending over columns [0, w), sample
         response position `step`, advance. Only device work on fixed buffers: what a CUDA graph captures."""
         self.valid[:b].index_fill_(1, self.col, True)
-        out = self.model(input_ids=self.tok[:b, None], attention_mask=self.valid[:b, None, None, :w],
-                         position_ids=self.pos[:b, None], use_cache=True, **{self.cache_keyword: self._cache(b, w)})
+        config = self.model.config
+        attention, config._attn_implementation = config._attn_implementation, GROUPED_DECODE
+        try:
+            out = self.model(input_ids=self.tok[:b, None], attention_mask=self.valid[:b, None, None, :w],
+                             position_ids=self.pos[:b, None], use_cache=True,
+                             **{self.cache_keyword: self._cache(b, w)})
+        finally:
+            config._attn_implementation = attention
         logits = out.logits[:, -1].float()  # [b, V]
         uniforms = None if params.greedy else self.uniforms[self.step, self.sample[:b]]
         tok, lp = sample_tokens(logits, params, uniforms)
