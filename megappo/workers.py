@@ -296,7 +296,8 @@ class PolicyWorker(_Passes):
                     m["actor/ppo_kl_first_micro_batch"] = masked_mean(mb["old"] - lp.detach(), mask)
                 m["actor/pg_loss"] = pg_loss.detach()
                 m["actor/entropy"] = ent_loss.detach()
-                return loss, {k: float(v) for k, v in m.items()}
+                # device scalars, read after the step (_ppo_updates): no synchronization per micro-batch
+                return loss, {k: v.detach() if torch.is_tensor(v) else v for k, v in m.items()}
 
             return on_output
 
@@ -368,7 +369,7 @@ class ValueWorker(_Passes):
                 loss, clipfrac = ppo_losses.value_loss(
                     vpreds=vpreds, returns=mb["returns"], values=mb["values"], response_mask=mb["response_mask"],
                     cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, **counts)
-                return loss, {"critic/vf_loss": loss.item(), "critic/vf_clipfrac": clipfrac.item()}
+                return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac.detach()}
 
             return on_output
 
@@ -400,9 +401,9 @@ def _ppo_updates(worker: _Passes, exp: Experience, extra: dict, loss_for, *, pre
             mbs = worker._split(exp.seqs, rows, "response", extra, training=True)
             results, step = train_step(trainable, mbs, loss_for(counts, **knobs), routing=worker.routing,
                                        head_input=worker.head_chunk > 0, step_scheduler=False)
-            for r in results:  # parts of global-count losses: summed in _reduce_metrics
+            for r in results:  # parts of global-count losses (device scalars, read once the step is done)
                 for k, v in r.items():
-                    metrics.setdefault(k, []).append(v)
+                    metrics.setdefault(k, []).append(float(v))
             for key, name in (("grad_norm", "grad_norm"), ("lr", "lr"), ("skipped", "skipped_steps")):
                 metrics.setdefault(f"{prefix}/{name}", []).append(step[key])
     trainable.scheduler.step(increment=1)

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from megappo.models import packed_rope
 from megappo.models.hf_config import ModelConfigError, ModelDims, transformer_config
 from megappo.models.lora import NO_LORA, LoRA, apply_lora
 from megappo.models.name_map import NameMap, TensorRule, global_param_name, name_map_for
@@ -190,6 +191,7 @@ def build_model(
         raise ModelConfigError(f"LoRA adapters are for the trained roles (actor, critic), not the {role} model.")
     if lora.enabled and layer_spec == "auto":
         layer_spec = "local"  # Megatron's tensor-parallel linears, which megappo.models.lora adapts (TE's fused ones not)
+    packed_rope.install()  # RoPE of packed sequences without host reads (megappo.models.packed_rope)
     with ps.active():
         model = _build_model(dims, ps, role=role, dtype=dtype, layer_spec=layer_spec,
                              make_vocab_size_divisible_by=make_vocab_size_divisible_by,

@@ -103,9 +103,11 @@ def run_micro_batches(
     value_head = model.has_value_head
 
     def forward_step(data_iterator, chunk):
-        # the whole micro-batch moves to the model's device: on_output combines its tensors with the output
-        mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(data_iterator).items()}
-        inputs = _model_inputs(model, mb, b, t)
+        # the whole micro-batch moves to the model's device: on_output combines its tensors with the output.
+        # non_blocking: a blocking host-to-device copy waits for the GPU's queue to drain (one wait per tensor)
+        host = next(data_iterator)
+        mb = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in host.items()}
+        inputs = _model_inputs(model, mb, b, t, host.get("cu_seqlens"))
         select = mb.get("select")
         routes, known = _routes_of_this_rank(model, mb)
         with (_selected_outputs(chunk, select) as selected_early, replayed_routes(chunk, routes, known, routing),
@@ -139,13 +141,16 @@ def run_micro_batches(
     return list(results) if model.ps.is_last_stage else []
 
 
-def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: int) -> dict[str, Any]:
-    """position_ids, attention_mask and packed_seq_params of one micro-batch."""
+def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: int,
+                  host_cu: torch.Tensor | None = None) -> dict[str, Any]:
+    """position_ids, attention_mask and packed_seq_params of one micro-batch (`host_cu`: its cu_seqlens
+    before the move to the device, where the longest sequence is read without a synchronization)."""
     if "cu_seqlens" in mb:  # packed: [1, L]
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = mb["cu_seqlens"]
-        longest = int((cu[1:] - cu[:-1]).max())
+        known = host_cu if host_cu is not None else cu
+        longest = int((known[1:] - known[:-1]).max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
         return {"position_ids": mb["position_ids"], "attention_mask": None, "packed_seq_params": params}

@@ -1,0 +1,49 @@
+"""Rotary embeddings of packed (THD) sequences without reading the device on the host.
+
+Megatron-Core 0.16.1's unfused RoPE for packed sequences (`rope_utils._apply_rotary_pos_emb_thd`, what
+megappo's packed passes run: `apply_rope_fusion` is off, and TE's fused kernel is not there without TE)
+builds each token's frequencies by splitting the pack by `cu_seqlens(...).tolist()` and compares
+`freqs.size(0) == cu_seqlens[-1]` on the host: two device-to-host reads for the queries and two for
+the keys, in every layer of every micro-batch, each one waiting for the GPU to drain its queue (the
+1B actor update on an H200 on 2026-11-27: 580 synchronizations a call, the GPU idle 30% of it).
+`install()` puts `thd_rope` in its place: the same frequencies, gathered by each token's position
+computed on the device, then Megatron's own `_apply_rotary_pos_emb_bshd`, so the result is bit for
+bit Megatron's (tests/unit/test_packed_rope.py). Context parallelism (CP > 1) keeps Megatron's function.
+
+This module does not know about packing plans, attention kernels or which models use RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+_MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
+
+
+def packed_positions(cu_seqlens: torch.Tensor, tokens: int, table: int) -> torch.Tensor:
+    """[tokens] the row of the frequency table each packed token takes, as Megatron's function picks
+    it: the token's position within its sequence, or (when the table has exactly `cu_seqlens[-1]`
+    rows: Megatron's "exact mapping") its position in the pack. Computed on the device."""
+    index = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    sequence = torch.searchsorted(cu_seqlens[1:], index, right=True)  # sequence i holds [cu[i], cu[i + 1])
+    within = index - cu_seqlens[sequence]
+    return torch.where(cu_seqlens[-1] == table, index, within).long()
+
+
+def thd_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+             multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """`rope_utils._apply_rotary_pos_emb_thd`'s signature and result: `t` [tokens, heads, d] packed by
+    `cu_seqlens` [sequences + 1], `freqs` [rows, 1, 1, d]."""
+    if cp_group is None or cp_group.size() > 1:  # Megatron's message for a missing group; CP splits the pack
+        return _MEGATRON_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+    rows = freqs[packed_positions(cu_seqlens, t.shape[0], freqs.shape[0])]
+    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows, rotary_interleaved=rotary_interleaved,
+                                                 multi_latent_attention=multi_latent_attention,
+                                                 mscale=mscale).squeeze(1)
+
+
+def install() -> None:
+    """Megatron's packed RoPE becomes `thd_rope` in this process (idempotent)."""
+    rope_utils._apply_rotary_pos_emb_thd = thd_rope
