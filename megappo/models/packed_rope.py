@@ -16,9 +16,8 @@ This module does not know about packing plans, attention kernels or which models
 from __future__ import annotations
 
 import torch
-from megatron.core.models.common.embeddings import rope_utils
 
-_MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
+_MEGATRON_THD = None  # Megatron's function, kept by install() (megatron is imported then, not at import time)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, tokens: int, table: int) -> torch.Tensor:
@@ -35,8 +34,10 @@ def thd_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rot
              multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
     """`rope_utils._apply_rotary_pos_emb_thd`'s signature and result: `t` [tokens, heads, d] packed by
     `cu_seqlens` [sequences + 1], `freqs` [rows, 1, 1, d]."""
+    from megatron.core.models.common.embeddings import rope_utils
+
     if cp_group is None or cp_group.size() > 1:  # Megatron's message for a missing group; CP splits the pack
-        return _MEGATRON_THD(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+        return megatron_thd()(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
     rows = freqs[packed_positions(cu_seqlens, t.shape[0], freqs.shape[0])]
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows, rotary_interleaved=rotary_interleaved,
@@ -44,6 +45,19 @@ def thd_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rot
                                                  mscale=mscale).squeeze(1)
 
 
+def megatron_thd():
+    """Megatron-Core's own `_apply_rotary_pos_emb_thd` (also after install())."""
+    global _MEGATRON_THD
+    if _MEGATRON_THD is None:
+        from megatron.core.models.common.embeddings import rope_utils
+
+        _MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
+    return _MEGATRON_THD
+
+
 def install() -> None:
     """Megatron's packed RoPE becomes `thd_rope` in this process (idempotent)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    megatron_thd()
     rope_utils._apply_rotary_pos_emb_thd = thd_rope

@@ -47,7 +47,7 @@ def test_equals_megatron_bit_for_bit(dtype, lengths, table):
             t = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
             mine, theirs = t.clone().requires_grad_(), t.clone().requires_grad_()
             got = thd_rope(mine, cu, freqs, **kwargs)
-            want = packed_rope._MEGATRON_THD(theirs, cu, freqs, **kwargs)
+            want = packed_rope.megatron_thd()(theirs, cu, freqs, **kwargs)
             assert got.dtype == want.dtype and torch.equal(got, want)
             grad = torch.randn(want.shape, generator=gen).to(dtype)
             got.backward(grad)
@@ -60,7 +60,7 @@ def test_reads_nothing_back_from_the_device():
     t, freqs = torch.empty(5, 2, 8, device="meta"), torch.empty(5, 1, 1, 8, device="meta")
     assert thd_rope(t, cu, freqs, cp_group=OneRank()).shape == (5, 2, 8)
     with pytest.raises(NotImplementedError, match="meta"):  # what the replacement saves: Megatron's reads
-        packed_rope._MEGATRON_THD(t, cu, freqs, cp_group=OneRank())
+        packed_rope.megatron_thd()(t, cu, freqs, cp_group=OneRank())
 
 
 def test_positions():
