@@ -2,7 +2,8 @@
 
 - rollout.mode=async with max_staleness=1 and the hf engine in a child process of rank 0
   (rollout.placement=separate) trains exactly as one_step_off with the engine in rank 0's
-  process: same policy versions, same samples, same metrics, bit for bit;
+  process: same policy versions, same samples, same metrics, bit for bit, also with the async
+  run's rewards scored by 2 reward worker processes (reward.num_workers);
 - rollout.mode=async (max_staleness=2): a run killed in the middle of a step and resumed
   from its last checkpoint (whose buffered batches, generated ahead, it restores) ends
   bit-identical to a run that went straight through: tests/e2e/test_dynamic_sampling.py (with
@@ -31,11 +32,17 @@ def command(out, *extra):
 
 
 def test_async_1_in_a_separate_engine_trains_like_one_step_off_colocated(tmp_path):
-    args = [IS, "run.total_steps=3", "run.val_every=2", "checkpoint.save_every=0"]
-    run(command(tmp_path / "one_step_off", *args, "rollout.mode=one_step_off"))
-    run(command(tmp_path / "async", *args, "rollout.mode=async", "rollout.max_staleness=1",
-                "rollout.placement=separate"))
-    assert metrics(tmp_path / "async") == metrics(tmp_path / "one_step_off")
+    """Also reward.num_workers: the async run's reward function is called by 2 worker processes (during
+    the model passes, and in validation), the one_step_off run's by rank 0; the metrics are the same."""
+    args = [IS, "run.total_steps=3", "run.val_every=2", "rollout.val_n=2", "checkpoint.save_every=0"]
+    serial = run(command(tmp_path / "one_step_off", *args, "rollout.mode=one_step_off"))
+    workers = run(command(tmp_path / "async", *args, "rollout.mode=async", "rollout.max_staleness=1",
+                          "rollout.placement=separate", "reward.num_workers=2"))
+    assert " reward_workers=2\n" in workers and " reward_workers=" not in serial
+    logged = metrics(tmp_path / "async")
+    assert [r["step"] for r in logged] == [0, 1, 2, 3]
+    assert all("val-core/digit_successor/reward/mean@2" in logged[i] for i in (0, 2))  # validations scored too
+    assert logged == metrics(tmp_path / "one_step_off")
 
 
 #: verl's newer losses with rollout correction in its two IS forms (the token form is what actor.old_logprob=
