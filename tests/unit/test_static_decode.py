@@ -23,8 +23,8 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.hf_engine import HFEngine, cache_keyword
-from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
 from megappo.rollout import static_decode
+from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
 from megappo.rollout.static_decode import StaticDecoder, decode_buckets, grouped_decode_attention, window_step
 from megappo.types import SamplingParams
 from tests.unit.test_hf_engine import MIXED, PAD, PROMPTS, mixed_length_params
