@@ -107,7 +107,7 @@ def run_micro_batches(
         # non_blocking: a blocking host-to-device copy waits for the GPU's queue to drain (one wait per tensor)
         host = next(data_iterator)
         mb = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in host.items()}
-        inputs = _model_inputs(model, mb, b, t, host.get("cu_seqlens"))
+        inputs = _model_inputs(model, mb, b, t, host)
         select = mb.get("select")
         routes, known = _routes_of_this_rank(model, mb)
         with (_selected_outputs(chunk, select) as selected_early, replayed_routes(chunk, routes, known, routing),
@@ -142,14 +142,13 @@ def run_micro_batches(
 
 
 def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: int,
-                  host_cu: torch.Tensor | None = None) -> dict[str, Any]:
-    """position_ids, attention_mask and packed_seq_params of one micro-batch (`host_cu`: its cu_seqlens
-    before the move to the device, where the longest sequence is read without a synchronization)."""
+                  host: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """position_ids, attention_mask and packed_seq_params of one micro-batch (`host`: the same micro-batch
+    before its move to the device, where the longest sequence is read without a synchronization)."""
     if "cu_seqlens" in mb:  # packed: [1, L]
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = mb["cu_seqlens"]
-        known = host_cu if host_cu is not None else cu
+        cu, known = mb["cu_seqlens"], host["cu_seqlens"]
         longest = int((known[1:] - known[:-1]).max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
