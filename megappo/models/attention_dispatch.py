@@ -15,9 +15,13 @@ dtype, the head dim, the dropout and what this process can import (`available_ke
   flash_attn  `flash_attn.flash_attn_varlen_func` from the flash-attn package when it imports:
               the same single call, GQA native, dropout supported. Chosen on CUDA when `varlen`
               cannot take the call (an older torch without it, dropout > 0).
-  sdpa        torch's `scaled_dot_product_attention` once per sequence with `enable_gqa`, on
-              [1, heads, len, d] on CUDA, [heads, len, d] on CPU: every device and dtype. The reference the fused kernels
-              are tested against (tests/unit/test_attention_dispatch.py) and the CPU path.
+  sdpa        torch's `scaled_dot_product_attention` with `enable_gqa` per sequence, on
+              [1, heads, len, d] on CUDA; on CPU once per sequence length, the sequences of that
+              length stacked as [n x heads, len, d] (`_sdpa_by_length`: bit for bit the call per
+              sequence, forward and backward, tested; a micro-batch of 64 short rollouts makes a
+              few calls instead of 64, each of them going through the CPU layer's torch-function
+              mode). Every device and dtype. The reference the fused kernels are tested against
+              (tests/unit/test_attention_dispatch.py) and the CPU path.
 
 Transformer Engine's layer spec (`model.layer_spec=te`) does not come here: TE's own
 DotProductAttention reads the THD format (cu_seqlens) and picks its fused kernels itself.
@@ -125,12 +129,15 @@ def per_sequence_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float | None, dropout: float = 0.0) -> torch.Tensor:
     """SDPA on each sequence alone ([t, h, d] slices -> [1, h, len, d] on CUDA, [h, len, d] on CPU;
     causal, GQA heads shared): compute and memory follow sum(len_i^2), not t^2, and no mask is
-    built. -> [t, hq, d]."""
+    built. On CPU without dropout, sequences of one length share a call (`_sdpa_by_length`).
+    -> [t, hq, d]."""
     assert bounds[0] == 0 and bounds[-1] == query.shape[0], (bounds, query.shape)
     gqa = query.shape[1] != key.shape[1]
     # CUDA's fused SDPA backends need 4-D inputs; on CPU the 3-D call is the one megappo's results
     # (and the demo's trajectory) were measured with: the 4-D one differs by up to 3.6e-7 in fp32
     batched = query.device.type == "cuda"
+    if not batched and dropout == 0.0:  # (with dropout, one call per sequence draws the masks in its order)
+        return _sdpa_by_length(query, key, value, bounds, scale=scale, gqa=gqa)
     outputs = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
         q, k, v = (x[start:stop].transpose(0, 1) for x in (query, key, value))  # [h, len, d]
@@ -140,3 +147,34 @@ def per_sequence_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             q, k, v, is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=gqa)
         outputs.append((out[0] if batched else out).transpose(0, 1))
     return torch.cat(outputs)
+
+
+def _sdpa_by_length(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], *,
+                    scale: float | None, gqa: bool) -> torch.Tensor:
+    """The CPU per-sequence call, one per distinct length: the n sequences of length len gathered
+    into [n x h, len, d] (sequence-major, so query head j of sequence i reads key/value head
+    (i x hq + j) // (hq / hkv) = i x hkv + j // (hq / hkv), its own), the outputs put back in
+    token order. Each [len, d] slice goes through the same 3-D kernel as alone: equal bit for bit
+    to a call per sequence, gradients included (gathers and their scatter-adds onto distinct
+    positions add nothing but zeros). -> [t, hq, d]."""
+    starts: dict[int, list[int]] = {}
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        if stop > start:
+            starts.setdefault(stop - start, []).append(start)
+    outputs, order = [], []
+    for length, firsts in starts.items():
+        n = len(firsts)
+        idx = (torch.tensor(firsts)[:, None] + torch.arange(length)).flatten()  # [n x len] token positions
+        q, k, v = (x.index_select(0, idx).view(n, length, *x.shape[1:]).transpose(1, 2).reshape(
+            n * x.shape[1], length, x.shape[2]) for x in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        outputs.append(out.view(n, query.shape[1], length, -1).transpose(1, 2).reshape(n * length, query.shape[1], -1))
+        order.append(idx)
+    if not outputs:  # no tokens
+        return query.new_empty((0, query.shape[1], value.shape[2]))
+    if len(outputs) == 1 and len(starts[length]) == 1:  # one sequence: already in token order
+        return outputs[0]
+    order = torch.cat(order)
+    where = torch.empty_like(order)
+    where[order] = torch.arange(order.numel())  # token position -> its row of the stacked outputs
+    return torch.cat(outputs).index_select(0, where)

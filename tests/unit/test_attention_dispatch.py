@@ -127,3 +127,35 @@ def test_varlen_kernel_equals_per_sequence_sdpa_in_bf16(monkeypatch, hq, hkv, na
     ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.float(), r.float(), atol=5 * BF16_ATTN_TOL, rtol=5 * BF16_ATTN_TOL)
+
+
+def one_call_per_sequence(q, k, v, bounds, scale):
+    """The CPU path as it was: one 3-D SDPA call per sequence, the outputs concatenated."""
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("lengths", [(5, 3, 5, 7, 3, 3, 1, 5), (9,), (4, 0, 4, 2), (2,) * 33, (1, 64, 17, 64, 1)])
+def test_cpu_sdpa_by_length_is_the_call_per_sequence_bit_for_bit(monkeypatch, dtype, hq, hkv, lengths):
+    """The CPU path stacks the sequences of one length into one call: outputs and the gradients of
+    q, k and v equal one call per sequence exactly (fp32 and bf16, GQA, empty and single sequences,
+    lengths interleaved)."""
+    q, k, v, bounds = _packed(dtype, hq=hq, hkv=hkv, lengths=lengths)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = ad.per_sequence_sdpa(q, k, v, bounds, scale=0.3)
+    ref = one_call_per_sequence(q, k, v, bounds, 0.3)
+    assert out.dtype == dtype and torch.equal(out, ref)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), upstream)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    ad.per_sequence_sdpa(q, k, v, bounds, scale=0.3)
+    assert len(calls) == len({n for n in lengths if n})  # one call per distinct length
