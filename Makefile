@@ -33,7 +33,10 @@ demo: install
 
 # `make test` ends with the CPU SGLang lane; SGLANG_LANE= (empty) leaves it out
 SGLANG_LANE ?= test-sglang
+# compileall: the suite starts a few hundred Python processes; where the environment sets
+# PYTHONDONTWRITEBYTECODE (this project's machines do), each would compile megappo again (~0.5 s a process)
 test: install-test
+	$(PYTHON) -m compileall -q megappo tests tools benchmarks > /dev/null
 	$(PYTHON) -m pytest -q --durations=25 tests
 ifneq ($(SGLANG_LANE),)
 	$(MAKE) $(SGLANG_LANE)
