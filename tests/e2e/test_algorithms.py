@@ -1,7 +1,12 @@
 """The other algorithms and options through the CLI, 2 steps each on the demo task:
 critic-free estimators, KL as a loss and in the reward (adaptive), the three old-log-prob
 modes, verl 0.9.1's newer policy losses, estimators and rollout correction (decoupled and
-bypass), and a reward model next to the rule-based reward."""
+bypass), and a reward model next to the rule-based reward.
+
+The algorithm cases run in a world of one (`ONE_RANK`: TP1, no launcher): what they check is the
+algorithm's wiring and metrics, which no layout changes; the demo's TP2 runs the same passes in
+tests/e2e/test_cli_demo.py and the layouts are compared in tests/e2e/test_parallel_invariance.py.
+The reward model runs at the demo's TP2."""
 
 import json
 import os
@@ -51,6 +56,10 @@ CASES = {
 }
 
 
+#: a world of one: one process, TP1
+ONE_RANK = ["--world-size", "1", "parallel.tp=1"]
+
+
 def train(tmp_path, overrides):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
@@ -63,7 +72,7 @@ def train(tmp_path, overrides):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_algorithm_runs(tmp_path, case):
-    rows = train(tmp_path, CASES[case])
+    rows = train(tmp_path, [*ONE_RANK, *CASES[case]])
     assert len(rows) == 2 and all("actor/pg_loss" in r for r in rows)
     last = rows[-1]
     assert "critic/vf_loss" not in last  # no critic without GAE
@@ -114,7 +123,7 @@ def test_flop_rates_are_logged_on_cpu(tmp_path):
     """PPO (critic + GAE) with a KL loss (so a reference pass): every model stage logs its model
     FLOP rate (megappo.models.flops / megappo.perf); on CPU there is no peak, so no MFU, and no
     CUDA memory metrics."""
-    rows = train(tmp_path, ["actor.use_kl_loss=true"])
+    rows = train(tmp_path, [*ONE_RANK, "actor.use_kl_loss=true"])
     last = rows[-1]
     for name in ("old_log_prob", "ref", "values", "actor", "critic"):
         assert last[f"perf/tflops/{name}"] > 0, name
@@ -126,6 +135,7 @@ def test_the_lr_schedule_moves_once_per_training_step(tmp_path):
     optim.warmup_steps counts training steps (Megatron's linear warmup from 0: 0, lr / 2, lr). Stepped per
     optimizer step, the first step's rates would be 0, 1/2, 1, 1 x lr. The critic's warmup is verl's ratio of the
     run's steps: int(0.7 x 3) = 2."""
-    rows = train(tmp_path, ["run.total_steps=3", "actor.optim.warmup_steps=2", "critic.optim.warmup_steps_ratio=0.7"])
+    rows = train(tmp_path, [*ONE_RANK, "run.total_steps=3", "actor.optim.warmup_steps=2",
+                            "critic.optim.warmup_steps_ratio=0.7"])
     assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])
     assert [r["critic/lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])
