@@ -1,6 +1,7 @@
 """The real bridge from a Megatron actor (torchrun, gloo) into real SGLang on CPU, in the three
-sync modes, at actor TP=1, TP=2 and PP=2 in float32, and at TP=2 in bf16, every GPU recipe's dtype,
-through the tensor and distributed modes (tests/sglang/workers/sglang_bridge_worker.py)."""
+sync modes, at actor TP=1 and PP=2 in float32, and at TP=2 in bf16, every GPU recipe's dtype,
+through the tensor and distributed modes (tests/sglang/workers/sglang_bridge_worker.py). (TP=2 in
+float32 left CI, for time: its gather is bf16's, its dtype TP=1's and PP=2's.)"""
 
 import pytest
 
@@ -12,7 +13,6 @@ WORKER = f"{LANE}/workers/sglang_bridge_worker.py"
 
 @pytest.mark.parametrize("nproc,tp,pp,modes,dtype", [
     (1, 1, 1, "tensor,disk,distributed", "float32"),
-    (2, 2, 1, "tensor,distributed", "float32"),
     (2, 1, 2, "disk,tensor", "float32"),
     (2, 2, 1, "tensor,distributed", "bfloat16"),
 ])
