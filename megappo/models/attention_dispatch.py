@@ -172,7 +172,7 @@ def _sdpa_by_length(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         order.append(idx)
     if not outputs:  # no tokens
         return query.new_empty((0, query.shape[1], value.shape[2]))
-    if len(outputs) == 1 and len(starts[length]) == 1:  # one sequence: already in token order
+    if len(outputs) == 1:  # one length: its sequences, in order, are every token in order
         return outputs[0]
     order = torch.cat(order)
     where = torch.empty_like(order)
