@@ -14,7 +14,8 @@ dynamic / static / CUDA-graph decode and transformers' static cache + compile, 5
 that fails, passes its limit (its whole process group is killed: nothing of it keeps the GPU) or
 cannot start is recorded with its exit code and log tail and the next one runs. gpu.py's parts get
 `--time-limit` (their limit less 15 s): an e2e run still going then is killed and its row keeps the
-steps it finished, so the part ends in time to write its JSON.
+steps it finished, so the part ends in time to write its JSON. grpo (e2e's 1.7B GRPO run alone) only when
+--parts names it.
 Writes, after every part, DIR/gpu-check.json (every part's status, seconds and rows) and
 DIR/gpu-check.txt (the tables), DIR/<part>.log and DIR/<part>.json.
 
@@ -51,10 +52,12 @@ FULL = {
     "e2e": ([GPU_PY, "--sections", "e2e", "--e2e-timeout", "190"], 0.40),
     "gen512": ([GPU_PY, "--sections", "gen", "--gen-size", "1b", "--gen-batch", "128", "--gen-new-tokens", "512",
                 "--gen-repeats", "3"], 0.30),
+    "grpo": ([GPU_PY, "--sections", "e2e", "--e2e-recipes", "grpo-1p7b", "--e2e-timeout", "150"], 0.20),
 }
 #: parts a check runs only when --parts names them: gen at issue 39's shape, 128 x (128 + 512) tokens, took
-#: 175 s on an H200, more than a full check's 570 s leave it
-ON_REQUEST = {"gen512"}
+#: 175 s on an H200, more than a full check's 570 s leave it; grpo, e2e's 1.7B GRPO run alone (about 100 s),
+#: for a short call after a change to generation (`--parts tests,grpo --budget 220`)
+ON_REQUEST = {"gen512", "grpo"}
 SMOKE = {
     "tests": FULL["tests"],
     "bench": ([GPU_PY, "--smoke", "--e2e-dir", "{out}/e2e", "--profile-dir", "{out}/profile"], 0.9),  # files kept to check

@@ -29,7 +29,7 @@ def static_unsupported(config) -> str | None:
     if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
         return "the model has sliding-window layers"
     if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
-        return f"attention '{config._attn_implementation}' (the step passes sdpa a boolean mask)"
+        return f"attention '{config._attn_implementation}' (the step passes sdpa a 4D mask)"
     return None
 
 

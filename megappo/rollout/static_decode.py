@@ -29,11 +29,9 @@ What it owns:
   (warm-up, a real step), then is captured into a graph that later steps replay; all graphs share one memory
   pool. Graphs read the model's parameters where they are: weight syncs must copy into them in place (the hf
   engine's `update_weights` does). The cache and the graphs stay until `free()`.
-- Attention of the step's one query token (`grouped_decode_attention`, the model's attention function during
-  a step): the query heads that share a KV head are that KV head's rows, so each KV head's cache
-  columns are read once. transformers' SDPA function (5.17; later versions pack the heads the same way)
-  copies K and V out to every query head (`repeat_kv`) whenever a mask is given, as it is here: g copies of
-  the window written and read again, at every layer and step (g query heads per KV head: 4 in Llama-3.2-1B).
+- The step's kernels (megappo.rollout.decode_kernels.StepKernels, around each step's forward): attention
+  with the query heads grouped by their KV head, RMSNorm as torch's rms_norm, RoPE in fewer kernels; and the
+  attention mask made additive once a step (SDPA would convert a boolean one at every layer).
 
 Why not transformers' StaticCache: its layers hold one batch size each and count their own length;
 the buckets here are views of one storage at several batch sizes, and the column is one device
@@ -53,10 +51,9 @@ import time
 from typing import Callable
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from megappo.rollout.decode_kernels import StepKernels
 from megappo.rollout.sampling import sample_tokens
 from megappo.types import SamplingParams
 
@@ -81,30 +78,6 @@ def window_step(capacity: int) -> int:
     """The columns by which the attention window grows for a cache of `capacity` columns (a multiple
     of 16: SDPA's memory-efficient kernel wants its mask's rows aligned)."""
     return max(WINDOW_MIN, -(-capacity // (MAX_WINDOWS * 16)) * 16)
-
-
-GROUPED_DECODE = "megappo_grouped_decode"  # the name the step's attention function is registered under
-
-
-def grouped_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface for one query token: query [b, H, 1, d] viewed as [b, H_kv, g, d]
-    (query head j uses KV head j // g, as `repeat_kv` pairs them), so SDPA reads key / value [b, H_kv, W, d]
-    as they are; the mask [b, 1, 1, W] is shared by a row's heads. Returns ([b, 1, H, d], None) as
-    transformers' own functions do. Anything else (more query tokens, no grouping, a training module)
-    goes to transformers' SDPA function unchanged."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    b, heads, q_len, dim = query.shape
-    if q_len != 1 or groups == 1 or dropout or (attention_mask is not None and attention_mask.shape[1] != 1):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(b, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
 
 
 class FixedLayer(DynamicLayer):
@@ -146,6 +119,7 @@ class StaticDecoder:
         self.model, self.cache_keyword, self.capture = model, cache_keyword, capture
         self.eos_check_every, self.log, self.window = eos_check_every, log, window
         self.kv: torch.Tensor | None = None
+        self._kernels = StepKernels(model)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._caches: dict[tuple[int, int], Cache] = {}  # (bucket, window) -> the layers' views
         self._stops: dict[tuple, torch.Tensor] = {}  # stop ids -> the device tensor steps compare with
@@ -173,6 +147,9 @@ class StaticDecoder:
         # zeros: masked columns are multiplied by 0 in attention, and 0 * garbage may be NaN
         self.kv = torch.zeros((layers, 2, rows, heads, capacity, dim), dtype=like.dtype, device=dev)
         self.valid = torch.zeros((rows, capacity), dtype=torch.bool, device=dev)  # [N_max, C] attend here
+        #: what a step adds to its attention scores where `valid` is True / False (the additive mask's values)
+        self.attend = torch.zeros((), dtype=like.dtype, device=dev)
+        self.skip = torch.full((), float("-inf"), dtype=like.dtype, device=dev)
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)  # [N_max] the token fed next
         self.pos = torch.zeros(rows, dtype=torch.long, device=dev)  # [N_max] its position
         self.sample = torch.arange(rows, device=dev)  # [N_max] which sample each row is
@@ -221,14 +198,11 @@ class StaticDecoder:
         """Feed rows [0, b) their last token at column `col` (< w), attending over columns [0, w), sample
         response position `step`, advance. Only device work on fixed buffers: what a CUDA graph captures."""
         self.valid[:b].index_fill_(1, self.col, True)
-        config = self.model.config
-        attention, config._attn_implementation = config._attn_implementation, GROUPED_DECODE
-        try:
-            out = self.model(input_ids=self.tok[:b, None], attention_mask=self.valid[:b, None, None, :w],
-                             position_ids=self.pos[:b, None], use_cache=True,
-                             **{self.cache_keyword: self._cache(b, w)})
-        finally:
-            config._attn_implementation = attention
+        # additive, made once a step: SDPA would turn a boolean mask into this at every layer (3-4 kernels)
+        mask = torch.where(self.valid[:b, None, None, :w], self.attend, self.skip)  # [b, 1, 1, w]
+        with self._kernels:
+            out = self.model(input_ids=self.tok[:b, None], attention_mask=mask, position_ids=self.pos[:b, None],
+                             use_cache=True, **{self.cache_keyword: self._cache(b, w)})
         logits = out.logits[:, -1].float()  # [b, V]
         uniforms = None if params.greedy else self.uniforms[self.step, self.sample[:b]]
         tok, lp = sample_tokens(logits, params, uniforms)

@@ -12,8 +12,8 @@ path against the uncaptured one, and a weight sync between two captured generati
 What a capture needs, checked on the host: the step reads nothing back from the device (meta device),
 reads the same memory at every step of a bucket, and, replayed as a graph replays (`RecordedStep`: the
 step's ATen ops recorded once per bucket with their arguments frozen, then run again on the same
-tensors), gives the dynamic path's tokens across calls and a weight sync. The step's attention (query heads
-grouped by their KV head, no copies of K and V) equals attention over K and V repeated per query head.
+tensors), gives the dynamic path's tokens across calls and a weight sync. The step's kernels against transformers'
+own: tests/unit/test_decode_kernels.py.
 """
 
 import copy
@@ -23,9 +23,10 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.hf_engine import HFEngine, cache_keyword
-from megappo.rollout import static_decode
 from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
-from megappo.rollout.static_decode import StaticDecoder, decode_buckets, grouped_decode_attention, window_step
+from megappo.rollout import decode_kernels
+from megappo.rollout.decode_kernels import grouped_decode_attention
+from megappo.rollout.static_decode import StaticDecoder, decode_buckets, window_step
 from megappo.types import SamplingParams
 from tests.unit.test_hf_engine import MIXED, PAD, PROMPTS, mixed_length_params
 
@@ -549,36 +550,6 @@ def test_replayed_steps_equal_the_uncaptured_static_path_bit_for_bit_in_bf16(mod
     assert recorded and "stop" in want.finish_reasons
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_decode_attention_equals_attention_over_repeated_heads(dtype):
-    """The step's attention: one query token per row, query heads grouped by their KV head (g = 1, 2, 4), over a
-    window of a longer cache (keys / values not contiguous) with a per-row mask, against softmax(q k^T) v in
-    float64 with K and V repeated per query head as transformers' `repeat_kv` does: within 1e-6 in fp32, one
-    bf16 rounding (8e-3) in bf16. More than one query token goes to transformers' SDPA unchanged."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-
-    gen = torch.Generator().manual_seed(0)
-    for groups in (1, 2, 4):
-        b, kv_heads, cache, window, dim = 3, 2, 96, 64, 16
-        module = torch.nn.Module()
-        module.num_key_value_groups, module.is_causal = groups, True
-        query = torch.randn(b, kv_heads * groups, 1, dim, generator=gen).to(dtype)
-        keys, values = (torch.randn(b, kv_heads, cache, dim, generator=gen).to(dtype) for _ in range(2))
-        mask = torch.rand(b, 1, 1, window, generator=gen) < 0.7
-        mask[..., 0] = True
-        got, weights = grouped_decode_attention(module, query, keys[:, :, :window], values[:, :, :window], mask,
-                                                scaling=dim ** -0.5)
-        k, v = (repeat_kv(x[:, :, :window].double(), groups) for x in (keys, values))
-        scores = (query.double() @ k.transpose(-1, -2) * dim ** -0.5).masked_fill(~mask, float("-inf"))
-        want = (scores.softmax(-1) @ v).transpose(1, 2)
-        assert got.shape == (b, 1, kv_heads * groups, dim) and got.dtype == dtype and weights is None
-        assert (got.double() - want).abs().max() <= (1e-6 if dtype == torch.float32 else 8e-3)
-    prompt = torch.randn(b, kv_heads * groups, 5, dim, generator=gen).to(dtype)
-    k5, v5 = keys[:, :, :5], values[:, :, :5]
-    assert torch.equal(grouped_decode_attention(module, prompt, k5, v5, None, scaling=0.25)[0],
-                       sdpa_attention_forward(module, prompt, k5, v5, None, scaling=0.25)[0])
-
-
 def test_the_step_attends_through_the_grouped_function(model, monkeypatch):
     """Every decode step's attention layers call `grouped_decode_attention` (registered in transformers'
     attention interface and set on the model only during a step); the prefill and the model's own
@@ -591,7 +562,7 @@ def test_the_step_attends_through_the_grouped_function(model, monkeypatch):
         calls.append(query.shape[2])
         return grouped_decode_attention(module, query, *args, **kwargs)
 
-    monkeypatch.setitem(AttentionInterface._global_mapping, static_decode.GROUPED_DECODE, spy)
+    monkeypatch.setitem(AttentionInterface._global_mapping, decode_kernels.GROUPED_DECODE, spy)
     static = engines(model)[1]
     out = static.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))
     steps = 5  # the first token comes from the prefill
