@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import torch
 from transformers import AttentionInterface
@@ -85,11 +86,16 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out[:, :heads], out[:, heads:]
 
 
+_STEP = threading.Lock()  # one step's replacements in place at a time, whichever engine or thread runs it
+
+
 class StepKernels:
     """`with kernels:` around a step's forward: the model's attention function is `grouped_decode_attention`,
     its RMS_NORMS layers run `rms_norm`, and its ROPE_ATTENTIONS' modeling modules call `rope`; all undone on
-    exit. The modeling modules' `apply_rotary_pos_emb` is module state: another thread running a model of the
-    same family inside a step would get `rope` too (bit for bit the same function)."""
+    exit. The modeling modules' `apply_rotary_pos_emb` is module state, so steps that run eagerly (a warm-up,
+    a capture, the uncaptured path) take one lock: engines in several threads run them one at a time (graph
+    replays take no lock). Another thread running a model of the same family outside any step meanwhile gets
+    `rope` too: bit for bit the same function."""
 
     def __init__(self, model: torch.nn.Module):
         self.config = model.config
@@ -100,6 +106,7 @@ class StepKernels:
         self._saved: tuple | None = None
 
     def __enter__(self) -> None:
+        _STEP.acquire()
         self._saved = (self.config._attn_implementation, [m.apply_rotary_pos_emb for m in self.modeling])
         self.config._attn_implementation = GROUPED_DECODE
         for module in self.norms:  # an instance attribute: nn.Module.__call__ finds it before the class's
@@ -108,9 +115,12 @@ class StepKernels:
             modeling.apply_rotary_pos_emb = rope
 
     def __exit__(self, *exc) -> None:
-        attention, ropes = self._saved
-        self.config._attn_implementation = attention
-        for module in self.norms:
-            del module.forward
-        for modeling, original in zip(self.modeling, ropes):
-            modeling.apply_rotary_pos_emb = original
+        try:
+            attention, ropes = self._saved
+            self.config._attn_implementation = attention
+            for module in self.norms:
+                del module.forward
+            for modeling, original in zip(self.modeling, ropes):
+                modeling.apply_rotary_pos_emb = original
+        finally:
+            _STEP.release()

@@ -2,7 +2,8 @@
 bit (fp32 and bf16, GQA, one and several positions, each supported model family's function); RMSNorm bit for
 bit in fp32 and within one bf16 rounding in bf16, equal to the trainer's torch.nn.RMSNorm; the grouped
 attention against attention over K and V repeated per query head; and `StepKernels` reaching every norm and
-RoPE call of each supported model during a step, and undoing it all after one, also one that raised.
+RoPE call of each supported model during a step, undoing it all after one (also one that raised), and
+steps in two threads taking turns.
 """
 
 import importlib
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.rollout import decode_kernels
 from megappo.rollout.decode_kernels import (GROUPED_DECODE, StepKernels, grouped_decode_attention, rms_norm,
                                             rope)
 from megappo.rollout.decode_paths import STATIC_MODEL_TYPES
@@ -118,3 +120,26 @@ def test_step_kernels_reach_every_norm_and_rope_call_and_undo_them(family, monke
                 raise RuntimeError("inside a step")
     assert module.apply_rotary_pos_emb is original and model.config._attn_implementation == attention
     assert not any("forward" in vars(m) for m in kernels.norms)
+    assert not decode_kernels._STEP.locked()  # released after a step, also after one that raised
+
+
+def test_steps_in_two_threads_take_turns():
+    """Two engines' eager steps in two threads: the second waits for the first to undo its replacements,
+    so neither restores the other's (the modeling module's RoPE is shared state)."""
+    import threading
+
+    first, second = (StepKernels(build_hf_model(TINY_CONFIGS["llama"], seed=s)) for s in (1, 2))
+    original, order = modeling("llama").apply_rotary_pos_emb, []
+
+    def step_in_thread():
+        with second:
+            order.append("second")
+
+    with first:
+        thread = threading.Thread(target=step_in_thread)
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive() and order == []  # waiting for the first step
+        order.append("first")
+    thread.join(timeout=30)
+    assert order == ["first", "second"] and modeling("llama").apply_rotary_pos_emb is original
