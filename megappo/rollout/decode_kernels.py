@@ -74,16 +74,16 @@ _SIGNS: dict[tuple, torch.Tensor] = {}  # (dim, dtype, device) -> [-1] * dim/2 +
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' apply_rotary_pos_emb bit for bit: q [b, H, s, d], k [b, H_kv, s, d], cos / sin [b, s, d]
-    -> (q, k) rotated (views of one [b, H + H_kv, s, d] tensor)."""
-    heads, dim = q.shape[1], q.shape[-1]
+    -> (q, k) rotated, views of one [b, H + H_kv, s, d] tensor (heads at dim `unsqueeze_dim`, as there)."""
+    heads, dim = q.shape[unsqueeze_dim], q.shape[-1]
     key = (dim, sin.dtype, sin.device)
     if key not in _SIGNS:  # made in a step's eager warm-up, before any capture, and kept: graphs read it
         _SIGNS[key] = torch.cat([torch.full((dim // 2,), -1.0), torch.ones(dim - dim // 2)]).to(sin.dtype).to(sin.device)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    both = torch.cat((q, k), dim=1)
+    both = torch.cat((q, k), dim=unsqueeze_dim)
     # rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * sign, and (-a) * b == a * (-b) exactly
     out = both * cos + torch.roll(both, dim // 2, dims=-1) * (sin * _SIGNS[key])
-    return out[:, :heads], out[:, heads:]
+    return out.narrow(unsqueeze_dim, 0, heads), out.narrow(unsqueeze_dim, heads, out.shape[unsqueeze_dim] - heads)
 
 
 _STEP = threading.Lock()  # one step's replacements in place at a time, whichever engine or thread runs it

@@ -37,6 +37,9 @@ def test_rope_is_transformers_rope_bit_for_bit(family, dtype):
         got = rope(q, k, cos, sin)
         for g, w in zip(got, want):
             assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [b, s, heads, d]: unsqueeze_dim=2
+        for g, w in zip(rope(qt, kt, cos, sin, 2), modeling(family).apply_rotary_pos_emb(qt, kt, cos, sin, 2)):
+            assert torch.equal(g, w)
     # sin with halves that differ (rope variants): still transformers' function
     sin = torch.randn(2, 1, 16, generator=gen).to(dtype)
     q, k = torch.randn(2, 4, 1, 16, generator=gen).to(dtype), torch.randn(2, 2, 1, 16, generator=gen).to(dtype)
