@@ -108,6 +108,7 @@ def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, 
 SIZES = {
     "1b": llama_config(2048, 16, 16, 8, 8192, 128256),
     "8b": llama_config(4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B's dims (RoPE scaling left out)
+    "1p7b": llama_config(2048, 24, 32, 32, 8192, 49152),  # gpu_e2e/grpo-1p7b.yaml's model (SmolLM2-1.7B's dims)
     "tiny": llama_config(64, 2, 4, 2, 128, 512, max_positions=256),
 }
 

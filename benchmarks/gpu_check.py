@@ -14,8 +14,8 @@ dynamic / static / CUDA-graph decode and transformers' static cache + compile, 5
 that fails, passes its limit (its whole process group is killed: nothing of it keeps the GPU) or
 cannot start is recorded with its exit code and log tail and the next one runs. gpu.py's parts get
 `--time-limit` (their limit less 15 s): an e2e run still going then is killed and its row keeps the
-steps it finished, so the part ends in time to write its JSON. grpo (e2e's 1.7B GRPO run alone) only when
---parts names it.
+steps it finished, so the part ends in time to write its JSON. grpo (e2e's 1.7B GRPO run alone) and gen1p7b
+(gen at that model's shape, 128 x (32 + 512) tokens) only when --parts names them.
 Writes, after every part, DIR/gpu-check.json (every part's status, seconds and rows) and
 DIR/gpu-check.txt (the tables), DIR/<part>.log and DIR/<part>.json.
 
@@ -53,11 +53,14 @@ FULL = {
     "gen512": ([GPU_PY, "--sections", "gen", "--gen-size", "1b", "--gen-batch", "128", "--gen-new-tokens", "512",
                 "--gen-repeats", "3"], 0.30),
     "grpo": ([GPU_PY, "--sections", "e2e", "--e2e-recipes", "grpo-1p7b", "--e2e-timeout", "150"], 0.20),
+    "gen1p7b": ([GPU_PY, "--sections", "gen", "--gen-size", "1p7b", "--gen-batch", "128", "--gen-prompt-len", "32",
+                 "--gen-new-tokens", "512", "--gen-repeats", "3"], 0.30),
 }
 #: parts a check runs only when --parts names them: gen at issue 39's shape, 128 x (128 + 512) tokens, took
 #: 175 s on an H200, more than a full check's 570 s leave it; grpo, e2e's 1.7B GRPO run alone (about 100 s),
-#: for a short call after a change to generation (`--parts tests,grpo --budget 220`)
-ON_REQUEST = {"gen512", "grpo"}
+#: for a short call after a change to generation (`--parts tests,grpo --budget 220`); gen1p7b, gen at the
+#: grpo-1p7b model's shape and issue 39's 128 x 512 new tokens (the peer at that shape)
+ON_REQUEST = {"gen512", "grpo", "gen1p7b"}
 SMOKE = {
     "tests": FULL["tests"],
     "bench": ([GPU_PY, "--smoke", "--e2e-dir", "{out}/e2e", "--profile-dir", "{out}/profile"], 0.9),  # files kept to check
