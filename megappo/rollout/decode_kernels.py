@@ -10,11 +10,12 @@ step keep transformers' own):
   are read once. transformers' SDPA function (5.17; later versions pack the heads the same way) copies K and V
   out to every query head (`repeat_kv`) whenever a mask is given: g copies of the window written and read
   again, at every layer and step (g query heads per KV head: 4 in Llama-3.2-1B).
-- the RMSNorm layers (RMS_NORMS) as torch's `rms_norm`: on CUDA one kernel where transformers' forward
-  runs eight (upcast, square, mean, add, rsqrt, product, downcast, weight). The same ops in the same order
-  in float32, so equal bit for bit there; in bf16 the weight multiplies before the one rounding to bf16
-  rather than after it (one bf16 rounding apart), which is what the trainer's norm computes (Megatron-Core's
-  local spec runs torch.nn.RMSNorm).
+- the RMSNorm layers (RMS_NORMS) as torch's `rms_norm`: on CUDA one fused kernel (`_fused_rms_norm`) where
+  transformers' forward runs eight (upcast, square, mean, add, rsqrt, product, downcast, weight). On the CPU
+  torch composes it of the same ops in the same order, so in float32 it equals transformers' bit for bit
+  there (on CUDA the fused kernel's sum may round differently); in bf16 the weight multiplies before the one
+  rounding to bf16 rather than after it (one bf16 rounding apart), which is what the trainer's norm computes
+  (Megatron-Core's local spec runs torch.nn.RMSNorm).
 - RoPE (`rope`, in place of the modeling module's `apply_rotary_pos_emb`): bit for bit transformers'
   function in 6 kernels where it runs 10: queries and keys rotated as one tensor, and rotate_half(x) * sin
   written as roll(x) * (sign * sin) ((-a) * b and a * (-b) are the same number).
