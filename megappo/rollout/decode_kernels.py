@@ -101,9 +101,8 @@ class StepKernels:
     def __init__(self, model: torch.nn.Module):
         self.config = model.config
         self.norms = [m for m in model.modules() if type(m).__name__ in RMS_NORMS]
-        self.modeling = sorted({sys.modules[type(m).__module__] for m in model.modules()
-                                if type(m).__name__ in ROPE_ATTENTIONS and
-                                hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")}, key=lambda m: m.__name__)
+        modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__ in ROPE_ATTENTIONS}
+        self.modeling = sorted((m for m in modules if hasattr(m, "apply_rotary_pos_emb")), key=lambda m: m.__name__)
         self._saved: tuple | None = None
 
     def __enter__(self) -> None:
