@@ -703,7 +703,7 @@ class RunConfig(_Section):
     seed: int = 42  # global seed (init, dropout, mini-batch shuffling)
     total_steps: Optional[int] = None  # PPO steps; None: total_epochs over the prompts
     total_epochs: int = 1  # used when total_steps is None
-    val_every: int = 0  # steps between validations; 0: none during training
+    val_every: int = 0  # steps between validations, and after the last step (as verl's test_freq); 0: none during training
     val_before_train: bool = False  # validate once before the first step
     max_nan_skips: int = 3  # abort after this many steps skipped for non-finite loss/grads
     # restart every rank from the latest checkpoint, at most this often, after a rank died (kill -9, a crash,

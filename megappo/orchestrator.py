@@ -459,7 +459,7 @@ def train(run: Run) -> list[dict[str, float]]:
         metrics = ppo_step(run, step)
         if run.ps.is_rank0:
             run.rollouts.synced(step)  # ppo_step ended with the weight sync
-        if run.cfg.run.val_every and step % run.cfg.run.val_every == 0:
+        if validates_at(step, run.total_steps, run.cfg.run.val_every):
             with timed(metrics, "validation"):
                 metrics.update(validate(run, step))
         if run.ps.is_rank0:
@@ -481,6 +481,12 @@ def train(run: Run) -> list[dict[str, float]]:
         run.maybe_checkpoint(step)
     run.finish()
     return history
+
+
+def validates_at(step: int, total_steps: int, val_every: int) -> bool:
+    """Whether training step `step` of `total_steps` ends with a validation: every `val_every` steps and at the
+    last step (verl's `is_last_step or step % test_freq == 0`); never with val_every=0."""
+    return val_every > 0 and (step % val_every == 0 or step == total_steps)
 
 
 def validation_params(cfg, eos_ids: tuple[int, ...]) -> SamplingParams:

@@ -123,3 +123,26 @@ def test_validation_samples_with_its_own_top_p_and_top_k_or_the_trainings():
     assert (own.top_p, own.top_k, own.temperature, own.n, own.seed, own.eos_token_ids) == (0.7, -1, 1.0, 4, 3, (2,))
     same = validation_params(RolloutConfig(top_p=0.9, top_k=50), (2,))
     assert (same.top_p, same.top_k, same.temperature, same.n) == (0.9, 50, 0.0, 1)
+
+
+def reference_validation_steps(total_steps, test_freq):
+    """verl 0.9.1's RayPPOTrainer.fit: `test_freq > 0 and (is_last_step or global_steps % test_freq == 0)`."""
+    return [s for s in range(1, total_steps + 1) if test_freq > 0 and (s == total_steps or s % test_freq == 0)]
+
+
+@pytest.mark.parametrize("total,every", [(30, 20), (40, 20), (7, 1), (5, 0), (3, 10), (100, 20)])
+def test_validation_steps_are_verls_every_val_every_and_the_last(total, every):
+    """A 30-step run with val_every=20 validates after steps 20 and 30; the last step once, when it is a multiple
+    too; val_every=0: never during training."""
+    from megappo.orchestrator import validates_at
+
+    got = [s for s in range(1, total + 1) if validates_at(s, total, every)]
+    assert got == reference_validation_steps(total, every)
+
+
+def test_validation_at_the_last_step_in_numbers():
+    from megappo.orchestrator import validates_at
+
+    assert [s for s in range(1, 31) if validates_at(s, 30, 20)] == [20, 30]
+    assert [s for s in range(1, 41) if validates_at(s, 40, 20)] == [20, 40]
+    assert not any(validates_at(s, 5, 0) for s in range(1, 6))
