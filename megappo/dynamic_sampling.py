@@ -7,7 +7,8 @@ drops every group (the samples of one prompt) whose samples all have the same me
 dilutes the batch), and goes on until `data.train_batch_size` groups are kept; the surplus of
 the last round is discarded, as verl does. `max_num_gen_batches` bounds the generation batches
 of a step: at the bound, `on_limit=fill` tops the batch up with the most recently dropped groups
-(the batch keeps its configured size), warns and counts `filter_groups/hit_limit`; `stop` raises
+(the batch keeps its configured size) and counts `filter_groups/hit_limit`, warning at the first step
+that hits it and, at the run's end, on how many steps it did (`LimitCount`); `stop` raises
 `FilterLimitError`, verl's "Generated too many" with the fix.
 
 Seeds: round 0 samples with the step's seed, so a step whose first round fills the batch is the
@@ -73,6 +74,35 @@ class GroupFilter:
         return self.inflight if not self.max_gen_batches else max(0, min(self.inflight, self.max_gen_batches - done))
 
 
+@dataclasses.dataclass
+class LimitCount:
+    """on_limit=fill's warning, once a run: the first step that hits max_num_gen_batches prints it in full, later
+    ones are counted, and `summary()` (at the run's end) says on how many of the steps dynamic sampling ran."""
+
+    steps: int = 0  # steps that sampled dynamically
+    hits: int = 0  # of them, those that hit the bound
+    first_hit: int | None = None  # the step of the first hit
+    fix: str = ""  # the first hit's fix, repeated in the summary
+
+    def note(self, step: int, hit: bool, warning: str, fix: str) -> None:
+        self.steps += 1
+        if not hit:
+            return
+        self.hits += 1
+        if self.first_hit is None:
+            self.first_hit, self.fix = step, fix
+            print(f"megappo: warning: {warning} (said once; the run's end counts the steps that hit the bound). {fix}",
+                  file=sys.stderr, flush=True)
+
+    def summary(self, max_gen_batches: int) -> str | None:
+        """The run's-end line, or None when no step hit the bound."""
+        if not self.hits:
+            return None
+        return (f"megappo: warning: dynamic sampling hit algorithm.filter_groups.max_num_gen_batches={max_gen_batches} "
+                f"on {self.hits} of {self.steps} steps (the first: step {self.first_hit}); those batches were topped up "
+                f"with dropped groups (filter_groups/hit_limit=1 in metrics.jsonl). {self.fix}")
+
+
 def round_seed(seed: int | None, round: int) -> int | None:
     """The sampling seed of generation round `round` of a step whose seed is `seed`."""
     return None if seed is None else seed + round * ROUND_SEED_STRIDE
@@ -115,10 +145,11 @@ Scores = tuple[torch.Tensor, "torch.Tensor | None", list]  # [N] scores, [N, K] 
 
 def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[], list],
                generate: Callable[[list, int | None], RolloutBatch], score: Callable[[RolloutBatch], Scores],
-               pad_token_id: int) -> RolloutBatch:
+               pad_token_id: int, limits: LimitCount | None = None) -> RolloutBatch:
     """`f.groups` groups whose samples differ, from as many generation rounds as it takes (module docstring).
     `draw()`: the next generation batch of prompts; `generate(prompts, seed)`: their samples, prompt-major;
-    `score(batch)`: ([N] sequence scores, [N, K] each reward function's or None, [N] their extra fields)."""
+    `score(batch)`: ([N] sequence scores, [N, K] each reward function's or None, [N] their extra fields);
+    `limits`: the run's count of steps at the bound (None: this step's alone, so a hit warns)."""
     start, score_time = time.perf_counter(), 0.0
     rounds: list[RolloutBatch] = []
     kept, dropped = [], []  # (round, group) in generation order
@@ -136,6 +167,7 @@ def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[]
         rounds.append(batch)
         gen_batches += k
     hit_limit = len(kept) < f.groups
+    said = fix = ""
     if hit_limit:
         said = (f"step {step}: algorithm.filter_groups kept {len(kept)} of {len(kept) + len(dropped)} groups (prompts) "
                 f"in {gen_batches} generation batches (max_num_gen_batches={f.max_gen_batches}), fewer than "
@@ -145,8 +177,8 @@ def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[]
                f"sample of a dropped group has the same {f.metric}).")
         if f.on_limit == "stop":
             raise FilterLimitError(f"{said}: generated too many batches (on_limit=stop, verl's behaviour). {fix}")
-        print(f"megappo: warning: {said}; topped up with {f.groups - len(kept)} dropped groups (on_limit=fill, counted "
-              f"in filter_groups/hit_limit). {fix}", file=sys.stderr, flush=True)
+        said = f"{said}; topped up with {f.groups - len(kept)} dropped groups (on_limit=fill, filter_groups/hit_limit)"
+    (LimitCount() if limits is None else limits).note(step, hit_limit, said, fix)
     chosen = kept[:f.groups] + dropped[::-1][:max(0, f.groups - len(kept))]  # the most recently dropped fill the rest
     out = take_groups(rounds, chosen, pad_token_id)
     n_samples = [torch.bincount(b.prompt_index) for b in rounds]

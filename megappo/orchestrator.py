@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 
 import torch
 
 from megappo.dynamic_sampling import GroupFilter, fill_batch
 from megappo.envs.loading import env_class
-from megappo.metrics import BudgetWatch
+from megappo.metrics import BudgetWatch, console
 from megappo.parallel import cpu_compat
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.stage import stage
@@ -166,7 +167,8 @@ def sample_dynamically(run: Run, step: int, params: SamplingParams) -> RolloutBa
     batch = fill_batch(GroupFilter.of(run.cfg), step=step, seed=params.seed,
                        draw=lambda: [run.train_examples[i] for i in run.sampler.next_batch()],
                        generate=lambda prompts, seed: rollout(run, prompts, dataclasses.replace(params, seed=seed)),
-                       score=lambda b: generation_scores(run, b), pad_token_id=run.tokenizer.pad_token_id)
+                       score=lambda b: generation_scores(run, b), pad_token_id=run.tokenizer.pad_token_id,
+                       limits=run.filter_limits)
     batch.gen_metrics["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)
     return batch
 
@@ -480,6 +482,8 @@ def train(run: Run) -> list[dict[str, float]]:
                                      "look for NaN or inf in the rewards and data, or raise run.max_nan_skips.")
         run.maybe_checkpoint(step)
     run.finish()
+    if run.ps.is_rank0 and (said := run.filter_limits.summary(run.cfg.algorithm.filter_groups.max_num_gen_batches)):
+        console(said, file=sys.stderr)
     return history
 
 

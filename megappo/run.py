@@ -32,6 +32,7 @@ from megappo.reward_workers import RewardWorkers
 from megappo.rewards import RewardChecks
 from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.data import PromptSampler
+from megappo.dynamic_sampling import LimitCount
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
@@ -83,6 +84,8 @@ class Run:
     rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
     reward_checks: RewardChecks | None = None  # how your reward functions are checked (reward.bad_value_policy, ...)
     reward_workers: RewardWorkers | None = None  # rank 0, reward.num_workers > 0: the processes that call them
+    # rank 0, algorithm.filter_groups: the steps that hit max_num_gen_batches (warned once, counted at the end)
+    filter_limits: LimitCount = dataclasses.field(default_factory=LimitCount)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

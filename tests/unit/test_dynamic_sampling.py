@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megappo.data import PromptExample
-from megappo.dynamic_sampling import (ROUND_SEED_STRIDE, FilterLimitError, GroupFilter, concat, fill_batch,
+from megappo.dynamic_sampling import (ROUND_SEED_STRIDE, FilterLimitError, GroupFilter, LimitCount, concat, fill_batch,
                                       metric_values, round_seed, take, uniform_groups)
 from megappo.errors import ConfigError
 from megappo.types import RolloutBatch
@@ -140,6 +140,27 @@ def test_at_the_limit_fill_tops_up_with_the_latest_dropped_groups(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("megappo: warning: step 3: algorithm.filter_groups kept 1 of 4 groups")
     assert "topped up with 2 dropped groups" in err and "raise algorithm.filter_groups.max_num_gen_batches" in err
+
+
+def test_the_limit_warning_is_said_once_a_run_and_counted_at_the_end(capsys):
+    """A run whose steps 2, 3 and 5 of 5 hit the bound: one warning (step 2's), then the count at the end."""
+    f = GroupFilter(groups=3, metric="reward", max_gen_batches=2, inflight=1, on_limit="fill", gen_batch_size=2)
+    easy = lambda p: [0.0, 1.0]  # noqa: E731  every group differs: the first batch fills the step
+    hard = lambda p: [0.0, 1.0] if p % 4 == 1 else [0.0, 0.0]  # noqa: E731  one group in 4 differs
+    limits = LimitCount()
+    for step, outcome in zip(range(1, 6), (easy, hard, hard, easy, hard)):
+        fake = Fake(2, outcome)
+        out = fill_batch(f, step=step, seed=step, draw=fake.draw, generate=fake.generate, score=fake.score,
+                         pad_token_id=0, limits=limits)
+        assert out.gen_metrics["filter_groups/hit_limit"] == float(outcome is hard)
+    err = capsys.readouterr().err
+    assert err.count("megappo: warning:") == 1 and err.startswith("megappo: warning: step 2: algorithm.filter_groups")
+    assert "said once" in err and "raise algorithm.filter_groups.max_num_gen_batches" in err
+    said = limits.summary(f.max_gen_batches)
+    assert said.startswith("megappo: warning: dynamic sampling hit algorithm.filter_groups.max_num_gen_batches=2 on 3 "
+                           "of 5 steps (the first: step 2)")
+    assert "Fix: raise algorithm.filter_groups.max_num_gen_batches" in said and "\n" not in said
+    assert LimitCount().summary(2) is None  # no hit: nothing said at the end
 
 
 def test_at_the_limit_stop_raises_the_fix():
