@@ -561,6 +561,16 @@ def _loss_batch(seed):
     return rollout, old, adv, mask  # the engine's log-probs, the current policy's, A, mask
 
 
+def test_bypass_loss_without_correction_settings_is_the_clipped_loss_on_the_engines_log_probs():
+    """ppo-math.md's difference 9: verl's bypass loss raises without a rollout_correction section; here its
+    settings default to verl's (ppo_clip, no IS weights, no rejection), which is policy_loss against the engine."""
+    engine, current, adv, mask = _loss_batch(2)
+    loss, m = bypass_mode_loss(engine, current, adv, mask)
+    expected, m_expected = policy_loss(engine, current, adv, mask)
+    assert torch.equal(loss, expected) and float(m["actor/ppo_kl"]) == float(m_expected["actor/ppo_kl"])
+    assert not [k for k in m if k.startswith("rollout_corr/rollout_is_") or k.startswith("rollout_corr/rollout_rs_")]
+
+
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_bypass_ppo_clip_is_policy_loss_on_the_rejection_masked_mask(mode):
     engine, current, adv, mask = _loss_batch(1)
