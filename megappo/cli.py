@@ -3,7 +3,7 @@
   megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches its ranks itself unless
                                                   run under torchrun: a GPU recipe's hardware, else tp*pp)
   megappo export RUN_OR_CKPT HF_DIR [--role critic] a trainer checkpoint as an HF directory
-  megappo plot RUN_DIR                            curves.png from metrics.jsonl
+  megappo plot RUN_DIR [--metrics GLOBS]          curves.png from metrics.jsonl (chosen metrics: 'filter_groups/*')
   megappo plan RECIPE.yaml [--variant NAME]       layout checks and a per-GPU memory estimate on the
                [--world-size N] [--gpu-mem GiB]   recipe's hardware (no model is built; exit 1 if it
                [key.sub=value ...]                does not fit); docs/planner.md
@@ -107,7 +107,8 @@ def _train_start_up(args):
     relaunching = "WORLD_SIZE" not in os.environ and world > 1  # ensure_ranks starts the ranks: rank 0 says it
     if mismatch and os.environ.get("RANK", "0") == "0" and not relaunching:
         print(f"megappo: warning: {mismatch}", file=sys.stderr, flush=True)
-    check_inputs(cfg, world)  # world, layout vs model, data files, rewards, tokenizer: no rank started yet
+    check_inputs(cfg, world, launcher="ray" if on_ray else None)  # packages, world, layout vs model, data files,
+    # rewards, tokenizer: no rank started yet
     if relaunching or on_ray:  # this process starts the ranks: every row is checked before any starts
         from megappo.preflight import check_prompts
 
@@ -121,6 +122,8 @@ def _train_start_up(args):
         raise
     if os.environ.get("RANK", "0") == "0" and not cfg.run.val_only:  # the lock's holder: a branch from an earlier
         _set_aside_later(cfg, resume)                                  # checkpoint (a validation moves nothing)
+    if lock.held and resume is None and not cfg.run.val_only:  # a fresh run: an earlier run's files moved aside
+        _set_aside_earlier(cfg)                                 # by the process that holds the lock, before any rank
     if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
         _say_verl_lines(verl.lines(), cfg.run.output_dir)  # once the run is not refused (it then writes nothing)
     return cfg, world, on_ray, resume, lock
@@ -136,6 +139,15 @@ def _set_aside_later(cfg, resume) -> None:
         print(f"megappo: going back to {resume['path']} (step {resume['step']}, checkpoint.resume_from): the later "
               f"checkpoints of {cfg.checkpoint_dir} ({', '.join(moved)}) and copies of metrics.jsonl / "
               f"samples.jsonl are in {aside}; nothing was deleted.", flush=True)
+
+
+def _set_aside_earlier(cfg) -> None:
+    """A fresh run that finds an earlier run's files: moved into superseded/, said in one line (megappo.earlier_runs)."""
+    from megappo.earlier_runs import set_aside_earlier
+
+    line = set_aside_earlier(cfg)
+    if line:
+        print(f"megappo: {line}", flush=True)
 
 
 #: the run's record of its start-up lines about verl keys (rewritten at every start)
@@ -359,7 +371,8 @@ def peft_note(out: str, base_path: str | None) -> str:
 def cmd_plot(args) -> int:
     from megappo.metrics import plot_run
 
-    print(plot_run(args.run_dir))
+    patterns = [p.strip() for given in args.metrics for p in given.split(",") if p.strip()]
+    print(plot_run(args.run_dir, args.out, patterns))
     return 0
 
 
@@ -423,6 +436,10 @@ def main(argv=None) -> int:
     export.set_defaults(func=cmd_export)
     plot = sub.add_parser("plot", help="write RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir")
+    plot.add_argument("--metrics", action="append", default=[], metavar="GLOBS",
+                      help="plot these metrics, one panel each: names or shell globs, comma-separated or the option "
+                           "repeated, e.g. --metrics 'filter_groups/*,actor/pg_loss' (default: the standard panels)")
+    plot.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/curves.png)")
     plot.set_defaults(func=cmd_plot)
     args, extra = parser.parse_known_args(argv)
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
@@ -462,10 +479,24 @@ def run_reporting_errors(func, *args) -> int:
     stage) exits 3, which the launcher reports only when no other rank failed. A rank that
     reported its error leaves a note for the others (megappo.parallel.stage.tell_peers); one whose
     collective then lost it exits with that rank's code and says nothing. Anything else is a bug
-    and keeps its traceback."""
+    and keeps its traceback; the rank leaves the note for the others too. Each error a rank ends on
+    (not a lost peer's) is also recorded for the launcher (megappo.parallel.launch.record_error),
+    whose last line names the rank that failed first and, where needed, repeats its error."""
+    from megappo.parallel.launch import record_error
+
+    try:
+        return _reporting_errors(func, *args)
+    except Exception as e:  # a bug: its traceback follows; the launcher repeats its last line
+        record_error(f"{type(e).__name__}: {e}", 1, shown=False)
+        _told_peers(1)
+        raise
+
+
+def _reporting_errors(func, *args) -> int:
+    """run_reporting_errors's handling of the errors it reports."""
     from megappo.data import DataError
     from megappo.errors import ConfigError, ModelConfigError
-    from megappo.parallel.launch import USER_CODE_EXIT
+    from megappo.parallel.launch import USER_CODE_EXIT, record_error
     from megappo.user_code import UserCodeError
 
     try:
@@ -474,11 +505,13 @@ def run_reporting_errors(func, *args) -> int:
         _end_progress_line()
         print(_user_traceback(e), end="", file=sys.stderr, flush=True)
         print(f"megappo: error: {e}", file=sys.stderr, flush=True)
+        record_error(str(e), USER_CODE_EXIT, shown=True)
         return _told_peers(USER_CODE_EXIT)
     except (ConfigError, DataError, ModelConfigError, FileExistsError) as e:  # bad input: the message says the fix
         _end_progress_line()
         if not getattr(e, "every_rank", False) or int(os.environ.get("RANK", 0)) == 0:  # a CheckpointError every
             print(f"megappo: error: {e}", file=sys.stderr, flush=True)              # rank raised: rank 0 says it
+            record_error(str(e), 2, shown=True)
         return _told_peers(2)
     except RuntimeError as e:
         failure = _run_failure(e)
@@ -499,7 +532,10 @@ def run_reporting_errors(func, *args) -> int:
                 time.sleep(2)  # the rank that words the line ends first: its launcher does not stop it before
             return GAVE_UP_EXIT
         print(f"megappo: error: {failure[0]}", file=sys.stderr, flush=True)
-        return failure[1] if failure[1] == GAVE_UP_EXIT else _told_peers(failure[1])
+        if failure[1] == GAVE_UP_EXIT:  # a lost peer or a timeout: the launcher looks for the cause elsewhere
+            return failure[1]
+        record_error(str(failure[0]), failure[1], shown=True)
+        return _told_peers(failure[1])
 
 
 def _user_traceback(e) -> str:

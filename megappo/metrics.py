@@ -13,19 +13,22 @@ megappo.samples) are printed under its console line (`console="compact"`: those 
 every COMPACT_SAMPLES_EVERY-th step) and written to `run_dir/samples.jsonl` (with the jsonl sink),
 cut back on resume like metrics.jsonl. The console's step line is `compact_line` (the default: step,
 score, the main losses, s/step and ETA) or `full_line` (CONSOLE_KEYS; logging.console=full).
-`Progress` is the bar with the ETA; `BudgetWatch` warns once when every response keeps ending at the token budget; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves from metrics.jsonl into `run_dir/curves.png`.
+`Progress` is the bar with the ETA; `BudgetWatch` warns once when every response keeps ending at the token budget; `plot_run(run_dir)` draws reward, KL, entropy, response length and timing curves (and dynamic sampling's, when the run has them) from metrics.jsonl into `run_dir/curves.png`; `plot_panels` chooses the panels, those of `megappo plot --metrics GLOB` too.
 
 This module does not know about models, PPO math or process groups.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
 import sys
 import uuid
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
+
+from megappo.errors import ConfigError
 
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -344,6 +347,8 @@ class BudgetWatch:
         return text
 
 
+PLOT_COLUMNS = 6  # panels in one row of the plot
+
 PLOT_PANELS = (
     ("reward", ("critic/score/mean", "val/score/mean")),
     ("KL", ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")),
@@ -353,13 +358,38 @@ PLOT_PANELS = (
 )
 
 
-def plot_panels(rows: list[dict]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """PLOT_PANELS, the reward panel with each data source's core validation metric where the validation set
-    has several (megappo.val_metrics: `val-core/<source>/<var>/mean@N`, ...)."""
-    sources = sorted({k for r in rows for k in r if k.startswith("val-core/") and "/mean@" in k})
-    if len({"/".join(k.split("/")[1:-2]) for k in sources}) < 2:  # val-core/<source>/<var>/mean@N
-        return PLOT_PANELS
-    return tuple((title, keys + tuple(sources)) if title == "reward" else (title, keys) for title, keys in PLOT_PANELS)
+#: the default plot's panel for a run with dynamic sampling (algorithm.filter_groups; megappo.dynamic_sampling)
+DYNAMIC_SAMPLING_PANEL = ("dynamic sampling", ("filter_groups/kept_fraction", "filter_groups/generated_score_mean",
+                                               "filter_groups/hit_limit"))
+
+Panels = tuple[tuple[str, tuple[str, ...]], ...]  # (title, metric names) per panel
+
+
+def plot_panels(rows: list[dict], patterns: Sequence[str] = ()) -> Panels:
+    """The panels of `megappo plot`. Without `patterns`: PLOT_PANELS, the reward panel with each data source's
+    core validation metric where the validation set has several (megappo.val_metrics:
+    `val-core/<source>/<var>/mean@N`, ...), and DYNAMIC_SAMPLING_PANEL when the rows have filter_groups/*
+    metrics. With `patterns` (shell globs of metric names, `--metrics 'filter_groups/*'`): one panel per metric
+    they match, in the order of the patterns, names sorted within one; a pattern that matches none raises
+    ConfigError naming the metrics there are."""
+    names = sorted({k for r in rows for k in r if k != "step"})
+    if patterns:
+        chosen: dict[str, None] = {}
+        for pattern in patterns:
+            matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
+                groups = sorted({n.split("/")[0] + "/*" if "/" in n else n for n in names})
+                raise ConfigError(f"megappo plot --metrics '{pattern}' matches no metric of this run. Fix: give a "
+                                  f"metric name or a glob of them (e.g. 'actor/*'); this run has: {', '.join(groups)}.")
+            chosen.update(dict.fromkeys(matched))
+        return tuple((n, (n,)) for n in chosen)
+    panels = PLOT_PANELS
+    sources = [k for k in names if k.startswith("val-core/") and "/mean@" in k]
+    if len({"/".join(k.split("/")[1:-2]) for k in sources}) >= 2:  # val-core/<source>/<var>/mean@N
+        panels = tuple((title, keys + tuple(sources)) if title == "reward" else (title, keys) for title, keys in panels)
+    if any(n.startswith("filter_groups/") for n in names):
+        panels += (DYNAMIC_SAMPLING_PANEL,)
+    return panels
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -369,17 +399,22 @@ def read_metrics(run_dir: str) -> list[dict]:
     return _last_per_step(_read_jsonl(path))  # a restarted run's repeated steps: the last record counts
 
 
-def plot_run(run_dir: str, out: str | None = None) -> str:
-    """Write the curves PNG for a run directory; returns its path."""
+def plot_run(run_dir: str, out: str | None = None, metrics: Sequence[str] = ()) -> str:
+    """Write the curves PNG for a run directory (the panels of `plot_panels(rows, metrics)`, at most
+    PLOT_COLUMNS in a row); returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    panels = plot_panels(rows)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for ax, (title, keys) in zip(axes, panels):
+    panels = plot_panels(rows, metrics)
+    columns = min(len(panels), PLOT_COLUMNS)
+    lines = -(-len(panels) // columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3.2 * lines), squeeze=False)
+    for ax in axes.ravel()[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, keys) in zip(axes.ravel(), panels):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:

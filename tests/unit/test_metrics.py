@@ -139,7 +139,7 @@ def test_plot_tolerates_repeated_steps(tmp_path, monkeypatch):
 
     def spy(*a, **k):
         fig, axes = real_subplots(*a, **k)
-        shown.append(axes[0])  # the reward panel
+        shown.append(axes.ravel()[0])  # the reward panel
         return fig, axes
 
     monkeypatch.setattr(plt, "subplots", spy)
@@ -311,3 +311,68 @@ def test_the_reward_curves_show_each_data_source_when_there_are_several():
     reward = dict(plot_panels(two))["reward"]
     assert reward == ("critic/score/mean", "val/score/mean", "val-core/aime/acc/mean@4",
                       "val-core/openai/gsm8k/acc/mean@4")
+
+
+def _dapo_rows(steps=4):
+    """Rows as a DAPO run logs them: training steps with filter_groups/* metrics, validations without."""
+    rows = [{"step": 0, "val/score/mean": 0.1}]
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "critic/score/mean": s / 10, "actor/pg_loss": -0.01 * s, "actor/entropy": 1.0,
+                     "filter_groups/kept_fraction": 0.5, "filter_groups/hit_limit": float(s % 2),
+                     "filter_groups/generated_score_mean": 0.2, "filter_groups/kept_groups": 16.0,
+                     "train/num_gen_batches": 2.0})
+    return rows
+
+
+def test_the_default_plot_has_a_dynamic_sampling_panel_when_the_run_sampled_dynamically():
+    from megappo.metrics import DYNAMIC_SAMPLING_PANEL, PLOT_PANELS, plot_panels
+
+    assert plot_panels(_dapo_rows()) == PLOT_PANELS + (DYNAMIC_SAMPLING_PANEL,)
+    assert all(k in _dapo_rows()[1] for k in DYNAMIC_SAMPLING_PANEL[1])  # metrics dynamic sampling logs
+    plain = [{k: v for k, v in r.items() if not k.startswith("filter_groups/")} for r in _dapo_rows()]
+    assert plot_panels(plain) == PLOT_PANELS
+
+
+def test_plot_metrics_globs_choose_one_panel_per_metric_in_the_order_given():
+    from megappo.errors import ConfigError
+    from megappo.metrics import plot_panels
+
+    rows = _dapo_rows()
+    assert [t for t, _ in plot_panels(rows, ["filter_groups/*"])] == [
+        "filter_groups/generated_score_mean", "filter_groups/hit_limit", "filter_groups/kept_fraction",
+        "filter_groups/kept_groups"]
+    chosen = plot_panels(rows, ["actor/pg_loss", "filter_groups/kept_*", "actor/*"])  # a metric once
+    assert chosen == (("actor/pg_loss", ("actor/pg_loss",)), ("filter_groups/kept_fraction", ("filter_groups/kept_fraction",)),
+                      ("filter_groups/kept_groups", ("filter_groups/kept_groups",)), ("actor/entropy", ("actor/entropy",)))
+    with pytest.raises(ConfigError, match=r"--metrics 'rollout_corr/\*' matches no metric of this run\. Fix: .*"
+                                          r"this run has: actor/\*, critic/\*, filter_groups/\*, train/\*, val/\*"):
+        plot_panels(rows, ["rollout_corr/*"])
+
+
+def test_megappo_plot_metrics_writes_the_chosen_panels(tmp_path, monkeypatch):
+    """`megappo plot RUN --metrics A,B --metrics C --out F`: the patterns of both options, one axis each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megappo.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _dapo_rows()))
+    drawn = []
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, *a, **k):
+        drawn.append([(ax.get_title(), [line.get_label() for line in ax.lines]) for ax in fig.axes if ax.get_visible()])
+        return real_savefig(fig, *a, **k)
+
+    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    out = tmp_path / "ds.png"
+    assert main(["plot", str(tmp_path), "--metrics", "filter_groups/hit_limit, train/*", "--metrics", "actor/pg_loss",
+                 "--out", str(out)]) == 0
+    assert out.stat().st_size > 5000 and not (tmp_path / "curves.png").exists()
+    assert drawn == [[("filter_groups/hit_limit", ["filter_groups/hit_limit"]),
+                      ("train/num_gen_batches", ["train/num_gen_batches"]), ("actor/pg_loss", ["actor/pg_loss"])]]
+    assert main(["plot", str(tmp_path)]) == 0  # the default plot: the standard panels and dynamic sampling's
+    assert [t for t, _ in drawn[1]][-1] == "dynamic sampling" and len(drawn[1]) == 6
+    assert main(["plot", str(tmp_path), "--metrics", "nothing/*"]) == 2
