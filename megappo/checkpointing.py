@@ -32,8 +32,8 @@ digests recorded at save; a damaged one is named in one line and the resume fall
 newest intact checkpoint before it (`find_resume`). `check_model_dir` does the same for export.
 
 Resume (`checkpoint.resume`): `auto` continues from `latest` when there is one, `must`
-refuses to start without one, `off` starts fresh (and refuses to write into a checkpoint
-directory that has one, so nothing is overwritten by accident). The checkpoint may be
+refuses to start without one, `off` starts fresh. A fresh run first moves an earlier run's
+checkpoints and logs into `superseded/` (megappo.earlier_runs), so nothing is overwritten. The checkpoint may be
 loaded at another TP/PP/DP layout. What a changed recipe may change is `check_resumable`.
 
 Going back (`checkpoint.resume_from`): a run resumes from the checkpoint it names instead of
@@ -149,11 +149,7 @@ def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
         raise ConfigError(f"checkpoint.resume=must, but {root} has no complete checkpoint. Fix: set checkpoint.dir "
                           "to the run's checkpoint directory, or checkpoint.resume=auto to start fresh when there "
                           "is none.")
-    if mode == "off":
-        if path is not None:
-            raise ConfigError(f"checkpoint.resume=off, but {root} already holds checkpoints (latest: "
-                              f"{os.path.basename(path)}) that a fresh run would mix with its own. Fix: resume with "
-                              "checkpoint.resume=auto, or choose another run.output_dir / checkpoint.dir.")
+    if mode == "off":  # a fresh run: the checkpoints there are moved aside first (megappo.earlier_runs)
         return None
     state = None
     if path is not None:

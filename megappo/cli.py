@@ -124,6 +124,8 @@ def _train_start_up(args):
         _set_aside_later(cfg, resume)                                  # checkpoint (a validation moves nothing)
     if lock.held and resume is None and not cfg.run.val_only:  # a fresh run: an earlier run's files moved aside
         _set_aside_earlier(cfg)                                 # by the process that holds the lock, before any rank
+    if lock.held and resume is None and not cfg.run.val_only:  # a fresh run: an earlier run's files moved aside
+        _set_aside_earlier(cfg)                                 # by the process that holds the lock, before any rank
     if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
         _say_verl_lines(verl.lines(), cfg.run.output_dir)  # once the run is not refused (it then writes nothing)
     return cfg, world, on_ray, resume, lock
@@ -139,6 +141,15 @@ def _set_aside_later(cfg, resume) -> None:
         print(f"megappo: going back to {resume['path']} (step {resume['step']}, checkpoint.resume_from): the later "
               f"checkpoints of {cfg.checkpoint_dir} ({', '.join(moved)}) and copies of metrics.jsonl / "
               f"samples.jsonl are in {aside}; nothing was deleted.", flush=True)
+
+
+def _set_aside_earlier(cfg) -> None:
+    """A fresh run that finds an earlier run's files: moved into superseded/, said in one line (megappo.earlier_runs)."""
+    from megappo.earlier_runs import set_aside_earlier
+
+    line = set_aside_earlier(cfg)
+    if line:
+        print(f"megappo: {line}", flush=True)
 
 
 def _set_aside_earlier(cfg) -> None:

@@ -663,7 +663,7 @@ class CheckpointConfig(_Section):
     dir: Optional[str] = None  # None: <run.output_dir>/checkpoints
     save_every: int = 0  # steps between checkpoints; 0: only at the end of training; -1: never (Ctrl-C still saves)
     keep_last: int = 2  # newest checkpoints kept; 0: keep all
-    resume: Literal["auto", "must", "off"] = "auto"  # auto: from `latest` if any; must: refuse to start without
+    resume: Literal["auto", "must", "off"] = "auto"  # auto: from `latest` if any; must: refuse to start without; off: fresh
     # a checkpoint to go back to instead of `latest`: a step number (or step_NNNNNNNN) of checkpoint.dir, or a step
     # directory's path (any run's); checkpoint.dir's later checkpoints are moved aside, not deleted; the same
     # command run again continues from the newest checkpoint saved after it (docs/checkpoints.md)

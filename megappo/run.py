@@ -148,7 +148,7 @@ class Run:
             message = "interrupted before step 1 ended: nothing to save; rerun the same command to start again"
         else:
             rerun = "rerun the same command"
-            if self.cfg.checkpoint.resume == "off":  # which would refuse a directory with checkpoints
+            if self.cfg.checkpoint.resume == "off":  # which would set its checkpoints aside and start over
                 rerun += " with checkpoint.resume=auto"
             saved = (os.path.join(self.cfg.checkpoint_dir, checkpointing.step_dir_name(step))
                      if step == self.last_saved_step else self.save_checkpoint(step))

@@ -86,7 +86,8 @@ RENAMED: dict[str, str] = {
     "trainer.nnodes": "hardware.nodes",
     "trainer.save_freq": "checkpoint.save_every",
     "trainer.test_freq": "run.val_every",
-    "trainer.default_local_dir": "checkpoint.dir",
+    # verl writes its checkpoints there; megappo keeps the run's metrics and logs beside them (<dir>/checkpoints)
+    "trainer.default_local_dir": "run.output_dir",
     "trainer.project_name": "logging.project",
     "trainer.experiment_name": "logging.run_name",
     "trainer.logger": "logging.sinks",

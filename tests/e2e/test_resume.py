@@ -192,3 +192,60 @@ def test_export_a_checkpoint_to_hf(straight, tmp_path):
     again = subprocess.run([sys.executable, "-m", "megappo.cli", "export", straight, str(out)], env=env(), cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists and is not empty; pass --overwrite" in again.stderr
+
+
+def files(root, skip=("megappo.lock",)):
+    """Every file under root (relative path -> bytes)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for name in names:
+            if name not in skip:
+                with open(os.path.join(d, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(d, name), root)] = f.read()
+    return out
+
+
+def test_a_fresh_run_never_overwrites_an_earlier_runs_results(straight, tmp_path):
+    """A finished run's directory, then a checkpoint.resume=off run killed before its first checkpoint, then
+    the same directory's rerun (no checkpoint to resume): each fresh run first moves the earlier one's files
+    into superseded/ (megappo.earlier_runs), byte for byte, and says so in one line."""
+    from megappo.earlier_runs import OUTPUT_ENTRIES
+
+    assert set(os.listdir(straight)) <= set(OUTPUT_ENTRIES)  # every name a real run writes is known
+    out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    earlier = files(out)
+    aside = out / "superseded"
+    kill_when(command(str(out), *DP2, "checkpoint.resume=off", "run.total_steps=2"),
+              lambda: aside.is_dir() and (out / "metrics.jsonl").exists(), "started")
+    killed = files(out)
+    assert not any(k.startswith("checkpoints" + os.sep + "step_") for k in killed)  # before its first checkpoint
+    console = run(command(str(out), *DP2, "run.total_steps=1"))
+    first, second = sorted(os.listdir(aside))
+    assert files(aside / first) == earlier  # the finished run, every byte
+    assert files(aside / second) == {k: v for k, v in killed.items() if not k.startswith("superseded")}  # killed run's
+    assert f"megappo: an earlier run's files (config.json, metrics.jsonl" in console
+    assert f"are now in {aside / second}: this run starts fresh (no checkpoint to resume); nothing was deleted." \
+        in console
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
+def test_a_verl_default_local_dir_run_keeps_its_metrics_beside_its_checkpoints(straight, tmp_path):
+    """verl's trainer.default_local_dir is the run's directory: a verl-style run started from a recipe whose
+    run.output_dir holds a finished run writes everything to its own directory, and the finished run is
+    untouched (the sequence that once truncated the demo's metrics.jsonl)."""
+    demo = tmp_path / "demo"
+    shutil.copytree(straight, demo)
+    before = files(demo)
+    recipe = tmp_path / "demo-cpu.yaml"
+    with open(os.path.join(REPO, "recipes", "demo-cpu.yaml")) as f:
+        text = f.read()
+    assert "  output_dir: runs/demo-cpu\n" in text
+    recipe.write_text(text.replace("  output_dir: runs/demo-cpu\n", f"  output_dir: {demo}\n"))
+    verl_dir = tmp_path / "ckpts" / "proj" / "exp"
+    console = run([sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", str(recipe), *ARGS, *DP2,
+                   "run.total_steps=1", f"trainer.default_local_dir={verl_dir}"])
+    assert "trainer.default_local_dir -> run.output_dir" in console
+    assert files(demo) == before
+    assert [r["step"] for r in metrics(verl_dir)] == [0, 1]
+    assert os.path.isdir(verl_dir / "checkpoints" / "step_00000001")
