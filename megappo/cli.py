@@ -3,6 +3,7 @@
   megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches its ranks itself unless
                                                   run under torchrun: a GPU recipe's hardware, else tp*pp)
   megappo export RUN_OR_CKPT HF_DIR [--role critic] a trainer checkpoint as an HF directory
+  megappo export --init RECIPE.yaml HF_DIR          a recipe's initial model (from model.hf_config) as one
   megappo plot RUN_DIR [--metrics GLOBS]          curves.png from metrics.jsonl (chosen metrics: 'filter_groups/*')
   megappo plan RECIPE.yaml [--variant NAME]       layout checks and a per-GPU memory estimate on the
                [--world-size N] [--gpu-mem GiB]   recipe's hardware (no model is built; exit 1 if it
@@ -89,6 +90,7 @@ def _train_start_up(args):
     from megappo.recipe import read_config
     from megappo.preflight import check_inputs
 
+    _hydra_recipe(args)  # verl's --config-path / --config-name: the recipe they name
     cfg, verl = read_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
     # under torchrun the world is torchrun's; otherwise --world-size, a GPU recipe's hardware, or one replica
     world = args.world_size or int(os.environ.get("WORLD_SIZE", 0))
@@ -97,13 +99,14 @@ def _train_start_up(args):
         raise ConfigError(f"--ray-address {args.ray_address} is for the Ray launcher. Fix: add --launcher ray.")
     if not world and on_ray:  # a Ray cluster spans nodes: the recipe's whole hardware (one replica on CPU)
         world = cfg.hardware_world_size if cfg.hardware.nodes > 1 else cfg.launch_world_size
+    sized_by = _sized_by(verl.set_by, args.recipe)  # the override that sized the run, else the recipe
     if not world and cfg.hardware.nodes > 1:
-        raise ConfigError(f"{args.recipe} is sized for {cfg.hardware.describe(cfg.hardware_world_size)} (its "
-                          f"hardware section); megappo train starts ranks on this machine only. Fix: launch it with "
+        raise ConfigError(f"{sized_by(['hardware.nodes'], cfg.hardware.describe(cfg.hardware_world_size))}; "
+                          f"megappo train starts ranks on this machine only. Fix: launch it with "
                           f"tools/launch/slurm_multinode.sbatch or --launcher ray, or pass --world-size N for this "
                           f"machine.")
     world = world or cfg.launch_world_size
-    mismatch = cfg.hardware_mismatch(world, args.recipe)
+    mismatch = cfg.hardware_mismatch(world, args.recipe, sized_by(["hardware.nodes", "hardware.gpus_per_node"], ""))
     relaunching = "WORLD_SIZE" not in os.environ and world > 1  # ensure_ranks starts the ranks: rank 0 says it
     if mismatch and os.environ.get("RANK", "0") == "0" and not relaunching:
         print(f"megappo: warning: {mismatch}", file=sys.stderr, flush=True)
@@ -124,11 +127,22 @@ def _train_start_up(args):
         _set_aside_later(cfg, resume)                                  # checkpoint (a validation moves nothing)
     if lock.held and resume is None and not cfg.run.val_only:  # a fresh run: an earlier run's files moved aside
         _set_aside_earlier(cfg)                                 # by the process that holds the lock, before any rank
-    if lock.held and resume is None and not cfg.run.val_only:  # a fresh run: an earlier run's files moved aside
-        _set_aside_earlier(cfg)                                 # by the process that holds the lock, before any rank
     if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
-        _say_verl_lines(verl.lines(), cfg.run.output_dir)  # once the run is not refused (it then writes nothing)
+        _say_verl_lines([*args.recipe_lines, *verl.start_up_lines()], cfg.run.output_dir)  # once the run is not refused
     return cfg, world, on_ray, resume, lock
+
+
+def _sized_by(set_by: dict[str, str], recipe: str | None):
+    """`sized_by(keys, hardware)`: who sized the run for `hardware`, for errors: the overrides (as written) that
+    set `keys` ('trainer.nnodes=16 sizes this run for ...'), else the recipe ('R.yaml is sized for ... (its hardware
+    section)'); with `hardware` empty, only the overrides, or None."""
+    def sized_by(keys: list[str], hardware: str):
+        given = [set_by[k] for k in keys if k in set_by]
+        if given:
+            return f"{' and '.join(given)} size{'s' if len(given) == 1 else ''} this run" + \
+                (f" for {hardware}" if hardware else "")
+        return f"{recipe} is sized for {hardware} (its hardware section)" if hardware else None
+    return sized_by
 
 
 def _set_aside_later(cfg, resume) -> None:
@@ -141,15 +155,6 @@ def _set_aside_later(cfg, resume) -> None:
         print(f"megappo: going back to {resume['path']} (step {resume['step']}, checkpoint.resume_from): the later "
               f"checkpoints of {cfg.checkpoint_dir} ({', '.join(moved)}) and copies of metrics.jsonl / "
               f"samples.jsonl are in {aside}; nothing was deleted.", flush=True)
-
-
-def _set_aside_earlier(cfg) -> None:
-    """A fresh run that finds an earlier run's files: moved into superseded/, said in one line (megappo.earlier_runs)."""
-    from megappo.earlier_runs import set_aside_earlier
-
-    line = set_aside_earlier(cfg)
-    if line:
-        print(f"megappo: {line}", flush=True)
 
 
 def _set_aside_earlier(cfg) -> None:
@@ -288,8 +293,9 @@ def cmd_plan(args) -> int:
     from megappo.recipe import read_config
     from megappo.plan import format_plan, make_plan
 
+    _hydra_recipe(args)
     cfg, verl = read_config(args.recipe, args.overrides, args.variant)
-    for line in verl.lines():
+    for line in [*args.recipe_lines, *verl.start_up_lines()]:
         print(f"megappo: {line}")
     plan = make_plan(cfg, args.world_size, gpu_mem_gib=args.gpu_mem, hf_config=args.hf_config, recipe=args.recipe,
                      variant=args.variant)
@@ -321,6 +327,14 @@ def cmd_hardware(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from megappo.errors import ConfigError
+
+    if args.init:
+        return export_initial_model(args)
+    if args.overrides:
+        raise ConfigError(f"megappo export takes key=value overrides with --init only (a recipe's initial model), got "
+                          f"{' '.join(args.overrides)}. Fix: drop them, or write `megappo export --init RECIPE OUT "
+                          "key=value ...`.")
     from megappo.checkpointing import check_model_dir, resolve_checkpoint
     from megappo.convert import check_output_dir
     from megappo.models.checkpoint import read_metadata
@@ -343,6 +357,25 @@ def cmd_export(args) -> int:
         if base:
             print(peft_note(args.out, base.path))
     destroy_parallel()
+    return 0
+
+
+def export_initial_model(args) -> int:
+    """`megappo export --init RECIPE OUT [key=value ...]`: the recipe's initial actor (built from model.hf_config)
+    as an HF directory (megappo.run.write_initial_model)."""
+    from megappo.errors import ConfigError
+    from megappo.recipe import load_config
+    from megappo.run import write_initial_model
+
+    if args.role != "actor" or args.tp != 1 or args.pp != 1:
+        raise ConfigError("megappo export --init writes the recipe's initial actor (the policy) from model.hf_config; "
+                          "--role, --tp and --pp are for trainer checkpoints. Fix: drop them.")
+    cfg = load_config(args.checkpoint, args.overrides)
+    source = write_initial_model(cfg, args.out, args.overwrite)
+    print(f"wrote {args.checkpoint}'s initial model ({source.dims.num_layers} layers, hidden {source.dims.hidden_size}, "
+          f"vocab {source.dims.vocab_size}; model.seed_init={cfg.model.seed_init}) with its tokenizer to {args.out}; "
+          f"a verl script reads it as actor_rollout_ref.model.path={args.out}, megappo as model.path={args.out} "
+          "model.hf_config=null")
     return 0
 
 
@@ -387,6 +420,34 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _hydra_flags(parser) -> None:
+    """verl's Hydra flags, which every verl script passes (megappo.recipe.verl_config_recipe reads them)."""
+    parser.add_argument("--config-path", default=None,
+                        help="verl's: the directory of --config-name's YAML (a megappo recipe there is used)")
+    parser.add_argument("--config-name", default=None,
+                        help="verl's: ppo_megatron_trainer or ppo_trainer runs on verl 0.9.1's defaults "
+                             "(recipes/verl/); replaces the recipe")
+
+
+def _hydra_recipe(args) -> None:
+    """args.recipe from verl's --config-path / --config-name, and args.recipe_lines saying what it is (a recipe
+    and the flags both: refused)."""
+    from megappo.errors import ConfigError
+    from megappo.recipe import verl_config_recipe
+
+    args.recipe_lines = []
+    if not getattr(args, "config_name", None):
+        if getattr(args, "config_path", None):
+            raise ConfigError(f"--config-path={args.config_path} names the directory of a --config-name. Fix: add "
+                              f"--config-name=ppo_megatron_trainer (verl 0.9.1's defaults), or remove it.")
+        return
+    if args.recipe:
+        raise ConfigError(f"both the recipe {args.recipe} and --config-name={args.config_name} name the defaults. "
+                          f"Fix: give one of them.")
+    args.recipe, line = verl_config_recipe(args.config_path, args.config_name)
+    args.recipe_lines = [line]
+
+
 #: where every recipe key is described (the help texts point there)
 CONFIG_REFERENCE = "docs/config.md"
 
@@ -407,8 +468,9 @@ def main(argv=None) -> int:
                                        "command resumes from the latest checkpoint.",
                            epilog=f"Every recipe key, its default and meaning: {CONFIG_REFERENCE}. "
                                   "Example: megappo train recipes/demo-cpu.yaml run.total_steps=20")
-    train.add_argument("recipe")
+    train.add_argument("recipe", nargs="?", help="the recipe (optional with --config-name)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 actor.optim.lr=1e-6")
+    _hydra_flags(train)
     train.add_argument("--world-size", type=int, default=None,
                        help="ranks to launch when not under torchrun (default: a GPU recipe's hardware.gpus_per_node, "
                             "else tp * pp, the lcm over roles with their own)")
@@ -421,8 +483,9 @@ def main(argv=None) -> int:
                             "started on this machine with `ray start --head`)")
     train.set_defaults(func=cmd_train)
     plan = sub.add_parser("plan", help="check a recipe's layout and estimate per-GPU memory (no model is built)")
-    plan.add_argument("recipe")
+    plan.add_argument("recipe", nargs="?", help="the recipe (optional with --config-name)")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")
+    _hydra_flags(plan)
     plan.add_argument("--world-size", type=int, default=None,
                       help="GPUs (default: the recipe's hardware.nodes x hardware.gpus_per_node)")
     plan.add_argument("--gpu-mem", type=float, default=None,
@@ -438,8 +501,13 @@ def main(argv=None) -> int:
     hardware.add_argument("--world-size", type=int, default=None, help=argparse.SUPPRESS)  # train's: ignored
     hardware.set_defaults(func=cmd_hardware)
     export = sub.add_parser("export", help="a trainer checkpoint's actor or critic as an HF directory")
-    export.add_argument("checkpoint", help="a run directory, its checkpoints/ directory, or a step_NNNNNNNN directory")
+    export.add_argument("checkpoint", help="a run directory, its checkpoints/ directory, or a step_NNNNNNNN directory "
+                                           "(with --init: a recipe)")
     export.add_argument("out", help="the HF directory to write")
+    export.add_argument("overrides", nargs="*", help="with --init: the recipe's dotted overrides, e.g. model.seed_init=3")
+    export.add_argument("--init", action="store_true",
+                        help="write the recipe's initial model (built from model.hf_config, seeded by model.seed_init) "
+                             "with its tokenizer, e.g. for verl's actor_rollout_ref.model.path")
     export.add_argument("--role", choices=("actor", "critic"), default="actor")
     export.add_argument("--tp", type=int, default=1, help="load the checkpoint at this TP size (default 1)")
     export.add_argument("--pp", type=int, default=1, help="load the checkpoint at this PP size (default 1)")
@@ -456,6 +524,11 @@ def main(argv=None) -> int:
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = getattr(args, "overrides", []) + extra  # overrides after an option: `R.yaml --world-size 8 k=v`
+    if getattr(args, "config_name", None) and args.recipe and "=" in args.recipe:  # verl's script: no recipe
+        args.recipe, args.overrides = None, [args.recipe, *args.overrides]
+    if hasattr(args, "config_name") and not args.recipe and not args.config_name:
+        parser.error(f"megappo {args.command} needs a recipe: megappo {args.command} RECIPE.yaml [key=value ...], or "
+                     f"a verl script's --config-name={{ppo_megatron_trainer,ppo_trainer}} for verl 0.9.1's defaults")
     _one_line_warnings()
     try:
         return run_reporting_errors(args.func, args)

@@ -12,6 +12,7 @@ per role), `build_roles` (the models and workers a `RolePlan` asks for: the deci
 from the config, such as routing replay and recomputation), `build_rollout_side` (engine,
 schedule, bridge), `resume_state`, `announce` (config.json, logger, start-up lines). A new
 capability enters as a phase's argument (a field of the plan), not as a branch inside one.
+`write_initial_model` writes `model_source`'s weights as an HF directory (`megappo export --init`).
 
 This module does not know the order of a PPO step (see megappo.orchestrator).
 """
@@ -22,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import warnings
 from typing import Any
 
@@ -387,6 +389,31 @@ def model_source(cfg: Config) -> ModelSource:
             setattr(hf_model.config, key, hf_config[key])
             setattr(hf_model.generation_config, key, hf_config[key])
     return ModelSource(hf_config=hf_config, weights=weights, hf_model=hf_model, dims=dims, tokenizer=tokenizer)
+
+
+def write_initial_model(cfg: Config, out_dir: str, overwrite: bool = False) -> ModelSource:
+    """`megappo export --init`: the actor's starting weights of a recipe that builds its model from
+    model.hf_config (the same tensors `model_source` gives a run, seeded by model.seed_init) as an HF directory
+    with the tokenizer's files, for another trainer's model path (verl's actor_rollout_ref.model.path)."""
+    from megappo.convert import check_output_dir
+    from megappo.models.hf_reference import save_hf_dir
+
+    if cfg.model.path:
+        raise ModelConfigError(f"the recipe's model is an HF directory already (model.path={cfg.model.path}); "
+                               "--init writes a model built from model.hf_config. Fix: use that directory itself "
+                               f"(e.g. actor_rollout_ref.model.path={cfg.model.path}).")
+    check_output_dir(out_dir, overwrite)
+    source = model_source(cfg)
+    staged = f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"  # renamed into place once complete
+    os.makedirs(staged)
+    save_hf_dir(staged, source.weights, source.hf_config)
+    for name, data in export_files(cfg.model, source.tokenizer).items():
+        with open(os.path.join(staged, name), "wb") as f:
+            f.write(data)
+    if os.path.exists(out_dir):  # empty, or --overwrite
+        shutil.rmtree(out_dir)
+    os.replace(staged, out_dir)
+    return source
 
 
 def load_prompts(cfg: Config, ps: ParallelState, tokenizer) -> Prompts:
