@@ -7,8 +7,10 @@ need no table. verl nests the policy under `actor_rollout_ref` and the loop unde
 override (`RENAMED`, then the section `PREFIXES` swapped for megappo's when that is a key megappo
 has; a value respelled by `BY_VALUE`, `VALUES` or `NEVER`), as a
 key megappo has no use for (`UNUSED`, `UNUSED_PATTERNS`, `UNUSED_VALUES`, `MOOT`: named with why
-at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`, `REFUSED_PATTERNS`):
-the keys whose silent omission would change the training. verl's reward file and function name are
+at start-up), or as refused, with how megappo does the same thing (`OTHERWISE`, `REFUSED_PATTERNS`, a
+`FEATURE_SWITCHES` switch turned on): the keys whose silent omission would change the training. verl's
+compute dtypes are megappo's one `model.dtype` (`DTYPE_KEYS`), and its token budgets count Ulysses'
+sequence-parallel size in (`TIMES_ULYSSES`). verl's reward file and function name are
 read together (`REWARD_FILE`, `reward_file_reading`), and some verl keys bring verl's default of a key the
 command line leaves out where it differs from megappo's (`SECTION_DEFAULTS`). `verl_hint` words the error a verl key in a
 recipe file or `apply_override` gets. The tables cover verl's own example scripts (tests/data/verl/).
@@ -58,6 +60,15 @@ RENAMED: dict[str, str] = {
     "critic.model.lora_rank": "critic.lora.rank",
     "critic.model.lora_alpha": "critic.lora.alpha",
     "critic.model.target_modules": "critic.lora.target_modules",
+    # verl's SAPO reads the actor's tau_pos / tau_neg (its ActorConfig, where megappo's are too); its current
+    # scripts add them under policy_loss with Hydra's '+', at the actor's defaults' values
+    "actor_rollout_ref.actor.policy_loss.tau_pos": "actor.tau_pos",
+    "actor_rollout_ref.actor.policy_loss.tau_neg": "actor.tau_neg",
+    # verl's current scripts also pass Megatron's own fields through override_transformer_config
+    "actor_rollout_ref.actor.megatron.override_transformer_config.sequence_parallel": "parallel.sequence_parallel",
+    "actor_rollout_ref.ref.megatron.override_transformer_config.sequence_parallel": "parallel.sequence_parallel",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.use_distributed_optimizer":
+        "parallel.use_distributed_optimizer",
     "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size",
     "critic.ppo_micro_batch_size": "critic.micro_batch_size",
     "critic.optim.lr_warmup_steps": "critic.optim.warmup_steps",
@@ -138,17 +149,30 @@ BY_VALUE: dict[str, dict[str, str]] = {
     # old-log-prob pass) megappo does not have
     "actor_rollout_ref.actor.router_replay.mode": {"r3": "actor.moe_routing=replay",
                                                    "disabled": "actor.moe_routing=recompute"},
+    # the same switch in the engine's section (verl's current scripts)
+    **{f"actor_rollout_ref.actor.{engine}.router_replay.mode": {"r3": "actor.moe_routing=replay",
+                                                                "disabled": "actor.moe_routing=recompute"}
+       for engine in ("megatron", "veomni")},
 }
 
-#: verl key -> (the other verl key, its values that make it moot, why): verl drops long prompts when it
-#: loads the data, so its truncation never sees one; it reads resume_from_path in resume_path mode only
+#: verl key -> (the other verl key, its values that make it moot ('*': any value), why): verl drops long prompts
+#: when it loads the data, so its truncation never sees one; it reads resume_from_path in resume_path mode only
+#: (its default resume_mode is auto: MOOT_DEFAULTS); its vLLM and SGLang engines validate at
+#: val_kwargs.temperature and read no val_kwargs.do_sample (only its HF rollout does)
 MOOT: dict[str, tuple[str, tuple[str, ...], str]] = {
     "data.truncation": ("data.filter_overlong_prompts", ("true",), "verl drops long prompts when it loads the data "
                         "(data.filter_overlong_prompts=true), before truncating; megappo skips them "
                         "(data.long_prompt_policy=skip)"),
     "trainer.resume_from_path": ("trainer.resume_mode", ("auto", "disable"), "verl reads it with "
-                                 "trainer.resume_mode=resume_path only"),
+                                 "trainer.resume_mode=resume_path only (its default is auto)"),
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": (
+        "actor_rollout_ref.rollout.val_kwargs.temperature", ("*",),
+        "verl's vLLM and SGLang engines validate at val_kwargs.temperature whatever do_sample says (only its HF "
+        "rollout reads do_sample); megappo validates at rollout.val_temperature, greedy at 0"),
 }
+
+#: verl's default of a key MOOT consults, where a command line leaves that key out
+MOOT_DEFAULTS: dict[str, str] = {"trainer.resume_mode": "auto"}
 
 #: verl key -> its values' megappo spelling, where they differ (a list value: item by item); a value not listed
 #: is refused with the ones that are
@@ -330,6 +354,16 @@ UNUSED: dict[str, str] = {
     "actor_rollout_ref.actor.freeze_vision_tower": _TEXT_ONLY,
     "reward_model.use_reward_loop": "verl's reward service; megappo scores in the trainer (reward.functions, "
                                     "reward.model_path)",
+    # verl's current scripts (verl 1dda039, examples/)
+    "actor_rollout_ref.actor.megatron.use_remove_padding": _PACKING,
+    "actor_rollout_ref.actor.checkpoint.strict": "how verl's loader treats a checkpoint's missing keys; megappo "
+                                                 "loads its own checkpoints whole",
+    "actor_rollout_ref.rollout.prompt_length": "verl's engine's prompt budget (its default: data.max_prompt_length); "
+                                               "megappo's engine takes prompts of up to data.max_prompt_length tokens",
+    "actor_rollout_ref.ref.entropy_checkpointing": "the reference pass computes log-probs only (no entropy)",
+    "actor_rollout_ref.rollout.cudagraph_capture_sizes": _ENGINE_KNOB,
+    "actor_rollout_ref.actor.optim.override_optimizer_config.offload_fraction": _NO_OFFLOAD,
+    "data.image_patch_size": _TEXT_ONLY,
 }
 
 #: verl key patterns ('*' is one or more key parts) megappo reads but has no use for, and why
@@ -339,7 +373,9 @@ UNUSED_PATTERNS: dict[str, str] = {
     "actor_rollout_ref.model.fused_kernel_options.*": "megappo's log-probs are computed per token chunk in the loss "
                                                       "functions (no fused kernel to switch)",
     "*.ulysses_sequence_parallel_size": "Ulysses sequence parallelism is verl's FSDP backend's; megappo's is "
-                                        "Megatron's parallel.sequence_parallel (with tp > 1)",
+                                        "Megatron's parallel.sequence_parallel (with tp > 1); a token budget "
+                                        "(ppo_max_token_len_per_gpu) is read times it, as verl counts it",
+    "*.qat.*": "a setting of quantization-aware training, which megappo does not have (qat.enable=true is refused)",
     "*.profiler.*": "megappo times its stages itself (timing_s/* metrics)",
     "global_profiler.*": "megappo times its stages itself (timing_s/* metrics)",
     "actor_rollout_ref.rollout.engine_kwargs.vllm.*": "a setting of verl's vLLM server; megappo has no vLLM engine",
@@ -373,10 +409,34 @@ UNUSED_PATTERNS: dict[str, str] = {
     **{f"*.optim.override_optimizer_config.{key}": _NO_OFFLOAD for key in (
         "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "optimizer_cpu_offload",
         "use_precision_aware_optimizer")},
+    # verl's current scripts (verl 1dda039, examples/)
+    "ray_kwargs.*": "megappo starts its ranks itself (torchrun, or --launcher ray on a running cluster)",
+    "distillation.*": "a setting of on-policy distillation, which megappo does not have (distillation.enabled=true "
+                      "is refused)",
+    "critic.fsdp.*": "megappo trains with Megatron-Core, not FSDP",
+    **{f"*.megatron.override_transformer_config.{key}": _KERNEL for key in (
+        "use_flash_attn", "use_fused_rmsnorm", "use_fused_swiglu", "use_naive_l2norm", "use_triton_gdn",
+        "use_ascend_gdn", "use_fused_mhc", "apply_dsa_kernel_fusion")},
+    "*.megatron.override_transformer_config.pipeline_model_parallel_layout": _EVEN_PP_SPLIT,
+    "*.megatron.override_transformer_config.sequence_packing_scheduler": _PACKING,
+    # verl's VeOmni engine (FSDP training): layout, offload and kernel choices, none of which changes the math
+    **{f"*.veomni.{key}": why
+       for keys, why in (
+           (("param_offload", "optimizer_offload", "enable_fsdp_offload"),
+            "megappo keeps the models and the optimizer in GPU memory (no offload)"),
+           (("enable_full_shard", "fsdp_size", "expert_parallel_size", "ulysses_parallel_size"),
+            "a layout of verl's VeOmni (FSDP) engine; megappo trains with Megatron-Core, laid out by "
+            "actor.parallel.* (docs/parallelism.md)"),
+           (("attn_implementation", "moe_implementation", "cross_entropy_loss_implementation",
+             "dsa_attention_implementation", "dsa_indexer_implementation", "mhc_implementation"), _KERNEL))
+       for key in keys},
 }
 
 #: verl key -> {value: why megappo has no use for it}; its other values are refused (OTHERWISE says how)
 UNUSED_VALUES: dict[str, dict[str, str]] = {
+    # verl's current scripts choose the training engine at the top level (verl 1dda039)
+    "model_engine": {e: "megappo trains with Megatron-Core (verl's megatron engine; the math does not depend on it)"
+                     for e in ("megatron", "fsdp", "veomni", "torchtitan", "automodel")},
     # megappo's reward path is verl's naive/dapo manager: scores from reward.functions, summed with the reward
     # model's, DAPO's overlong shaping from reward.overlong_buffer
     "reward_model.reward_manager": {m: f"megappo's reward path does what verl's {m} manager does (reward.functions; "
@@ -428,6 +488,44 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
        for role in ("actor_rollout_ref.actor", "critic")},
     **{key: {"null": "none named: megappo reads the rows itself"}
        for key in ("data.custom_cls.path", "data.custom_cls.name", "data.sampler.class_path", "data.sampler.class_name")},
+    # verl's null micro-batch sizes are "unset" (its default; the other spelling or dynamic batching sizes them)
+    **{f"{verl}{suffix}": {"null": f"verl's unset; megappo's micro-batches: {ours}.micro_batch_size sequences or "
+                                   f"{ours}.max_tokens_per_micro_batch tokens"}
+       for verl, ours in (("actor_rollout_ref.actor.ppo_micro_batch_size", "actor"),
+                          ("actor_rollout_ref.ref.log_prob_micro_batch_size", "ref"),
+                          ("critic.ppo_micro_batch_size", "critic"), ("reward_model.micro_batch_size", "reward"))
+       for suffix in ("", "_per_gpu")},
+}
+
+#: verl's switches of a feature megappo does not have ('*' is one or more key parts) -> (its values that leave the
+#: feature off, how megappo does without it): off is named as unused, on is refused, so training never silently
+#: differs
+FEATURE_SWITCHES: dict[str, tuple[tuple[str, ...], str]] = {
+    "*.qat.enable": (("false", "null"), "megappo has no quantization-aware training (verl's QAT trains against "
+                                        "fake-quantized weights); remove it to train in model.dtype"),
+    "distillation.enabled": (("false", "null"), "megappo has no on-policy distillation (a teacher model's log-probs "
+                                                "in the loss); remove distillation.* to train with rewards alone"),
+    "actor_rollout_ref.rollout.ignore_eos": (("false", "null"), "megappo's engines end a response at its EOS token, "
+                                                               "as verl's default does; generating past it is a "
+                                                               "benchmark setting: remove it"),
+}
+
+#: verl's compute dtype keys ('*' is one or more key parts), read as megappo's one model.dtype (every role's)
+DTYPE_KEYS: tuple[str, ...] = ("*.megatron.dtype", "*.fsdp_config.mixed_precision.param_dtype")
+#: their values' megappo spelling (model.dtype refuses float16, with its fix)
+DTYPE_VALUES: dict[str, str] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+                                "fp16": "float16", "float16": "float16"}
+#: what verl computes in when a command line names no dtype (its Megatron dtype and FSDP param_dtype defaults)
+VERL_DTYPE = "bfloat16"
+
+#: verl's token budget per micro-batch -> its Ulysses sequence-parallel sizes (the first given counts; verl's
+#: reference takes the actor's): verl's micro-batch holds the budget x sp tokens, split over the sp group's GPUs;
+#: megappo's (one rank's, split by tp with parallel.sequence_parallel) holds as many
+TIMES_ULYSSES: dict[str, tuple[str, ...]] = {
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",),
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": ("actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+                                                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    "critic.ppo_max_token_len_per_gpu": ("critic.ulysses_sequence_parallel_size",),
 }
 
 #: verl key -> how megappo does it, where there is no one key to rename it to
@@ -465,6 +563,12 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.actor.router_replay.mode": "megappo replays the experts the rollout engine chose (verl's R3: "
                                                   "actor.moe_routing=replay) or lets the trainer's routers choose "
                                                   "(disabled: actor.moe_routing=recompute); verl's R2 it does not have",
+    **{f"actor_rollout_ref.actor.{engine}.router_replay.mode": "megappo replays the experts the rollout engine "
+                                                               "chose (verl's R3: actor.moe_routing=replay) or lets "
+                                                               "the trainer's routers choose (disabled: "
+                                                               "actor.moe_routing=recompute); verl's R2 it does not have"
+       for engine in ("megatron", "veomni")},
+    "model_engine": "megappo trains with Megatron-Core: remove it",
     "actor_rollout_ref.model.lora.type": "megappo's adapters are plain LoRA (actor.lora.*; docs/lora.md)",
     "actor_rollout_ref.model.lora.dropout_position": "megappo applies the adapters' dropout to their input (verl's "
                                                      "pre): remove it",
@@ -539,6 +643,23 @@ REFUSED_PATTERNS: dict[str, str] = {
                                  "reads too: change the value there (or in model.hf_config)",
     "*.sandbox_fusion.*": "megappo calls no code-execution service; score code answers with a reward function of "
                           "your own, reward.functions=[path/to/file.py:function_name]",
+    # Megatron fields of verl's current scripts that change the model or its loss
+    **{f"*.megatron.override_transformer_config.{key}": "megappo builds the model from model.path's config.json: "
+                                                        "change the value there (or in model.hf_config)"
+       for key in ("normalization", "swiglu")},
+    "*.megatron.override_transformer_config.moe_aux_loss_coeff": "megappo weights the MoE load-balancing loss by the "
+                                                                 "model's router_aux_loss_coef: set it in "
+                                                                 "model.path's config.json (or model.hf_config)",
+    "*.megatron.override_transformer_config.moe_router_load_balancing_type": "megappo uses Megatron's aux_loss when "
+                                                                             "the model's router_aux_loss_coef > 0, "
+                                                                             "none at 0: set that coefficient",
+    **{f"*.megatron.override_transformer_config.{key}": "megappo has no router z-loss or aux-loss-free expert bias "
+                                                        "(its routers train with the aux loss only): remove it"
+       for key in ("moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")},
+    **{f"*.megatron.override_transformer_config.{key}": "megappo has no context parallelism; for long sequences use "
+                                                        "parallel.sequence_parallel=true with tp > 1, actor.recompute.* "
+                                                        "and model.lm_head_chunk_tokens (docs/parallelism.md)"
+       for key in ("context_parallel_size", "context_parallel_algo", "cp_partition_mode", "max_seqlen_per_dp_cp_rank")},
 }
 
 #: verl section prefix -> megappo's, tried when the key is in neither table
@@ -582,8 +703,8 @@ def verl_equivalent(path: str, is_key: Callable[[str], bool]) -> Optional[tuple[
     return None
 
 
-def _pattern(path: str, patterns: dict[str, str]) -> Optional[str]:
-    """The text of the first of `patterns` that dotted `path` matches, or None."""
+def _pattern(path: str, patterns: dict[str, Any]) -> Any:
+    """The value of the first of `patterns` that dotted `path` matches, or None."""
     parts = path.split(".")
     for pattern, why in patterns.items():
         if _match(pattern.split("."), parts):
@@ -628,6 +749,14 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
     if is_key(path):
         return None
     spelled = spelling(value)
+    switch = _pattern(path, FEATURE_SWITCHES)
+    if switch:
+        return ("unused", f"the feature is off ({path}={spelled}), as megappo has it") if spelled in switch[0] \
+            else ("refused", switch[1])
+    if any(_match(p.split("."), path.split(".")) for p in DTYPE_KEYS):
+        if spelled in DTYPE_VALUES:
+            return "read", f"model.dtype={DTYPE_VALUES[spelled]}"
+        return "refused", f"write model.dtype=bfloat16 or float32 (verl's values megappo reads: {sorted(DTYPE_VALUES)})"
     why = UNUSED.get(path) or _pattern(path, UNUSED_PATTERNS) or UNUSED_VALUES.get(path, {}).get(spelled)
     if why:
         return "unused", why

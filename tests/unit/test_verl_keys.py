@@ -43,7 +43,6 @@ READ = {
     "data.filter_overlong_prompts=True": ("data.long_prompt_policy", "skip"),
     "trainer.resume_mode=disable": ("checkpoint.resume", "off"),
     "trainer.resume_mode=resume_path": ("checkpoint.resume", "must"),
-    "trainer.resume_from_path=/ckpt/step_00000040": ("checkpoint.resume_from", "/ckpt/step_00000040"),
     "trainer.rollout_data_dir=/tmp/rollouts": ("logging.rollout_dir", "/tmp/rollouts"),
     "trainer.validation_data_dir=/tmp/val": ("logging.validation_dir", "/tmp/val"),
     "trainer.val_only=True": ("run.val_only", True),
@@ -59,6 +58,13 @@ READ = {
     "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5": ("reward.overlong_buffer.penalty_factor", 0.5),
     "+reward.reward_kwargs.overlong_buffer_cfg.log=True": ("reward.overlong_buffer.log", True),
     "reward_model.overlong_buffer.len=1": ("reward.overlong_buffer.len", 1),  # recipe/dapo's own spelling
+    # keys of verl's current example scripts (examples/**/*.sh at verl 1dda039; tools/verl_examples.py)
+    "+actor_rollout_ref.actor.policy_loss.tau_pos=1.2": ("actor.tau_pos", 1.2),  # verl's SAPO reads the actor's
+    "+actor_rollout_ref.actor.policy_loss.tau_neg=1.5": ("actor.tau_neg", 1.5),
+    "+actor_rollout_ref.actor.megatron.override_transformer_config.sequence_parallel=True": (
+        "parallel.sequence_parallel", True),
+    "actor_rollout_ref.actor.megatron.router_replay.mode=R3": ("actor.moe_routing", "replay"),
+    "actor_rollout_ref.actor.veomni.router_replay.mode=disabled": ("actor.moe_routing", "recompute"),
     "+reward_model.reward_kwargs.max_resp_len=3": ("rollout.max_new_tokens", 3),
     "+run.total_steps=5": ("run.total_steps", 5),  # '+' on a key megappo has: a plain override
     "++actor.clip_ratio_high=0.28": ("actor.clip_ratio_high", 0.28),
@@ -121,7 +127,7 @@ UNUSED = {
     "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra']": "exact resume",
     "actor_rollout_ref.hybrid_engine=True": "rollout.engine and rollout.mode",
     "actor_rollout_ref.rollout.multi_turn.enable=False": "rollout.env=single_turn",
-    "trainer.resume_from_path=null": "checkpoint.dir's newest",
+    "trainer.resume_from_path=null": "resume_mode=resume_path only",  # verl's default resume_mode=auto
     "data.reward_fn_key=data_source": "data_source",
     "actor_rollout_ref.model.use_liger=True": "Megatron-Core models",
     "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton": "no fused kernel to switch",
@@ -143,6 +149,22 @@ UNUSED = {
     "actor_rollout_ref.rollout.multi_turn.format=hermes": "<tool_call> JSON",
     "custom_reward_function.path=null": "no reward file named",
     "custom_reward_function.name=compute_score": "with custom_reward_function.path only",
+    # keys of verl's current example scripts (examples/**/*.sh at verl 1dda039; tools/verl_examples.py)
+    "ray_kwargs.ray_init.runtime_env.py_executable=null": "starts its ranks itself",
+    "model_engine=megatron": "trains with Megatron-Core",
+    "model_engine=veomni": "trains with Megatron-Core",
+    "actor_rollout_ref.rollout.ignore_eos=False": "the feature is off",
+    "distillation.enabled=False": "the feature is off",
+    "distillation.distillation_loss.topk=64": "on-policy distillation, which megappo does not have",
+    "actor_rollout_ref.rollout.prompt_length=2048": "data.max_prompt_length",
+    "actor_rollout_ref.actor.megatron.use_remove_padding=False": "packs sequences",
+    "actor_rollout_ref.actor.checkpoint.strict=False": "its own checkpoints whole",
+    "actor_rollout_ref.ref.entropy_checkpointing=True": "no entropy",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=True": "same math",
+    "actor_rollout_ref.actor.veomni.param_offload=True": "no offload",
+    "actor_rollout_ref.ref.veomni.ulysses_parallel_size=2": "VeOmni",
+    "actor_rollout_ref.actor.veomni.moe_implementation=fused": "same math",
+    "critic.fsdp.param_offload=True": "not FSDP",
 }
 
 
@@ -173,6 +195,15 @@ REFUSED = {
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=full":
         "the reference model only runs forward passes",
     "actor_rollout_ref.rollout.multi_turn.enable=True": "write rollout.env=tools",
+    # keys of verl's current example scripts (examples/**/*.sh at verl 1dda039)
+    "distillation.enabled=True": "no on-policy distillation",
+    "actor_rollout_ref.rollout.ignore_eos=True": "a benchmark setting",
+    "model_engine=mindspeed": "trains with Megatron-Core",
+    "actor_rollout_ref.actor.megatron.router_replay.mode=R2": "verl's R2 it does not have",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01": "router_aux_loss_coef",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff=0.001": "no router z-loss",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.normalization=RMSNorm": "config.json",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_size=2": "no context parallelism",
 }
 
 
@@ -247,13 +278,29 @@ def test_a_warmup_ratio_is_counted_when_the_run_knows_its_steps():
      ("actor_rollout_ref.actor.clip_ratio_high=0.28", "actor.clip_ratio_high=0.3")),
     (["data.max_response_length=4", "+reward_model.reward_kwargs.max_resp_len=8"],
      ("data.max_response_length=4", "reward_model.reward_kwargs.max_resp_len=8")),
-    (["actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.do_sample=false"],
-     ("actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.do_sample=0")),
+    (["actor_rollout_ref.actor.megatron.dtype=bfloat16", "model.dtype=float32"],
+     ("actor_rollout_ref.actor.megatron.dtype=bfloat16", "model.dtype=float32")),
 ])
 def test_one_setting_given_differently_in_two_spellings_is_an_error_naming_both(overrides, names):
     with pytest.raises(ConfigError) as e:
         load_config(DEMO, overrides)
-    assert all(f"'{n}'" in str(e.value) for n in names) and "Fix: give it once." in str(e.value)
+    assert all(f"'{n}'" in str(e.value) for n in names) and "Fix: give it once: change " in str(e.value)
+
+
+def test_the_fix_for_two_spellings_names_the_scripts_own_verl_key():
+    """A verl script's key and megappo's spelling added after it: the fix changes the script's key; two verl keys:
+    either of them."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["trainer.total_training_steps=500", "run.total_steps=3"])
+    assert str(e.value).endswith("Fix: give it once: change trainer.total_training_steps=500 where the script sets "
+                                 "it, and drop run.total_steps=3.")
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["run.total_steps=3", "trainer.total_training_steps=500"])  # either order
+    assert "change trainer.total_training_steps=500 where the script sets it, and drop run.total_steps=3" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["data.max_response_length=4", "+reward_model.reward_kwargs.max_resp_len=8"])
+    assert str(e.value).endswith("Fix: give it once: change data.max_response_length or "
+                                 "reward_model.reward_kwargs.max_resp_len where the script sets them, to one value.")
 
 
 def test_one_setting_given_alike_in_two_spellings_and_one_spelling_twice_are_fine():
@@ -271,11 +318,88 @@ def test_verl_truncation_is_moot_when_verl_filters_long_prompts():
 def test_verl_resume_from_path_is_read_in_resume_path_mode_and_moot_otherwise():
     cfg = load_config(DEMO, ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/step_00000040"])
     assert (cfg.checkpoint.resume, cfg.checkpoint.resume_from) == ("must", "/ckpt/step_00000040")
-    for mode, resume in (("auto", "auto"), ("disable", "off")):  # verl then ignores the path
-        cfg, reading = read_config(DEMO, [f"trainer.resume_mode={mode}", "trainer.resume_from_path=/ckpt/step_1"])
+    # verl then ignores the path; without resume_mode too: verl's default is auto (megappo's checkpoint.resume=auto)
+    for mode, resume in ((["trainer.resume_mode=auto"], "auto"), (["trainer.resume_mode=disable"], "off"), ([], "auto")):
+        cfg, reading = read_config(DEMO, [*mode, "trainer.resume_from_path=/ckpt/step_1"])
         assert (cfg.checkpoint.resume, cfg.checkpoint.resume_from) == (resume, None)
         assert reading.unused == [("trainer.resume_from_path", "verl reads it with trainer.resume_mode=resume_path "
-                                                               "only")]
+                                                               "only (its default is auto)")]
+
+
+def test_verls_qat_switch_is_refused_when_on_and_named_when_off():
+    for key in ("actor_rollout_ref.actor.fsdp_config.qat.enable", "actor_rollout_ref.actor.megatron.qat.enable",
+                "actor_rollout_ref.actor.qat.enable"):
+        with pytest.raises(ConfigError, match="megappo has no quantization-aware training"):
+            load_config(DEMO, [f"{key}=True"])
+        cfg, reading = read_config(DEMO, [f"{key}=False", "actor_rollout_ref.actor.fsdp_config.qat.mode=w4a16"])
+        assert cfg == load_config(DEMO) and [k for k, _ in reading.unused] == [
+            key, "actor_rollout_ref.actor.fsdp_config.qat.mode"]
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+                                 "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype",
+                                 "critic.model.fsdp_config.mixed_precision.param_dtype",
+                                 "actor_rollout_ref.actor.megatron.dtype", "critic.megatron.dtype"])
+def test_verls_compute_dtype_is_model_dtype(key):
+    for verl, ours in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp32", "float32")):
+        cfg, reading = read_config(DEMO, [f"{key}={verl}"])
+        assert cfg.model.dtype == ours and reading.read[0][1].startswith("model.dtype")
+        assert reading.start_up_lines()[-1].startswith(f"this verl command line computes in model.dtype={ours} (set by "
+                                                       f"{key}={verl}; verl computes in bf16)")
+    with pytest.raises(ConfigError, match="model.dtype=float16 cannot train in megappo"):
+        load_config(DEMO, [f"{key}=fp16"])
+
+
+def test_a_verl_command_line_says_which_dtype_it_computes_in():
+    _, reading = read_config(DEMO, ["actor_rollout_ref.actor.optim.lr=1e-6"])
+    assert reading.start_up_lines()[-1] == ("this verl command line computes in model.dtype=float32 (megappo's "
+                                            "default; verl computes in bf16; write model.dtype=bfloat16 to follow it)")
+    gpu = str(REPO / "recipes/qwen2.5-7b-dapo-8gpu.yaml")
+    _, reading = read_config(gpu, ["actor_rollout_ref.actor.optim.lr=1e-6"])
+    assert reading.start_up_lines()[-1] == (f"this verl command line computes in model.dtype=bfloat16 ({gpu}'s; verl "
+                                            "computes in bf16)")
+    assert read_config(DEMO, ["actor.optim.lr=1e-6"])[1].start_up_lines() == []  # megappo's keys only: no line
+
+
+def test_verls_token_budget_counts_ulysses_sequence_parallel_size():
+    """verl's ppo_max_token_len_per_gpu is per GPU of a Ulysses group: its micro-batch holds it x sp tokens (the
+    reference's sp is the actor's unless given)."""
+    cfg, reading = read_config(DEMO, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600",
+                                      "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=700",
+                                      "critic.ppo_max_token_len_per_gpu=800",
+                                      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                      "critic.ulysses_sequence_parallel_size=4"])
+    assert (cfg.actor.max_tokens_per_micro_batch, cfg.ref.max_tokens_per_micro_batch,
+            cfg.critic.max_tokens_per_micro_batch) == (1200, 1400, 3200)
+    assert ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600", "actor.max_tokens_per_micro_batch=1200 (x "
+            "ulysses_sequence_parallel_size=2, as verl counts it)") in reading.read
+    cfg, _ = read_config(DEMO, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600",
+                                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"])
+    assert cfg.actor.max_tokens_per_micro_batch == 600
+
+
+def test_verls_unset_micro_batch_size_is_no_conflict():
+    cfg, reading = read_config(DEMO, ["actor_rollout_ref.actor.ppo_micro_batch_size=null",
+                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                                      "actor_rollout_ref.ref.log_prob_micro_batch_size=null",
+                                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+                                      "critic.ppo_micro_batch_size=null", "critic.ppo_micro_batch_size_per_gpu=2"])
+    assert (cfg.actor.micro_batch_size, cfg.ref.micro_batch_size, cfg.critic.micro_batch_size) == (8, 4, 2)
+    assert [k for k, _ in reading.unused] == ["actor_rollout_ref.actor.ppo_micro_batch_size",
+                                              "actor_rollout_ref.ref.log_prob_micro_batch_size",
+                                              "critic.ppo_micro_batch_size"]
+
+
+def test_verls_val_do_sample_is_no_conflict_with_a_temperature():
+    """verl's vLLM and SGLang engines validate at val_kwargs.temperature whatever do_sample says; with no
+    temperature, do_sample=false is greedy (verl's default val temperature 0)."""
+    cfg, reading = read_config(DEMO, ["actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+                                      "actor_rollout_ref.rollout.val_kwargs.do_sample=False"])
+    assert cfg.rollout.val_temperature == 0.6
+    assert [k for k, _ in reading.unused] == ["actor_rollout_ref.rollout.val_kwargs.do_sample"]
+    cfg, reading = read_config(DEMO, ["actor_rollout_ref.rollout.val_kwargs.do_sample=False"])
+    assert cfg.rollout.val_temperature == 0.0 and reading.read == [
+        ("actor_rollout_ref.rollout.val_kwargs.do_sample=False", "rollout.val_temperature=0")]
 
 
 def test_misspelled_megappo_key_still_gets_did_you_mean():
@@ -327,7 +451,8 @@ def test_every_mapped_key_exists_and_is_documented():
     docs = (REPO / "docs/config.md").read_text()
     section = docs[docs.index("### Coming from verl"):]
     tables = (verl_keys.RENAMED, verl_keys.OTHERWISE, verl_keys.BY_VALUE, verl_keys.VALUES,
-              verl_keys.NEVER, verl_keys.MOOT, verl_keys.UNUSED, verl_keys.UNUSED_PATTERNS)
+              verl_keys.NEVER, verl_keys.MOOT, verl_keys.UNUSED, verl_keys.UNUSED_PATTERNS,
+              verl_keys.FEATURE_SWITCHES, verl_keys.DTYPE_KEYS, verl_keys.TIMES_ULYSSES)
     missing = [k for table in tables for k in table if f"`{k}" not in section]
     missing += [f"{k}={v}" for k, values in verl_keys.UNUSED_VALUES.items() for v in values
                 if f"`{k}={v}`" not in section]
