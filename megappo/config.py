@@ -1010,16 +1010,18 @@ class Config(_Section):
         named = self.hardware.device == "gpu" and self.hardware.gpus_per_node is not None
         return self.hardware_world_size if named else self.min_world_size
 
-    def hardware_mismatch(self, world_size: int, recipe: str) -> Optional[str]:
+    def hardware_mismatch(self, world_size: int, recipe: str, sized_by: Optional[str] = None) -> Optional[str]:
         """A warning when a GPU run has another world size than its recipe's hardware, naming the fix;
         None when they agree, when the recipe does not say (hardware.gpus_per_node unset), or on CPU
-        (there the rank count changes the speed, not what fits)."""
+        (there the rank count changes the speed, not what fits). `sized_by`: what set the hardware, when
+        not the recipe's section ('trainer.nnodes=16 sizes this run')."""
         expected = self.hardware_world_size
         if self.hardware.device == "cpu" or self.hardware.gpus_per_node is None or world_size == expected:
             return None
         ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
-        return (f"{recipe} is sized for {expected} GPUs ({self.hardware.describe(expected)}: its hardware "
-                f"section) but this run has {ranks}; its memory plan does not hold for them. Fix: launch "
+        sized = f"{sized_by} for {expected} GPUs ({self.hardware.describe(expected)})" if sized_by else \
+            f"{recipe} is sized for {expected} GPUs ({self.hardware.describe(expected)}: its hardware section)"
+        return (f"{sized} but this run has {ranks}; its memory plan does not hold for them. Fix: launch "
                 f"{expected} ranks, or plan this world and set it: megappo plan {recipe} --world-size {world_size} "
                 f"(then hardware.nodes / hardware.gpus_per_node, or a --variant of the recipe).")
 

@@ -12,9 +12,12 @@ A command line may be verl's, as its scripts write it (`read_overrides`): Hydra'
 where megappo's differs), named as unused with why (`trainer.device`), or refused with the fix where
 leaving it out would change the training (`custom_reward_function.path`); the tables are
 megappo.verl_keys. A megappo key set differently in verl's spelling and in megappo's (or by two verl
-keys) is an error naming both. `VerlReading.lines()` are the two start-up lines that say what was read
-as what and what was not used. A recipe file written in verl's layout is refused, with every such
-key's translation in one error.
+keys) is an error naming both, its fix the script's own verl key. `VerlReading.start_up_lines()` say what was
+read as what, what was not used and which dtype the run computes in (verl computes in bf16); `set_by` names
+the override that set a key, for errors about its value. A recipe file written in verl's layout is refused,
+with every such key's translation in one error. verl's Hydra flags `--config-path DIR --config-name NAME`
+name a recipe (`verl_config_recipe`): DIR/NAME.yaml when it is megappo's, else recipes/verl/NAME.yaml, verl
+0.9.1's defaults as a megappo recipe.
 
 Owns: reading and writing recipe files, overrides, the verl-key check. The schema, its defaults
 and checks are megappo.config's. Knows nothing about torch, models or processes.
@@ -23,6 +26,7 @@ and checks are megappo.config's. Knows nothing about torch, models or processes.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
 from typing import Any, Optional, Sequence
@@ -32,8 +36,8 @@ import yaml
 from megappo.config import Config, _build, _hints, _not_here, _options, _type_name, _unknown_key
 from megappo.errors import ConfigError
 from megappo.key_synonyms import synonym_hint, synonym_of
-from megappo.verl_keys import (MOOT, NO_EQUIVALENT, REWARD_FILE, SECTION_DEFAULTS, reward_file_reading, spelling,
-                               verl_equivalent, verl_hint, verl_reading)
+from megappo.verl_keys import (MOOT, MOOT_DEFAULTS, NO_EQUIVALENT, REWARD_FILE, SECTION_DEFAULTS, TIMES_ULYSSES,
+                               VERL_DTYPE, reward_file_reading, spelling, verl_equivalent, verl_hint, verl_reading)
 
 
 def _is_key(path: str) -> bool:
@@ -181,13 +185,18 @@ def apply_override(data: dict, override: str) -> None:
 @dataclasses.dataclass
 class VerlReading:
     """What a command line's verl keys were read as: (verl key, megappo override) for each one read,
-    (verl key, why) for each one megappo has no use for."""
+    (verl key, why) for each one megappo has no use for; the override (as written) that set each megappo key
+    (`set_by`, for errors about a value); the dtype the run computes in and what set it, for a command line
+    with verl keys (verl computes in bf16 where megappo's default is float32)."""
 
     read: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     unused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    set_by: dict[str, str] = dataclasses.field(default_factory=dict)
+    dtype: Optional[str] = None
 
     def lines(self) -> list[str]:
-        """The start-up lines (none when the command line has no verl key)."""
+        """The lines saying what the verl keys were read as and which are unused (none when the command line has
+        no verl key)."""
         out = []
         if self.read:
             out.append("verl keys read as megappo's: " + ", ".join(f"{verl} -> {ours}" for verl, ours in self.read))
@@ -198,6 +207,10 @@ class VerlReading:
             out.append("verl keys megappo does not use: " + "; ".join(f"{', '.join(keys)} ({why})"
                                                                        for why, keys in by_why.items()))
         return out
+
+    def start_up_lines(self) -> list[str]:
+        """`lines()` and the dtype line: what rank 0 says at start-up (and `megappo plan`)."""
+        return self.lines() + ([self.dtype] if self.dtype else [])
 
 
 def _key_value(override: str) -> tuple[str, str]:
@@ -268,10 +281,18 @@ def _read_one(override: str, values: dict[str, Any], out: list[str], reading: Ve
         if reward_file_reading(values.get(_REWARD_FILE_OF[key]), None)[0] == "read":
             return  # read with its file
         found = ("unused", f"verl reads it with {_REWARD_FILE_OF[key]} only, which is not given")
-    elif other and other in values and spelling(values[other]) in other_value:
+    elif other and (other in values and ("*" in other_value or spelling(values[other]) in other_value)
+                    or other not in values and MOOT_DEFAULTS.get(other) in other_value):
         found = ("unused", why)
     else:
         found = verl_reading(key, raw.strip(), _parsed(raw), _is_key)
+    note = ""
+    if found and found[0] == "read" and key in TIMES_ULYSSES:  # verl's budget is per GPU of the sp group
+        sp = next((values[k] for k in TIMES_ULYSSES[key] if k in values), 1)
+        ours, _, value = found[1].partition("=")
+        if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1 and isinstance(_parsed(value), int):
+            found, note = ("read", f"{ours}={_parsed(value) * sp}"), f" (x ulysses_sequence_parallel_size={sp}, " \
+                                                                     "as verl counts it)"
     if found is None:
         mine = f"{key}={raw}"
     elif found[0] == "refused":
@@ -286,11 +307,12 @@ def _read_one(override: str, values: dict[str, Any], out: list[str], reading: Ve
     else:
         mine = found[1]
         ours, _, value = mine.partition("=")
-        shown = ours if value == raw.strip() else f"{ours}={value}"
+        shown = ours if value == raw.strip() else f"{ours}={value}{note}"
         reading.read = [(k, o) for k, o in reading.read if k.partition("=")[0] != key] + [
             (key if value == raw.strip() else f"{key}={raw.strip()}", shown)]
     ours, _, value = mine.partition("=")
     setters[ours] = _check_same(setters.get(ours), key, _parsed(value), ours)
+    reading.set_by[ours] = f"{key}={raw.strip()}"
     out.append(mine)
 
 
@@ -298,8 +320,13 @@ def _check_same(before: Optional[tuple[str, Any]], key: str, value: Any, ours: s
     """(key, value) of an override of megappo's `ours`; an error when another spelling set it to another value
     (the same spelling twice: the later one wins, as for any override)."""
     if before and before[0] != key and before[1] != value:
+        given = {before[0]: before[1], key: value}
+        verl = [k for k in given if k != ours]  # a verl script's own key: the fix changes it there
+        fix = (f"give it once: change {verl[0]}={given[verl[0]]} where the script sets it, and drop {ours}="
+               f"{given[ours]}" if len(verl) == 1 else
+               f"give it once: change {verl[0]} or {verl[1]} where the script sets them, to one value")
         raise ConfigError(f"'{before[0]}={before[1]}' and '{key}={value}' both set {ours} (verl's and megappo's "
-                          f"names for one setting), to different values. Fix: give it once.")
+                          f"names for one setting), to different values. Fix: {fix}.")
     return key, value
 
 
@@ -340,6 +367,7 @@ def read_config(path: str | None, overrides: Sequence[str] = (),
                               f"{variant}: [hardware.gpu_memory_gib=141, ...].")
         overrides = [*variants[variant], *overrides]
     given = overrides
+    recipe_dtype = _lookup(data, "model.dtype")
     overrides, reading, errors = read_overrides(given)
     for override in overrides:
         try:
@@ -351,7 +379,59 @@ def read_config(path: str | None, overrides: Sequence[str] = (),
         raise errors[0] if len(errors) == 1 else ConfigError(
             f"{len(errors)} overrides megappo cannot read as written (each line names its fix):\n"
             + "\n".join(f"  - {e}" for e in errors))
-    return config_from_dict(data), reading
+    cfg = config_from_dict(data)
+    if reading.read or reading.unused:
+        reading.dtype = _dtype_line(cfg.model.dtype, reading.set_by.get("model.dtype"),
+                                    path if recipe_dtype is not None else None)
+    return cfg, reading
+
+
+def _dtype_line(dtype: str, override: Optional[str], recipe: Optional[str]) -> str:
+    """The start-up line saying which dtype a command line with verl keys computes in, and what chose it."""
+    source = f"set by {override}" if override else f"{recipe}'s" if recipe else "megappo's default"
+    follow = "" if dtype == VERL_DTYPE or override else "; write model.dtype=bfloat16 to follow it"
+    return f"this verl command line computes in model.dtype={dtype} ({source}; verl computes in bf16{follow})"
+
+
+#: verl's trainer configs (Hydra's --config-name) whose verl 0.9.1 defaults megappo has as recipes
+VERL_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")
+VERL_RECIPES = "recipes/verl"  # in megappo's repository, beside the package
+
+
+def verl_config_recipe(config_path: Optional[str], config_name: str) -> tuple[str, str]:
+    """The recipe a verl script's Hydra flags `--config-path DIR --config-name NAME` name, and the start-up line
+    saying what it is: DIR/NAME.yaml when it is a megappo recipe; megappo's recipe of verl 0.9.1's defaults
+    (recipes/verl/NAME.yaml) for verl's own trainer configs, when DIR has no NAME.yaml (the usual case: a verl
+    script's config directory is verl's, not on this machine) or DIR is verl's own config directory. A config in
+    verl's layout (Hydra's `defaults:` list, verl's keys) is refused: megappo reads verl's keys on the command
+    line only."""
+    name = config_name[:-len(".yaml")] if config_name.endswith(".yaml") else config_name
+    flags = f"--config-name={config_name}" + (f" (--config-path={config_path})" if config_path else "")
+    own = os.path.join(config_path, f"{name}.yaml") if config_path else None
+    verls_own = own and os.path.exists(os.path.join(config_path, f"_generated_{name}.yaml"))
+    if own and os.path.isfile(own) and not verls_own:
+        with open(own) as f:
+            try:
+                data = _yaml(f)
+            except yaml.YAMLError:
+                data = None
+        if not isinstance(data, dict) or "defaults" in data or _verl_keys(data) or set(data) - set(_hints(Config)):
+            raise ConfigError(
+                f"{flags}: {own} is not a megappo recipe (a config in verl's layout: Hydra's defaults list, verl's "
+                f"keys), and megappo reads verl's keys on the command line only. Fix: give its settings as KEY=VALUE "
+                f"overrides after --config-name={VERL_CONFIGS[0]} (verl 0.9.1's defaults), or write them as a megappo "
+                f"recipe (docs/config.md, 'Coming from verl', names every verl key's megappo key) and give that "
+                f"recipe instead of the two flags.")
+        return own, f"{flags}: the megappo recipe {own}"
+    if name not in VERL_CONFIGS:
+        where = f"{config_path} has no {name}.yaml" if config_path else "no --config-path names its directory"
+        raise ConfigError(f"{flags}: {where}, and megappo has verl 0.9.1's defaults for {', '.join(VERL_CONFIGS)} "
+                          f"only. Fix: write --config-name={VERL_CONFIGS[0]} (or {VERL_CONFIGS[1]}) with the "
+                          f"script's overrides, or give a megappo recipe instead of the two flags.")
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), VERL_RECIPES, f"{name}.yaml")
+    why = ("is verl's own config directory" if verls_own else f"has no {name}.yaml" if config_path else "")
+    return recipe, (f"--config-name={name}: verl 0.9.1's defaults ({VERL_RECIPES}/{name}.yaml) wherever megappo has "
+                    f"the key" + (f"; {config_path} {why}" if why else ""))
 
 
 def dump_config(cfg: Config, path: str) -> None:

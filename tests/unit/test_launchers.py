@@ -168,7 +168,7 @@ def test_train_warns_when_a_gpu_run_has_another_world_than_its_hardware(capsys, 
             f"data.val_files=[{tmp_path}/none.jsonl]"]
     assert cli.main(["train", *args, "hardware.device=gpu", "hardware.gpus_per_node=4", "--world-size", "1"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == (f"megappo: warning: {demo} is sized for 4 GPUs (1 node x 4 GPUs of 2 GiB: its hardware section) "
+    assert err[0] == (f"megappo: warning: hardware.gpus_per_node=4 sizes this run for 4 GPUs (1 node x 4 GPUs of 2 GiB) "
                       f"but this run has 1 rank; its memory plan does not hold for them. Fix: launch 4 ranks, or plan "
                       f"this world and set it: megappo plan {demo} --world-size 1 (then hardware.nodes / "
                       f"hardware.gpus_per_node, or a --variant of the recipe).")

@@ -136,3 +136,111 @@ def test_megappo_plan_takes_a_verl_script_and_says_what_it_read(tmp_path, capsys
     assert out[0].startswith("megappo: verl keys read as megappo's: ")
     assert out[1].startswith("megappo: verl keys megappo does not use: ")
     assert any(line.startswith("fits: ") for line in out)
+
+
+# --- verl's Hydra flags: `megappo train --config-path=DIR --config-name=ppo_megatron_trainer OVERRIDES...` ---
+
+VERL_RECIPE = str(REPO / "recipes/verl/ppo_megatron_trainer.yaml")
+
+
+@pytest.mark.parametrize("name", ["ppo_megatron_trainer", "ppo_trainer"])
+def test_the_recipes_of_verls_defaults_hold_verls_values(name):
+    """recipes/verl/NAME.yaml is a megappo recipe of verl 0.9.1's defaults (values from its
+    verl/trainer/config/_generated_NAME.yaml) for the keys megappo has."""
+    cfg, _ = read_config(str(REPO / f"recipes/verl/{name}.yaml"), ["model.path=/m", "data.val_files=[/v.jsonl]"])
+    assert (cfg.run.total_epochs, cfg.run.val_before_train, cfg.run.val_every) == (30, True, 0)  # trainer.*: 30, true, -1
+    assert (cfg.checkpoint.save_every, cfg.checkpoint.keep_last) == (-1, 0)  # save_freq -1, max_actor_ckpt_to_keep null
+    assert (cfg.model.dtype, cfg.rollout.seed, cfg.data.long_prompt_policy) == ("bfloat16", 42, "error")
+    assert (cfg.algorithm.adv_estimator, cfg.rollout.n, cfg.actor.clip_ratio, cfg.actor.optim.lr) == ("gae", 1, 0.2, 1e-6)
+    assert cfg.actor.lora.alpha == (32 if name == "ppo_megatron_trainer" else 16)  # Megatron's LoRA section: 32
+
+
+def _plan(argv, capsys):
+    code = main(["plan", *argv])
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("flags", [["--config-path=./config", "--config-name=ppo_megatron_trainer"],
+                                   ["--config-path", "./config", "--config-name", "ppo_megatron_trainer"],
+                                   ["--config-name=ppo_megatron_trainer"]])
+def test_verls_hydra_flags_run_on_verls_defaults(flags, tmp_path, capsys, monkeypatch):
+    """A verl script's command line with only the launcher swapped: its config directory is verl's (not on this
+    machine), so megappo runs on its recipe of verl's defaults and says so first; the recipe is optional."""
+    monkeypatch.chdir(tmp_path)
+    hf_config = yaml.safe_load(open(DEMO))["model"]["hf_config"]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text(json.dumps(hf_config))
+    gspo = script_overrides(REPO / "tests/data/verl/gspo_3b_math.txt", str(tmp_path / "model"), "/t.jsonl",
+                            "/v.jsonl", "/c")
+    code, out = _plan([*flags, *gspo], capsys)
+    lines = out.out.splitlines()
+    where = "; ./config has no ppo_megatron_trainer.yaml" if len(flags) > 1 else ""
+    assert lines[0] == ("megappo: --config-name=ppo_megatron_trainer: verl 0.9.1's defaults "
+                        f"(recipes/verl/ppo_megatron_trainer.yaml) wherever megappo has the key{where}"), out
+    assert lines[1].startswith("megappo: verl keys read as megappo's: ")
+    assert any(line.startswith("megappo: this verl command line computes in model.dtype=bfloat16 "
+                               f"({VERL_RECIPE}'s; verl computes in bf16)") for line in lines), lines
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_verl_scripts_are_read_on_verls_defaults(script, tmp_path):
+    """Each script (sized for the CPU demo) on the recipe of verl's defaults: every override lands, and verl's
+    defaults fill what the script leaves out."""
+    overrides = script_overrides(script, "/models/demo", "/data/train.jsonl", "/data/val.jsonl", str(tmp_path))
+    cfg, reading = read_config(VERL_RECIPE, overrides)
+    _assert_every_override_lands(cfg, reading, overrides)
+    assert (cfg.model.dtype, cfg.rollout.seed, cfg.model.path) == ("bfloat16", 42, "/models/demo")
+
+
+def test_a_config_directory_holding_the_named_yaml(tmp_path, capsys):
+    """--config-path's NAME.yaml: a megappo recipe is used; verl's own config directory (its _generated_ files)
+    gives verl's defaults; a config in verl's layout is refused, saying what to do."""
+    megappo_dir, verl_dir, theirs = tmp_path / "mine", tmp_path / "verl_config", tmp_path / "theirs"
+    for d in (megappo_dir, verl_dir, theirs):
+        d.mkdir()
+    (megappo_dir / "my_run.yaml").write_text(open(DEMO).read())
+    code, out = _plan([f"--config-path={megappo_dir}", "--config-name=my_run", "trainer.total_epochs=2"], capsys)
+    assert out.out.splitlines()[0] == f"megappo: --config-name=my_run (--config-path={megappo_dir}): the megappo " \
+                                      f"recipe {megappo_dir}/my_run.yaml"
+    (verl_dir / "ppo_trainer.yaml").write_text("defaults:\n  - actor@actor_rollout_ref.actor: dp_actor\n")
+    (verl_dir / "_generated_ppo_trainer.yaml").write_text("trainer: {total_epochs: 30}\n")
+    code, out = _plan([f"--config-path={verl_dir}", "--config-name=ppo_trainer", "actor_rollout_ref.model.path=/m"],
+                      capsys)
+    assert out.out.splitlines()[0].endswith(f"(recipes/verl/ppo_trainer.yaml) wherever megappo has the key; "
+                                            f"{verl_dir} is verl's own config directory")
+    (theirs / "dapo.yaml").write_text("defaults:\n  - ppo_trainer\n  - _self_\ntrainer: {total_epochs: 3}\n")
+    code, out = _plan([f"--config-path={theirs}", "--config-name=dapo"], capsys)
+    assert code == 2 and out.err.startswith(f"megappo: error: --config-name=dapo (--config-path={theirs}): "
+                                            f"{theirs}/dapo.yaml is not a megappo recipe (a config in verl's layout")
+    assert "Fix: give its settings as KEY=VALUE overrides after --config-name=ppo_megatron_trainer" in out.err
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--config-name=sft_trainer", "a.b=1"], "megappo: error: --config-name=sft_trainer: no --config-path names its "
+                                             "directory, and megappo has verl 0.9.1's defaults for "
+                                             "ppo_megatron_trainer, ppo_trainer only. Fix: "),
+    ([DEMO, "--config-name=ppo_trainer"], f"megappo: error: both the recipe {DEMO} and --config-name=ppo_trainer "
+                                          "name the defaults. Fix: give one of them."),
+    (["--config-path=./config", "run.total_steps=1"], "--config-path=./config names the directory of a --config-name. "
+                                                      "Fix: add --config-name=ppo_megatron_trainer"),
+])
+def test_hydra_flags_megappo_cannot_follow_are_errors_with_the_fix(argv, error, capsys):
+    code, out = _plan(argv, capsys)
+    assert code == 2 and error in out.err, out.err
+
+
+def test_a_recipe_or_config_name_is_required(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan"])
+    assert "megappo plan needs a recipe: megappo plan RECIPE.yaml [key=value ...], or a verl script's " \
+           "--config-name={ppo_megatron_trainer,ppo_trainer}" in capsys.readouterr().err
+
+
+def test_the_node_count_error_names_the_override_that_set_it(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", DEMO, "trainer.nnodes=16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("megappo: error: trainer.nnodes=16 sizes this run for 16 nodes x 2 ranks") and DEMO not in err
+    assert main(["train", DEMO, "hardware.nodes=4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "megappo: error: hardware.nodes=4 sizes this run for 4 nodes")
