@@ -1,6 +1,8 @@
 """What `megappo train` checks before any rank starts or any model is built, from files alone.
 
-`check_inputs(cfg, world_size)` checks the world against the layout and the batch sizes
+`check_inputs(cfg, world_size, launcher=None)` first checks that every optional package the run is configured
+to use is installed (`check_packages`: the logging sinks, the rollout engine, `--launcher ray`; one table,
+PACKAGES, found with importlib's find_spec, nothing imported), then the world against the layout and the batch sizes
 (`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
 every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers; the
 trained roles' activation recomputation against their layers per pipeline chunk) and
@@ -35,6 +37,7 @@ from megappo.config import Config
 from megappo.data import RowOrigin, build_prompts, builtin_rows, builtin_splits, check_files, numbered, read_rows
 from megappo.datacheck import check_data, warn_shared_prompts
 from megappo.envs.loading import check_env
+from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.models.recompute import Recompute
 from megappo.rollout.routes import is_moe_arch
@@ -42,7 +45,39 @@ from megappo.rewards import get_reward_fn
 from megappo.tokenizer import check_tokenizer_spec
 
 
-def check_inputs(cfg: Config, world_size: int) -> None:
+#: (setting, value) -> (the module it imports, the pip command that installs it, what else the user can do):
+#: every optional package a configured integration needs, checked before any rank starts (check_packages)
+PACKAGES: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("logging.sinks", "wandb"): ("wandb", "pip install wandb", "remove wandb from logging.sinks / trainer.logger"),
+    ("logging.sinks", "tensorboard"): ("tensorboard", "pip install tensorboard",
+                                       "remove tensorboard from logging.sinks / trainer.logger"),
+    ("logging.sinks", "mlflow"): ("mlflow", "pip install mlflow", "remove mlflow from logging.sinks / trainer.logger"),
+    ("rollout.engine", "sglang"): ("sglang", "pip install -e '.[gpu]' on a GPU machine (on CPU: the virtualenv "
+                                   "tests/sglang/setup_venv.sh builds, docs/engines.md)", "set rollout.engine=hf"),
+    ("--launcher", "ray"): ("ray", "pip install -e '.[ray]' (or pip install ray)", "launch without --launcher ray"),
+}
+
+
+def check_packages(cfg: Config, launcher: str | None = None) -> None:
+    """Every package PACKAGES names for what `cfg` (and the launcher, `--launcher`) uses is installed;
+    else a ConfigError naming the setting and its pip command. find_spec only: nothing is imported."""
+    import importlib.util
+
+    sinks = list(cfg.logging.sinks)
+    used = [*(("logging.sinks", s) for s in sinks), ("rollout.engine", cfg.rollout.engine), ("--launcher", launcher)]
+    for setting, value in used:
+        if (setting, value) not in PACKAGES:
+            continue
+        module, pip, instead = PACKAGES[setting, value]
+        if importlib.util.find_spec(module) is None:
+            shown = f"logging.sinks=[{','.join(sinks)}]" if setting == "logging.sinks" else \
+                f"--launcher {value}" if setting == "--launcher" else f"{setting}={value}"
+            raise ConfigError(f"{shown} needs the {value} package, which is not installed. Fix: {pip} "
+                              f"(or {instead}).")
+
+
+def check_inputs(cfg: Config, world_size: int, launcher: str | None = None) -> None:
+    check_packages(cfg, launcher)
     cfg.validate_world(world_size)
     cfg.require_training_data()
     check_models(cfg)

@@ -7,7 +7,15 @@ otherwise, for n > 1, it re-executes the current command on n ranks with torchru
 rank that failed (2 when it reported bad input), not torchrun's 1 and its traceback. Which
 rank failed is decided by how it ended, not by which exit the operating system reported first:
 its own error first, then a signal (a crash, the OOM killer), then a rank that gave up waiting
-for another (GAVE_UP_EXIT), then one that torchrun stopped with SIGTERM.
+for another (GAVE_UP_EXIT), then one that torchrun stopped with SIGTERM. A rank that ends on its
+own error (megappo.cli: bad input, a failed run, the user's code, a bug's exception) first writes
+it, with the time, to the file torchrun gives each rank for that (`record_error`: $TORCHELASTIC_ERROR_FILE,
+which torch's own `@record` writes too): of several, the first recorded is the cause, even when
+torchrun stopped that rank while it was still ending (a traceback takes seconds) and a survivor,
+having lost it, exited first. The launcher's last line then names that rank; it is a
+`megappo: error:` line repeating the rank's own message (`final_line`) when that message is not
+already the last error on the screen: a bug's (the rank printed a traceback), or one followed by
+a survivor's lost-connection or timeout line or another rank's error.
 SIGINT and SIGTERM sent to the launcher go on to the ranks (megappo.interrupts: they stop at a
 step boundary with a checkpoint; a second signal kills them) and the launcher exits with
 128 + the signal, as do ranks that stopped on a signal sent to them directly, with no line of
@@ -63,6 +71,74 @@ GAVE_UP_EXIT = 3
 USER_CODE_EXIT = 4
 #: the exit codes of ranks that stopped on SIGINT / SIGTERM (megappo.interrupts)
 INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+#: torchrun's variable naming the file where the rank it started writes the error it ends on (record_error)
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankError:
+    """The error a rank ended on, as it recorded it for its launcher (record_error)."""
+
+    message: str  # the text after `megappo: error: `, or `ExceptionType: message` for a bug
+    exit_code: int  # the code the rank exits with
+    shown: bool  # the rank printed it as a `megappo: error:` line (a bug's traceback is not one)
+    time: float  # when (time.time())
+
+
+def record_error(message: str, exit_code: int, shown: bool) -> None:
+    """Write the error this rank ends on to $TORCHELASTIC_ERROR_FILE, in the JSON torchrun reads
+    (its "message", the time in whole seconds) plus megappo's own RankError; nothing outside
+    torchrun (a world of one, SLURM's srun without it) or when the file cannot be written."""
+    import json
+    import time
+
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    now = time.time()
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(now))}},
+              "megappo": dataclasses.asdict(RankError(message, exit_code, shown, now))}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass
+
+
+def rank_error(error_file_data) -> RankError | None:
+    """The RankError in the data of a rank's error file (torchrun's ProcessFailure.error_file_data), if any."""
+    own = error_file_data.get("megappo") if isinstance(error_file_data, dict) else None
+    try:
+        return RankError(**own) if own else None
+    except TypeError:
+        return None
+
+
+def cause(ended: dict[int, tuple[int, float, RankError | None]]) -> tuple[int, int, RankError | None]:
+    """(rank, exit code, its RankError or None) of the rank whose failure ended the run, from each failed
+    rank's (exit code, when it ended, what it recorded): the first recorded own error (its own exit code,
+    even if the rank was then stopped with a signal), else by failure_rank_order, then time, then rank."""
+    own = {rank: error for rank, (_, _, error) in ended.items() if error is not None}
+    if own:
+        rank = min(own, key=lambda r: (own[r].time, r))
+        return rank, own[rank].exit_code, own[rank]
+    rank, (code, _, _) = min(ended.items(), key=lambda f: (failure_rank_order(f[1][0]), f[1][1], f[0]))
+    return rank, code, None
+
+
+def final_line(rank: int, code: int, error: RankError | None, ended: dict[int, tuple[int, float, RankError | None]]
+               ) -> str | None:
+    """The launcher's last line for a run that `rank` ended (cause), or None when the rank's own message is
+    already the last thing on the screen (an error in the user's code, USER_CODE_EXIT, that nobody spoke after).
+    It repeats the rank's error as the last `megappo: error:` line when that is not already so: a bug's
+    (a traceback), or one after which another rank spoke (gave up on a collective, or its own error)."""
+    failed = f"{_describe(rank, code)}; the other ranks were stopped"
+    spoke_after = any(r != rank and (c == GAVE_UP_EXIT or e is not None) for r, (c, _, e) in ended.items())
+    if error is not None and (not error.shown or spoke_after):
+        return f"megappo: error: {failed}. Its error: {error.message}"
+    if code == USER_CODE_EXIT:  # the rank's message (the user's code, the row, the turn) stays the last line
+        return None
+    return f"megappo: {failed}."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +298,8 @@ def _failed(e, signals) -> tuple[int, tuple[int, int] | None]:
     """The exit code of ranks that failed or stopped on a signal, and the failure a restart may
     help (see _attempt); prints at most one line, when no restart is possible (torchrun prints
     the failure's)."""
-    rank, failure = min(e.failures.items(), key=lambda f: (failure_rank_order(f[1].exitcode), f[1].timestamp, f[0]))
-    code = failure.exitcode
+    ended = {r: (f.exitcode, f.timestamp, rank_error(f.error_file_data)) for r, f in e.failures.items()}
+    rank, code, error = cause(ended)
     if signals.stopped_at_once:
         print("megappo: interrupted again: the ranks were stopped at once, without a checkpoint of the step in "
               "progress; rerun the same command to continue from the latest checkpoint, if any.", file=sys.stderr,
@@ -233,9 +309,9 @@ def _failed(e, signals) -> tuple[int, tuple[int, int] | None]:
         return signals.exit_code or code, None
     if _restartable(code):
         return (code if code > 0 else 1), (rank, code)
-    if code == USER_CODE_EXIT:  # the rank's message (the user's code, the row, the turn) stays the last line
-        return code, None
-    print(f"megappo: {_describe(rank, code)}; the other ranks were stopped.", file=sys.stderr, flush=True)
+    line = final_line(rank, code, error, ended)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
     return code if code > 0 else 1, None
 
 

@@ -13,10 +13,13 @@ in the driver's working directory with its PYTHONPATH: the recipe, data and run.
 at the same paths on every node (a shared file system, as under SLURM).
 
 What comes back to the driver: every output line of every rank (rank 0's as it is, the others'
-after `[rank N] `), and the exit codes. The exit code is 0, or that of the rank that failed, picked
-as megappo.parallel.launch picks it (its own error first, 2 for bad input, then a signal, then a
-rank that gave up waiting for another), after one line that names it (none after an error in the
-user's own code, USER_CODE_EXIT: that rank's message stays last); the other ranks are then
+after `[rank N] `), the exit codes, and the error each rank recorded as the one it ends on (each
+child gets its own $TORCHELASTIC_ERROR_FILE, as under torchrun: megappo.parallel.launch.record_error).
+The exit code is 0, or that of the rank that failed, picked as megappo.parallel.launch picks it
+(the first recorded own error, then 2 for bad input, then a signal, then a rank that gave up
+waiting for another), after one line that names it and, where its error is not already the last
+on the screen, repeats it (megappo.parallel.launch.final_line; none after an error in the user's
+own code, USER_CODE_EXIT, that nobody spoke after: that rank's message stays last); the other ranks are then
 stopped (SIGTERM, SIGKILL after STOP_GRACE_S). SIGINT / SIGTERM sent to the driver go on to the
 ranks as SIGINT (stop at a step boundary with a checkpoint, megappo.interrupts) and the driver
 exits with 128 + its signal; a second signal kills the ranks at once. A cluster that cannot be
@@ -35,7 +38,7 @@ import time
 
 from megappo.errors import ConfigError
 from megappo.interrupts import exit_code
-from megappo.parallel.launch import USER_CODE_EXIT, failure_rank_order
+from megappo.parallel.launch import ERROR_FILE_ENV, RankError, cause, final_line, rank_error
 
 #: how long the driver tries to reach the head of the cluster it was given
 CONNECT_TIMEOUT_S = 10.0
@@ -57,6 +60,7 @@ class _Rank:
         self.proc = None
         self.reader = None  # the thread that collects the child's output lines
         self.lines: list[str] = []
+        self.error_file = None  # the child's $TORCHELASTIC_ERROR_FILE
 
     def where(self) -> tuple[str, str, list[str]]:
         """(node IP, node id, the GPU ids Ray gave this actor)."""
@@ -87,8 +91,12 @@ class _Rank:
             for s in (signal.SIGINT, signal.SIGTERM):
                 libc.signal(s, 0)  # SIG_DFL (signal.signal works in the main thread only)
 
+        import tempfile
+
         full_env = dict(os.environ)  # the actor's (Ray's worker), then the rank's (a GPU list overrides Ray's)
         full_env.update(env)
+        self.error_file = os.path.join(tempfile.mkdtemp(prefix="megappo-rank-"), "error.json")
+        full_env[ERROR_FILE_ENV] = self.error_file
         self.proc = subprocess.Popen([sys.executable, "-u", "-m", "megappo.cli", *argv], cwd=cwd, env=full_env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                      preexec_fn=as_a_launched_process)
@@ -99,15 +107,24 @@ class _Rank:
         for line in self.proc.stdout:
             self.lines.append(line)
 
-    def poll(self) -> tuple[list[str], int | None]:
-        """(the output lines since the last poll, the exit code or None while running); the code
-        comes only with the last lines."""
-        code = self.proc.poll()
+    def poll(self) -> tuple[list[str], int | None, RankError | None]:
+        """(the output lines since the last poll, the exit code or None while running, the error the
+        rank recorded as the one it ends on); the code and the error come only with the last lines."""
+        import json
+        import shutil
+
+        code, error = self.proc.poll(), None
         if code is not None:
             self.reader.join(timeout=5)
+            try:
+                with open(self.error_file) as f:
+                    error = rank_error(json.load(f))
+            except (OSError, ValueError):
+                pass
+            shutil.rmtree(os.path.dirname(self.error_file), ignore_errors=True)
         lines = self.lines[:]
         del self.lines[:len(lines)]  # the reader may append meanwhile
-        return lines, code
+        return lines, code, error
 
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -221,18 +238,18 @@ def _supervise(ray, actors) -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     codes: dict[int, int] = {}
-    failures: list[tuple[int, float, int]] = []  # (rank, when, code) of ranks that ended on their own
+    failures: dict[int, tuple[int, float, RankError | None]] = {}  # rank: (code, when, its error) of ranks that failed
     stopping_since = None
     try:
         while len(codes) < len(actors):
             polls = ray.get([a.poll.remote() for a in actors])
-            for rank, (lines, code) in enumerate(polls):
+            for rank, (lines, code, error) in enumerate(polls):
                 for line in lines:
                     sys.stdout.write(line if rank == 0 else f"[rank {rank}] {line}")
                 if code is not None and rank not in codes:
                     codes[rank] = code
-                    if code != 0 and stopping_since is None:
-                        failures.append((rank, time.monotonic(), code))
+                    if code != 0:  # those stopped after the first too, as torchrun reports them
+                        failures[rank] = (code, time.monotonic(), error)
             sys.stdout.flush()
             if failures and not signals and stopping_since is None:  # one failed: stop the others
                 stopping_since = time.monotonic()
@@ -250,7 +267,9 @@ def _supervise(ray, actors) -> int:
     return _exit_code(failures, signals)
 
 
-def _exit_code(failures: list[tuple[int, float, int]], signals: list[int]) -> int:
+def _exit_code(failures: dict[int, tuple[int, float, RankError | None]], signals: list[int]) -> int:
+    """The driver's exit code from the failed ranks' (exit code, when, recorded error) and the signals it
+    got, after the one line megappo.parallel.launch.final_line words."""
     if signals:
         if len(signals) > 1:
             print("megappo: interrupted again: the ranks were stopped at once, without a checkpoint of the step in "
@@ -259,9 +278,8 @@ def _exit_code(failures: list[tuple[int, float, int]], signals: list[int]) -> in
         return exit_code(signals[0])  # rank 0 said what was saved
     if not failures:
         return 0
-    rank, _, code = min(failures, key=lambda f: (failure_rank_order(f[2]), f[1], f[0]))
-    if code == USER_CODE_EXIT:  # the rank's message (the user's code, the row, the turn) stays the last line
-        return code
-    how = f"exited with code {code}" if code > 0 else f"was ended by signal {signal.Signals(-code).name}"
-    print(f"megappo: rank {rank} failed ({how}); the other ranks were stopped.", file=sys.stderr, flush=True)
+    rank, code, error = cause(failures)
+    line = final_line(rank, code, error, failures)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
     return code if code > 0 else 1

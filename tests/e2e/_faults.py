@@ -11,6 +11,9 @@
   slow_step2    global rank 0 sleeps 600 s at the start of step 2's generation: a step that
                 is still running when a signal comes (it first creates the file named by
                 $FAULT_HELD_FILE, if set, so a test can signal once step 2 is held)
+  no_tensorboard_rank0  global rank 0 cannot import torch.utils.tensorboard (as if tensorboard were
+                missing there only, past the launcher's check): with logging.sinks=[...,tensorboard]
+                rank 0 fails in its set-up with the metrics logger's ImportError, a bug's traceback
 
 The rest is the real CLI (megappo.cli.main, ended as megappo.cli.entry ends it): its launcher
 re-runs this script on every rank, so every rank injects the same fault.
@@ -83,6 +86,9 @@ def main() -> int:
                 return generate(run, step)
 
             orchestrator.generate = slow
+    elif fault == "no_tensorboard_rank0":
+        if os.environ.get("RANK") == "0":  # the ranks, not the launcher (which checks the package is installed)
+            sys.modules["torch.utils.tensorboard"] = None  # `import` raises ImportError
     else:
         raise SystemExit(f"unknown fault {fault!r}")
     return cli.main(argv)

@@ -2,6 +2,7 @@
 the supervisor loop around torchrun, with torchrun's attempts replaced by recorded outcomes.
 The real thing, a rank killed with SIGKILL and restarted, is tests/e2e/test_rank_death.py."""
 
+import dataclasses
 import signal
 import types
 
@@ -42,10 +43,59 @@ def test_restart_rule(exitcodes, expected, capsys):
 def test_ray_driver_adds_no_line_after_an_error_in_the_users_code(capsys):
     from megappo.parallel.ray_launch import _exit_code
 
-    assert _exit_code([(1, 2.0, launch.USER_CODE_EXIT), (0, 1.0, -15)], []) == launch.USER_CODE_EXIT
+    shown = launch.RankError("reward function 'f' raised ValueError: x. Fix: correct that code", 4, True, 2.0)
+    assert _exit_code({1: (launch.USER_CODE_EXIT, 2.0, shown), 0: (-15, 1.0, None)}, []) == launch.USER_CODE_EXIT
     assert capsys.readouterr().err == ""
-    assert _exit_code([(1, 2.0, 1), (0, 1.0, -15)], []) == 1
+    assert _exit_code({1: (1, 2.0, None), 0: (-15, 1.0, None)}, []) == 1
     assert "megappo: rank 1 failed (exited with code 1)" in capsys.readouterr().err
+
+
+BUG = launch.RankError("ImportError: logging.sinks wandb needs the wandb package: pip install wandb", 1, False, 10.0)
+REPORTED = launch.RankError("the tokenizer has 19 tokens but the model's vocab_size is 16. Fix: ...", 2, True, 10.0)
+
+
+@pytest.mark.parametrize("ended, expected", [
+    # rank 0's bug: it was still ending (its traceback) when rank 1 lost it and exited first; torchrun stopped rank 0
+    ({0: (-15, 12.0, BUG), 1: (launch.GAVE_UP_EXIT, 11.0, None)},
+     (0, 1, "megappo: error: rank 0 failed (exited with code 1); the other ranks were stopped. Its error: "
+            "ImportError: logging.sinks wandb needs the wandb package: pip install wandb")),
+    # bad input that rank 1 printed, rank 0 silent (it read the note): the rank's line is the last error already
+    ({1: (2, 11.0, REPORTED), 0: (2, 12.0, None)},
+     (1, 2, "megappo: rank 1 failed (exited with code 2); the other ranks were stopped.")),
+    # ... but a survivor that could not read the note said it lost the rank: the error is repeated last
+    ({1: (2, 11.0, REPORTED), 0: (launch.GAVE_UP_EXIT, 12.0, None)},
+     (1, 2, "megappo: error: rank 1 failed (exited with code 2); the other ranks were stopped. Its error: "
+            "the tokenizer has 19 tokens but the model's vocab_size is 16. Fix: ...")),
+    # two ranks' own errors: the first recorded is the cause, whatever the exit order
+    ({0: (2, 11.5, dataclasses.replace(REPORTED, time=11.5)), 1: (1, 12.0, dataclasses.replace(BUG, time=11.0))},
+     (1, 1, "megappo: error: rank 1 failed (exited with code 1); the other ranks were stopped. Its error: "
+            "ImportError: logging.sinks wandb needs the wandb package: pip install wandb")),
+    # the user's code failed and nobody spoke after: no line; nothing recorded: as before (a signal first)
+    ({0: (launch.USER_CODE_EXIT, 1.0, dataclasses.replace(REPORTED, exit_code=4)), 1: (-15, 2.0, None)},
+     (0, 4, None)),
+    ({0: (launch.GAVE_UP_EXIT, 1.0, None), 1: (-9, 2.0, None)},
+     (1, -9, "megappo: rank 1 failed (was ended by signal SIGKILL); the other ranks were stopped.")),
+])
+def test_the_first_rank_to_record_its_own_error_is_named_last(ended, expected):
+    """megappo.parallel.launch.cause / final_line, shared by torchrun's launcher and the Ray driver."""
+    rank, code, error = launch.cause(ended)
+    assert (rank, code, launch.final_line(rank, code, error, ended)) == expected
+
+
+def test_a_recorded_error_is_read_back_as_torchrun_reads_it(tmp_path, monkeypatch):
+    """record_error writes the file torchrun names in $TORCHELASTIC_ERROR_FILE; torchrun's own
+    ProcessFailure parses it (its message, its time in seconds) and rank_error finds megappo's record."""
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(launch.ERROR_FILE_ENV, str(path))
+    launch.record_error("ValueError: boom", 1, shown=False)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(path))
+    error = launch.rank_error(failure.error_file_data)
+    assert (error.message, error.exit_code, error.shown) == ("ValueError: boom", 1, False)
+    assert failure.message["message"] == "ValueError: boom" and failure.timestamp == int(error.time)
+    code, chosen = launch._failed(ChildFailedError("megappo", {0: failure}), NO_SIGNAL)
+    assert (code, chosen) == (1, None)
+    monkeypatch.delenv(launch.ERROR_FILE_ENV)
+    launch.record_error("not written", 2, shown=True)  # outside torchrun: nowhere to write, no error
 
 
 def test_no_restart_after_a_signal_to_the_launcher():
