@@ -1,8 +1,9 @@
-"""verl's DAPO script's command line given to `megappo train` as written (tests/data/verl/
-dapo_qwen2.5_32b.txt, sized for the CPU demo): the run starts, says once which verl keys it read as
-which megappo keys and which it does not use, trains 2 steps and exits 0. The model is the demo's
-(written as an HF directory, its tokenizer builtin:digits) and the prompts the demo's task as verl-layout
-JSONL files."""
+"""verl's DAPO script's command line given to `megappo train` as written, its Hydra flags included
+(tests/data/verl/dapo_qwen2.5_32b.txt, sized for the CPU demo): `python3 -m verl.trainer.main_ppo
+--config-path=config --config-name=ppo_megatron_trainer ...` with only the launcher swapped. The run says it
+runs on verl 0.9.1's defaults (recipes/verl/), which verl keys it read as which megappo keys, which it does
+not use and its dtype (verl's bf16), trains 2 steps and exits 0. The model is the demo's (written as an HF
+directory with its tokenizer builtin:digits) and the prompts the demo's task as verl-layout JSONL files."""
 
 import json
 import os
@@ -14,7 +15,8 @@ import yaml
 
 from megappo.data import digit_successor_rows
 from megappo.models.hf_reference import build_hf_model, save_hf_dir
-from tests.unit.test_verl_scripts import DEMO_MODEL, script_overrides
+from megappo.tokenizer import builtin_tokenizer_files, load_tokenizer
+from tests.unit.test_verl_scripts import script_overrides
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -23,22 +25,32 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     hf_config = yaml.safe_load(open(REPO / "recipes/demo-cpu.yaml"))["model"]["hf_config"]
     model = tmp_path / "model"
     save_hf_dir(str(model), build_hf_model(hf_config, seed=0).state_dict(), hf_config)
+    for name, content in builtin_tokenizer_files(load_tokenizer("builtin:digits")).items():
+        (model / name).write_bytes(content)
     for name, rows in (("train.jsonl", digit_successor_rows(64, seed=1)), ("val.jsonl", digit_successor_rows(8, 2))):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     overrides = script_overrides(REPO / "tests/data/verl/dapo_qwen2.5_32b.txt", str(model),
-                                 str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"), str(run / "checkpoints"))
-    # megappo's own keys after the script's: the demo's model, the run's directory and length, and no W&B
-    # (the script logs to W&B, which needs an account): the same spelling later wins, as in verl
-    extra = [DEMO_MODEL, f"run.output_dir={run}", "run.total_steps=2", "trainer.logger=[console]",
-             "logging.progress_bar=false", "actor_rollout_ref.rollout.val_kwargs.n=4",
+                                 str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"), str(run))  # the run's dir
+    # after the script's: the run's length, no W&B (the script logs to W&B, which needs an account),
+    # the demo task's reward (a verl script names its reward file) and reward workers sized for 2 CPU cores: the
+    # same spelling later wins, as in verl
+    extra = ["run.total_steps=2", "trainer.logger=[console]", "reward.num_workers=0",
+             "reward.functions=[digit_successor]", "logging.progress_bar=false",
+             "actor_rollout_ref.rollout.val_kwargs.n=4",
              f"trainer.rollout_data_dir={run / 'rollouts'}", f"trainer.validation_data_dir={run / 'validation'}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml", *overrides, *extra],
+    hydra = ["--config-path=config", "--config-name=ppo_megatron_trainer"]  # verl's own config directory: not here
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", *hydra, *overrides, *extra],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
+    said = [line[len("megappo: "):] for line in out.splitlines() if line.startswith("megappo: ")]
+    assert said[0] == ("--config-name=ppo_megatron_trainer: verl 0.9.1's defaults (recipes/verl/ppo_megatron_trainer"
+                       ".yaml) wherever megappo has the key; config has no ppo_megatron_trainer.yaml"), said
+    dtype = f"this verl command line computes in model.dtype=bfloat16 ({REPO}/recipes/verl/ppo_megatron_trainer.yaml's"
+    assert said[3].startswith(dtype) and said.count(said[3]) == 1, said
     read = [line for line in out.splitlines() if line.startswith("megappo: verl keys read as megappo's: ")]
     unused = [line for line in out.splitlines() if line.startswith("megappo: verl keys megappo does not use: ")]
     assert len(read) == 1 and len(unused) == 1, out[-6000:]  # once, by rank 0
@@ -47,8 +59,7 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     assert "trainer.logger=[console] -> logging.sinks=[console,jsonl]" in read[0]  # the later one only
     assert read[0].count("trainer.logger") == 1
     assert "reward_model.reward_manager (megappo's reward path does what verl's dapo manager does" in unused[0]
-    assert (run / "verl_keys.log").read_text().splitlines() == [read[0][len("megappo: "):],
-                                                                unused[0][len("megappo: "):]]
+    assert (run / "verl_keys.log").read_text().splitlines() == said[:4]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 2
     # validation before training, 4 samples of each of the 8 prompts: verl's per-source statistics, its core
@@ -60,7 +71,8 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     assert abs(val["val-aux/digit_successor/reward/mean@4"] - val["val/score/mean"]) < 1e-6  # 8 prompts x 4
     # every generation: the trained batches (16 groups of 4, kept by dynamic sampling, with their acc) and the
     # validation's, one file a step
-    assert sorted(os.listdir(run / "rollouts")) == ["1.jsonl", "2.jsonl"] and os.listdir(run / "validation") == ["0.jsonl"]
+    assert sorted(os.listdir(run / "rollouts")) == ["1.jsonl", "2.jsonl"]
+    assert sorted(os.listdir(run / "validation")) == ["0.jsonl", "2.jsonl"]  # before training and at the last step
     for step in (1, 2):
         records = [json.loads(line) for line in (run / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
         assert len(records) == 64 and sorted({r["group"] for r in records}) == list(range(16))
@@ -70,3 +82,5 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     assert sum(r["fields"]["acc"] for r in records) / 32 == val["val-core/digit_successor/acc/mean@4"]
     config = json.loads((run / "config.json").read_text())
     assert config["algorithm"]["filter_groups"]["enable"] and config["reward"]["overlong_buffer"]["len"] == 1
+    # verl's defaults where the script says nothing (recipes/verl/ppo_megatron_trainer.yaml)
+    assert (config["model"]["dtype"], config["rollout"]["seed"], config["checkpoint"]["keep_last"]) == ("bfloat16", 42, 0)
