@@ -34,7 +34,8 @@ newest intact checkpoint before it (`find_resume`). `check_model_dir` does the s
 Resume (`checkpoint.resume`): `auto` continues from `latest` when there is one, `must`
 refuses to start without one, `off` starts fresh. A fresh run first moves an earlier run's
 checkpoints and logs into `superseded/` (megappo.earlier_runs), so nothing is overwritten. The checkpoint may be
-loaded at another TP/PP/DP layout. What a changed recipe may change is `check_resumable`.
+loaded at another TP/PP/DP layout. What a changed recipe may change is `check_resumable`; run.val_only
+validates a checkpoint with its own saved settings and the command line's validation keys (`val_only_config`).
 
 Going back (`checkpoint.resume_from`): a run resumes from the checkpoint it names instead of
 `latest` and starts a branch: every checkpoint it saves records `branch: {from: <that
@@ -229,7 +230,8 @@ def _resumable(found: tuple[str, dict], cfg: Config) -> tuple[str, dict]:
     path, state = found
     if state.get("format") != FORMAT:
         raise ConfigError(f"'{path}' is not a {FORMAT} checkpoint (format {state.get('format')!r}).")
-    check_resumable(state["config"], cfg.to_dict(), path)
+    if not cfg.run.val_only:  # a validation runs on the checkpoint's own settings (val_only_config)
+        check_resumable(state["config"], cfg.to_dict(), path)
     return path, state
 
 
@@ -512,6 +514,58 @@ def check_resumable(saved: dict, current: dict, path: str) -> None:
     if warned:
         diffs = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in warned)
         warnings.warn(f"resuming from {path} with changed settings: {diffs}", stacklevel=2)
+
+
+#: the sections of a checkpoint's saved config that run.val_only takes from it: what the model is and how it
+#: was trained (the keys a resume compares)
+VAL_ONLY_FROM_CHECKPOINT = ("model", "algorithm", "actor", "critic", "ref", "rollout", "reward", "data",
+                            "parallel.use_distributed_optimizer")
+#: inside them, what a validation takes from its own command line: which prompts and how they are sampled and
+#: scored for the report, and how generation and loading run on this machine
+VAL_ONLY_OWN_KEYS = ("data.val_files", "data.builtin_val_size", "data.long_prompt_policy", "data.bad_row_policy",
+                     "rollout.val_n", "rollout.val_temperature", "rollout.val_top_p", "rollout.val_top_k",
+                     "rollout.engine", "rollout.hf_decode", "rollout.hf_eos_check_every", "rollout.sglang",
+                     "rollout.placement", "rollout.engine_cores", "rollout.update_bucket_mb", "rollout.verify_every",
+                     "rollout.sync_mode", "reward.metric_functions", "reward.timeout_s", "reward.num_workers",
+                     "reward.bad_value_policy", "model.layer_spec", "model.lm_head_chunk_tokens",
+                     "actor.parallel", "critic.parallel", "ref.parallel", "reward.parallel")
+
+
+def val_only_config(saved: dict, given: Config) -> tuple[Config, list[str]]:
+    """run.val_only on a checkpoint: its saved config `saved` for VAL_ONLY_FROM_CHECKPOINT but VAL_ONLY_OWN_KEYS,
+    which come from `given` (the recipe and command line), as do the other sections (run, logging, checkpoint,
+    hardware, parallel). Returns the config and `given`'s settings that differ from the checkpoint's and are not
+    used ('rollout.n=8 (the checkpoint's: 4)'), for the start-up line."""
+    from megappo.recipe import config_from_dict
+
+    def under(key: str, sections) -> bool:
+        return any(key == s or key.startswith(s + ".") for s in sections)
+
+    old, new = _flatten(saved), _flatten(given.to_dict())
+    keys = [k for k in dict.fromkeys([*new, *old]) if under(k, VAL_ONLY_FROM_CHECKPOINT) and k not in IGNORED_ON_RESUME]
+    merged = given.to_dict()
+    ignored = []
+    for key in keys:
+        if under(key, VAL_ONLY_OWN_KEYS) or old.get(key) == new.get(key):
+            continue
+        ignored.append(f"{key}={_shown(new, key)} (the checkpoint's: {_shown(old, key)})")
+        _set_path(merged, key, old.get(key), present=key in old)
+    return config_from_dict(merged), ignored
+
+
+def _shown(flat: dict, key: str) -> str:
+    return json.dumps(flat[key]) if key in flat else "unset"
+
+
+def _set_path(tree: dict, key: str, value, *, present: bool) -> None:
+    """tree[a][b][c] = value for key 'a.b.c' (removed when not `present`)."""
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    if present:
+        tree[last] = value
+    else:
+        tree.pop(last, None)
 
 
 @dataclasses.dataclass

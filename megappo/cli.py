@@ -120,6 +120,9 @@ def _train_start_up(args):
     try:
         with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
             resume = find_resume(cfg)  # a checkpoint this recipe cannot resume from: refused before any rank starts
+        if cfg.run.val_only and resume:  # validating a checkpoint: with its own settings
+            cfg = _val_only_settings(cfg, resume, say=os.environ.get("RANK", "0") == "0" and not relaunching
+                                     and not on_ray)
     except BaseException:
         lock.release()
         raise
@@ -130,6 +133,21 @@ def _train_start_up(args):
     if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
         _say_verl_lines([*args.recipe_lines, *verl.start_up_lines()], cfg.run.output_dir)  # once the run is not refused
     return cfg, world, on_ray, resume, lock
+
+
+def _val_only_settings(cfg, resume: dict, say: bool):
+    """run.val_only on a checkpoint: the config it validates with (megappo.checkpointing.val_only_config: the
+    checkpoint's own settings, this command line's validation keys); `say`: one start-up line naming the
+    command line's settings it does not use."""
+    from megappo.checkpointing import val_only_config
+
+    cfg, ignored = val_only_config(resume["config"], cfg)
+    if say:
+        unused = f"; not used from this command line: {', '.join(ignored)}" if ignored else ""
+        print(f"megappo: run.val_only: validating {resume['path']} with the checkpoint's own settings (its "
+              f"trainer_state.json) and this command line's validation keys (data.val_files, rollout.val_*, "
+              f"reward.metric_functions, logging, ...: docs/checkpoints.md){unused}", flush=True)
+    return cfg
 
 
 def _sized_by(set_by: dict[str, str], recipe: str | None):
