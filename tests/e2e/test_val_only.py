@@ -1,7 +1,8 @@
 """run.val_only on a checkpoint validates with the checkpoint's own settings (its trainer_state.json's
 config): a command line that also carries other training settings (verl's script with its
 algorithm.adv_estimator and rollout.n) is not refused; those settings are named as unused in one start-up
-line, and only the validation keys (here rollout.val_n) are taken from it."""
+line, and only the validation keys (here rollout.val_n) are taken from it. The training run also shows
+validation at the last step (3, with run.val_every=2), as verl's test_freq."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAST = ["run.total_steps=2", "checkpoint.save_every=2", "logging.progress_bar=false", "run.val_before_train=false",
+FAST = ["run.total_steps=3", "checkpoint.save_every=2", "logging.progress_bar=false", "run.val_before_train=false",
         "run.val_every=2", "data.train_batch_size=16",
         *(f"{role}.{key}=16" for role in ("actor", "critic") for key in ("ppo_mini_batch_size", "micro_batch_size"))]
 
@@ -32,18 +33,18 @@ def test_val_only_uses_the_checkpoints_settings_and_the_command_lines_validation
     code, log = train(out)
     assert code == 0, log[-4000:]
     trained = [r for r in rows(os.path.join(out, "metrics.jsonl")) if "val/score/mean" in r]
-    assert [r["step"] for r in trained] == [2]
+    assert [r["step"] for r in trained] == [2, 3]  # every run.val_every=2 steps, and the last step (as verl)
     # the validation of a verl script's command line: other training settings than the checkpoint's
     code, log = train(out, "run.val_only=true", "algorithm.adv_estimator=grpo", "rollout.n=4", "rollout.val_n=2")
     assert code == 0, log[-4000:]
     said = [line for line in log.splitlines() if line.startswith("megappo: run.val_only: validating ")]
     assert len(said) == 2, log[-4000:]  # the settings line, then the announce line
-    assert "with the checkpoint's own settings" in said[0] and "step_00000002" in said[0]
+    assert "with the checkpoint's own settings" in said[0] and "step_00000003" in said[0]  # the latest
     assert 'not used from this command line: algorithm.adv_estimator="grpo" (the checkpoint\'s: "gae"), ' \
            "rollout.n=4 (the checkpoint's: 1)" in said[0]
     assert "rollout.val_n" not in said[0].split("not used")[1]  # a validation key: taken
     used = json.load(open(os.path.join(out, "val_only", "config.json")))
     assert (used["algorithm"]["adv_estimator"], used["rollout"]["n"], used["rollout"]["val_n"]) == ("gae", 1, 2)
     (val,) = rows(os.path.join(out, "val_only", "metrics.jsonl"))
-    assert val["step"] == 2 and "val-core/digit_successor/reward/mean@2" in val  # 2 samples per prompt
+    assert val["step"] == 3 and "val-core/digit_successor/reward/mean@2" in val  # 2 samples per prompt
     assert "estimator=gae" in log and "critic=on" in log  # the checkpoint's algorithm: GAE with its critic
