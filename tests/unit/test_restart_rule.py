@@ -3,6 +3,7 @@ the supervisor loop around torchrun, with torchrun's attempts replaced by record
 The real thing, a rank killed with SIGKILL and restarted, is tests/e2e/test_rank_death.py."""
 
 import dataclasses
+import os
 import signal
 import types
 
@@ -167,3 +168,25 @@ def test_a_failing_rank_leaves_a_note_the_others_read_in_the_store(tmp_path, cap
         assert capsys.readouterr().err == ""
     finally:
         dist.destroy_process_group()
+
+
+def test_a_ray_rank_hands_its_recorded_error_to_the_driver(tmp_path):
+    """The Ray driver's rank wrapper (megappo.parallel.ray_launch._Rank, here without Ray) gives its child
+    its own error file and returns what the child recorded with its exit code: a rank refusing a recipe
+    that does not exist (bad input, exit 2, printed by the rank)."""
+    import time
+
+    from megappo.parallel.ray_launch import _Rank
+
+    rank = _Rank()
+    rank.start(["train", str(tmp_path / "missing.yaml")], {"RANK": "0", "WORLD_SIZE": "1"}, str(tmp_path))
+    lines, deadline = [], time.monotonic() + 120
+    while True:
+        new, code, error = rank.poll()
+        lines += new
+        if code is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert code == 2, lines
+    assert error.exit_code == 2 and error.shown and error.message in "".join(lines)
+    assert "missing.yaml" in error.message and not os.path.exists(os.path.dirname(rank.error_file))
