@@ -379,11 +379,26 @@ def read_config(path: str | None, overrides: Sequence[str] = (),
         raise errors[0] if len(errors) == 1 else ConfigError(
             f"{len(errors)} overrides megappo cannot read as written (each line names its fix):\n"
             + "\n".join(f"  - {e}" for e in errors))
-    cfg = config_from_dict(data)
+    try:
+        cfg = config_from_dict(data)
+    except ConfigError as e:
+        raise _naming_overrides(e, reading.set_by) from None
     if reading.read or reading.unused:
         reading.dtype = _dtype_line(cfg.model.dtype, reading.set_by.get("model.dtype"),
                                     path if recipe_dtype is not None else None)
     return cfg, reading
+
+
+def _naming_overrides(error: ConfigError, set_by: dict[str, str]) -> ConfigError:
+    """`error` (a check of the built config), saying which of the command line's verl keys set the megappo keys
+    it names: 'hardware.nodes=16 needs ...' comes from trainer.nnodes=16 when the script wrote that."""
+    text = str(error)
+    verl = [f"{ours} comes from the command line's {given}" for ours, given in set_by.items()
+            if given.partition("=")[0] != ours and re.search(rf"(?<![\w.]){re.escape(ours)}(?![\w])", text)]
+    if not verl:
+        return error
+    before, fix, after = text.partition(" Fix: ")
+    return ConfigError(f"{before} {'; '.join(verl)}.{fix}{after}")
 
 
 def _dtype_line(dtype: str, override: Optional[str], recipe: Optional[str]) -> str:

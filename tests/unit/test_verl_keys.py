@@ -50,6 +50,7 @@ READ = {
     "actor_rollout_ref.rollout.val_kwargs.top_k=-1": ("rollout.val_top_k", -1),
     "trainer.logger=['console','wandb']": ("logging.sinks", ["console", "wandb", "jsonl"]),
     "trainer.logger=[console,file]": ("logging.sinks", ["console", "jsonl"]),
+    "trainer.logger=[console,mlflow]": ("logging.sinks", ["console", "mlflow", "jsonl"]),
     "actor_rollout_ref.rollout.val_kwargs.do_sample=False": ("rollout.val_temperature", 0.0),
     "data.train_files=/data/train.parquet": ("data.train_files", ["/data/train.parquet"]),
     # DAPO's keys (verl <= 0.8 under reward_model, 0.9.1 under reward; Hydra's '+' adds a key verl's config lacks)
@@ -190,7 +191,7 @@ REFUSED = {
     "actor_rollout_ref.rollout.over_sample_rate=0.1": "generates every sample to its end",
     "reward_model.reward_manager=prime": "write another manager's scoring as a reward function",
     "data.truncation=middle": "megappo keeps a prompt's end",
-    "trainer.logger=[console,mlflow]": "megappo has no ['mlflow'] for it",
+    "trainer.logger=[console,swanlab]": "megappo has no ['swanlab'] for it",
     "actor_rollout_ref.model.some_new_knob=1": "megappo has no such key; remove it",
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity=full":
         "the reference model only runs forward passes",
@@ -505,3 +506,16 @@ def test_verls_rollout_correction_and_gdpo_keys_are_megappos():
     assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_is_batch_normalize) == (
         "sequence", "0.5_2.0", "seq_sum_k1", True)
 
+
+
+def test_a_check_of_the_built_config_names_the_verl_override_that_set_its_key():
+    """'hardware.nodes=16 needs ...' where the script wrote trainer.nnodes=16: the error says so; megappo's own
+    spelling needs no note."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"])
+    assert "actor.max_tokens_per_micro_batch comes from the command line's " \
+           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10. Fix: set actor.max_tokens_per_micro_batch >= " \
+           in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["actor.max_tokens_per_micro_batch=10"])
+    assert "comes from the command line" not in str(e.value)
