@@ -2,6 +2,9 @@
 
   megappo train RECIPE.yaml [key.sub=value ...]   PPO/GRPO/... (launches its ranks itself unless
                                                   run under torchrun: a GPU recipe's hardware, else tp*pp)
+  megappo train --config-path=DIR --config-name=ppo_megatron_trainer [key=value ...]
+                                                  a verl script as written: verl 0.9.1's defaults
+                                                  (recipes/verl/) instead of a recipe (train and plan)
   megappo export RUN_OR_CKPT HF_DIR [--role critic] a trainer checkpoint as an HF directory
   megappo export --init RECIPE.yaml HF_DIR          a recipe's initial model (from model.hf_config) as one
   megappo plot RUN_DIR [--metrics GLOBS]          curves.png from metrics.jsonl (chosen metrics: 'filter_groups/*')
