@@ -35,7 +35,8 @@ setup(
         "data": ["pyarrow", "reasoning-gym==0.1.25"],  # Parquet datasets, procedural tasks
         "test": ["pytest>=8", "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "tensorboard", "wandb",
                  "ray>=2.10",  # tests/e2e/test_ray_launcher.py
-                 "peft"],  # a LoRA export loads with peft (tests/e2e/test_lora.py)
+                 "peft",  # a LoRA export loads with peft (tests/e2e/test_lora.py)
+                 "mlflow-skinny"],  # the mlflow sink (tests/unit/test_mlflow_sink.py)
     },
     entry_points={"console_scripts": ["megappo=megappo.cli:entry"]},
 )

@@ -680,9 +680,12 @@ class CheckpointConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig(_Section):
-    sinks: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = dataclasses.field(
+    sinks: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = dataclasses.field(
         default_factory=lambda: ["console", "jsonl"])  # where metrics go
-    project: str = "megappo"  # W&B / TensorBoard project
+    project: str = "megappo"  # W&B project / MLflow experiment
+    # the mlflow sink's tracking server or store (http://host:5000, sqlite:///path.db, databricks, ...); None:
+    # MLflow's own choice (its MLFLOW_TRACKING_URI variable, else its default)
+    mlflow_tracking_uri: Optional[str] = None
     run_name: Optional[str] = None  # None: the name of run.output_dir
     progress_bar: bool = True  # a live progress line on the console
     # the console's step line: compact (step, score, pg/vf/kl losses, s/step, ETA; samples of step 1 and every

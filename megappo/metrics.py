@@ -1,7 +1,9 @@
-"""Metric sinks (console, JSONL, TensorBoard, W&B), the progress line, and `megappo plot`.
+"""Metric sinks (console, JSONL, TensorBoard, W&B, MLflow), the progress line, and `megappo plot`.
 
 Metric names follow verl's namespaces (`actor/pg_loss`, `critic/vf_loss`,
-`critic/score/mean`, `timing_s/gen`, `perf/throughput`, ...). Only global rank 0 logs.
+`critic/score/mean`, `timing_s/gen`, `perf/throughput`, ...). Only global rank 0 logs. MLflow's
+names spell `@` as `_at_` and any other character it does not allow as `_` (`mlflow_key`, as verl's
+mlflow logger does).
 `MetricLogger(run_dir, sinks, resume_step=N)` writes one JSON object per step to
 `run_dir/metrics.jsonl` and to the other sinks; on opening it keeps only the records of steps
 <= N (the checkpoint a run resumes from; none for a run that starts at step 0, even when an
@@ -24,13 +26,15 @@ import fnmatch
 import json
 import math
 import os
+import re
 import sys
+import time
 import uuid
 from typing import Iterable, Mapping, Sequence
 
 from megappo.errors import ConfigError
 
-SINKS = ("console", "jsonl", "tensorboard", "wandb")
+SINKS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 #: what the console shows each step with logging.console=full (the JSONL file has everything)
 CONSOLE_KEYS = (
@@ -51,7 +55,7 @@ COMPACT_SAMPLES_EVERY = 10
 class MetricLogger:
     def __init__(self, run_dir: str, sinks: Iterable[str] = ("console", "jsonl"), *, project: str = "megappo",
                  run_name: str | None = None, config: Mapping | None = None, resume_step: int | None = 0,
-                 progress: Progress | None = None, console: str = "compact"):
+                 progress: Progress | None = None, console: str = "compact", mlflow_uri: str | None = None):
         sinks = list(sinks)
         unknown = [s for s in sinks if s not in SINKS]
         if unknown:
@@ -94,6 +98,7 @@ class MetricLogger:
             # resume recomputes the same values) and warns about the repeats.
             self._wandb = wandb.init(project=project, name=run_name, config=dict(config or {}), dir=run_dir,
                                      id=_wandb_run_id(run_dir), resume="allow")
+        self._mlflow = _MlflowRun(run_dir, mlflow_uri, project, run_name, config) if "mlflow" in sinks else None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items()}
@@ -105,6 +110,8 @@ class MetricLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb:
             self._wandb.log(clean, step=step)
+        if self._mlflow:
+            self._mlflow.log(step, clean)
         if "console" in self.sinks:
             console(compact_line(step, clean, self.progress) if self.console == "compact"
                     else full_line(step, clean, self.progress))
@@ -135,6 +142,8 @@ class MetricLogger:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+        if self._mlflow:
+            self._mlflow.close()
 
 
 def compact_line(step: int, metrics: Mapping[str, float], progress: Progress | None = None) -> str:
@@ -188,6 +197,69 @@ def _wandb_run_id(run_dir: str) -> str:
             f.write(uuid.uuid4().hex[:16])
     with open(path) as f:
         return f.read().strip()
+
+
+_MLFLOW_BAD = re.compile(r"[^/\w.\- :]")  # MLflow's names: letters, digits, '_', '.', '-', ' ', ':', '/'
+
+
+def mlflow_key(name: str) -> str:
+    """A metric or parameter name as MLflow allows it: '@' spelled '_at_', repeated '/' as one, any other
+    character it does not allow as '_' (verl's mlflow logger's spelling: `val-core/gsm8k/acc/mean_at_4`)."""
+    return _MLFLOW_BAD.sub("_", re.sub("/+", "/", name.replace("@", "_at_")))
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, str]:
+    """A nested config as dotted keys (megappo's override names) -> value text."""
+    out: dict[str, str] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, tuple, dict)) else str(v)
+    return out
+
+
+class _MlflowRun:
+    """One MLflow run per megappo run, in the experiment named logging.project: its id is kept in
+    `run_dir/mlflow_run_id`, so a resumed run appends to it (steps replayed after the checkpoint are logged
+    again, as W&B keeps them). The config goes in as parameters under megappo's dotted names. `uri` None:
+    MLflow's own choice (its MLFLOW_TRACKING_URI variable, else its default)."""
+
+    PARAM_CHARS = 6000  # MLflow's longest parameter value
+
+    def __init__(self, run_dir: str, uri: str | None, project: str, run_name: str | None,
+                 config: Mapping | None):
+        try:
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:
+            raise ImportError("logging.sinks mlflow needs the mlflow package: pip install mlflow-skinny "
+                              "(or mlflow)") from e
+        self._metric = Metric
+        self.client = MlflowClient(tracking_uri=uri)
+        path = os.path.join(run_dir, "mlflow_run_id")
+        if os.path.exists(path):
+            with open(path) as f:
+                self.run_id = f.read().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        params = [Param(mlflow_key(k), v[:self.PARAM_CHARS]) for k, v in _flat(config or {}).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        with open(path, "w") as f:
+            f.write(self.run_id)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        now = int(time.time() * 1000)
+        batch = [self._metric(mlflow_key(k), v, now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics a call
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
 
 
 def _truncate_after(path: str, step: int, one_per_step: bool = True) -> None:

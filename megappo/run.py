@@ -548,7 +548,7 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
     logger = MetricLogger(log_dir, cfg.logging.sinks,
                           project=cfg.logging.project, run_name=cfg.logging.run_name, config=cfg.to_dict(),
                           resume_step=None if cfg.run.val_only else start_step, progress=progress,
-                          console=cfg.logging.console)
+                          console=cfg.logging.console, mlflow_uri=cfg.logging.mlflow_tracking_uri)
     if cfg.run.val_only:
         weights = f"{resume['path']} (step {start_step})" if resume else f"model.path {cfg.model.path or '(built)'}"
         print(f"megappo: run.val_only: validating {weights} once, no training; metrics in "

@@ -177,7 +177,8 @@ MOOT_DEFAULTS: dict[str, str] = {"trainer.resume_mode": "auto"}
 #: verl key -> its values' megappo spelling, where they differ (a list value: item by item); a value not listed
 #: is refused with the ones that are
 VALUES: dict[str, dict[str, str]] = {
-    "trainer.logger": {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"},
+    "trainer.logger": {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow",
+                       "file": "jsonl"},
 }
 
 #: megappo's list keys whose verl key (Hydra's ListConfig or a plain string) also takes one string: a string is

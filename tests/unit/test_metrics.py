@@ -74,8 +74,8 @@ def _records(path, needle: bytes, timeout_s: float = 60.0) -> bytes:
 
 
 def test_unknown_sink():
-    with pytest.raises(ValueError, match="unknown logging sink\\(s\\) \\['mlflow'\\]"):
-        MetricLogger("/tmp/x", ["mlflow"])
+    with pytest.raises(ValueError, match="unknown logging sink\\(s\\) \\['swanlab'\\]"):
+        MetricLogger("/tmp/x", ["swanlab"])
 
 
 def test_progress_line():
