@@ -2,7 +2,8 @@
 
 `check_inputs(cfg, world_size, launcher=None)` first checks that every optional package the run is configured
 to use is installed (`check_packages`: the logging sinks, the rollout engine, `--launcher ray`; one table,
-PACKAGES, found with importlib's find_spec, nothing imported), then the world against the layout and the batch sizes
+PACKAGES, found with importlib's find_spec, nothing imported; peft is not among them: a LoRA export
+writes peft's adapter files itself, megappo.convert), then the world against the layout and the batch sizes
 (`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
 every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers; the
 trained roles' activation recomputation against their layers per pipeline chunk) and
