@@ -436,8 +436,13 @@ UNUSED_PATTERNS: dict[str, str] = {
 #: verl key -> {value: why megappo has no use for it}; its other values are refused (OTHERWISE says how)
 UNUSED_VALUES: dict[str, dict[str, str]] = {
     # verl's current scripts choose the training engine at the top level (verl 1dda039)
-    "model_engine": {e: "megappo trains with Megatron-Core (verl's megatron engine; the math does not depend on it)"
-                     for e in ("megatron", "fsdp", "veomni", "torchtitan", "automodel")},
+    **{key: {e: "megappo trains with Megatron-Core (verl's megatron engine; the math does not depend on it)"
+             for e in ("megatron", "fsdp", "veomni", "torchtitan", "automodel")}
+       for key in ("model_engine", "actor_rollout_ref.actor.model_engine")},
+    # Megatron's Adam is AdamW (decoupled weight decay), verl's default optimizer
+    **{f"{role}.optim.optimizer": {o: "megappo's optimizer is Megatron's Adam with decoupled weight decay (AdamW, "
+                                      "actor.optim.weight_decay), verl's default" for o in ("adam", "adamw", "fusedadam")}
+       for role in ("actor_rollout_ref.actor", "critic")},
     # megappo's reward path is verl's naive/dapo manager: scores from reward.functions, summed with the reward
     # model's, DAPO's overlong shaping from reward.overlong_buffer
     "reward_model.reward_manager": {m: f"megappo's reward path does what verl's {m} manager does (reward.functions; "
@@ -569,7 +574,13 @@ OTHERWISE: dict[str, str] = {
                                                                "the trainer's routers choose (disabled: "
                                                                "actor.moe_routing=recompute); verl's R2 it does not have"
        for engine in ("megatron", "veomni")},
-    "model_engine": "megappo trains with Megatron-Core: remove it",
+    **{key: "megappo trains with Megatron-Core: remove it"
+       for key in ("model_engine", "actor_rollout_ref.actor.model_engine")},
+    **{f"{role}.optim.optimizer": "megappo trains with AdamW only (Megatron's Adam): remove it"
+       for role in ("actor_rollout_ref.actor", "critic")},
+    **{f"{verl}.optim.min_lr": f"megappo's learning-rate floor is a fraction of the rate: write "
+                               f"{ours}.optim.min_lr_ratio=MIN_LR/LR (verl's min_lr divided by its optim.lr)"
+       for verl, ours in (("actor_rollout_ref.actor", "actor"), ("critic", "critic"))},
     "actor_rollout_ref.model.lora.type": "megappo's adapters are plain LoRA (actor.lora.*; docs/lora.md)",
     "actor_rollout_ref.model.lora.dropout_position": "megappo applies the adapters' dropout to their input (verl's "
                                                      "pre): remove it",

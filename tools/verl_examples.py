@@ -10,8 +10,8 @@ in order (`X=${X:-default}`, `A=(...)`, `A+=(...)`, `export`) and expanded where
 (`$X`, `${X:-d}`, `"${A[@]}"`, `$((...))`); an unset variable expands to nothing, as in bash, and is
 named. Each command whose words hold the entry (`-m verl.trainer.main_ppo`, `main_ppo.py`) is one
 command line; the words after it, less Hydra's `--config-path` / `--config-name` flags, are read by
-megappo.recipe.read_config on megappo's defaults (no recipe), as tests/unit/test_verl_scripts.py
-reads verl's scripts. Printed: the count read and refused, each refused line with the error's
+megappo.recipe.read_config as `megappo train` reads them: on the recipe `--config-name` names (verl
+0.9.1's defaults, recipes/verl/, for verl's own trainer configs), else on megappo's defaults (no recipe). Printed: the count read and refused, each refused line with the error's
 lines (each names the feature and its fix), and the refused keys by how often they come; --keys adds
 every key's reading by count (the keys to add to megappo/verl_keys.py's tables next).
 
@@ -359,6 +359,19 @@ def overrides(words: list[str]) -> list[str]:
     return out
 
 
+def hydra_flags(words: list[str]) -> tuple[Optional[str], Optional[str]]:
+    """(--config-path, --config-name) of a command line's words (`--flag=value` or `--flag value`), None where
+    not given."""
+    found: dict[str, Optional[str]] = {"config-path": None, "config-name": None}
+    short = {"cp": "config-path", "cn": "config-name"}
+    for k, w in enumerate(words):
+        flag, eq, value = w.lstrip("-").partition("=")
+        flag = short.get(flag, flag)
+        if w.startswith("-") and flag in found:
+            found[flag] = value if eq else (words[k + 1] if k + 1 < len(words) else None)
+    return found["config-path"], found["config-name"]
+
+
 def scripts(root: str, rev: Optional[str], under: str) -> Iterator[tuple[str, str]]:
     """(path, text) of every `*.sh` under `under` of a verl checkout, or of revision `rev` of its git dir."""
     if rev:
@@ -378,6 +391,21 @@ def scripts(root: str, rev: Optional[str], under: str) -> Iterator[tuple[str, st
 
 
 _REFUSED = re.compile(r"^\s*(?:- )?'([^'=]+)=")
+_UNKNOWN = re.compile(r"unknown config key '([^']+)'")
+
+
+def need(error: str) -> str:
+    """What a refused line needs, in a few words: a refused verl key's fix up to its first ';' or ':' (the
+    key itself where the fix is the generic 'no such key'), else the error up to its fix."""
+    m = _REFUSED.match(error)
+    if m and "Fix: " in error:
+        fix = error.split("Fix: ", 1)[1]
+        first = re.split(r"[;:]", fix, 1)[0].strip()
+        return f"{m.group(1)} (no such key)" if first.startswith("megappo has no such key") else first
+    m = _UNKNOWN.search(error)
+    if m:
+        return f"{m.group(1)} (unknown key)"
+    return re.sub(r"^- ", "", error.strip()).split(". Fix:")[0]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -390,11 +418,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
 
     from megappo.errors import ConfigError
-    from megappo.recipe import _key_value, read_config, read_overrides
+    from megappo.recipe import _key_value, read_config, read_overrides, verl_config_recipe
 
     lines = [cl for path, text in scripts(args.verl_dir, args.rev, args.under)
              for cl in command_lines(text, path, args.entry)]
     refused: list[tuple[CommandLine, list[str]]] = []
+    needs: collections.Counter = collections.Counter()
     by_key: collections.Counter = collections.Counter()
     fixes: dict[str, str] = {}
     readings: collections.Counter = collections.Counter()
@@ -411,30 +440,38 @@ def main(argv: Optional[list[str]] = None) -> int:
             for key in {_key_value(o)[0] for o in given}:
                 readings[(kinds.get(key, "megappo's"), key)] += 1
         try:
-            read_config(None, given)
+            config_path, config_name = hydra_flags(cl.words)
+            recipe = verl_config_recipe(config_path, config_name)[0] if config_name else None
+            read_config(recipe, given)
         except ConfigError as e:
             errs = [line for line in str(e).splitlines() if line.strip() and not line.endswith("(each line names "
                                                                                               "its fix):")]
             refused.append((cl, errs))
+            needs.update(set(need(line) for line in errs))  # each need once per line
             for line in errs:
                 m = _REFUSED.match(line)
-                key = m.group(1) if m else line.strip().lstrip("- ")[:120]
+                key = m.group(1) if m else re.sub(r"^- ", "", line.strip())[:120]
                 by_key[key] += 1
                 fixes.setdefault(key, line.split("Fix: ", 1)[-1] if m else "")
     where = f"{args.verl_dir} {args.rev or '(work tree)'} {args.under}/"
+    named = sum(1 for c in lines if hydra_flags(c.words)[1])
     print(f"{where}: {len(lines)} {args.entry} command lines in {len({c.script for c in lines})} scripts; "
-          f"{len(lines) - len(refused)} read as written, {len(refused)} refused")
+          f"{len(lines) - len(refused)} read as written, {len(refused)} refused ({named} on the recipe their "
+          f"--config-name names, the others on megappo's defaults)")
     for cl, errs in refused:
         print(f"\n{cl.script}")
         for line in errs:
-            print(f"    {line.strip().lstrip('- ')}")
+            print(f"    {re.sub(r'^- ', '', line.strip())}")
     if any(left_out.values()):
         print("\nleft out, an empty value (a placeholder, or a variable the script does not set: named):")
         for cl in lines:
             if left_out[cl.script]:
                 print(f"  {cl.script}: {' '.join(left_out[cl.script])}" + (f" (unset: {', '.join(cl.unset)})"
                                                                           if cl.unset else ""))
-    print("\nrefused, by the number of command lines:")
+    print("\nwhat the refused lines need, by the number of lines:")
+    for what, count in needs.most_common():
+        print(f"  {count:3d} {what}")
+    print("\nrefused keys, by the number of command lines:")
     for key, count in by_key.most_common():
         print(f"  {count:3d} {key}" + (f": {fixes[key][:160]}" if fixes[key] else ""))
     if args.keys:

@@ -82,6 +82,7 @@ def test_an_older_scripts_command_line_is_expanded_as_bash_would():
         "trainer.default_local_dir=",
     ]
     assert line.words[:3] == ["--config-path=./config", "--config-name", "ppo_trainer"]
+    assert verl_examples.hydra_flags(line.words) == ("./config", "ppo_trainer")
     assert line.unset == ["CKPTS_DIR"]  # MODEL_PATH has its default
 
 
@@ -96,11 +97,13 @@ def test_a_current_scripts_arrays_are_expanded_item_by_item():
 
 
 def test_the_tool_counts_read_and_refused_lines_of_a_checkout(tmp_path, capsys):
-    """The tool over a small checkout (a git repository, read at a revision): one line read, one refused
-    with the feature it needs, one script that starts another entry not counted."""
+    """The tool over a small checkout (a git repository, read at a revision): one line read (on verl's defaults,
+    which its --config-name names), one refused with the feature it needs, one script that starts another entry
+    not counted."""
     examples = tmp_path / "examples"
     examples.mkdir()
-    (examples / "run_new.sh").write_text(NEW_STYLE.replace("${INFER_BACKEND:-vllm}", "${INFER_BACKEND:-sglang}"))
+    (examples / "run_new.sh").write_text(NEW_STYLE.replace(  # on verl's defaults, as megappo train reads it
+        '"${DATA[@]}"', '--config-path=config --config-name=ppo_megatron_trainer "${DATA[@]}"'))
     (examples / "run_cp.sh").write_text(NEW_STYLE.replace(
         "model_engine=megatron", "model_engine=megatron actor_rollout_ref.actor.megatron.context_parallel_size=2"))
     (examples / "run_sft.sh").write_text("torchrun -m verl.trainer.sft_trainer data.train_batch_size=4\n")
@@ -111,7 +114,8 @@ def test_the_tool_counts_read_and_refused_lines_of_a_checkout(tmp_path, capsys):
     for rev in (None, "HEAD"):
         assert verl_examples.main([str(tmp_path), *(["--rev", rev] if rev else []), "--keys"]) == 0
         out = capsys.readouterr().out
-        assert "2 main_ppo command lines in 2 scripts; 1 read as written, 1 refused" in out.splitlines()[0]
+        assert "2 main_ppo command lines in 2 scripts; 1 read as written, 1 refused (1 on the recipe their " \
+               "--config-name names" in out.splitlines()[0]
         assert "\nexamples/run_cp.sh\n    'actor_rollout_ref.actor.megatron.context_parallel_size=2' is a verl key " \
                "megappo does not read as written. Fix: megappo has no context parallelism" in out
         assert "    2 unused    model_engine" in out and "    1 refused   actor_rollout_ref.actor.megatron." \

@@ -166,6 +166,8 @@ UNUSED = {
     "actor_rollout_ref.ref.veomni.ulysses_parallel_size=2": "VeOmni",
     "actor_rollout_ref.actor.veomni.moe_implementation=fused": "same math",
     "critic.fsdp.param_offload=True": "not FSDP",
+    "actor_rollout_ref.actor.model_engine=megatron": "trains with Megatron-Core",
+    "actor_rollout_ref.actor.optim.optimizer=AdamW": "decoupled weight decay",
 }
 
 
@@ -200,6 +202,8 @@ REFUSED = {
     "distillation.enabled=True": "no on-policy distillation",
     "actor_rollout_ref.rollout.ignore_eos=True": "a benchmark setting",
     "model_engine=mindspeed": "trains with Megatron-Core",
+    "actor_rollout_ref.actor.optim.optimizer=muon": "AdamW only",
+    "actor_rollout_ref.actor.optim.min_lr=1e-7": "actor.optim.min_lr_ratio=MIN_LR/LR",
     "actor_rollout_ref.actor.megatron.router_replay.mode=R2": "verl's R2 it does not have",
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01": "router_aux_loss_coef",
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff=0.001": "no router z-loss",
