@@ -477,6 +477,17 @@ class KLCtrlConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class PfPpoConfig(_Section):
+    """PF-PPO's resampling of a step's batch by score (verl's algorithm.pf_ppo): megappo.ppo.pf_ppo."""
+
+    reweight_method: Literal["pow", "max_min", "max_random"] = "pow"  # a sample's weight from its score s: |s|^weight_pow; 1 at the batch's max or min score, else 0; 0.4 at its max, else 0.1
+    weight_pow: float = 2.0  # pow: the exponent
+
+    def check(self) -> None:
+        _require(self.weight_pow >= 0, f"{P}weight_pow={self.weight_pow} must be >= 0. Fix: e.g. {P}weight_pow=2.0.")
+
+
+@dataclasses.dataclass(frozen=True)
 class FilterGroupsConfig(_Section):
     """DAPO's dynamic sampling (verl's algorithm.filter_groups): docs/dapo.md."""
 
@@ -507,8 +518,13 @@ class AlgorithmConfig(_Section):
     rollout_correction: RolloutCorrectionConfig = _default(RolloutCorrectionConfig)  # importance weights / rejection for the engine-trainer mismatch
     filter_groups: FilterGroupsConfig = _default(FilterGroupsConfig)  # DAPO's dynamic sampling
     mask_truncated_completions: bool = False  # samples that ran into rollout.max_new_tokens carry no loss (DAPO's overlong filtering; TRL's name)
+    use_pf_ppo: bool = False  # PF-PPO: after GAE, train on the step's samples resampled with replacement, weighted by score (pf_ppo.*)
+    pf_ppo: PfPpoConfig = _default(PfPpoConfig)  # its weights
 
     def check(self) -> None:
+        _require(not self.use_pf_ppo or self.adv_estimator == "gae",
+                 f"{P}use_pf_ppo=true resamples the batch after GAE; verl applies it with {P}adv_estimator=gae only "
+                 f"and ignores it with {self.adv_estimator}. Fix: set {P}adv_estimator=gae, or {P}use_pf_ppo=false.")
         for name in ("gamma", "lam"):
             v = getattr(self, name)
             _require(0 <= v <= 1, f"{P}{name}={v} must be in [0, 1]. Fix: e.g. {P}{name}=1.0.")

@@ -7,7 +7,8 @@ to it (`megappo.workers`). Setup (models, engine, data, checkpoints) lives in `m
 When each step's batch is generated (now, or during the previous step: `rollout.mode`) is
 `run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does (with
 algorithm.filter_groups: rounds of generation and scoring, megappo.dynamic_sampling, the batch
-carrying its scores and metrics to the step that trains on it).
+carrying its scores and metrics to the step that trains on it). With algorithm.use_pf_ppo the step
+trains on its samples resampled by score after the advantages (`pf_ppo`, PF-PPO).
 
 This module does not know how models are built or sharded.
 """
@@ -31,6 +32,7 @@ from megappo.perf import flop_rate_metrics, peak_memory
 from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
+from megappo.ppo.pf_ppo import resample_indices
 from megappo.ppo.rollout_correction import rollout_correction
 from megappo.reward_workers import Scoring
 from megappo.rewards import CORRECT_SCORE, Scored, score_batch, score_records
@@ -94,6 +96,8 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
                                   sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
             m.update(rollout_metrics(batch, scores, exp, old.entropy, run.cfg.data.max_prompt_length))
             log_generations(run, step, batch, scores)
+            if run.cfg.algorithm.use_pf_ppo:
+                exp = pf_ppo(run, step, exp, scores, m)
         exp = broadcast_from_rank0(exp)
     if run.critic:
         with timed(m, "update_critic"):
@@ -359,6 +363,18 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
     mask = mask_truncated(cfg.algorithm.mask_truncated_completions, batch, mask, m)
     return Experience(seqs=dataclasses.replace(seqs, response_mask=mask), old_log_probs=old_lp, advantages=adv,
                       ref_log_probs=ref_lp, values=values, returns=ret, rollout_is_weights=is_weights)
+
+
+def pf_ppo(run: Run, step: int, exp: Experience, scores: torch.Tensor, m: dict) -> Experience:
+    """PF-PPO (algorithm.use_pf_ppo): the step's samples drawn again with replacement, weighted by their
+    scores (megappo.ppo.pf_ppo), from a generator seeded by (run.seed, step), so a resumed run draws the same.
+    The step's data metrics above are the generated batch's; pf_ppo/unique_fraction is the share of its
+    samples the update sees."""
+    p = run.cfg.algorithm.pf_ppo
+    rows = resample_indices(scores.detach().float().cpu(), p.reweight_method, p.weight_pow,
+                            generator=torch.Generator().manual_seed(run.cfg.run.seed * 1_000_003 + step))
+    m["pf_ppo/unique_fraction"] = rows.unique().numel() / rows.numel()
+    return exp.select(rows)
 
 
 def mask_truncated(enabled: bool, batch: RolloutBatch, mask: torch.Tensor, m: dict) -> torch.Tensor:

@@ -387,7 +387,6 @@ UNUSED_PATTERNS: dict[str, str] = {
     "actor_rollout_ref.rollout.prometheus.*": "verl's engine monitoring; megappo logs its rollout/* and timing_s/* "
                                               "metrics",
     "reward_model.rollout.*": _REWARD_SERVER,
-    "algorithm.pf_ppo.*": "PF-PPO's settings; megappo has no PF-PPO (algorithm.use_pf_ppo=true is refused)",
     **{f"*.model.override_config.{key}": "a limit, not a change to the model: with rotary positions the model's "
                                          "math does not depend on it (megappo's sequences are "
                                          "data.max_prompt_length + rollout.max_new_tokens long at most)"
@@ -489,7 +488,6 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
                                                         "every sample to its end",
                                                    "0.0": "verl's early stop of generation is off; megappo generates "
                                                           "every sample to its end"},
-    "algorithm.use_pf_ppo": {"false": "PF-PPO off; megappo has none"},
     **{f"{role}.shuffle": {"true": "megappo shuffles each epoch's sequences into mini-batches (seeded by run.seed)"}
        for role in ("actor_rollout_ref.actor", "critic")},
     **{key: {"null": "none named: megappo reads the rows itself"}
@@ -604,7 +602,6 @@ OTHERWISE: dict[str, str] = {
                                                            "(docs/tools.md)",
     "actor_rollout_ref.rollout.over_sample_rate": "megappo generates every sample to its end (verl aborts the last "
                                                   "over_sample_rate of the requests): remove it",
-    "algorithm.use_pf_ppo": "megappo has no PF-PPO (reweighting samples by their reward): remove it",
     **{f"{role}.shuffle": "megappo always shuffles each epoch's sequences into mini-batches (seeded by run.seed; "
                           "verl's trainer.balance_batch reorders them too): remove it"
        for role in ("actor_rollout_ref.actor", "critic")},

@@ -64,6 +64,12 @@ class SeqBatch:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
+    def select(self, rows: torch.Tensor) -> "SeqBatch":
+        """The sequences at [M] indices `rows` (repeats allowed), in that order."""
+        return dataclasses.replace(self, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+                                   response_mask=self.response_mask[rows],
+                                   routes=None if self.routes is None else self.routes[rows])
+
 
 @dataclasses.dataclass
 class Experience:
@@ -76,6 +82,15 @@ class Experience:
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> "Experience":
+        """The samples at [M] indices `rows` (repeats allowed: PF-PPO's resampling), in that order."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+        return Experience(seqs=self.seqs.select(rows), old_log_probs=pick(self.old_log_probs),
+                          advantages=pick(self.advantages), ref_log_probs=pick(self.ref_log_probs),
+                          values=pick(self.values), returns=pick(self.returns),
+                          rollout_is_weights=pick(self.rollout_is_weights))
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@
               `POLICY_LOSSES` registry (vanilla = losses.policy_loss, dppo_tv, dppo_kl,
               gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, dro, cispo), get_policy_loss,
               policy_loss_inputs, compute_policy_loss
+  pf_ppo      PF-PPO's weights by score and the resampling draw
   rollout_correction  rollout IS weights (token / sequence, TIS / IcePop) and rejection
               masks with verl's metrics, verl's presets, the bypass-mode losses
 
