@@ -477,6 +477,19 @@ class KLCtrlConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class CustomClsConfig(_Section):
+    """A dataset class of the user's that turns data files into rows (verl's data.custom_cls): megappo.data.class_rows."""
+
+    path: Optional[str] = None  # a .py file or an importable module
+    name: Optional[str] = None  # the class in it: Class(data_files, config), read with len() and [i] (or iterated), rows in verl's layout
+
+    def check(self) -> None:
+        _require((self.path is None) == (self.name is None),
+                 f"{P}path={self.path} and {P}name={self.name}: a dataset class needs both. Fix: set both (the file "
+                 f"and the class in it), or neither.")
+
+
+@dataclasses.dataclass(frozen=True)
 class PfPpoConfig(_Section):
     """PF-PPO's resampling of a step's batch by score (verl's algorithm.pf_ppo): megappo.ppo.pf_ppo."""
 
@@ -641,8 +654,12 @@ class DataConfig(_Section):
     #: example turns put after the system message of every prompt, e.g. a question, the assistant's tool call,
     #: the tool's answer and the final answer: [{role: user, content: ...}, {role: assistant, content: ...}, ...]
     few_shot: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    custom_cls: CustomClsConfig = _default(CustomClsConfig)  # rows from a dataset class of yours instead of read from the files (verl's key)
 
     def check(self) -> None:
+        _require(not (self.custom_cls.path and self.builtin),
+                 f"{P}custom_cls reads data.train_files, but {P}builtin={self.builtin} generates the rows. Fix: set "
+                 f"{P}builtin=null, or remove {P}custom_cls.")
         _at_least(self, builtin_size=1, builtin_val_size=1, max_prompt_length=1, train_batch_size=1, gen_batch_size=1)
         _require(not (self.builtin and self.train_files),
                  f"{P}builtin and {P}train_files are both set. Fix: set {P}builtin=null or {P}train_files=[].")

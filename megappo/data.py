@@ -9,6 +9,9 @@ A row in verl's layout:
 `read_rows` also returns each row's `RowOrigin` (file and 1-based line or row, training or validation;
 `numbered` for built-in sources and rows given in code), which the data check, `build_prompts` and,
 through `PromptExample.origin`, the reward functions' and environments' errors name;
+`class_rows(path, name, files, ...)` reads rows from a dataset class of the user's (verl's
+`data.custom_cls.path` / `.name`: `Class(data_files, config)`, read with len() and [i] or by iterating it,
+each row a dict in verl's layout), instead of from the files themselves;
 `build_prompts(rows, tokenizer, ...)` renders the chat template, tokenizes, and applies the
 long-prompt policy (skip / truncate from the left / error), counting what it did.
 Built-in sources need no files: `reasoning_gym:<task>` (procedural tasks from the
@@ -30,8 +33,9 @@ import os
 import random
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
+from megappo.errors import ConfigError
 from megappo.tokenizer import chat_template_ids
-from megappo.user_code import short_text
+from megappo.user_code import load_spec, short_text
 
 
 #: how a row's place is counted: a JSONL file's line, a Parquet file's row, a built-in source's row
@@ -110,9 +114,13 @@ def load_rows(paths: Sequence[str], key: str = "data.train_files") -> list[dict]
     return read_rows(paths, key)[0]
 
 
-def read_rows(paths: Sequence[str], key: str = "data.train_files") -> tuple[list[dict], list[RowOrigin]]:
+def read_rows(paths: Sequence[str], key: str = "data.train_files", *, dataset: tuple[str, str] | None = None,
+              config: dict | None = None) -> tuple[list[dict], list[RowOrigin]]:
     """(the rows of every file, in order, each row's RowOrigin: its JSONL line or Parquet row, 1-based;
-    validation rows when `key` is data.val_files)."""
+    validation rows when `key` is data.val_files). `dataset`: (path, class name) of the user's dataset class,
+    which reads the files instead (`class_rows`, given the data section `config`)."""
+    if dataset:
+        return class_rows(*dataset, paths, config or {}, key)
     check_files(paths, key)
     split = "validation" if key == "data.val_files" else "training"
     rows: list[dict] = []
@@ -136,6 +144,52 @@ def read_rows(paths: Sequence[str], key: str = "data.train_files") -> tuple[list
             rows.extend(table)
             origins += [RowOrigin(path, i + 1, "parquet", split) for i in range(len(table))]
     return rows, origins
+
+
+def dataset_class(path: str, name: str) -> type:
+    """The user's dataset class `name` in `path` (a .py file or a module), loaded as reward files are; a
+    ConfigError naming the fix when it is not there."""
+    spec = f"{path}:{name}"
+    fix = ("Fix: set data.custom_cls.path to a .py file or an importable module, and data.custom_cls.name to a class "
+           "in it.")
+    module, _, _ = load_spec(spec, who=f"data.custom_cls {spec}", malformed=f"data.custom_cls {spec}: {fix}", fix=fix)
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise ConfigError(f"data.custom_cls {spec}: {path} has no class {name!r}. {fix}")
+    return cls
+
+
+def class_rows(path: str, name: str, files: Sequence[str], config: dict, key: str = "data.train_files"
+               ) -> tuple[list[dict], list[RowOrigin]]:
+    """The rows of the user's dataset class `name` in `path` (a .py file or a module; verl's data.custom_cls):
+    megappo calls `name(files, config)` (`files`: data.train_files or data.val_files as given, which the class
+    reads itself; `config`: the data section as a dict) and reads its rows with len() and [i], or by
+    iterating it. Each row is a dict in verl's layout, checked and tokenized as a file's rows are."""
+    split = "validation" if key == "data.val_files" else "training"
+    spec = f"{path}:{name}"
+    cls = dataset_class(path, name)
+    try:
+        dataset = cls(list(files), dict(config))
+        if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+            rows = [dataset[i] for i in range(len(dataset))]
+        elif hasattr(dataset, "__iter__"):
+            rows = list(dataset)
+        else:
+            raise DataError(f"data.custom_cls {spec}: an instance has neither len() and [i] nor iteration, so megappo "
+                            f"cannot read its rows. Fix: give {name} __len__ and __getitem__ (as a torch Dataset has) "
+                            "or __iter__, each row a dict in verl's layout.")
+    except DataError:
+        raise
+    except Exception as e:  # the user's class failed: what it raised, where, and the fix
+        raise DataError(f"data.custom_cls {spec}({list(files)}, config) raised {type(e).__name__}: {e}. Fix: correct "
+                        f"that class (megappo calls {name}(data_files, config), then len() and [i]).") from None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"data.custom_cls {spec}: row {i + 1} ({key}) is a {type(row).__name__}, not a dict. "
+                            "Fix: return each row as a dict in verl's layout ({\"prompt\": [...], \"data_source\": ..., "
+                            "\"reward_model\": {\"ground_truth\": ...}}); verl's RLHFDataset returns tokenized tensors, "
+                            "which megappo does not read.")
+    return rows, numbered(spec, len(rows), "list", split)
 
 
 def numbered(source: str, n: int, kind: RowKind = "list", split: str = "training") -> list[RowOrigin]:

@@ -32,10 +32,12 @@ from __future__ import annotations
 import os
 
 import contextlib
+import dataclasses
 import io
 
 from megappo.config import Config
-from megappo.data import RowOrigin, build_prompts, builtin_rows, builtin_splits, check_files, numbered, read_rows
+from megappo.data import (RowOrigin, build_prompts, builtin_rows, builtin_splits, check_files, dataset_class,
+                          numbered, read_rows)
 from megappo.datacheck import check_data, warn_shared_prompts
 from megappo.envs.loading import check_env
 from megappo.errors import ConfigError
@@ -82,8 +84,11 @@ def check_inputs(cfg: Config, world_size: int, launcher: str | None = None) -> N
     cfg.validate_world(world_size)
     cfg.require_training_data()
     check_models(cfg)
-    check_files(cfg.data.train_files, "data.train_files")
-    check_files(cfg.data.val_files, "data.val_files")
+    if cfg.data.custom_cls.path:  # the user's class reads the files itself (they may name a hub dataset)
+        dataset_class(cfg.data.custom_cls.path, cfg.data.custom_cls.name)
+    else:
+        check_files(cfg.data.train_files, "data.train_files")
+        check_files(cfg.data.val_files, "data.val_files")
     for name in [*cfg.reward.functions, *cfg.reward.metric_functions]:
         get_reward_fn(name)
     check_tokenizer_spec(cfg.model.tokenizer_path)
@@ -146,6 +151,9 @@ def _prompt_rows(d) -> tuple[list[dict], list[dict] | None]:
 def _rows_and_origins(d) -> tuple[tuple[list[dict], list[RowOrigin]], tuple[list[dict], list[RowOrigin]] | None]:
     """`_prompt_rows` with each row's RowOrigin: (rows, origins) of training, of validation or None."""
     builtin = f"data.builtin={d.builtin}"
+    # the files, or the rows a dataset class of the user's reads from them (data.custom_cls)
+    reader = dict(dataset=(d.custom_cls.path, d.custom_cls.name), config=dataclasses.asdict(d)) if d.custom_cls.path \
+        else {}
     if d.builtin and not d.val_files:
         train, val = builtin_splits(d.builtin, d.builtin_size, d.builtin_val_size, d.seed, d.builtin_args)
         return (train, numbered(builtin, len(train), "builtin")), (val, numbered(builtin, len(val), "builtin",
@@ -154,8 +162,8 @@ def _rows_and_origins(d) -> tuple[tuple[list[dict], list[RowOrigin]], tuple[list
         rows = builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args)
         train = rows, numbered(builtin, len(rows), "builtin")
     else:
-        train = read_rows(d.train_files)
-    return train, read_rows(d.val_files, "data.val_files") if d.val_files else None
+        train = read_rows(d.train_files, **reader)
+    return train, read_rows(d.val_files, "data.val_files", **reader) if d.val_files else None
 
 
 def load_prompts(cfg: Config, tokenizer) -> tuple[list, list, dict[str, int]]:

@@ -491,7 +491,7 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
     **{f"{role}.shuffle": {"true": "megappo shuffles each epoch's sequences into mini-batches (seeded by run.seed)"}
        for role in ("actor_rollout_ref.actor", "critic")},
     **{key: {"null": "none named: megappo reads the rows itself"}
-       for key in ("data.custom_cls.path", "data.custom_cls.name", "data.sampler.class_path", "data.sampler.class_name")},
+       for key in ("data.sampler.class_path", "data.sampler.class_name")},
     # verl's null micro-batch sizes are "unset" (its default; the other spelling or dynamic batching sizes them)
     **{f"{verl}{suffix}": {"null": f"verl's unset; megappo's micro-batches: {ours}.micro_batch_size sequences or "
                                    f"{ours}.max_tokens_per_micro_batch tokens"}
@@ -605,8 +605,6 @@ OTHERWISE: dict[str, str] = {
     **{f"{role}.shuffle": "megappo always shuffles each epoch's sequences into mini-batches (seeded by run.seed; "
                           "verl's trainer.balance_batch reorders them too): remove it"
        for role in ("actor_rollout_ref.actor", "critic")},
-    **{key: "megappo reads verl-layout JSONL/Parquet rows itself and runs no dataset class a config names: write "
-            "your rows in that layout (docs/own-data.md)" for key in ("data.custom_cls.path", "data.custom_cls.name")},
     **{key: "megappo draws prompts in order or shuffled (data.shuffle, data.seed) and runs no sampler class a config "
             "names; for a curriculum, order the rows of data.train_files and set data.shuffle=false"
        for key in ("data.sampler.class_path", "data.sampler.class_name")},
