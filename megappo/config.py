@@ -490,6 +490,19 @@ class CustomClsConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplerConfig(_Section):
+    """A sampler class of the user's that orders the prompts each epoch (verl's data.sampler): megappo.data.ClassOrder."""
+
+    class_path: Optional[str] = None  # a .py file or an importable module
+    class_name: Optional[str] = None  # the class in it: Class(data_source, data_config), iterated once per epoch for the prompt indices
+
+    def check(self) -> None:
+        _require((self.class_path is None) == (self.class_name is None),
+                 f"{P}class_path={self.class_path} and {P}class_name={self.class_name}: a sampler class needs both. "
+                 f"Fix: set both (the file and the class in it), or neither.")
+
+
+@dataclasses.dataclass(frozen=True)
 class PfPpoConfig(_Section):
     """PF-PPO's resampling of a step's batch by score (verl's algorithm.pf_ppo): megappo.ppo.pf_ppo."""
 
@@ -655,6 +668,7 @@ class DataConfig(_Section):
     #: the tool's answer and the final answer: [{role: user, content: ...}, {role: assistant, content: ...}, ...]
     few_shot: list[dict[str, str]] = dataclasses.field(default_factory=list)
     custom_cls: CustomClsConfig = _default(CustomClsConfig)  # rows from a dataset class of yours instead of read from the files (verl's key)
+    sampler: SamplerConfig = _default(SamplerConfig)  # the prompts' order per epoch from a sampler class of yours instead of data.shuffle (verl's key)
 
     def check(self) -> None:
         _require(not (self.custom_cls.path and self.builtin),

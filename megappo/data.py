@@ -19,7 +19,9 @@ reasoning-gym package with their own scorers) and `digit_successor` (the CPU dem
 `builtin_splits` draws their training and validation rows, no validation prompt in training.
 
 `PromptSampler` yields global batches of example indices, reshuffled every epoch from
-(seed, epoch), with a cursor that checkpoints and resumes exactly.
+(seed, epoch), with a cursor that checkpoints and resumes exactly; with the user's sampler class
+(verl's `data.sampler.class_path` / `.class_name`; `ClassOrder`) each epoch's order is what the class
+yields, iterated once more per epoch, and a resumed run replays its epochs to the one it stopped in.
 
 This module does not know about models, engines or process groups.
 """
@@ -416,20 +418,22 @@ class PromptSampler:
     """
 
     def __init__(self, num_examples: int, batch_size: int, *, seed: int = 1, shuffle: bool = True,
-                 key: str = "data.train_batch_size"):
+                 key: str = "data.train_batch_size", order: "ClassOrder | None" = None):
         if batch_size > num_examples:
             raise DataError(
                 f"{key}={batch_size} is larger than the dataset ({num_examples} usable prompts). "
                 f"Fix: lower {key} or add prompts."
             )
         self.n, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
-        self.epoch, self.cursor = 0, 0
+        self.epoch, self.cursor, self.order = 0, 0, order
 
     @property
     def batches_per_epoch(self) -> int:
         return self.n // self.batch_size
 
     def _order(self) -> list[int]:
+        if self.order is not None:
+            return self.order(self.epoch)
         order = list(range(self.n))
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
@@ -450,3 +454,63 @@ class PromptSampler:
             raise DataError("the checkpoint's sampler was built for another dataset or seed. Fix: resume with the "
                             "same data and data.seed.")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
+
+
+class ClassOrder:
+    """Each epoch's order of the prompts from the user's sampler class (verl's data.sampler.class_path /
+    class_name): megappo calls `Class(data_source, data_config)` once (`data_source`: the training prompts,
+    megappo's PromptExample each, with len() and [i]; `data_config`: the data section as a dict) and iterates
+    the instance once per epoch; every epoch must yield each index in [0, N) as many times as N indices in all
+    (a permutation, or a draw with repeats of N). verl's curriculum samplers (an `update(batch)` method, called
+    with verl's batch after each step) are refused: megappo has no such batch to give them."""
+
+    def __init__(self, path: str, name: str, examples: Sequence, config: dict):
+        spec = f"{path}:{name}"
+        cls = sampler_class(path, name)
+        self.spec, self.n = spec, len(examples)
+        try:
+            self.sampler = cls(examples, config)
+        except Exception as e:
+            raise DataError(f"data.sampler {spec}(data_source, data_config) raised {type(e).__name__}: {e}. Fix: "
+                            f"correct that class (megappo calls {name}(data_source, data_config)).") from None
+        self.epoch, self.current = -1, []
+
+    def __call__(self, epoch: int) -> list[int]:
+        """The order of `epoch` (the instance iterated again up to it: epochs come in order, and a resumed run
+        replays the ones before its own)."""
+        assert epoch >= self.epoch, (epoch, self.epoch)
+        while self.epoch < epoch:
+            self.current, self.epoch = self._next(), self.epoch + 1
+        return self.current
+
+    def _next(self) -> list[int]:
+        try:
+            order = [int(i) for i in self.sampler]
+        except Exception as e:
+            raise DataError(f"data.sampler {self.spec}: iterating it raised {type(e).__name__}: {e}. Fix: make "
+                            f"__iter__ yield prompt indices.") from None
+        bad = [i for i in order if not 0 <= i < self.n]
+        if len(order) != self.n or bad:
+            raise DataError(f"data.sampler {self.spec} yielded {len(order)} indices"
+                            + (f", {bad[:3]} outside [0, {self.n})" if bad else "")
+                            + f" for {self.n} prompts. Fix: yield {self.n} indices in [0, {self.n}) per epoch (each "
+                              f"prompt once, or a draw with repeats).")
+        return order
+
+
+def sampler_class(path: str, name: str) -> type:
+    """The user's sampler class `name` in `path`, loaded as reward files are; a ConfigError naming the fix when
+    it is not there or is a curriculum sampler (ClassOrder says why)."""
+    spec = f"{path}:{name}"
+    fix = ("Fix: set data.sampler.class_path to a .py file or an importable module, and data.sampler.class_name "
+           "to a class in it.")
+    module, _, _ = load_spec(spec, who=f"data.sampler {spec}", malformed=f"data.sampler {spec}: {fix}", fix=fix)
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise ConfigError(f"data.sampler {spec}: {path} has no class {name!r}. {fix}")
+    if callable(getattr(cls, "update", None)):
+        raise ConfigError(f"data.sampler {spec} has an update(batch) method: a curriculum sampler that verl calls "
+                          "with its batch after each step, which megappo does not have. Fix: order the prompts "
+                          "without update (each epoch from __iter__), or order the rows of data.train_files and "
+                          "set data.shuffle=false.")
+    return cls

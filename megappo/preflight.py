@@ -37,7 +37,7 @@ import io
 
 from megappo.config import Config
 from megappo.data import (RowOrigin, build_prompts, builtin_rows, builtin_splits, check_files, dataset_class,
-                          numbered, read_rows)
+                          numbered, read_rows, sampler_class)
 from megappo.datacheck import check_data, warn_shared_prompts
 from megappo.envs.loading import check_env
 from megappo.errors import ConfigError
@@ -84,6 +84,8 @@ def check_inputs(cfg: Config, world_size: int, launcher: str | None = None) -> N
     cfg.validate_world(world_size)
     cfg.require_training_data()
     check_models(cfg)
+    if cfg.data.sampler.class_path:
+        sampler_class(cfg.data.sampler.class_path, cfg.data.sampler.class_name)
     if cfg.data.custom_cls.path:  # the user's class reads the files itself (they may name a hub dataset)
         dataset_class(cfg.data.custom_cls.path, cfg.data.custom_cls.name)
     else:

@@ -33,7 +33,7 @@ from megappo import checkpointing, interrupts
 from megappo.reward_workers import RewardWorkers
 from megappo.rewards import RewardChecks
 from megappo.config import Config, lora_saved_modules, lora_targets
-from megappo.data import PromptSampler
+from megappo.data import ClassOrder, PromptSampler
 from megappo.dynamic_sampling import LimitCount
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
@@ -423,8 +423,10 @@ def load_prompts(cfg: Config, ps: ParallelState, tokenizer) -> Prompts:
     if ps.is_rank0:
         d = cfg.data
         train_examples, val_examples, data_stats = read_prompts(cfg, tokenizer)  # checked, tokenized
+        order = ClassOrder(d.sampler.class_path, d.sampler.class_name, train_examples, dataclasses.asdict(d)) \
+            if d.sampler.class_path else None  # the user's sampler class (data.sampler), else data.shuffle's
         sampler = PromptSampler(len(train_examples), cfg.prompts_per_draw, seed=d.seed, shuffle=d.shuffle,
-                                key=cfg.prompts_per_draw_key)
+                                key=cfg.prompts_per_draw_key, order=order)
     # with algorithm.filter_groups an epoch counts generation batches (verl's), a step takes one or more
     steps_per_epoch = broadcast_from_rank0(sampler.batches_per_epoch if sampler else None)
     total_steps = cfg.run.total_steps or steps_per_epoch * cfg.run.total_epochs

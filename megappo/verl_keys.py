@@ -490,8 +490,6 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
                                                           "every sample to its end"},
     **{f"{role}.shuffle": {"true": "megappo shuffles each epoch's sequences into mini-batches (seeded by run.seed)"}
        for role in ("actor_rollout_ref.actor", "critic")},
-    **{key: {"null": "none named: megappo reads the rows itself"}
-       for key in ("data.sampler.class_path", "data.sampler.class_name")},
     # verl's null micro-batch sizes are "unset" (its default; the other spelling or dynamic batching sizes them)
     **{f"{verl}{suffix}": {"null": f"verl's unset; megappo's micro-batches: {ours}.micro_batch_size sequences or "
                                    f"{ours}.max_tokens_per_micro_batch tokens"}
@@ -605,9 +603,6 @@ OTHERWISE: dict[str, str] = {
     **{f"{role}.shuffle": "megappo always shuffles each epoch's sequences into mini-batches (seeded by run.seed; "
                           "verl's trainer.balance_batch reorders them too): remove it"
        for role in ("actor_rollout_ref.actor", "critic")},
-    **{key: "megappo draws prompts in order or shuffled (data.shuffle, data.seed) and runs no sampler class a config "
-            "names; for a curriculum, order the rows of data.train_files and set data.shuffle=false"
-       for key in ("data.sampler.class_path", "data.sampler.class_name")},
     "actor_rollout_ref.actor.policy_loss.rollout_correction": "write algorithm.rollout_correction.* (verl copies it "
                                                               "there itself in bypass mode)",
 }
