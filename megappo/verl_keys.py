@@ -362,6 +362,10 @@ UNUSED: dict[str, str] = {
     "actor_rollout_ref.rollout.prompt_length": "verl's engine's prompt budget (its default: data.max_prompt_length); "
                                                "megappo's engine takes prompts of up to data.max_prompt_length tokens",
     "actor_rollout_ref.ref.entropy_checkpointing": "the reference pass computes log-probs only (no entropy)",
+    "trainer.tensorboard_dir": "megappo writes TensorBoard's events to run.output_dir/tensorboard (logging.sinks "
+                               "tensorboard)",
+    "trainer.rl_logging_board_dir": "megappo keeps every step's metrics in run.output_dir/metrics.jsonl and "
+                                    "samples.jsonl (logging.rollout_dir=DIR: every generation)",
     "actor_rollout_ref.rollout.cudagraph_capture_sizes": _ENGINE_KNOB,
     "actor_rollout_ref.actor.optim.override_optimizer_config.offload_fraction": _NO_OFFLOAD,
     "data.image_patch_size": _TEXT_ONLY,
@@ -419,6 +423,9 @@ UNUSED_PATTERNS: dict[str, str] = {
         "use_ascend_gdn", "use_fused_mhc", "apply_dsa_kernel_fusion")},
     "*.megatron.override_transformer_config.pipeline_model_parallel_layout": _EVEN_PP_SPLIT,
     "*.megatron.override_transformer_config.sequence_packing_scheduler": _PACKING,
+    "hydra.*": "Hydra's own settings (its config search path, run directory); megappo reads its recipe and KEY=VALUE "
+               "overrides",
+    **{f"reward_model.{key}": _REWARD_SERVER for key in ("nnodes", "n_gpus_per_node", "enable_resource_pool")},
     # verl's VeOmni engine (FSDP training): layout, offload and kernel choices, none of which changes the math
     **{f"*.veomni.{key}": why
        for keys, why in (
@@ -645,6 +652,11 @@ REFUSED_PATTERNS: dict[str, str] = {
                                  "reads too: change the value there (or in model.hf_config)",
     "*.sandbox_fusion.*": "megappo calls no code-execution service; score code answers with a reward function of "
                           "your own, reward.functions=[path/to/file.py:function_name]",
+    # verl-recipe's (48ea0a7) fully-async trainer and agent loops
+    "async_training.*": "megappo's off-policy generation is rollout.mode=one_step_off or async (docs/async.md); "
+                        "verl's fully-async trainer's settings are not read: remove them",
+    "actor_rollout_ref.rollout.agent.*": "verl's agent loops are environments in megappo: write rollout.env=tools or "
+                                         "rollout.env=my_env.py:MyEnv (docs/environments.md)",
     # Megatron fields of verl's current scripts that change the model or its loss
     **{f"*.megatron.override_transformer_config.{key}": "megappo builds the model from model.path's config.json: "
                                                         "change the value there (or in model.hf_config)"
@@ -682,6 +694,11 @@ SECTIONS = ("actor_rollout_ref", "trainer", "custom_reward_function", "reward_mo
             "critic.megatron")
 
 
+#: Hydra's GROUP@PACKAGE=OPTION (verl's current scripts: actor@actor_rollout_ref.actor=...)
+HYDRA_GROUP = ("a Hydra config-group choice (GROUP@PACKAGE=OPTION) picks one of verl's config files, which megappo "
+               "does not have; its defaults are the recipe's (--config-name: verl 0.9.1's): remove it and give the "
+               "settings you need as KEY=VALUE")
+
 NO_EQUIVALENT = ("megappo has no such key; remove it (megappo's sections are model, parallel, actor, critic, ref, "
                  "reward, algorithm, rollout, data, checkpoint, logging, run)")
 
@@ -694,6 +711,8 @@ def verl_equivalent(path: str, is_key: Callable[[str], bool]) -> Optional[tuple[
     """
     if path in RENAMED:
         return RENAMED[path], None
+    if "@" in path.split(".")[0]:
+        return None, HYDRA_GROUP
     how = OTHERWISE.get(path) or _pattern(path, REFUSED_PATTERNS)
     if how:
         return None, how

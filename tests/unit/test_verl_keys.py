@@ -168,6 +168,9 @@ UNUSED = {
     "critic.fsdp.param_offload=True": "not FSDP",
     "actor_rollout_ref.actor.model_engine=megatron": "trains with Megatron-Core",
     "actor_rollout_ref.actor.optim.optimizer=AdamW": "decoupled weight decay",
+    "hydra.searchpath=[pkg://verl.trainer.config]": "Hydra's own settings",
+    "reward_model.enable_resource_pool=True": "on the trainer's ranks",
+    "trainer.tensorboard_dir=/tb": "run.output_dir/tensorboard",
 }
 
 
@@ -204,6 +207,9 @@ REFUSED = {
     "model_engine=mindspeed": "trains with Megatron-Core",
     "actor_rollout_ref.actor.optim.optimizer=muon": "AdamW only",
     "actor_rollout_ref.actor.optim.min_lr=1e-7": "actor.optim.min_lr_ratio=MIN_LR/LR",
+    "actor@actor_rollout_ref.actor=megatron_lite_actor": "a Hydra config-group choice",
+    "async_training.staleness_threshold=0.5": "rollout.mode=one_step_off or async",
+    "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent": "verl's agent loops are environments",
     "actor_rollout_ref.actor.megatron.router_replay.mode=R2": "verl's R2 it does not have",
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01": "router_aux_loss_coef",
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff=0.001": "no router z-loss",
