@@ -652,6 +652,9 @@ REFUSED_PATTERNS: dict[str, str] = {
                                  "reads too: change the value there (or in model.hf_config)",
     "*.sandbox_fusion.*": "megappo calls no code-execution service; score code answers with a reward function of "
                           "your own, reward.functions=[path/to/file.py:function_name]",
+    **{key: "megappo computes in model.dtype (bfloat16 or float32), not FP8 (docs/precision.md): remove it"
+       for key in ("*.megatron.override_transformer_config.fp8", "*.megatron.override_transformer_config.fp8_recipe",
+                   "*.optim.override_optimizer_config.fp8_recipe")},
     # verl-recipe's (48ea0a7) fully-async trainer and agent loops
     "async_training.*": "megappo's off-policy generation is rollout.mode=one_step_off or async (docs/async.md); "
                         "verl's fully-async trainer's settings are not read: remove them",

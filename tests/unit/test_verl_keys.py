@@ -209,6 +209,7 @@ REFUSED = {
     "actor_rollout_ref.actor.optim.min_lr=1e-7": "actor.optim.min_lr_ratio=MIN_LR/LR",
     "actor@actor_rollout_ref.actor=megatron_lite_actor": "a Hydra config-group choice",
     "async_training.staleness_threshold=0.5": "rollout.mode=one_step_off or async",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.fp8=e4m3": "not FP8",
     "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent": "verl's agent loops are environments",
     "actor_rollout_ref.actor.megatron.router_replay.mode=R2": "verl's R2 it does not have",
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01": "router_aux_loss_coef",
