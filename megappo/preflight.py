@@ -8,15 +8,16 @@ writes peft's adapter files itself, megappo.convert), then the world against the
 every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers; the
 trained roles' activation recomputation against their layers per pipeline chunk) and
 the roles' vocabularies against the actor's, the dataset files (present, a known format, a row
-at least), the reward function names, the tokenizer's name or directory, and the episode
+at least; with data.custom_cls the user's dataset class instead, which reads them), the user's sampler
+class (data.sampler), the reward function names, the tokenizer's name or directory, and the episode
 environment (`rollout.env` imports, is an Environment and takes `rollout.env_args`). It reads JSON and
 file headers only (no torch, no tokenizer, no dataset rows), so the CLI runs it in the launching
 process and `create_run` again on every rank, before prompts are tokenized. What needs the
 tokenizer or the rows (the vocabulary size, a row without a prompt, prompts over the length
 limit) is checked by `create_run` before any model is built.
 
-`load_prompts(cfg, tokenizer)` reads the rows (data.train_files / val_files or a built-in
-source), runs the data check on them (megappo.datacheck, per data.bad_row_policy) and tokenizes
+`load_prompts(cfg, tokenizer)` reads the rows (data.train_files / val_files, through the user's
+dataset class with data.custom_cls, or a built-in source), runs the data check on them (megappo.datacheck, per data.bad_row_policy) and tokenizes
 the prompts: rank 0 of `create_run` uses its examples; the CLI also runs it, with the tokenizer
 check against the model's vocabulary (`check_prompts`), in the process that launches the ranks
 (megappo's launcher, Ray), so a bad row, broken JSON or an over-long prompt is refused before any

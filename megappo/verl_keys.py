@@ -13,7 +13,8 @@ compute dtypes are megappo's one `model.dtype` (`DTYPE_KEYS`), and its token bud
 sequence-parallel size in (`TIMES_ULYSSES`). verl's reward file and function name are
 read together (`REWARD_FILE`, `reward_file_reading`), and some verl keys bring verl's default of a key the
 command line leaves out where it differs from megappo's (`SECTION_DEFAULTS`). `verl_hint` words the error a verl key in a
-recipe file or `apply_override` gets. The tables cover verl's own example scripts (tests/data/verl/).
+recipe file or `apply_override` gets. The tables cover verl's own example scripts (tests/data/verl/; every
+`main_ppo` command line of a verl checkout's examples: tools/verl_examples.py counts those read).
 
 This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
 from megappo.recipe, says whether megappo has a key). megappo.recipe applies the readings, checks two
