@@ -3,7 +3,8 @@
 --config-path=config --config-name=ppo_megatron_trainer ...` with only the launcher swapped. The run says it
 runs on verl 0.9.1's defaults (recipes/verl/), which verl keys it read as which megappo keys, which it does
 not use and its dtype (verl's bf16), trains 2 steps and exits 0. The model is the demo's (written as an HF
-directory with its tokenizer builtin:digits) and the prompts the demo's task as verl-layout JSONL files."""
+directory with its tokenizer builtin:digits) and the prompts the demo's task as verl-layout JSONL files. verl's
+GSPO script runs the same way on `--config-name=ppo_trainer`."""
 
 import json
 import os
@@ -21,7 +22,9 @@ from tests.unit.test_verl_scripts import script_overrides
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
+def demo_script(tmp_path, script: str) -> list[str]:
+    """The overrides of tests/data/verl/`script` on the demo's model (an HF directory with its tokenizer) and the
+    demo's task as verl-layout JSONL files; its checkpoint directory (the run's) is tmp_path/run."""
     hf_config = yaml.safe_load(open(REPO / "recipes/demo-cpu.yaml"))["model"]["hf_config"]
     model = tmp_path / "model"
     save_hf_dir(str(model), build_hf_model(hf_config, seed=0).state_dict(), hf_config)
@@ -29,9 +32,23 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
         (model / name).write_bytes(content)
     for name, rows in (("train.jsonl", digit_successor_rows(64, seed=1)), ("val.jsonl", digit_successor_rows(8, 2))):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return script_overrides(REPO / "tests/data/verl" / script, str(model), str(tmp_path / "train.jsonl"),
+                            str(tmp_path / "val.jsonl"), str(tmp_path / "run"))
+
+
+def megappo_train(*args) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", *args],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     run = tmp_path / "run"
-    overrides = script_overrides(REPO / "tests/data/verl/dapo_qwen2.5_32b.txt", str(model),
-                                 str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"), str(run))  # the run's dir
+    overrides = demo_script(tmp_path, "dapo_qwen2.5_32b.txt")
     # after the script's: the run's length, no W&B (the script logs to W&B, which needs an account),
     # the demo task's reward (a verl script names its reward file) and reward workers sized for 2 CPU cores: the
     # same spelling later wins, as in verl
@@ -39,13 +56,8 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
              "reward.functions=[digit_successor]", "logging.progress_bar=false",
              "actor_rollout_ref.rollout.val_kwargs.n=4",
              f"trainer.rollout_data_dir={run / 'rollouts'}", f"trainer.validation_data_dir={run / 'validation'}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("WORLD_SIZE", None)
     hydra = ["--config-path=config", "--config-name=ppo_megatron_trainer"]  # verl's own config directory: not here
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", *hydra, *overrides, *extra],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    out = megappo_train(*hydra, *overrides, *extra)
     said = [line[len("megappo: "):] for line in out.splitlines() if line.startswith("megappo: ")]
     assert said[0] == ("--config-name=ppo_megatron_trainer: verl 0.9.1's defaults (recipes/verl/ppo_megatron_trainer"
                        ".yaml) wherever megappo has the key; config has no ppo_megatron_trainer.yaml"), said
@@ -84,3 +96,20 @@ def test_megappo_train_runs_verls_dapo_command_line(tmp_path):
     assert config["algorithm"]["filter_groups"]["enable"] and config["reward"]["overlong_buffer"]["len"] == 1
     # verl's defaults where the script says nothing (recipes/verl/ppo_megatron_trainer.yaml)
     assert (config["model"]["dtype"], config["rollout"]["seed"], config["checkpoint"]["keep_last"]) == ("bfloat16", 42, 0)
+
+
+def test_megappo_train_runs_verls_gspo_command_line(tmp_path):
+    """verl's GSPO script (an FSDP one: --config-name=ppo_trainer) as written but for its sizes, 2 steps: GSPO's
+    sequence-level loss at its tiny clip ratios, on verl's defaults."""
+    overrides = demo_script(tmp_path, "gspo_3b_math.txt")
+    extra = ["trainer.total_training_steps=2", "trainer.logger=[console]", "reward.num_workers=0",
+             "reward.functions=[digit_successor]", "logging.progress_bar=false"]
+    out = megappo_train("--config-path", "config", "--config-name", "ppo_trainer", *overrides, *extra)
+    assert "megappo: --config-name=ppo_trainer: verl 0.9.1's defaults (recipes/verl/ppo_trainer.yaml)" in out
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("actor/pg_loss" in r for r in rows)
+    config = json.loads((run / "config.json").read_text())
+    assert (config["actor"]["policy_loss"]["loss_mode"], config["actor"]["clip_ratio_low"], config["model"]["dtype"]) \
+        == ("gspo", 0.0003, "bfloat16")
+    assert os.path.isdir(run / "checkpoints" / "step_00000002")  # trainer.default_local_dir: the run's directory
