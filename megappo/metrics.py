@@ -245,7 +245,8 @@ class _MlflowRun:
             return
         experiment = self.client.get_experiment_by_name(project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        name = run_name or os.path.basename(os.path.normpath(run_dir))  # logging.run_name's default
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
         params = [Param(mlflow_key(k), v[:self.PARAM_CHARS]) for k, v in _flat(config or {}).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
             self.client.log_batch(self.run_id, params=params[i:i + 100])

@@ -41,3 +41,5 @@ def test_mlflow_sink_logs_one_run_across_a_resume(tmp_path, monkeypatch):
     history = client.get_metric_history(run.info.run_id, "val-core/gsm8k/acc/mean_at_4")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.5), (3, 0.75), (3, 0.75), (4, 1.0)]
     assert run.data.metrics == {"actor/pg_loss": pytest.approx(-0.4), "val-core/gsm8k/acc/mean_at_4": 1.0}
+    MetricLogger(str(tmp_path / "run2"), ["mlflow"], project="verl_grpo", mlflow_uri=uri).close()
+    assert {r.info.run_name for r in client.search_runs([experiment.experiment_id])} == {"demo", "run2"}
