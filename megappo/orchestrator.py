@@ -160,6 +160,7 @@ def generate(run: Run, step: int) -> RolloutBatch:
     if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
         greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))
         batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
+        batch.gen_metrics = {**(batch.gen_metrics or {}), **spread("critic/remax_baseline", batch.reward_baselines)}
     run.engine.free_cache()  # the hf engine's KV cache is not kept through the trainer's passes
     return batch
 

@@ -15,7 +15,7 @@ sequence. Every loss is
      rollout_is_weights=None, global_tokens=None, global_seqs=None, dp_size=1,
      loss_scale_factor=None, <its knobs, with verl's defaults>) -> (loss, metrics)
 with all tensors [B, T], loss a 0-dim tensor and metrics {verl's name: 0-dim detached
-tensor}, only the names verl's function returns. rollout_is_weights (detached by the
+tensor}: the names verl's function returns plus megappo's own (OWN_METRICS). rollout_is_weights (detached by the
 caller) multiply the per-token loss before aggregation.
 
 Notation: d = log_prob - old_log_prob, r = exp(clamp(d, -20, 20)), r' = exp(d) (no
@@ -47,6 +47,12 @@ Metrics: actor/ppo_kl = token mean of -d (clamped where the loss clamps d; kl_co
 actor/pg_clipfrac / actor/pg_clipfrac_lower as each verl function defines them (0 where verl
 returns a constant 0: gspo and cispo lower, sapo both; clip_cov: the fraction of tokens with
 keep = 0); gpg returns none.
+megappo's own metrics (OWN_METRICS; token means, split-invariant like the others), one per loss whose verl
+metrics another loss also emits, so a run shows which loss it trained with: gspo actor/gspo_seq_ratio
+(s on every token), sapo actor/sapo_gate (4 sigmoid(x)(1 - sigmoid(x)), x = tau (r - 1): the weight of a
+token's ratio gradient, 1 at r = 1, -> 0 away from it), cispo actor/cispo_weight (sg(clip(r, 1-lo, 1+hi))),
+kl_cov actor/kl_cov_penalised_frac (the tokens given the |d| penalty), clip_cov actor/clip_cov_cut_frac
+(= its actor/pg_clipfrac: the drawn tokens whose gradient is cut).
 bypass_mode (rollout correction's two-policy loss, ppo_clip or reinforce) is registered here and lives
 in megappo.ppo.rollout_correction.
 
@@ -227,6 +233,7 @@ def gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.T
         "actor/pg_clipfrac": _token_mean(clipped.to(s.dtype), response_mask, global_tokens),
         "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
         "actor/pg_clipfrac_lower": _zero(loss),
+        "actor/gspo_seq_ratio": _token_mean(s, response_mask, global_tokens),
     }
 
 
@@ -241,12 +248,16 @@ def sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.T
     _require(tau_neg > 0, "tau_neg", "> 0", "sapo", tau_neg)
     d = _log_ratio(old_log_prob, log_prob, clamp=True)
     tau = torch.where(advantages > 0, advantages.new_tensor(tau_pos), advantages.new_tensor(tau_neg))
-    gate = torch.sigmoid(tau * (torch.exp(d) - 1.0)) * (4.0 / tau)
+    sig = torch.sigmoid(tau * (torch.exp(d) - 1.0))
+    gate = sig * (4.0 / tau)
     loss = _aggregate(-gate * advantages, response_mask, "seq-mean-token-mean", rollout_is_weights,
                       global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
                       loss_scale_factor=loss_scale_factor)
+    with torch.no_grad():
+        grad_gate = 4.0 * sig * (1.0 - sig)  # d gate / d r
     return loss, {"actor/pg_clipfrac": _zero(loss), "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
-                  "actor/pg_clipfrac_lower": _zero(loss)}
+                  "actor/pg_clipfrac_lower": _zero(loss),
+                  "actor/sapo_gate": _token_mean(grad_gate, response_mask, global_tokens)}
 
 
 def gpg(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -300,8 +311,9 @@ def clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: tor
     loss = _aggregate(torch.maximum(surrogate, clipped_surrogate) * keep, response_mask, loss_agg_mode,
                       rollout_is_weights, global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
                       loss_scale_factor=loss_scale_factor)
-    return loss, {"actor/pg_clipfrac": _token_mean(1.0 - keep, response_mask, global_tokens),
-                  "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens)}
+    cut = _token_mean(1.0 - keep, response_mask, global_tokens)
+    return loss, {"actor/pg_clipfrac": cut, "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
+                  "actor/clip_cov_cut_frac": cut.clone()}
 
 
 def kl_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -328,7 +340,8 @@ def kl_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch
     losses = -advantages * torch.exp(d) + torch.where(penalised, ppo_kl_coef * d.abs(), torch.zeros_like(d))
     loss = _aggregate(losses, response_mask, loss_agg_mode, rollout_is_weights, global_tokens=global_tokens,
                       global_seqs=global_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
-    return loss, {"actor/ppo_kl": _token_mean(d.abs(), response_mask, global_tokens)}
+    return loss, {"actor/ppo_kl": _token_mean(d.abs(), response_mask, global_tokens),
+                  "actor/kl_cov_penalised_frac": _token_mean(penalised.to(d.dtype), response_mask, global_tokens)}
 
 
 def geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -396,7 +409,8 @@ def cispo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.
                       loss_scale_factor=loss_scale_factor)
     return loss, {"actor/pg_clipfrac": _token_mean((ratio != weight).to(ratio.dtype), response_mask, global_tokens),
                   "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
-                  "actor/pg_clipfrac_lower": _zero(loss)}
+                  "actor/pg_clipfrac_lower": _zero(loss),
+                  "actor/cispo_weight": _token_mean(weight, response_mask, global_tokens)}
 
 
 # -- the registry and the dispatcher -------------------------------------------------------------
@@ -418,6 +432,12 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     # verl's bypass loss (algorithm.rollout_correction.bypass_mode=true selects it): the clipped loss or, with
     # loss_type=reinforce, rollout_correction.reinforce_loss, against the engine's log-probs
     "bypass_mode": bypass_mode_loss,
+}
+
+#: the metrics a loss logs beyond verl's (module docstring): each names its loss, so a run shows which one trained
+OWN_METRICS: dict[str, tuple[str, ...]] = {
+    "gspo": ("actor/gspo_seq_ratio",), "sapo": ("actor/sapo_gate",), "cispo": ("actor/cispo_weight",),
+    "kl_cov": ("actor/kl_cov_penalised_frac",), "clip_cov": ("actor/clip_cov_cut_frac",),
 }
 
 TENSOR_INPUTS = ("old_log_prob", "log_prob", "advantages", "response_mask")

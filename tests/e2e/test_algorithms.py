@@ -1,7 +1,8 @@
 """The other algorithms and options through the CLI, 2 steps each on the demo task:
 critic-free estimators, KL as a loss and in the reward (adaptive), the three old-log-prob
 modes, verl 0.9.1's newer policy losses, estimators and rollout correction (decoupled and
-bypass), and a reward model next to the rule-based reward.
+bypass), and a reward model next to the rule-based reward. Each case shows that its policy loss and
+estimator ran, by a metric only that loss or estimator computes (a case run with the wrong loss fails).
 
 The algorithm cases run in a world of one (`ONE_RANK`: TP1, no launcher): what they check is the
 algorithm's wiring and metrics, which no layout changes; the demo's TP2 runs the same passes in
@@ -53,7 +54,18 @@ CASES = {
                                      "reward.overlong_buffer.log=true", "algorithm.mask_truncated_completions=true"],
     "otb+token_tis": ["algorithm.adv_estimator=optimal_token_baseline", "rollout.n=2",
                       "algorithm.rollout_correction.rollout_is=token", "actor.policy_loss.loss_mode=sapo"],
+    # the covariance losses with selections the demo fills: kl_cov's top 5% of each micro-batch's tokens, clip_cov's
+    # draws among the tokens of positive covariance
+    "kl_cov": ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.policy_loss.loss_mode=kl_cov",
+               "actor.policy_loss.kl_cov_ratio=0.05"],
+    "clip_cov": ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.policy_loss.loss_mode=clip_cov",
+                 "actor.policy_loss.clip_cov_ratio=0.05", "actor.policy_loss.clip_cov_lb=0.0"],
 }
+
+
+def setting(case: str, key: str) -> str | None:
+    """The value a case's overrides give `key` (None: the recipe's)."""
+    return dict(o.split("=", 1) for o in CASES[case]).get(key)
 
 
 #: a world of one: one process, TP1
@@ -104,6 +116,28 @@ def test_algorithm_runs(tmp_path, case):
             assert r["response_length/masked_truncated"] == r["response_length/clip_ratio"]
     if "token_tis" in case:
         assert 0 < last["rollout_corr/rollout_is_mean"] <= 2.0 and "rollout_corr/rollout_is_eff_sample_size" in last
+    # each loss and estimator shows it ran: a metric only it computes (docs/metrics.md), within its bounds
+    loss, estimator = setting(case, "actor.policy_loss.loss_mode"), setting(case, "algorithm.adv_estimator")
+    if loss == "cispo":  # the mean stopped weight clip(r, 1 - 0.2, 1 + 0.2) (the demo's clip ratios)
+        assert all(0.8 <= r["actor/cispo_weight"] <= 1.2 for r in rows)
+    if loss == "gspo":  # the sequence ratio exp(row mean of d): 1 on a step's first mini-batch, > 0 always
+        assert all(r["actor/gspo_seq_ratio"] > 0 for r in rows)
+    if loss == "sapo":  # 4 sigmoid(x)(1 - sigmoid(x)): at most 1 (at r = 1)
+        assert all(0 < r["actor/sapo_gate"] <= 1 for r in rows)
+    if loss == "kl_cov":  # max(1, floor(5% of a micro-batch's tokens)) penalised in each
+        assert all(0 < r["actor/kl_cov_penalised_frac"] <= 0.5 for r in rows)
+    if loss == "clip_cov":  # some drawn tokens cut; nothing else counts as clipped
+        assert all(0 < r["actor/clip_cov_cut_frac"] <= 0.5 for r in rows)
+        assert all(r["actor/pg_clipfrac"] == pytest.approx(r["actor/clip_cov_cut_frac"]) for r in rows)
+    if estimator == "gdpo":  # the weighted sum whitened over the response tokens: mean 0, std 1, so some |A| near 1 or
+        # more; GRPO's groups of 2 give at most 1/sqrt(2)
+        for r in rows:
+            assert abs(r["critic/advantages/mean"]) < 1e-5 and max(r["critic/advantages/max"], -r["critic/advantages/min"]) > 0.9
+    if estimator == "remax":  # A = score - the greedy response's score on every token (gamma 1, the score on the last)
+        for r in rows:
+            assert 0 <= r["critic/remax_baseline/mean"] <= 1
+            assert r["critic/advantages/max"] <= r["critic/score/max"] - r["critic/remax_baseline/min"] + 1e-6
+            assert r["critic/advantages/min"] >= r["critic/score/min"] - r["critic/remax_baseline/max"] - 1e-6
 
 
 def test_reward_model_adds_its_score(tmp_path):

@@ -10,7 +10,7 @@ import torch
 
 from megappo.ppo.losses import AGG_MODES, global_counts
 from megappo.ppo.policy_losses import (
-    COMMON_INPUTS, POLICY_LOSSES, TENSOR_INPUTS, compute_policy_loss, get_policy_loss, policy_loss_inputs,
+    COMMON_INPUTS, OWN_METRICS, POLICY_LOSSES, TENSOR_INPUTS, compute_policy_loss, get_policy_loss, policy_loss_inputs,
 )
 
 T = torch.tensor
@@ -344,10 +344,11 @@ def _compare(name, old, new, adv, mask, mode, weights, knobs, seed=0):
                                            old, new, adv, mask, **_knobs_for(ref, knobs), **ref_extra)
     _assert_close(loss, ref_loss)
     _assert_close(grad, ref_grad)
-    assert set(metrics) == set(ref_metrics)
+    assert set(metrics) == set(ref_metrics) | set(OWN_METRICS.get(name, ()))  # verl's, plus megappo's own
     for key, value in metrics.items():
         assert value.dim() == 0 and not value.requires_grad
-        _assert_close(value, ref_metrics[key])
+        if key in ref_metrics:
+            _assert_close(value, ref_metrics[key])
     return metrics
 
 
@@ -663,3 +664,24 @@ def test_bad_knobs_name_their_config_key(name, knobs, message):
                        .replace("]", r"\]")):
         compute_policy_loss(name, old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
                             **{**KNOBS, **knobs})
+
+
+def test_own_metrics_by_hand():
+    """megappo's per-loss metrics (OWN_METRICS) on 1 row of 2 valid tokens and a masked one, worked out by hand."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]], dtype=F64))
+    new = torch.log(torch.tensor([[0.5, 0.75, 0.9]], dtype=F64))  # r = 1, 1.5 (the masked token: 1.8)
+    adv, mask = torch.tensor([[1.0, 1.0, 1.0]], dtype=F64), torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
+    m = POLICY_LOSSES["cispo"](old, new, adv, mask)[1]  # weights clip(r, 0.8, 1.2) = 1, 1.2
+    assert m["actor/cispo_weight"].item() == pytest.approx(1.1)
+    m = POLICY_LOSSES["gspo"](old, new, adv, mask)[1]  # s = exp(mean(0, log 1.5)) = sqrt(1.5) on both tokens
+    assert m["actor/gspo_seq_ratio"].item() == pytest.approx(1.5 ** 0.5)
+    m = POLICY_LOSSES["sapo"](old, new, adv, mask, tau_pos=2.0)[1]  # 4 sig(x)(1 - sig(x)), x = 2 (r - 1) = 0, 1
+    sig = 1 / (1 + math.exp(-1.0))
+    assert m["actor/sapo_gate"].item() == pytest.approx((1.0 + 4 * sig * (1 - sig)) / 2)
+    m = POLICY_LOSSES["kl_cov"](old, new, adv, mask, kl_cov_ratio=0.5)[1]  # max(1, floor(0.5 x 2)) = 1 of 2 tokens
+    assert m["actor/kl_cov_penalised_frac"].item() == pytest.approx(0.5)
+    adv2 = torch.tensor([[-3.0, 3.0, 0.0]], dtype=F64)  # cov = (A - 0)(lp - mean lp) = 3 x 0.2 on both tokens
+    old2 = new.detach().clone()  # r = 1: nothing clipped, both candidates if lb < cov < ub
+    m = POLICY_LOSSES["clip_cov"](old2, new, adv2, mask, clip_cov_ratio=0.5, clip_cov_lb=0.0, clip_cov_ub=10.0)[1]
+    assert m["actor/clip_cov_cut_frac"].item() == pytest.approx(0.5) == m["actor/pg_clipfrac"].item()
+    assert set(OWN_METRICS) == {"gspo", "sapo", "cispo", "kl_cov", "clip_cov"}
