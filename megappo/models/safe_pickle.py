@@ -12,7 +12,8 @@ A Megatron dist-checkpoint directory holds pickles in three places, and a stock
 `metadata.json` (Megatron's strategy names) and `megappo_model.json` are JSON; tensors are
 raw storage bytes read into pre-allocated tensors. `load_dist_checkpoint` is the one entry
 point megappo uses (resume on every rank, `megappo export`, tools/convert_megatron_to_hf.py,
-the smoke test): it hands Megatron a sharded load strategy and a common load strategy of its
+the smoke test, a role's starting weights from a Megatron checkpoint; `dist_checkpoint_contents`
+lists what such a checkpoint holds before it loads): it hands Megatron a sharded load strategy and a common load strategy of its
 own. Megatron's strategy builds its `FileSystemReader` and `MCoreLoadPlanner` inside
 `load()` from module globals, so `SafeTorchDistLoadStrategy` swaps those two globals of
 `megatron.core.dist_checkpointing.strategies.torch` for the restricted ones for the duration
@@ -134,7 +135,9 @@ def _safe_planner_class(checkpoint_dir: str):
         """Megatron's load planner whose byte items are read with weights_only=True."""
 
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            obj = weights_only_load(value, f"{checkpoint_dir} (item {read_item.dest_index.fqn})")
+            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
+            shard = f"{checkpoint_dir}/{info.relative_path}" if info is not None else checkpoint_dir
+            obj = weights_only_load(value, f"{shard} (item {read_item.dest_index.fqn})")
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
@@ -192,6 +195,7 @@ def _strategies():
 def load_dist_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> dict:
     """Collective: Megatron's `dist_checkpointing.load`, with every pickle read restricted as above."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     import os
 
@@ -202,8 +206,22 @@ def load_dist_checkpoint(sharded_state_dict: dict, checkpoint_dir: str) -> dict:
     try:
         return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, sharded_strategy=sharded,
                                        common_strategy=common)
-    except Exception as e:  # a byte item refused inside torch's planner comes back as a CheckpointException
-        found = re.search(r"refusing to unpickle .*? or was altered", str(e))
-        if found and not isinstance(e, UntrustedCheckpointError):
-            raise UntrustedCheckpointError(found.group(0)) from None
+    except CheckpointException as e:  # a byte item refused inside torch's planner: torch wraps it per rank
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UntrustedCheckpointError)]
+        if refused:
+            raise UntrustedCheckpointError(str(refused[0])) from None
         raise
+
+
+def dist_checkpoint_contents(checkpoint_dir: str) -> dict:
+    """Megatron's `load_sharded_metadata`: key -> ShardedTensor (global shape, no data) or ShardedObject, every
+    pickle read restricted as above."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    import os
+
+    metadata = os.path.join(checkpoint_dir, ".metadata")
+    if os.path.isfile(metadata):
+        restricted_load(metadata)
+    sharded, common = _strategies()
+    return load_sharded_metadata(checkpoint_dir, sharded_strategy=sharded, common_strategy=common)

@@ -4,9 +4,12 @@
   naming the first's PID, host and start time before writing anything; the first finishes with
   nothing of it deleted, and resumes;
 - a checkpoint whose `.metadata` pickle calls os.system: `megappo train` (resume) and
-  `megappo export` refuse it with one line naming the file (exit 2), and the command never runs.
+  `megappo export` refuse it with one line naming the file (exit 2), and the command never runs; so does
+  `megappo train` for such a byte item inside a `.distcp` shard (naming the shard and the item).
 """
 
+import dataclasses
+import io
 import json
 import os
 import pickle
@@ -17,6 +20,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from megappo.checkpointing import file_digest
 
@@ -123,6 +127,46 @@ def test_resume_from_a_poisoned_checkpoint_runs_nothing(poisoned):
     out, meta, marker = poisoned
     code, said = run(train(out, "run.total_steps=3"))
     _refused(code, said, meta, marker)
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_a_poisoned_byte_item_inside_a_shard_is_refused(raced, tmp_path):
+    """A byte item of a `.distcp` shard (a layer's `_extra_state`, which torch pickles) replaced by one whose pickle
+    calls os.system, its `.metadata` entry and the digests rewritten to match: the restricted planner refuses it
+    inside torch's load (megappo.models.safe_pickle.SafeLoadPlanner.load_bytes) and load_dist_checkpoint turns
+    torch's wrapped error into the one line, naming the shard file and the item."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    out = tmp_path / "run"
+    shutil.copytree(raced[0], out)
+    marker = f"/tmp/pwned_{uuid.uuid4().hex}"
+    step = out / "checkpoints" / "step_00000002"
+    meta_path = step / "actor" / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)  # torch's own, as the run wrote it
+    index, info = next((i, s) for i, s in sorted(meta.storage_data.items(), key=lambda kv: kv[0].fqn)
+                       if isinstance(meta.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    shard = step / "actor" / info.relative_path
+    blob = io.BytesIO()
+    torch.save({"extra": _Payload(f"touch {marker}")}, blob)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:  # the item now points at the payload, appended to its shard
+        f.write(blob.getvalue())
+    meta.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob.getvalue()))
+    meta_path.write_bytes(pickle.dumps(meta))
+    for manifest in (step / "digests").glob("rank_*.json"):  # as the poisoned fixture above: digests are no defence
+        record = json.loads(manifest.read_text())
+        for path in (meta_path, shard):
+            name = str(path.relative_to(step))
+            if name in record["files"]:
+                record["files"][name] = {"size": path.stat().st_size, "digest": file_digest(str(path))}
+        manifest.write_text(json.dumps(record))
+    try:
+        code, said = run(train(out, "run.total_steps=3"))
+        _refused(code, said, f"{shard} (item {index.fqn})", marker)
+    finally:
+        if os.path.exists(marker):
+            os.unlink(marker)
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
