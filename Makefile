@@ -35,7 +35,9 @@ demo: install
 SGLANG_LANE ?= test-sglang
 # compileall: the suite starts a few hundred Python processes; where the environment sets
 # PYTHONDONTWRITEBYTECODE (this project's machines do), each would compile megappo again (~0.5 s a process)
+# tools/system_packages.py: the Debian packages the SLURM tests need (apt-get, root; instant when installed)
 test: install-test
+	$(PYTHON) tools/system_packages.py
 	$(PYTHON) -m compileall -q megappo tests tools benchmarks > /dev/null
 	$(PYTHON) -m pytest -q --durations=25 tests
 ifneq ($(SGLANG_LANE),)

@@ -1,5 +1,7 @@
 """GPU-only tests are marked `gpu` and skipped on machines without CUDA. tests/sglang (the
-CPU SGLang lane, `make test-sglang`) runs in its own virtualenv and is left out elsewhere.
+CPU SGLang lane, `make test-sglang`) runs in its own virtualenv; a run without SGLang that meets
+the folder (`pytest tests`) does not import it and counts each of its files as one skipped test,
+naming the lane.
 
 Threads: OMP_NUM_THREADS=1 unless it is set already, as `make test` exports it, so `pytest` alone
 runs as `make test` does. It is set before torch is imported here, and every process a test starts
@@ -10,16 +12,49 @@ computing with different thread counts state their tolerance (tests/e2e/test_rem
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402  (after OMP_NUM_THREADS: torch sizes its thread pool from it)
 
-collect_ignore = [] if importlib.util.find_spec("sglang") else ["sglang"]
+LANE = Path(__file__).parent / "sglang"
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+collect_ignore = [] if HAS_SGLANG else ["sglang"]  # its modules import SGLang; its conftest sets the lane's env
 
 
-def pytest_collection_modifyitems(config, items):
+class SglangLaneFile(pytest.File):
+    """A test file of the SGLang lane met by a run without SGLang: one item that skips, saying where it runs."""
+
+    def collect(self):
+        yield SglangLaneNotHere.from_parent(self, name="sglang_lane")
+
+
+class SglangLaneNotHere(pytest.Item):
+    def runtest(self):
+        pytest.skip("SGLang is not installed here: the CPU SGLang lane runs this file in its own virtualenv "
+                    "(`make test-sglang`, the end of `make test`)")
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name}: the SGLang lane"
+
+
+def lane_files_met(config) -> list[Path]:
+    """The lane's test files this run would have collected had SGLang been installed (none when it is)."""
+    if HAS_SGLANG:
+        return []
+    where = Path(config.invocation_params.dir)
+    asked = [(where / str(a).split("::")[0]).resolve() for a in config.args]
+    if not any(a == LANE or a in LANE.parents for a in asked):
+        return []
+    return sorted(LANE.glob("test_*.py"))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not any(LANE in Path(item.path).parents for item in items):  # the folder named on the command line: collected
+        items.extend(item for path in lane_files_met(config)
+                     for item in SglangLaneFile.from_parent(session, path=path).collect())
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (megappo's CPU CI has none)")

@@ -13,9 +13,10 @@ process ids). The node has this machine's CPUs; SLURM's GPU scheduling is not co
 asks for `--gpus-per-node 0`. Process tracking is proctrack/linuxproc and task/none, so no cgroup
 is needed: SLURM signals every process of a job step by walking the process tree.
 
-`install_reason()` is None when SLURM can run here; otherwise the reason to skip, naming the
-command that installs it. When the daemons are missing and this is a root Debian machine (CI),
-`ensure_installed()` runs that command (`apt-get install -y slurmctld slurmd slurm-client munge`).
+`install_reason()` is None when SLURM can run here; otherwise why not, naming the fix. This module
+installs nothing: `make test` installs PACKAGES first (tools/system_packages.py), so on a root machine
+a missing binary means the suite was not started by `make test`, and the tests fail saying so
+(`require_installed()`); not root, they skip.
 
 This module does not know about megappo: it starts SLURM and nothing else.
 """
@@ -46,24 +47,30 @@ def missing_binaries() -> list[str]:
     return [b for b in BINARIES if _which(b) is None]
 
 
+def not_root() -> bool:
+    return os.name != "posix" or os.geteuid() != 0
+
+
 def install_reason() -> str | None:
     """None when a local SLURM can be started here; else why not, with the fix."""
-    if os.name != "posix" or os.geteuid() != 0:
+    if not_root():
         return "a local SLURM needs root (slurmd runs jobs as their user; SlurmUser=root here)"
     missing = missing_binaries()
     if missing:
-        return f"SLURM is not installed ({', '.join(missing)} missing); install it with: {INSTALL}"
+        return (f"SLURM is not installed ({', '.join(missing)} missing). Fix: run the suite with `make test`, "
+                f"which installs it (tools/system_packages.py), or install it yourself: {INSTALL}")
     return None
 
 
-def ensure_installed(timeout: float = 900) -> str | None:
-    """Install SLURM and munge with apt-get when they are missing and this is a root Debian
-    machine; returns install_reason() afterwards (None: ready)."""
-    if os.name == "posix" and os.geteuid() == 0 and missing_binaries() and shutil.which("apt-get"):
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=timeout)
-        subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env, capture_output=True, timeout=timeout)
-    return install_reason()
+def require_installed() -> None:
+    """For a fixture: skip when not root (SLURM cannot run), fail naming `make test` when a binary is missing."""
+    import pytest
+
+    reason = install_reason()
+    if reason and not_root():
+        pytest.skip(reason)
+    if reason:
+        pytest.fail(reason, pytrace=False)
 
 
 def _free_port() -> int:

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.slurm_helpers import LocalSlurm, ensure_installed
+from tests.slurm_helpers import LocalSlurm, require_installed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,9 +36,7 @@ TWO_NODES = [f"run.total_steps={STEPS}", "hardware.nodes=2", "hardware.gpus_per_
 
 @pytest.fixture(scope="module")
 def two_node_slurm(tmp_path_factory):
-    reason = ensure_installed()
-    if reason:
-        pytest.skip(reason)
+    require_installed()
     slurm = LocalSlurm(str(tmp_path_factory.mktemp("slurm2")), nodes=2).start()
     try:
         yield slurm
