@@ -332,6 +332,7 @@ def _check_trained_role(role: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ActorConfig(_Section):
+    dist_checkpoint: Optional[str] = None  # a Megatron-Core dist checkpoint (any TP/PP) the actor starts from instead of model.path's weights; model.path still gives the HF config and tokenizer (verl: actor.megatron.dist_checkpointing_path)
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences), as in verl
     micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel replica (without packing)
     packing: bool = True  # pack sequences without padding into token-budget micro-batches (verl: use_remove_padding + use_dynamic_bsz)
@@ -385,6 +386,7 @@ class ActorConfig(_Section):
 class CriticConfig(_Section):
     enable: Optional[bool] = None  # None: on exactly when the estimator needs values (gae)
     path: Optional[str] = None  # HF directory to initialise from; None: model.path (value head is new)
+    dist_checkpoint: Optional[str] = None  # a Megatron-Core dist checkpoint (any TP/PP) of a GPT model the critic's trunk starts from instead of its HF weights; the value head is new, as verl's (verl: critic.megatron.dist_checkpointing_path)
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
     micro_batch_size: int = 4  # sequences per forward/backward on one replica (without packing)
     packing: bool = True  # pack sequences without padding into token-budget micro-batches (verl: use_remove_padding + use_dynamic_bsz)
@@ -406,6 +408,7 @@ class CriticConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class RefConfig(_Section):
+    dist_checkpoint: Optional[str] = None  # a Megatron-Core dist checkpoint the reference starts from instead of model.path's weights; None: the actor's (actor.dist_checkpoint, else model.path) (verl: ref.megatron.dist_checkpointing_path)
     micro_batch_size: Optional[int] = None  # sequences per forward on one replica; None: actor's
     packing: Optional[bool] = None  # as actor.packing; None: actor's
     max_tokens_per_micro_batch: Optional[int] = None  # as actor.max_tokens_per_micro_batch; None: actor's
@@ -859,6 +862,10 @@ class Config(_Section):
                  f"with actor.lora the reference policy is the actor with its adapters off (no model of its own), "
                  f"so ref.parallel does not apply (it may only repeat the actor's layout, {actor_layout}). Fix: "
                  f"remove ref.parallel.")
+        _require(not self.ref_is_actor_base or self.ref.dist_checkpoint in (None, self.actor.dist_checkpoint),
+                 f"with actor.lora the reference policy is the actor's own weights with its adapters off, so it "
+                 f"starts from actor.dist_checkpoint ({self.actor.dist_checkpoint}), not ref.dist_checkpoint="
+                 f"{self.ref.dist_checkpoint}. Fix: remove ref.dist_checkpoint, or give it the actor's.")
         for role in self.model_roles:
             tp, pp, vpp = self.layout(role)
             _require(vpp is None or pp > 1, f"{role}.parallel.vpp={vpp} needs a pipeline (pp > 1), but {role}'s pp is "

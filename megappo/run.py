@@ -1,8 +1,8 @@
 """Everything a training run holds, built once from a Config: `create_run(cfg)`.
 
-Process groups, the tokenizer, the actor / reference / critic / reward models (HF weights
-loaded into the shards, Megatron optimizers for the trained ones), the rollout engine and
-the bridge on rank 0, prompts and sampler, the KL controller, the metric logger, and the
+Process groups, the tokenizer, the actor / reference / critic / reward models (HF weights,
+or a Megatron dist checkpoint's, loaded into the shards, Megatron optimizers for the trained
+ones), the rollout engine and the bridge on rank 0, prompts and sampler, the KL controller, the metric logger, and the
 step bookkeeping the loop needs; when a checkpoint is there to resume from (megappo.checkpointing),
 the models, optimizers, data cursor, KL coefficient and RNG continue from it.
 
@@ -38,6 +38,7 @@ from megappo.dynamic_sampling import LimitCount
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
+from megappo.models.checkpoint import load_dist_weights
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
 from megappo.models.lora import NO_LORA, LoRA, base_view
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
@@ -450,8 +451,9 @@ def role_layouts(cfg: Config, ps: ParallelState) -> dict[str, ParallelState]:
 def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSource, plan: RolePlan,
                 total_steps: int) -> Roles:
     """Collective: the role models `plan` asks for, loaded with their HF weights (a critic or reward
-    model from its own directory), wrapped in their workers, with optimizers for the trained ones."""
-    def model(role: str, weights=source.weights) -> MegatronModel:
+    model from its own directory) or from a Megatron dist checkpoint (`<role>.dist_checkpoint`; the
+    reference follows the actor's), wrapped in their workers, with optimizers for the trained ones."""
+    def model(role: str, weights=source.weights, dist_checkpoint: str | None = None) -> MegatronModel:
         # a critic or reward model from its own directory may have another size than the actor
         role_dims = dims_from_hf(load_hf_config(weights)) if isinstance(weights, str) else source.dims
         if role_dims.vocab_size != source.dims.vocab_size:
@@ -463,7 +465,10 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
                         sequence_parallel=cfg.parallel.sequence_parallel, value_head_seed=cfg.model.seed_init,
                         recompute=plan.recompute[role], lora=plan.lora.get(role, NO_LORA),
                         **({"moe_enable_routing_replay": True} if replays(role) else {}))
-        load_hf_weights(m, weights)
+        if dist_checkpoint:  # verl's dist_checkpointing_path: the HF config still comes from `weights`
+            load_dist_weights(m, dist_checkpoint, named_by=f"{role}.dist_checkpoint")
+        else:
+            load_hf_weights(m, weights)
         return m
 
     def replays(role: str) -> bool:
@@ -473,7 +478,7 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
         return make_trainable(m, _optim(getattr(cfg, role), total_steps, cfg.parallel.use_distributed_optimizer))
 
     temperature = cfg.rollout.temperature or 1.0
-    actor_model = model("actor")
+    actor_model = model("actor", dist_checkpoint=cfg.actor.dist_checkpoint)
     head_chunk = cfg.model.lm_head_chunk_tokens  # the chunked LM head: one setting for both policy models
     actor = PolicyWorker(actor_model, batching=_batching(cfg, "actor"), temperature=temperature,
                          routing=RouteReplay() if replays("actor") else None, lm_head_chunk_tokens=head_chunk,
@@ -481,11 +486,12 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
     ref = critic = reward_model = None
     if "ref" in plan.roles:
         # with actor.lora: the actor's own weights with the adapters off, no second copy
-        ref_model = base_view(actor.model) if plan.ref_is_actor_base else model("ref")
+        ref_model = base_view(actor.model) if plan.ref_is_actor_base else \
+            model("ref", dist_checkpoint=cfg.ref.dist_checkpoint or cfg.actor.dist_checkpoint)
         ref = PolicyWorker(ref_model, batching=_batching(cfg, "ref"), temperature=temperature,
                            routing=RouteReplay() if replays("ref") else None, lm_head_chunk_tokens=head_chunk)
     if "critic" in plan.roles:
-        critic_model = model("critic", cfg.critic.path or source.weights)
+        critic_model = model("critic", cfg.critic.path or source.weights, cfg.critic.dist_checkpoint)
         critic = ValueWorker(critic_model, batching=_batching(cfg, "critic"),
                              trainable=trainable("critic", critic_model))
     if "reward" in plan.roles:

@@ -76,6 +76,10 @@ RENAMED: dict[str, str] = {
     "critic.optim.lr_warmup_steps_ratio": "critic.optim.warmup_steps_ratio",
     "critic.optim.warmup_style": "critic.optim.lr_decay_style",
     "critic.megatron.tensor_model_parallel_size": "critic.parallel.tp",
+    # read only with the role's use_dist_checkpointing=True (MOOT); the reference follows the actor's when unset
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path": "actor.dist_checkpoint",
+    "actor_rollout_ref.ref.megatron.dist_checkpointing_path": "ref.dist_checkpoint",
+    "critic.megatron.dist_checkpointing_path": "critic.dist_checkpoint",
     "critic.megatron.pipeline_model_parallel_size": "critic.parallel.pp",
     "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": "ref.parallel.vpp",
     "critic.megatron.virtual_pipeline_model_parallel_size": "critic.parallel.vpp",
@@ -170,10 +174,18 @@ MOOT: dict[str, tuple[str, tuple[str, ...], str]] = {
         "actor_rollout_ref.rollout.val_kwargs.temperature", ("*",),
         "verl's vLLM and SGLang engines validate at val_kwargs.temperature whatever do_sample says (only its HF "
         "rollout reads do_sample); megappo validates at rollout.val_temperature, greedy at 0"),
+    **{f"{role}.dist_checkpointing_path": (f"{role}.use_dist_checkpointing", ("false",), "verl reads it with "
+                                           "use_dist_checkpointing=True only (its default is False)")
+       for role in ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron")},
+    **{f"{role}.use_dist_checkpointing": (f"{role}.dist_checkpointing_path", ("*",), "the switch of "
+                                          "dist_checkpointing_path, which says whether megappo reads that")
+       for role in ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron")},
 }
 
 #: verl's default of a key MOOT consults, where a command line leaves that key out
-MOOT_DEFAULTS: dict[str, str] = {"trainer.resume_mode": "auto"}
+MOOT_DEFAULTS: dict[str, str] = {"trainer.resume_mode": "auto", **{
+    f"{role}.use_dist_checkpointing": "false"
+    for role in ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron")}}
 
 #: verl key -> its values' megappo spelling, where they differ (a list value: item by item); a value not listed
 #: is refused with the ones that are
@@ -474,6 +486,8 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
        for role in _ROLES_MEGATRON},
     **{f"{role}.dist_checkpointing_path": {"null": "no Megatron checkpoint named: megappo loads model.path"}
        for role in _ROLES_MEGATRON},
+    **{f"{role}.dist_checkpointing_prefix": {"": "no key prefix: a checkpoint's keys as Megatron's GPTModel names "
+                                                 "them, as megappo reads them"} for role in _ROLES_MEGATRON},
     "actor_rollout_ref.model.lora.type": {"lora": "megappo's adapters are LoRA's"},
     "actor_rollout_ref.model.lora.dropout_position": {"pre": "megappo applies the adapters' dropout to their input, "
                                                              "verl's pre"},
@@ -567,9 +581,12 @@ OTHERWISE: dict[str, str] = {
     **{f"{role}.context_parallel_size": "megappo has no context parallelism; for long sequences use "
                                         "parallel.sequence_parallel=true with tp > 1, actor.recompute.* and "
                                         "model.lm_head_chunk_tokens (docs/parallelism.md)" for role in _ROLES_MEGATRON},
-    **{f"{role}.{key}": "megappo loads HF weights from model.path; a Megatron checkpoint converts to one with "
-                        "tools/convert_megatron_to_hf.py (docs/conversion.md)"
-       for role in _ROLES_MEGATRON for key in ("use_dist_checkpointing", "dist_checkpointing_path")},
+    **{f"{role}.use_dist_checkpointing": f"verl then loads {role}.dist_checkpointing_path, which is not given: "
+                                         f"give it (megappo reads it as {ours}.dist_checkpoint)"
+       for role, ours in zip(_ROLES_MEGATRON, ("actor", "ref", "critic"))},
+    **{f"{role}.dist_checkpointing_prefix": "megappo reads a checkpoint's keys as Megatron's GPTModel names them "
+                                            "(verl's default prefix ''): save it again without the prefix"
+       for role in _ROLES_MEGATRON},
     "actor_rollout_ref.actor.router_replay.mode": "megappo replays the experts the rollout engine chose (verl's R3: "
                                                   "actor.moe_routing=replay) or lets the trainer's routers choose "
                                                   "(disabled: actor.moe_routing=recompute); verl's R2 it does not have",

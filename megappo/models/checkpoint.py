@@ -6,6 +6,8 @@ whether optimizer state is inside) and `hf/` (the HF config.json and tokenizer f
 model came from), so a checkpoint can be turned back into an HF directory and a
 checkpoint of another model is refused before any tensor is read.
 
+`load_dist_weights`: a role's starting weights from any Megatron-Core dist checkpoint of a GPT
+model (verl's `dist_checkpointing_path`; no megappo metadata needed), checked key by key first.
 `save_model` / `load_model`: weights only. `save_trainable` / `load_trainable`: weights,
 Megatron optimizer state (Adam moments, step; the distributed optimizer's shards in the
 'fully_reshardable' format) and the LR scheduler, so training continues exactly. Loading
@@ -26,7 +28,7 @@ import torch.distributed as dist
 
 from megappo.models.builders import MegatronModel, unwrap
 from megappo.models.hf_config import ModelConfigError, ModelDims
-from megappo.models.safe_pickle import load_dist_checkpoint
+from megappo.models.safe_pickle import dist_checkpoint_contents, load_dist_checkpoint
 from megappo.parallel.state import in_layout
 
 META_FILE = "megappo_model.json"
@@ -188,6 +190,79 @@ def load_trainable(trainable, ckpt_dir: str) -> dict:
     trainable.scheduler.load_state_dict(loaded["scheduler"])
     _unshare_adam_steps(trainable.optimizer)
     return meta
+
+
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")  # [V_pad, h], split over tp by rows
+
+
+@in_layout
+def load_dist_weights(model: MegatronModel, ckpt_dir: str, named_by: str) -> None:
+    """Collective: a role's starting weights from a Megatron-Core dist checkpoint of a GPT model written by
+    `dist_checkpointing.save(gpt_model.sharded_state_dict(), dir)` (verl's scripts/converter_hf_to_mcore.py; a
+    megappo model checkpoint loads too), saved at any TP/PP and resharded to this model's. As verl's
+    `load_mcore_dist_weights`: no key prefix, tensors the model lacks are ignored, a critic or reward model keeps
+    its new value head (the checkpoint's output_layer is an LM head). Every other tensor of the model must be
+    there at its global shape, else a ModelConfigError on every rank naming `named_by` (the config key) and the
+    fix. Extra states (`_extra_state` objects) the checkpoint lacks stay the model's (they carry no weights). The
+    vocabulary rows may be padded otherwise (verl pads none, megappo to a multiple of make_vocab_size_divisible_by x
+    tp): the embedding and LM head are then read whole on every rank and their first vocab_size rows kept."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    try:
+        if not os.path.isdir(ckpt_dir):
+            raise CheckpointingException("no such directory")
+        saved = dist_checkpoint_contents(ckpt_dir)
+    except CheckpointingException as e:
+        raise ModelConfigError(f"{named_by}={ckpt_dir} is not a Megatron-Core dist checkpoint ({e}). Fix: point it "
+                               "at a directory written by dist_checkpointing.save (verl's "
+                               "scripts/converter_hf_to_mcore.py), or unset it to load model.path's HF weights.") from None
+    value_head = ("output_layer.",) if model.has_value_head else ()
+
+    def padded_otherwise(sh) -> bool:  # the vocabulary's rows, padded to another multiple
+        shape = tuple(saved[sh.key].global_shape)
+        return sh.key in VOCAB_KEYS and shape[1:] == tuple(sh.global_shape[1:]) and shape[0] >= model.dims.vocab_size
+
+    state, problems, kept, whole = {}, [], set(), {}
+    for i, chunk in enumerate(model.chunks):
+        wanted = {k: v for k, v in unwrap(chunk).sharded_state_dict().items() if not k.startswith(value_head)}
+        checked = unwrap(chunk).sharded_state_dict()  # factories built, for the keys and shapes they save under
+        apply_factories(checked)
+        for sh in nested_values({k: v for k, v in checked.items() if not k.startswith(value_head)}):
+            if isinstance(sh, ShardedTensor) and sh.key not in saved:
+                problems.append(f"{sh.key} missing")
+            elif isinstance(sh, ShardedTensor) and tuple(saved[sh.key].global_shape) != tuple(sh.global_shape) \
+                    and not padded_otherwise(sh):
+                problems.append(f"{sh.key}: checkpoint {tuple(saved[sh.key].global_shape)} vs model "
+                                f"{tuple(sh.global_shape)}")
+        for k, v in list(wanted.items()):
+            if isinstance(v, ShardedObject) and v.key not in saved:
+                del wanted[k]
+                kept.add(k)
+            elif isinstance(v, ShardedTensor) and v.key in saved and tuple(saved[v.key].global_shape) != \
+                    tuple(v.global_shape) and padded_otherwise(v):
+                whole[(i, k)] = v  # read whole on every rank (a replica), this rank's rows cut out below
+                wanted[k] = ShardedTensor.from_rank_offsets(
+                    v.key, torch.empty(tuple(saved[v.key].global_shape), dtype=v.data.dtype), replica_id=dist.get_rank())
+        state[f"model{i}"] = wanted
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(set(problems)))  # a layout's stages see different keys
+    problems = sorted({p for rank in everyone for p in rank})
+    if problems:
+        raise ModelConfigError(
+            f"{named_by}={ckpt_dir} does not fit the {model.role} model ({len(problems)} tensor(s): "
+            f"{'; '.join(problems[:4])}{'; ...' if len(problems) > 4 else ''}). Fix: point it at a checkpoint of "
+            "the model that model.path's config.json describes (same layers, sizes and vocabulary), or unset it "
+            "to load model.path's HF weights.")
+    loaded = load_dist_checkpoint(state, ckpt_dir)
+    for (i, k), sh in whole.items():
+        rows = torch.zeros(tuple(sh.global_shape), dtype=sh.data.dtype)  # padding rows stay zero
+        rows[:model.dims.vocab_size] = loaded[f"model{i}"][k][:model.dims.vocab_size]
+        loaded[f"model{i}"][k] = rows.narrow(0, sh.global_offset[0], sh.local_shape[0]).clone()
+    for i, chunk in enumerate(model.chunks):
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        assert not unexpected and all(k.startswith(value_head) or k in kept for k in missing), (missing, unexpected)
 
 
 def _load_chunks(model: MegatronModel, loaded: dict) -> None:

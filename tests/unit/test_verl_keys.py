@@ -192,7 +192,8 @@ REFUSED = {
     "critic.model.some_new_knob=1": "megappo has no such key; remove it",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml": "rollout.env_args.tools",
     "reward_model.sandbox_fusion.url=http://sandbox": "a reward function of your own",
-    "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True": "tools/convert_megatron_to_hf.py",
+    "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True": "dist_checkpointing_path, which is not given",
+    "critic.megatron.dist_checkpointing_prefix=module.": "save it again without the prefix",
     "actor_rollout_ref.rollout.over_sample_rate=0.1": "generates every sample to its end",
     "reward_model.reward_manager=prime": "write another manager's scoring as a reward function",
     "data.truncation=middle": "megappo keeps a prompt's end",
@@ -336,6 +337,28 @@ def test_verl_resume_from_path_is_read_in_resume_path_mode_and_moot_otherwise():
         assert (cfg.checkpoint.resume, cfg.checkpoint.resume_from) == (resume, None)
         assert reading.unused == [("trainer.resume_from_path", "verl reads it with trainer.resume_mode=resume_path "
                                                                "only (its default is auto)")]
+
+
+def test_verls_dist_checkpoint_is_read_with_its_switch_and_moot_without():
+    """verl loads a role's dist_checkpointing_path only with its use_dist_checkpointing=True (default False)."""
+    roles = {"actor": "actor_rollout_ref.actor.megatron", "ref": "actor_rollout_ref.ref.megatron",
+             "critic": "critic.megatron"}
+    on = [f"{verl}.{k}" for verl in roles.values() for k in ("use_dist_checkpointing=True", "dist_checkpointing_path=")]
+    cfg, reading = read_config(DEMO, [f"{o}/ckpt/{o.split('.')[-2]}" if o.endswith("=") else o for o in on])
+    assert (cfg.actor.dist_checkpoint, cfg.ref.dist_checkpoint, cfg.critic.dist_checkpoint) == (
+        "/ckpt/megatron", "/ckpt/megatron", "/ckpt/megatron")
+    assert sorted(k for k, _ in reading.unused) == sorted(f"{v}.use_dist_checkpointing" for v in roles.values())
+    for switch in (["actor_rollout_ref.actor.megatron.use_dist_checkpointing=False"], []):
+        cfg, reading = read_config(DEMO, [*switch, "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/c"])
+        assert cfg.actor.dist_checkpoint is None and cfg.ref.dist_checkpoint is None
+        assert ("actor_rollout_ref.actor.megatron.dist_checkpointing_path",
+                "verl reads it with use_dist_checkpointing=True only (its default is False)") in reading.unused
+    # megappo's reference starts from the actor's checkpoint unless it names its own
+    cfg = load_config(DEMO, ["actor.dist_checkpoint=/a"])
+    assert (cfg.actor.dist_checkpoint, cfg.ref.dist_checkpoint) == ("/a", None)
+    with pytest.raises(ConfigError, match="with actor.lora the reference policy is the actor's own weights"):
+        load_config(DEMO, ["actor.dist_checkpoint=/a", "ref.dist_checkpoint=/b", "actor.lora.rank=4",
+                           "actor.use_kl_loss=true"])
 
 
 def test_verls_qat_switch_is_refused_when_on_and_named_when_off():
