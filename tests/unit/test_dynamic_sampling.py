@@ -1,6 +1,8 @@
 """DAPO's dynamic sampling (megappo.dynamic_sampling) without processes: which groups are uniform,
-the metric values, the seeds and bounds of the rounds, joining round batches, and `fill_batch`
-over a fake generator (plain functions in place of the engine and the reward functions)."""
+the metric values, the seeds and bounds of the rounds, joining round batches (MoE routes with their rows),
+and `fill_batch` over a fake generator (plain functions in place of the engine and the reward functions)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -185,3 +187,45 @@ def test_the_config_draws_gen_batch_size_prompts_and_refuses_a_bound_that_cannot
     with pytest.raises(ConfigError, match=r"max_num_gen_batches=3 generation batches of data.gen_batch_size=4 prompts "
                                           r"hold fewer than data.train_batch_size=16.*Fix: raise"):
         load_config(demo, [*on, "data.gen_batch_size=4", "algorithm.filter_groups.max_num_gen_batches=3"])
+
+
+def with_routes(b, layers=2, top_k=2):
+    """`b` with routes [N, P+R, layers, top_k] as the engine returns them for a MoE model: at every real token,
+    expert ids made from the token's id (id, id + 1000 x layer, ...); -1 at padding."""
+    ids = torch.cat([b.prompt_ids, b.response_ids], dim=1)
+    real = torch.cat([b.prompt_mask, b.real_response_mask], dim=1).bool()
+    codes = ids[..., None, None] + 1000 * torch.arange(layers)[:, None] + 10_000 * torch.arange(top_k)
+    b.routes = torch.where(real[..., None, None], codes, -1).to(torch.int16)
+    return b
+
+
+def assert_routes_follow(b):
+    """Each row's routes are still those of its own tokens, column for column, -1 on its padding."""
+    assert b.routes.shape[:2] == (b.num_samples, b.prompt_ids.shape[1] + b.response_ids.shape[1])
+    expected = with_routes(dataclasses.replace(b, routes=None), b.routes.shape[2], b.routes.shape[3]).routes
+    assert torch.equal(b.routes, expected)
+
+
+def test_concat_and_take_carry_each_rows_routes():
+    """DAPO with routing replay: the routes of a MoE rollout are joined and picked with their rows (and
+    padded / cut with their columns), so the replayed experts are the ones each kept sample was generated with."""
+    a, b = with_routes(batch([2, 1], [1, 3], 2)), with_routes(batch([4], [2], 2, first_row=100))
+    whole = concat([a, b], pad_token_id=0)
+    assert_routes_follow(whole)
+    assert whole.routes.dtype == torch.int16 and (whole.routes[0, :2] == -1).all()  # prompt 0's left padding
+    for rows in ([4, 5, 2, 3], [2, 4], [1]):
+        picked = take(whole, torch.tensor(rows))
+        assert_routes_follow(picked)
+        first = whole.routes[rows, whole.prompt_ids.shape[1]]  # each picked row's first response token's experts
+        assert torch.equal(picked.routes[:, picked.prompt_ids.shape[1]], first)
+
+
+def test_fill_batch_keeps_the_routes_of_the_groups_it_keeps():
+    class Routed(Fake):
+        def generate(self, prompts, seed):
+            return with_routes(super().generate(prompts, seed))
+
+    fake = Routed(2, lambda p: [float(p % 2), 0.0])  # odd prompts differ: kept
+    out = run_fill(fake, GroupFilter(groups=2, metric="reward", max_gen_batches=0, inflight=1, on_limit="fill"))
+    assert [e.index for e in out.examples] == [1, 1, 3, 3]
+    assert_routes_follow(out)
