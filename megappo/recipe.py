@@ -240,7 +240,25 @@ def read_overrides(overrides: Sequence[str]) -> tuple[list[str], VerlReading, li
             _read_one(override, values, out, reading, setters)
         except ConfigError as e:
             errors.append(e)
-    return out, reading, errors
+    return out, reading, errors + _reference_follows_actor(setters)
+
+
+_VERL_ACTOR_CKPT = "actor_rollout_ref.actor.megatron.dist_checkpointing_path"
+_VERL_REF_CKPT = "actor_rollout_ref.ref.megatron"
+
+
+def _reference_follows_actor(setters: dict[str, tuple[str, Any]]) -> list[ConfigError]:
+    """verl starts its reference from model.path unless the reference's own use_dist_checkpointing is on;
+    megappo's starts from the actor's weights (ref.dist_checkpoint unset): a verl actor checkpoint without the
+    reference's would change the model the KL terms measure against, so it is refused with the fix."""
+    actor = setters.get("actor.dist_checkpoint")
+    if not actor or actor[0] != _VERL_ACTOR_CKPT or "ref.dist_checkpoint" in setters:
+        return []
+    return [ConfigError(f"'{_VERL_ACTOR_CKPT}={actor[1]}' starts verl's actor from that Megatron checkpoint but "
+                        f"its reference from model.path ({_VERL_REF_CKPT}.use_dist_checkpointing is not on); "
+                        f"megappo's reference starts from the actor's weights. Fix: give "
+                        f"{_VERL_REF_CKPT}.use_dist_checkpointing=True {_VERL_REF_CKPT}.dist_checkpointing_path="
+                        f"{actor[1]} as well (docs/config.md, 'Coming from verl').")]
 
 
 def _section_defaults(data: dict, overrides: Sequence[str], reading: VerlReading) -> None:

@@ -353,6 +353,16 @@ def test_verls_dist_checkpoint_is_read_with_its_switch_and_moot_without():
         assert cfg.actor.dist_checkpoint is None and cfg.ref.dist_checkpoint is None
         assert ("actor_rollout_ref.actor.megatron.dist_checkpointing_path",
                 "verl reads it with use_dist_checkpointing=True only (its default is False)") in reading.unused
+    # verl's reference without its own switch starts from model.path, megappo's from the actor's: refused
+    actor_on = ["actor_rollout_ref.actor.megatron.use_dist_checkpointing=True",
+                "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/c"]
+    for ref in ([], ["actor_rollout_ref.ref.megatron.use_dist_checkpointing=False",
+                     "actor_rollout_ref.ref.megatron.dist_checkpointing_path=/c"]):
+        with pytest.raises(ConfigError, match="starts verl's actor from that Megatron checkpoint but its reference "
+                                              "from model.path .* Fix: give actor_rollout_ref.ref.megatron.use_dist_"
+                                              "checkpointing=True actor_rollout_ref.ref.megatron.dist_checkpointing_"
+                                              "path=/c as well"):
+            load_config(DEMO, [*actor_on, *ref])
     # megappo's reference starts from the actor's checkpoint unless it names its own
     cfg = load_config(DEMO, ["actor.dist_checkpoint=/a"])
     assert (cfg.actor.dist_checkpoint, cfg.ref.dist_checkpoint) == ("/a", None)
