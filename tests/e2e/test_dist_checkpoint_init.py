@@ -51,7 +51,7 @@ def test_verls_dist_checkpoint_keys_start_actor_ref_critic_and_engine_from_the_c
                     "logging.progress_bar=false", f"run.output_dir={tmp_path / 'run'}")
     assert code == 0, out[-6000:]
     read = next(line for line in out.splitlines() if line.startswith("megappo: verl keys read as megappo's: "))
-    assert f"actor_rollout_ref.actor.megatron.dist_checkpointing_path -> actor.dist_checkpoint" in read, read
+    assert "actor_rollout_ref.actor.megatron.dist_checkpointing_path -> actor.dist_checkpoint" in read, read
     config = json.loads((tmp_path / "run/config.json").read_text())
     assert config["actor"]["dist_checkpoint"] == config["critic"]["dist_checkpoint"] == str(ckpt)
     assert config["parallel"]["tp"] == 2
@@ -59,7 +59,7 @@ def test_verls_dist_checkpoint_keys_start_actor_ref_critic_and_engine_from_the_c
     # the reference started from the checkpoint too: it gives the actor's log-probs (the actor did not move)
     assert step["actor/kl_loss"] == 0.0, step
     # the engine generated with the actor's weights: the bridge synced (and verified) them before generating
-    assert step["rollout/logprob_diff_max"] < 1e-2, step
+    assert config["model"]["dtype"] == "float32" and step["rollout/logprob_diff_max"] < 1e-4, step
     started = {k: v for k, v in hf_weights(other).items()}
     for role in ("actor", "critic"):
         code, out = run("-m", "megappo.cli", "export", str(tmp_path / "run"), str(tmp_path / role), "--role", role,
