@@ -205,7 +205,8 @@ def load_dist_weights(model: MegatronModel, ckpt_dir: str, named_by: str) -> Non
     there at its global shape, else a ModelConfigError on every rank naming `named_by` (the config key) and the
     fix. Extra states (`_extra_state` objects) the checkpoint lacks stay the model's (they carry no weights). The
     vocabulary rows may be padded otherwise (verl pads none, megappo to a multiple of make_vocab_size_divisible_by x
-    tp): the embedding and LM head are then read whole on every rank and their first vocab_size rows kept."""
+    tp): the embedding and LM head are then read whole by the ranks that hold them, which keep their rows of the
+    first vocab_size (padding rows zero)."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
@@ -217,7 +218,8 @@ def load_dist_weights(model: MegatronModel, ckpt_dir: str, named_by: str) -> Non
     except CheckpointingException as e:
         raise ModelConfigError(f"{named_by}={ckpt_dir} is not a Megatron-Core dist checkpoint ({e}). Fix: point it "
                                "at a directory written by dist_checkpointing.save (verl's "
-                               "scripts/converter_hf_to_mcore.py), or unset it to load model.path's HF weights.") from None
+                               "scripts/converter_hf_to_mcore.py), or unset it to load model.path's HF "
+                               "weights.") from None
     value_head = ("output_layer.",) if model.has_value_head else ()
 
     def padded_otherwise(sh) -> bool:  # the vocabulary's rows, padded to another multiple
@@ -242,13 +244,18 @@ def load_dist_weights(model: MegatronModel, ckpt_dir: str, named_by: str) -> Non
                 kept.add(k)
             elif isinstance(v, ShardedTensor) and v.key in saved and tuple(saved[v.key].global_shape) != \
                     tuple(v.global_shape) and padded_otherwise(v):
-                whole[(i, k)] = v  # read whole on every rank (a replica), this rank's rows cut out below
-                wanted[k] = ShardedTensor.from_rank_offsets(
-                    v.key, torch.empty(tuple(saved[v.key].global_shape), dtype=v.data.dtype), replica_id=dist.get_rank())
+                whole[(i, k)] = v  # read whole where it is needed, this rank's rows cut out below
         state[f"model{i}"] = wanted
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(set(problems)))  # a layout's stages see different keys
-    problems = sorted({p for rank in everyone for p in rank})
+    # a layout's stages see different keys; a tensor read whole needs one main replica over the ranks
+    dist.all_gather_object(everyone, (sorted(set(problems)), [v.key for v in whole.values()]))
+    problems = sorted({p for rank_problems, _ in everyone for p in rank_problems})
+    holders = [(rank, n, key) for rank, (_, keys) in enumerate(everyone) for n, key in enumerate(keys)]
+    for n, ((i, k), v) in enumerate(whole.items()):
+        first = min((r, m) for r, m, key in holders if key == v.key) == (dist.get_rank(), n)
+        state[f"model{i}"][k] = ShardedTensor.from_rank_offsets(
+            v.key, torch.empty(tuple(saved[v.key].global_shape), dtype=v.data.dtype),
+            replica_id=0 if first else 1 + dist.get_rank() * len(whole) + n)
     if problems:
         raise ModelConfigError(
             f"{named_by}={ckpt_dir} does not fit the {model.role} model ({len(problems)} tensor(s): "
