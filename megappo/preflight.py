@@ -6,7 +6,8 @@ PACKAGES, found with importlib's find_spec, nothing imported; peft is not among 
 writes peft's adapter files itself, megappo.convert), then the world against the layout and the batch sizes
 (`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
 every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers; the
-trained roles' activation recomputation against their layers per pipeline chunk) and
+trained roles' activation recomputation against their layers per pipeline chunk), each role's Megatron
+dist checkpoint (a directory with Megatron's metadata.json) and
 the roles' vocabularies against the actor's, the dataset files (present, a known format, a row
 at least; with data.custom_cls the user's dataset class instead, which reads them), the user's sampler
 class (data.sampler), the reward function names, the tokenizer's name or directory, and the episode
@@ -142,6 +143,23 @@ def check_models(cfg: Config) -> None:
             raise ModelConfigError(f"{where} has vocab_size {dims.vocab_size}, the actor (model) {actor.vocab_size}: "
                                    "every role scores the same token ids. Fix: use a model with the actor's "
                                    "tokenizer and vocabulary.")
+    check_dist_checkpoints(cfg)
+
+
+def check_dist_checkpoints(cfg: Config) -> None:
+    """Each role's Megatron dist checkpoint (`<role>.dist_checkpoint`; the reference's defaults to the actor's) is
+    a directory with Megatron's metadata.json; its tensors are checked against the model when it loads."""
+    keys = {"actor": "actor.dist_checkpoint", "critic": "critic.dist_checkpoint",
+            "ref": "actor.dist_checkpoint" if cfg.ref.dist_checkpoint is None or cfg.ref_is_actor_base
+            else "ref.dist_checkpoint"}
+    for key in dict.fromkeys(keys[role] for role in cfg.model_roles if role in keys):
+        path = getattr(cfg, key.partition(".")[0]).dist_checkpoint
+        if path and not os.path.isfile(os.path.join(path, "metadata.json")):
+            raise ModelConfigError(
+                f"{key}={path} is not a Megatron-Core dist checkpoint ("
+                f"{'no metadata.json in it' if os.path.isdir(path) else 'no such directory'}). Fix: point it at a "
+                "directory written by dist_checkpointing.save (verl's scripts/converter_hf_to_mcore.py), or unset "
+                "it to load model.path's HF weights.")
 
 
 def _prompt_rows(d) -> tuple[list[dict], list[dict] | None]:
