@@ -403,6 +403,11 @@ def write_initial_model(cfg: Config, out_dir: str, overwrite: bool = False) -> M
         raise ModelConfigError(f"the recipe's model is an HF directory already (model.path={cfg.model.path}); "
                                "--init writes a model built from model.hf_config. Fix: use that directory itself "
                                f"(e.g. actor_rollout_ref.model.path={cfg.model.path}).")
+    if cfg.actor.dist_checkpoint:
+        raise ModelConfigError(f"the recipe's actor starts from actor.dist_checkpoint={cfg.actor.dist_checkpoint}, "
+                               "not from the model --init writes (model.hf_config's). Fix: give the run that "
+                               "checkpoint (actor.dist_checkpoint, or verl's use_dist_checkpointing with "
+                               "dist_checkpointing_path), or drop actor.dist_checkpoint to export the built model.")
     check_output_dir(out_dir, overwrite)
     source = model_source(cfg)
     staged = f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"  # renamed into place once complete

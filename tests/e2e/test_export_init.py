@@ -61,3 +61,6 @@ def test_overrides_seed_and_refusals(tmp_path):
                              "model.tokenizer=null")
     assert code == 2 and f"model.path={other}); --init writes a model built from model.hf_config. Fix:" in said, said
     assert not (tmp_path / "x").exists()
+    code, said = export_init(DEMO, str(tmp_path / "x"), f"actor.dist_checkpoint={other}")
+    assert code == 2 and f"actor starts from actor.dist_checkpoint={other}, not from the model --init" in said, said
+    assert not (tmp_path / "x").exists()
