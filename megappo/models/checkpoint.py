@@ -254,7 +254,7 @@ def load_dist_weights(model: MegatronModel, ckpt_dir: str, named_by: str) -> Non
     for n, ((i, k), v) in enumerate(whole.items()):
         first = min((r, m) for r, m, key in holders if key == v.key) == (dist.get_rank(), n)
         state[f"model{i}"][k] = ShardedTensor.from_rank_offsets(
-            v.key, torch.empty(tuple(saved[v.key].global_shape), dtype=v.data.dtype),
+            v.key, torch.empty(tuple(saved[v.key].global_shape), dtype=v.data.dtype, device=v.data.device),
             replica_id=0 if first else 1 + dist.get_rank() * len(whole) + n)
     if problems:
         raise ModelConfigError(
@@ -264,7 +264,7 @@ def load_dist_weights(model: MegatronModel, ckpt_dir: str, named_by: str) -> Non
             "to load model.path's HF weights.")
     loaded = load_dist_checkpoint(state, ckpt_dir)
     for (i, k), sh in whole.items():
-        rows = torch.zeros(tuple(sh.global_shape), dtype=sh.data.dtype)  # padding rows stay zero
+        rows = torch.zeros(tuple(sh.global_shape), dtype=sh.data.dtype, device=sh.data.device)  # padding rows: 0
         rows[:model.dims.vocab_size] = loaded[f"model{i}"][k][:model.dims.vocab_size]
         loaded[f"model{i}"][k] = rows.narrow(0, sh.global_offset[0], sh.local_shape[0]).clone()
     for i, chunk in enumerate(model.chunks):
