@@ -151,13 +151,19 @@ def read_rows(paths: Sequence[str], key: str = "data.train_files", *, dataset: t
 def dataset_class(path: str, name: str) -> type:
     """The user's dataset class `name` in `path` (a .py file or a module), loaded as reward files are; a
     ConfigError naming the fix when it is not there."""
+    return _user_class(path, name, "data.custom_cls", "path", "name")
+
+
+def _user_class(path: str, name: str, section: str, path_key: str, name_key: str) -> type:
+    """Class `name` of the .py file or module `path` that `section`.`path_key` / `name_key` name, loaded as
+    reward files are (megappo.user_code); a ConfigError naming the fix when it is not there."""
     spec = f"{path}:{name}"
-    fix = ("Fix: set data.custom_cls.path to a .py file or an importable module, and data.custom_cls.name to a class "
-           "in it.")
-    module, _, _ = load_spec(spec, who=f"data.custom_cls {spec}", malformed=f"data.custom_cls {spec}: {fix}", fix=fix)
+    fix = (f"Fix: set {section}.{path_key} to a .py file or an importable module, and {section}.{name_key} to a "
+           "class in it.")
+    module, _, _ = load_spec(spec, who=f"{section} {spec}", malformed=f"{section} {spec}: {fix}", fix=fix)
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
-        raise ConfigError(f"data.custom_cls {spec}: {path} has no class {name!r}. {fix}")
+        raise ConfigError(f"{section} {spec}: {path} has no class {name!r}. {fix}")
     return cls
 
 
@@ -502,12 +508,7 @@ def sampler_class(path: str, name: str) -> type:
     """The user's sampler class `name` in `path`, loaded as reward files are; a ConfigError naming the fix when
     it is not there or is a curriculum sampler (ClassOrder says why)."""
     spec = f"{path}:{name}"
-    fix = ("Fix: set data.sampler.class_path to a .py file or an importable module, and data.sampler.class_name "
-           "to a class in it.")
-    module, _, _ = load_spec(spec, who=f"data.sampler {spec}", malformed=f"data.sampler {spec}: {fix}", fix=fix)
-    cls = getattr(module, name, None)
-    if not isinstance(cls, type):
-        raise ConfigError(f"data.sampler {spec}: {path} has no class {name!r}. {fix}")
+    cls = _user_class(path, name, "data.sampler", "class_path", "class_name")
     if callable(getattr(cls, "update", None)):
         raise ConfigError(f"data.sampler {spec} has an update(batch) method: a curriculum sampler that verl calls "
                           "with its batch after each step, which megappo does not have. Fix: order the prompts "
