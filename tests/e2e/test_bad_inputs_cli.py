@@ -26,8 +26,8 @@ SMALL = ["data.builtin=null", "data.train_batch_size=8", *(f"{role}.{key}=8" for
                                                            for key in ("ppo_mini_batch_size", "micro_batch_size"))]
 
 
-def megappo(*args: str, fault: str | None = None) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
+def megappo(*args: str, fault: str | None = None, pythonpath: str = REPO) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
     cmd = [FAULTS, fault] if fault else ["-m", "megappo.cli"]
     proc = subprocess.run([sys.executable, *cmd, "train", "recipes/demo-cpu.yaml", *QUIET, *args], env=env, cwd=REPO,

@@ -9,23 +9,11 @@ launcher, not the other rank's lost connection; nothing of the run is left runni
 """
 
 import os
-import subprocess
 import sys
 
 import psutil
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAULTS = os.path.join(REPO, "tests", "e2e", "_faults.py")
-QUIET = ["logging.progress_bar=false", "run.val_before_train=false", "run.val_every=0"]
-
-
-def megappo(*args: str, fault: str | None = None, pythonpath: str = REPO) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
-    cmd = [FAULTS, fault] if fault else ["-m", "megappo.cli"]
-    proc = subprocess.run([sys.executable, *cmd, "train", "recipes/demo-cpu.yaml", *QUIET, *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout + proc.stderr
+from tests.e2e.test_bad_inputs_cli import REPO, megappo
 
 
 def test_a_missing_sink_package_is_one_line_before_any_rank_starts(tmp_path):
