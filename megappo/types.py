@@ -34,12 +34,22 @@ class SamplingParams:
     logprob_mode: LogprobMode = "tempered"
     #: also return each token's routed experts (MoE models: `RolloutBatch.routes`, routing replay)
     return_routes: bool = False
+    #: (first, total): this call is the part of a larger call of `total` samples that starts at
+    #: sample `first` (prompt-major, whole prompts: a replica's chunk), and its samples draw what
+    #: samples first, first + 1, ... of the whole call draw, so a seeded sample's tokens do not
+    #: depend on how the call is split. None: the call is whole. Ignored when greedy, and by
+    #: engines that do not honour the seed (sglang).
+    sample_window: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.n < 1 or self.max_new_tokens < 1:
             raise ValueError("sampling needs n >= 1 and max_new_tokens >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.sample_window is not None and not (
+                len(self.sample_window) == 2 and 0 <= self.sample_window[0] < self.sample_window[1]):
+            raise ValueError(f"sample_window={self.sample_window} must be (first, total) with 0 <= first < total: "
+                             "the part's first sample in the whole call, and the whole call's samples")
 
     @property
     def greedy(self) -> bool:

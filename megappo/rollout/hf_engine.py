@@ -18,7 +18,8 @@ No compute after EOS: each prompt is prefilled once, not once per sample (its n 
 share the cache rows); a finished sample leaves the decode batch (its KV-cache rows are
 dropped) and left-padding columns no running sample needs are cut. Sampling is per row:
 sample i draws its step-t token by inverse CDF at u[t, i] from one seeded [R, N] uniform
-draw, so with a seed every sample's tokens are fixed whatever else is in the batch.
+draw, so with a seed every sample's tokens are fixed whatever else is in the batch; a call that is
+one part of a split call (`SamplingParams.sample_window`) takes its columns of the whole call's draw.
 
 KV cache (`kv_cache`): on CUDA each generation's cache is preallocated ([N, H_kv, P + R, d] per
 layer, `PreallocatedLayer`), written in place, compacted in place as samples leave, and kept for the

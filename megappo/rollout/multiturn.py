@@ -7,8 +7,9 @@ so far: prompt + actions + observations. Nothing is decoded and re-encoded; `Act
 decode for the environment's convenience only. The environments' `reset` / `step` / `close`
 of all episodes run concurrently (asyncio.gather on an event loop of the runner's; the engine
 is called between them, outside that loop, since SGLang's engine runs a loop of its own). Turn 0 asks the engine for `n` samples of
-each prompt with the step's seed, exactly the single-turn call; turn t > 0 asks for one sample
-per context with seed + t * TURN_SEED_STRIDE, so runs are reproducible.
+each prompt with the step's seed, exactly the single-turn call (`sample_window` included); turn
+t > 0 asks for one sample per context with seed + t * TURN_SEED_STRIDE and no sample window, so
+runs are reproducible.
 
 Budgets: at most `max_turns` actions, each at most `max_turn_tokens` tokens, and the episode's
 response (actions + observations) at most `params.max_new_tokens` tokens. An observation is
@@ -274,8 +275,14 @@ def _play_all(loop, generate, examples, plays: list[_Play], params, tokenizer, e
     active, turn, logprob_mode = plays, 0, params.logprob_mode
     while active:
         limit = min(turn_tokens, max(budget - len(p.response) for p in active))
+        # a sample window (this call is one part of a larger one) holds for turn 0 only, which is the
+        # single-turn call of these prompts; a later turn has one context per episode still running, and
+        # which episodes of the whole call still run is not known here, so there is no window of the whole
+        # turn to give: it is dropped (later turns' tokens then depend on the split; a caller that splits
+        # across replicas splits each turn's engine call, in `generate`, and windows that call itself)
         turn_params = dataclasses.replace(params, n=params.n if turn == 0 else 1, max_new_tokens=limit,
-                                          seed=turn_seed(params.seed, turn))
+                                          seed=turn_seed(params.seed, turn),
+                                          sample_window=params.sample_window if turn == 0 else None)
         contexts = [list(e.prompt_ids) for e in examples] if turn == 0 else [p.context() for p in active]
         out = generate(contexts, turn_params)
         logprob_mode = out.logprob_mode

@@ -1,6 +1,7 @@
 """Per-row sampling of the hf engine's decode paths: top-k / top-p filtering, the inverse-CDF draw of
 a row's token at its own uniform, and the seeded [R, N] uniforms (one per sample and step), so that
-with a seed each sample's tokens are fixed whatever else shares its batch or step shape.
+with a seed each sample's tokens are fixed whatever else shares its batch or step shape, and, given
+its `SamplingParams.sample_window`, whichever part of a split call (a replica's chunk) it is in.
 
 Shape legend: b rows, V vocab, R new tokens, N samples.
 
@@ -53,10 +54,19 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
 def sampling_uniforms(params: SamplingParams, num_samples: int, device: torch.device) -> torch.Tensor | None:
     """[R, N] uniforms in [0, 1): sample i draws its step-t token with u[t, i]. One draw per
     call from a generator seeded with `params.seed` (the global RNG when None), so a seed
-    fixes every sample's tokens whatever the order in which rows finish. None when greedy."""
+    fixes every sample's tokens whatever the order in which rows finish. With
+    `params.sample_window` (first, total) the draw is the whole call's [R, total] and the call
+    takes its columns [first, first + N): a seeded sample draws the same uniforms whichever
+    part of the call it is generated in. None when greedy."""
     if params.greedy:
         return None
+    first, total = params.sample_window or (0, num_samples)
+    if first + num_samples > total:
+        raise ValueError(f"sample_window={params.sample_window}: {num_samples} samples from sample {first} run past "
+                         f"the whole call's {total}. Fix: give each part of a call (first, total) with first its "
+                         "first sample's index in the whole call and total the whole call's samples (prompts x n).")
     gen = None
     if params.seed is not None:
         gen = torch.Generator(device=device).manual_seed(params.seed)
-    return torch.rand(params.max_new_tokens, num_samples, generator=gen, device=device)
+    uniforms = torch.rand(params.max_new_tokens, total, generator=gen, device=device)
+    return uniforms if (first, total) == (0, num_samples) else uniforms[:, first:first + num_samples]

@@ -34,7 +34,8 @@ torch_native attention, pytorch sampler), the weight-update group uses gloo, and
 flushes the KV cache (SGLang's memory saver needs CUDA; on GPUs it is on by default for the
 colocated `tensor` mode), and `SamplingParams.seed` is not honoured (SGLang seeds a request
 only under deterministic inference, which its CPU attention backend refuses): sampling is not
-seed-reproducible, and the engine warns once.
+seed-reproducible, and the engine warns once. `SamplingParams.sample_window` (which uniforms a part
+of a split call draws) is therefore ignored too.
 
 Threads: any thread may call the engine's methods, one call at a time (rollout.mode=one_step_off
 generates in a thread of its own while the main thread syncs weights). Every call into the
@@ -274,6 +275,7 @@ class SGLangEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         flat = [list(p) for p in prompts for _ in range(params.n)]
+        # sample_window is not passed: it only says which seeded draws a part takes, and SGLang draws its own
         sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
               "max_new_tokens": params.max_new_tokens,
               "stop_token_ids": sorted(set(params.stop_token_ids) | set(params.eos_token_ids)) or None}

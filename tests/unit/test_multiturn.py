@@ -259,6 +259,23 @@ def test_budgets_masks_and_metrics():
     assert batch.clip_ratio == 1.0 and batch.env_metrics["env/action_clip_ratio"] == 0.0
 
 
+def test_a_sample_window_holds_for_the_first_turn_only():
+    """Turn 0 is the single-turn call of the prompts, so a sample window given to run_episodes goes with
+    it; a later turn has one context per running episode, for which no window of the whole call is known
+    here: it gets none (a caller splitting across replicas windows each turn's engine call itself)."""
+    tok = load_tokenizer("builtin:digits")
+    eng, windows = Scripted([[8, 1], [9, 1], [10, 1]], tok.eos_token_id), []
+
+    def generate(contexts, params):
+        windows.append(params.sample_window)
+        return eng.generate(contexts, params)
+
+    run_episodes(generate, examples(tok, ["1?", "2?"]), SamplingParams(n=2, max_new_tokens=20, sample_window=(4, 12)),
+                 make_env=lambda: Echo("12"), tokenizer=tok, encode_observation=observation_encoder(tok, "user", False),
+                 max_turns=3, max_turn_tokens=None, pad_token_id=0)
+    assert windows == [(4, 12), None, None] and [t[0] for t in eng.turns] == [2, 4, 4]
+
+
 class Once(Environment):
     """Ends every episode after its first action; declares a counter it reports only for a '7'."""
 
