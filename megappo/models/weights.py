@@ -6,14 +6,28 @@ through the name map, keeps its TP shard and copies it into the parameter. Shape
 checked against the config first, so a checkpoint from another model stops with a clear
 message.
 
-`iter_full_params(model)`: a collective over the model's ranks that yields (global
-Megatron name, full tensor) on global rank 0, stage after stage, TP shards gathered on
+`iter_full_params(model, dst)`: a collective over the model's ranks that yields (global Megatron
+name, full tensor) on each receiving global rank of `dst`, stage after stage, TP shards gathered on
 each stage, and routed experts gathered over the expert-parallel group (a LoRA model's adapted
-weights with their update merged in: megappo.models.lora.merged_shard, unless merged=False). `iter_hf_tensors`
-adds the name-map transform (HF names, vocab unpadded, QKV/fc1 unfused). Nothing here holds
-more than one full tensor at a time.
+weights with their update merged in: megappo.models.lora.merged_shard, unless merged=False). A
+receiver takes stage s's tensors from stage s of its own pipeline (its tp and dp rank), which
+sends them along the pipeline group; only the pipelines of the EP groups that hold a receiver take
+part. `iter_hf_tensors` adds the name-map transform (HF names, vocab unpadded, QKV/fc1 unfused).
+Nothing here holds more than one full tensor at a time.
 
-This module does not know about PPO, engines or checkpoints of the trainer.
+Which pipelines take part follows Megatron-Core's rank order tp-cp-ep-dp-pp (cp = 1 in megappo,
+expert TP = TP), checked against this rank's groups on every call:
+
+    global rank = tp_rank + tp * (dp_rank + dp * pp_rank),  dp_rank = ep_rank + ep * expert_dp_rank
+
+so an EP group is `ep` consecutive dp ranks at the same tp rank and stage:
+
+    tp=1 pp=1 dp=4 ep=2:   EP groups  0 1 | 2 3
+    receivers {1}:         rank 1 yields, rank 0 gathers only its experts (over EP, for rank 1),
+                           ranks 2 and 3 return at once
+
+This module does not know about PPO, engines or checkpoints of the trainer, nor why a rank
+receives (one engine per receiving rank, or rank 0 writing a checkpoint).
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Iterator, Mapping
+from typing import Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -123,22 +137,24 @@ def _full_shape(shape: torch.Size, tp_dim: int | None, tp: int) -> tuple[int, ..
     return tuple(out)
 
 
-def iter_full_params(model: MegatronModel, dst: int = 0, only: tuple[str, ...] = (),
+def iter_full_params(model: MegatronModel, dst: int | Collection[int] = 0, only: tuple[str, ...] = (),
                      merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: every rank of the model must run it to the end. Yields (global Megatron
-    name, full tensor) on global rank `dst` (which must be the tp0/dp0 rank of stage 0);
+    """Collective: every rank of the model must run it to the end, with the same `dst`. Yields
+    (global Megatron name, full tensor) on each global rank in `dst` (one rank, or a collection of
+    ranks: any tp, dp or pp rank), the same names in the same order and the same bits on each;
     other ranks yield nothing. Routed experts are gathered over the expert-parallel group as
-    well (its ranks are data-parallel ranks 0..ep-1): each local expert k of the dp0 rank is
-    followed by expert r * E/ep + k of every other EP rank r. `only`: just the names starting
-    with one of these prefixes. `merged=False`: a LoRA model's base weights as they are, without
-    their adapters' update (what an engine that applies the adapters itself takes)."""
+    well: each local expert k is followed by expert r * E/ep + k of every other EP rank r, as EP
+    rank 0 numbers them. `only`: just the names starting with one of these prefixes.
+    `merged=False`: a LoRA model's base weights as they are, without their adapters' update (what
+    an engine that applies the adapters itself takes)."""
     entries = [(n, r, p) for n, r, p in model.named_parameters() if r.export and n.startswith(only or "")]
     return _iter_full(model, entries, dst, merged_shard if merged else torch.Tensor.detach)
 
 
-def iter_adapter_tensors(model: MegatronModel, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_adapter_tensors(model: MegatronModel, dst: int | Collection[int] = 0
+                         ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Collective, as `iter_full_params`: (HF module name, 'lora_A' | 'lora_B', full tensor) of a
-    LoRA model's adapters on rank `dst`, in peft's form: one (A, B) per HF projection, so an
+    LoRA model's adapters on each rank in `dst`, in peft's form: one (A, B) per HF projection, so an
     adapter of a fused Megatron layer (qkv, gate|up) is split like its weight, B by rows, and
     its A is shared by the projections it fuses (the same update, W_q + s B_q A, ...)."""
     entries = []
@@ -161,55 +177,77 @@ def iter_adapter_tensors(model: MegatronModel, dst: int = 0) -> Iterator[tuple[s
 
 
 @torch.no_grad()
-def _iter_full(model: MegatronModel, entries: list, dst: int, value) -> Iterator[tuple[str, torch.Tensor]]:
-    """`iter_full_params` over (global name, rule, parameter) `entries`, each gathered as `value(parameter)`."""
+def _iter_full(model: MegatronModel, entries: list, dst: int | Collection[int], value
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_full_params` over (global name, rule, parameter) `entries`, each gathered as `value(parameter)`.
+
+    Per stage s, the stage-s rank of every taking-part pipeline gathers each tensor over TP (and
+    experts over EP); the rank of a pipeline that holds receivers sends it to those at other stages
+    and yields it if it receives itself. A dp rank with no receiver whose EP group holds one
+    gathers only its experts (its EP peers need them)."""
     ps = model.ps
-    if ps.dp_rank >= ps.ep:  # a replica (data or expert-data parallel) of what ranks below hold
-        return
-    experts_only = ps.dp_rank != 0  # ep_rank > 0: contributes its experts, nothing else
+    receivers = frozenset((dst,) if isinstance(dst, int) else dst)
+    assert all(0 <= r < ps.world_size for r in receivers), f"receivers {sorted(receivers)} outside the world"
+    _check_rank_order(ps)
+    receiving_dp = {_dp_rank(r, ps) for r in receivers}
+    if not any(d // ps.ep == ps.dp_rank // ps.ep for d in receiving_dp):
+        return  # no receiver among the pipelines of this rank's EP group
+    experts_only = ps.dp_rank not in receiving_dp
     local = [(n, r, p) for n, r, p in entries if r.expert or not experts_only]
-    pp_ranks = dist.get_process_group_ranks(ps.pp_group)
-    for stage in range(ps.pp):
-        if experts_only:
-            if ps.pp_rank == stage:
-                for _, rule, param in local:
-                    _gather_ep(_gather_tp(value(param), rule, ps), ps)
-            continue
+    pipeline = dist.get_process_group_ranks(ps.pp_group)  # this rank's pipeline, one rank per stage
+    for stage, source in enumerate(pipeline):
+        targets = [r for r in pipeline if r in receivers and r != source]  # receivers the stage sends to
         meta = None
-        if ps.pp_rank == stage:
+        if ps.pp_rank == stage and targets:
             meta = [(n, _full_shape(p.shape, r.tp_dim, ps.tp), p.dtype) for n, r, p in local
                     for n in _expert_names(n, r, model)]
-        if ps.tp_rank == 0 and ps.pp > 1:
+        if targets:
             box = [meta]
-            dist.broadcast_object_list(box, src=pp_ranks[stage], group=ps.pp_group)
+            dist.broadcast_object_list(box, src=source, group=ps.pp_group)
             meta = box[0]
-        if ps.pp_rank != stage and ps.rank != dst:
-            continue
         if ps.pp_rank == stage:
             for name, rule, param in local:
                 full = _gather_tp(value(param), rule, ps)
                 fulls = _gather_ep(full, ps) if rule.expert else [full]
-                if ps.tp_rank != 0:
+                if experts_only:  # gathered for the EP peers' receivers
                     continue
                 for global_name, tensor in zip(_expert_names(name, rule, model), fulls):
-                    if ps.rank == dst:
+                    for target in targets:
+                        dist.send(tensor.contiguous(), dst=target, group=ps.pp_group)
+                    if ps.rank in receivers:
                         yield global_name, tensor
-                    else:
-                        dist.send(tensor.contiguous(), dst=dst)
-        else:
+        elif ps.rank in receivers:
             for name, shape, dtype in meta:
                 buf = torch.empty(shape, dtype=dtype, device=ps.device)
-                dist.recv(buf, src=pp_ranks[stage])
+                dist.recv(buf, src=source, group=ps.pp_group)
                 yield name, buf
 
 
+def _dp_rank(rank: int, ps) -> int:
+    """The data-parallel rank of global `rank` (module docstring: Megatron-Core's rank order)."""
+    return rank // ps.tp % ps.dp
+
+
+def _check_rank_order(ps) -> None:
+    """Assert that this rank's groups are laid out as `_dp_rank` reads the order: its pipeline at
+    its dp rank, its DP group over dp ranks 0..dp-1, its EP group over `ep` consecutive dp ranks."""
+    pipeline = dist.get_process_group_ranks(ps.pp_group)
+    assert [_dp_rank(r, ps) for r in pipeline] == [ps.dp_rank] * ps.pp, (pipeline, ps)
+    assert [_dp_rank(r, ps) for r in dist.get_process_group_ranks(ps.dp_group)] == list(range(ps.dp)), ps
+    if ps.ep > 1:
+        first = ps.dp_rank - ps.ep_rank
+        ep_group = dist.get_process_group_ranks(ps.ep_group)
+        assert first % ps.ep == 0 and [_dp_rank(r, ps) for r in ep_group] == list(range(first, first + ps.ep)), ps
+
+
 def _expert_names(name: str, rule, model: MegatronModel) -> list[str]:
-    """[name], or for a routed expert of EP rank 0 the names of the same local expert on
-    every EP rank, in EP-rank order (`_gather_ep`'s order)."""
-    if not rule.expert or model.ps.ep == 1:
+    """[name], or for a routed expert (global name on this EP rank) the names of the same local
+    expert on every EP rank, in EP-rank order (`_gather_ep`'s order)."""
+    ps = model.ps
+    if not rule.expert or ps.ep == 1:
         return [name]
-    per_rank = model.dims.num_experts // model.ps.ep
-    return [global_param_name(name, 0, r * per_rank) for r in range(model.ps.ep)]
+    per_rank = model.dims.num_experts // ps.ep
+    return [global_param_name(name, 0, (r - ps.ep_rank) * per_rank) for r in range(ps.ep)]
 
 
 def _gather_ep(full: torch.Tensor, ps) -> list[torch.Tensor]:
@@ -229,9 +267,9 @@ def _gather_tp(shard: torch.Tensor, rule, ps) -> torch.Tensor:
     return merge_tp_shards(parts, rule)
 
 
-def iter_hf_tensors(model: MegatronModel, dst: int = 0, only: tuple[str, ...] = (),
+def iter_hf_tensors(model: MegatronModel, dst: int | Collection[int] = 0, only: tuple[str, ...] = (),
                     merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """`iter_full_params` through the name map: (HF name, tensor) on rank `dst`."""
+    """`iter_full_params` through the name map: (HF name, tensor) on each rank in `dst`."""
     for name, full in iter_full_params(model, dst, only, merged):
         rule = model.name_map.rule(name)
         yield from zip(rule.hf, rule.to_hf(full))

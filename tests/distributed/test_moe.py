@@ -4,7 +4,9 @@ workers/moe_worker.py: logits equal transformers' (<= 1e-4), gradients equal tra
 (the EP=1 reference) after Megatron's data / expert-data-parallel sums, and the gather back
 to per-expert HF checkpoint names is bit-exact, and the router metrics (aux loss, expert load,
 tokens dropped) equal those of transformers' routers, at EP2 (2 ranks) and PP2xEP2 (4 ranks; TP>1
-with MoE needs sequence parallelism, which is GPU-only). workers/bridge_worker.py at EP2:
+with MoE needs sequence parallelism, which is GPU-only); full tensors stream to several receiving
+ranks as to rank 0 (workers/receivers_check.py), at 4 ranks also at DP4xEP2 (two EP groups) and
+for a dense model at TP2xPP2. workers/bridge_worker.py at EP2:
 a sync into the hf engine (transformers' fused experts) is bit-exact, fingerprints compare
 per checkpoint name, and the engine's log-probs equal the Megatron actor's.
 workers/checkpoint_worker.py with `moe` at EP2: exact resume, weights resharded to EP1 bit for bit,
@@ -29,6 +31,10 @@ def test_moe_matches_transformers(nproc, layout):
     for family in FAMILIES:
         assert f"OK {family} logits left-padded" in out and f"OK {family} gather bit-exact" in out
         assert out.count(f"OK {family} grads") == nproc and f"OK {family} router metrics" in out
+    tp, pp, ep = layout
+    assert f"OK receivers qwen3_moe tp={tp} pp={pp} dp={nproc // (tp * pp)} ep={ep}" in out
+    if nproc == 4:
+        assert "OK receivers qwen3_moe tp=1 pp=1 dp=4 ep=2" in out and "OK receivers llama tp=2 pp=2 dp=1 ep=1" in out
 
 
 def test_moe_bridge_sync_at_ep2():

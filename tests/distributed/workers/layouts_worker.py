@@ -5,7 +5,8 @@ usage: torchrun --nproc_per_node 2 layouts_worker.py
 The default layout is TP=2; `add_layout` adds PP=2 and DP=2 over the same two ranks. Models
 built in each layout are checked against transformers (logits, critic values) and trained
 against a plain-torch AdamW reference, interleaving the layouts so that each one's Megatron
-state (groups, schedules, DDP, optimizer) must be restored correctly every time.
+state (groups, schedules, DDP, optimizer) must be restored correctly every time. In each,
+full tensors stream to several receiving ranks as to rank 0 (workers/receivers_check.py).
 """
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from megappo.parallel.state import add_layout, init_parallel
 from model_worker import check_critic, check_lm
+from receivers_check import check_receivers
 from training_worker import check as check_training
 
 
@@ -29,6 +31,8 @@ def main():
         check_critic(ps, "qwen2", input_ids)
     for ps, dist_opt in ((pp2, False), (dp2, True), (tp2, False)):
         check_training(ps, "llama", dist_opt)
+    for ps in (tp2, pp2, dp2):
+        check_receivers(ps, "llama")
     dist.barrier()
     if tp2.rank == 0:
         print("ALL OK", flush=True)

@@ -10,7 +10,10 @@ rank); the reference is transformers' model on the whole batch. Built from confi
      expert grads over the expert-data-parallel group (what Megatron's DDP reduces);
   3. gathering back to HF checkpoint names (experts over EP and TP) is bit-exact;
   4. the router metrics (load-balancing loss, per-layer expert load, tokens dropped) reduced
-     over all ranks equal those computed from transformers' routers on the whole batch.
+     over all ranks equal those computed from transformers' routers on the whole batch;
+  5. full tensors stream to several receiving ranks as to rank 0 (workers/receivers_check.py,
+     Qwen3-MoE), and at 4 ranks in two more layouts over the same ranks: TP=1 x EP=2 x DP=4 (two
+     EP groups) and a dense Llama at TP=2 x PP=2.
 Prints "OK <check>" lines; any failure raises.
 """
 
@@ -27,7 +30,8 @@ from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.models.moe_metrics import RouterStats
 from megappo.models.name_map import shard_for_tp
 from megappo.models.weights import iter_hf_tensors, load_hf_weights
-from megappo.parallel.state import init_parallel
+from megappo.parallel.state import add_layout, init_parallel
+from receivers_check import check_receivers
 
 TOL = 1e-4
 ROWS = 4  # rows per data-parallel rank
@@ -158,6 +162,10 @@ def main():
     attn[ROWS - 1, :5] = 0
     for family in families:
         check(ps, family, input_ids, attn)
+    check_receivers(ps, "qwen3_moe")
+    if ps.world_size == 4:
+        check_receivers(add_layout(ps, 1, 1, ep=2), "qwen3_moe")
+        check_receivers(add_layout(ps, 2, 2), "llama")
     dist.barrier()
     if ps.rank == 0:
         print("ALL OK", flush=True)
