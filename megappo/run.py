@@ -52,6 +52,7 @@ from megappo.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.engines import engine_for
+from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders
 from megappo.rollout.schedule import SCHEDULES
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
@@ -515,15 +516,29 @@ def _batching(cfg: Config, role: str) -> MicroBatching:
 
 def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, actor_model: MegatronModel,
                        total_steps: int, *, routing_replay: bool) -> tuple[Any, Any, WeightBridge]:
-    """Collective: (engine, rollout schedule, bridge). Rank 0 holds the engine (megappo.rollout.engines)
-    behind the schedule of rollout.mode; the other ranks hold None for both and send through the bridge."""
-    engine = rollouts = None
-    if ps.is_rank0:
-        engine = engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device)
-        rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit)
+    """Collective: (engine, rollout schedule, bridge). Every replica's leader (megappo.rollout.replicas: rank 0
+    alone with rollout.replicas=1) builds an engine (megappo.rollout.engines); rank 0 holds them all as one (a
+    ReplicaSet when there are several) behind the schedule of rollout.mode, the other leaders serve theirs to it,
+    and every rank sends through the bridge; ranks other than 0 hold None for engine and schedule."""
+    leader_ranks = replica_leaders(ps.world_size, cfg.rollout.replicas)
+
+    def build(save_init: bool = True):
+        return engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device,
+                          local_rank=ps.local_rank, save_init=save_init)
+
+    engine = build() if ps.is_rank0 else None
+    if len(leader_ranks) > 1:
+        writes_init = cfg.rollout.engine == "sglang" and not cfg.model.path  # rank 0 wrote SGLang's starting copy
+        if writes_init:
+            torch.distributed.barrier()
+        if ps.rank in leader_ranks[1:]:
+            engine = build(save_init=not writes_init)
+    engine, replica = connect_replicas(ps.rank, leader_ranks, engine, pad_token_id=source.tokenizer.pad_token_id,
+                                       bucket_bytes=cfg.rollout.update_bucket_mb << 20)
+    rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit) if ps.is_rank0 else None
     bridge = WeightBridge(actor_model, rollouts.gated(engine) if rollouts else None,
                           bucket_bytes=cfg.rollout.update_bucket_mb << 20, verify_every=cfg.rollout.verify_every,
-                          lora_sync=cfg.rollout.lora_sync)
+                          lora_sync=cfg.rollout.lora_sync, receivers=leader_ranks, replica=replica)
     return engine, rollouts, bridge
 
 
@@ -575,12 +590,21 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
           f"critic={'on' if roles.critic else 'off'} ref={_ref_note(cfg) if roles.ref else 'off'}"
           f"{_lora_note(cfg)} | "
           f"estimator={cfg.algorithm.adv_estimator} env={cfg.rollout.env}"
-          f"{f' reward_workers={cfg.reward.num_workers}' if cfg.reward.num_workers else ''}", flush=True)
+          f"{f' reward_workers={cfg.reward.num_workers}' if cfg.reward.num_workers else ''}"
+          f"{_replicas_note(cfg, ps.world_size)}", flush=True)
     if any(state is not ps for state in layouts.values()):
         print("megappo: per-role layouts: " + ", ".join(
             f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
             for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)]), flush=True)
     return logger, progress
+
+
+def _replicas_note(cfg: Config, world_size: int) -> str:
+    """' rollout_replicas=2 (ranks 0, 1)' with several engine replicas (megappo.rollout.replicas), else ''."""
+    if cfg.rollout.replicas == 1:
+        return ""
+    ranks = ", ".join(map(str, replica_leaders(world_size, cfg.rollout.replicas)))
+    return f" rollout_replicas={cfg.rollout.replicas} (ranks {ranks})"
 
 
 def _ref_note(cfg: Config) -> str:

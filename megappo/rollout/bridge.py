@@ -18,6 +18,12 @@ Verification (every `verify_every` syncs; 0 = never): the trainer side fingerpri
 tensor as it is sent, the engine fingerprints what it holds afterwards, and any difference
 raises `WeightSyncError` on every rank (an error, not a warning).
 
+Several rollout replicas (megappo.rollout.replicas; `receivers`: the replicas' leader ranks): every
+leader gets the full tensors from its own pipeline's ranks (megappo.models.weights), not through rank
+0. Rank 0 streams its copy into its ReplicaSet, led by the sync's id (`SYNC_ID`); another leader hands
+an owned copy to its `ReplicaServer`, which applies it when rank 0's ReplicaSet asks for that sync and
+verifies it there. The other ranks only take part in the gathers.
+
 `logprob_mismatch` measures the engine's rollout log-probs against the trainer's
 recomputed ones for the same tokens; the trainer logs it every step.
 
@@ -38,6 +44,7 @@ from megappo.models.weights import iter_adapter_tensors, iter_hf_tensors
 from megappo.rollout.engine import (
     Bucket, RolloutEngine, WeightSyncError, compare_fingerprints, iter_buckets,
 )
+from megappo.rollout.replicas import SYNC_ID, ReplicaServer
 
 
 @dataclasses.dataclass
@@ -58,15 +65,19 @@ LORA_SYNCS = ("merged", "adapters")
 
 
 class WeightBridge:
-    """Streams the actor's weights into a rollout engine held by global rank 0."""
+    """Streams the actor's weights into the rollout engine(s): rank 0's, and every replica's whose leader
+    is in `receivers` (with `replica`, this rank's ReplicaServer, on those leaders)."""
 
     def __init__(self, model: MegatronModel, engine: RolloutEngine | None, *, bucket_bytes: int = 512 << 20,
-                 verify_every: int = 1, engine_dtype: torch.dtype | None = None, lora_sync: str = "merged"):
+                 verify_every: int = 1, engine_dtype: torch.dtype | None = None, lora_sync: str = "merged",
+                 receivers: tuple[int, ...] = (0,), replica: ReplicaServer | None = None):
         if model.ps.rank == 0 and engine is None:
             raise ValueError("global rank 0 owns the rollout engine; pass it to the bridge there")
         assert lora_sync in LORA_SYNCS, lora_sync
         assert lora_sync == "merged" or model.lora.enabled, "adapter-only sync of a model without adapters"
+        assert receivers[0] == 0 and (replica is not None) == (model.ps.rank in receivers[1:]), (receivers, replica)
         self.model, self.engine = model, engine
+        self.receivers, self.replica = tuple(receivers), replica
         self.bucket_bytes, self.verify_every = bucket_bytes, verify_every
         self.engine_dtype = engine_dtype
         self.adapters_only = lora_sync == "adapters"
@@ -75,15 +86,15 @@ class WeightBridge:
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: this sync's (HF name, tensor) pairs on rank 0 (every rank must drain it)."""
         if not self.adapters_only:
-            yield from iter_hf_tensors(self.model)
+            yield from iter_hf_tensors(self.model, self.receivers)
             return
         if self.syncs == 1:  # the engine's base becomes exactly the trainer's
-            yield from iter_hf_tensors(self.model, merged=False)
+            yield from iter_hf_tensors(self.model, self.receivers, merged=False)
         else:
             saved = self.model.lora.trained_prefixes(self.model.dims.tie_word_embeddings)
             if saved:
-                yield from iter_hf_tensors(self.model, only=saved)
-        for module, which, tensor in iter_adapter_tensors(self.model):
+                yield from iter_hf_tensors(self.model, self.receivers, only=saved)
+        for module, which, tensor in iter_adapter_tensors(self.model, self.receivers):
             yield f"{module}.{which}.weight", tensor
 
     def _stream(self, stats: SyncStats, fingerprints: dict[str, torch.Tensor] | None) -> Iterator[Bucket]:
@@ -97,6 +108,8 @@ class WeightBridge:
                 stats.bytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
+        if len(self.receivers) > 1:  # which sync this is, for the other replicas (megappo.rollout.replicas)
+            yield [(SYNC_ID, torch.tensor(self.syncs))]
         for bucket in iter_buckets(tensors(), self.bucket_bytes):
             stats.buckets += 1
             yield bucket
@@ -114,6 +127,10 @@ class WeightBridge:
             if self.adapters_only and self.syncs == 1:
                 self.engine.enable_adapters(self.model.lora.scale)
             self.engine.update_weights(self._stream(stats, expected))
+        elif self.replica is not None:  # owned copies: the replica applies them when rank 0 says so
+            dtype = self.engine_dtype
+            self.replica.stage(self.syncs, [(name, tensor.to(dtype, copy=True) if dtype else tensor.clone())
+                                            for name, tensor in self._hf_tensors()], verify)
         else:
             for _ in self._hf_tensors():
                 pass

@@ -36,11 +36,14 @@ def build_engine(name: str, **kwargs) -> RolloutEngine:
     return ENGINES[name](**kwargs)
 
 
-def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device: torch.device) -> RolloutEngine:
+def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device: torch.device,
+               local_rank: int = 0, save_init: bool = True) -> RolloutEngine:
     """The engine `cfg.rollout` names, holding the initial weights. `hf_model`: the transformers
     model built from `model.hf_config` (None when the weights come from `model.path`);
     `return_routes`: the trainer replays the engine's expert choices (routing replay); `device`:
-    the trainer's (the hf engine runs on a CUDA trainer's GPU in the model dtype)."""
+    the trainer's (the hf engine runs on a CUDA trainer's GPU in the model dtype); `local_rank`:
+    the building rank's on its node (a colocated SGLang replica starts on that rank's GPU);
+    `save_init`: write SGLang's copy of a model from `model.hf_config` (False: rank 0 wrote it)."""
     if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
         source = HFModelSource(path=cfg.model.path, hf_config=cfg.model.hf_config, seed=cfg.model.seed_init)
         return RemoteEngine(source, pad_token_id=tokenizer.pad_token_id, cores=cfg.rollout.engine_cores)
@@ -58,8 +61,10 @@ def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device:
     model_path = cfg.model.path
     if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk
         model_path = os.path.join(cfg.run.output_dir, "engine-init")
-        hf_model.save_pretrained(model_path)
+        if save_init:
+            hf_model.save_pretrained(model_path)
+    placement = {"base_gpu_id": local_rank} if local_rank and device.type == "cuda" else {}  # colocated replicas
     return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
                         engine_args={**({"enable_return_routed_experts": True} if return_routes else {}),
-                                     **cfg.rollout.sglang})
+                                     **placement, **cfg.rollout.sglang})

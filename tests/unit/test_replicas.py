@@ -1,0 +1,56 @@
+"""Rank 0's side of rollout replicas (megappo.rollout.replicas) without processes: where the replicas
+live, how a call's prompts are split, and what a weight update must carry."""
+
+import pytest
+import torch
+
+from megappo.rollout.replicas import SYNC_ID, ReplicaSet, leaders, split_prompts
+
+
+def test_leaders_spread_evenly_over_the_job():
+    assert leaders(8, 1) == (0,)
+    assert leaders(8, 2) == (0, 4)  # two nodes of 4: one replica each
+    assert leaders(8, 8) == tuple(range(8))
+    assert leaders(6, 4) == (0, 1, 3, 4)
+    with pytest.raises(ValueError, match="rollout.replicas=3 needs 1 <= replicas <= the job's 2 rank"):
+        leaders(2, 3)
+
+
+def spans_cover(spans, count):
+    return spans[0][0] == 0 and spans[-1][1] == count and all(a < b for a, b in spans) and all(
+        prev[1] == nxt[0] for prev, nxt in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("count,parts", [(1, 1), (7, 2), (7, 4), (3, 4), (64, 8), (5, 5)])
+def test_split_gives_contiguous_non_empty_chunks_of_whole_prompts(count, parts):
+    prompts = [[1] * (1 + (7 * i) % 11) for i in range(count)]
+    spans = split_prompts(prompts, parts, max_new_tokens=16)
+    assert len(spans) == min(count, parts) and spans_cover(spans, count)
+
+
+def test_split_balances_expected_tokens_not_prompt_counts():
+    # one long prompt then many short ones: the first replica takes the long one and few others
+    prompts = [[1] * 200] + [[1] * 4] * 30
+    (a, b), (c, d) = split_prompts(prompts, 2, max_new_tokens=8)
+    weight = [len(p) + 8 for p in prompts]
+    first, second = sum(weight[a:b]), sum(weight[c:d])
+    assert b - a < d - c and abs(first - second) <= max(weight)
+    # equal prompts: equal shares (a prompt at most apart)
+    spans = split_prompts([[1, 2]] * 10, 4, max_new_tokens=8)
+    assert sorted(b - a for a, b in spans) == [2, 2, 3, 3]
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def update_weights(self, buckets):
+        self.calls.append([name for bucket in buckets for name, _ in bucket])
+
+
+def test_an_update_without_its_sync_id_is_refused():
+    engine = ReplicaSet(Recorder(), [], pad_token_id=0)
+    with pytest.raises(ValueError, match="starts with the sync's id"):
+        engine.update_weights([[("w", torch.zeros(2))]])
+    engine.update_weights([[(SYNC_ID, torch.tensor(1))], [("w", torch.zeros(2))]])
+    assert engine.local.calls == [["w"]]  # rank 0's engine never sees the id
