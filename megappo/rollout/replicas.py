@@ -52,6 +52,7 @@ import pickle
 import socket
 import sys
 import threading
+import traceback
 from multiprocessing.connection import Client, Listener
 from typing import Any, Iterable, Sequence
 
@@ -111,7 +112,7 @@ class _Client:
     def __init__(self, index: int, rank: int, address: tuple[str, int], authkey: bytes):
         self.index, self.rank = index, rank
         self.where = f"rollout replica {index} (global rank {rank})"
-        self._conn = Client(address, authkey=authkey)
+        self._conn = _no_delay(Client(address, authkey=authkey))
         self._lock = threading.Lock()
 
     def call(self, op: str, *args) -> Any:
@@ -252,7 +253,7 @@ class ReplicaServer:
 
     def _serve(self) -> None:
         try:
-            conn = self._listener.accept()
+            conn = _no_delay(self._listener.accept())
         finally:
             self._listener.close()
         with conn:
@@ -268,8 +269,17 @@ class ReplicaServer:
                 try:
                     reply = ("ok", self._handle(op, args))
                 except Exception as e:  # noqa: BLE001 - rank 0 raises it, naming this replica
+                    traceback.print_exc()  # where, on this rank's stderr
                     reply = ("error", (type(e).__name__, str(e)))
                 _send(conn, reply)
+
+
+def _no_delay(conn):
+    """The connection with Nagle's algorithm off: a large message goes as its length, then its bytes, and
+    the bytes would otherwise wait for the peer's delayed ACK of the length (40 ms a request)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
 
 
 def _send(conn, obj) -> None:

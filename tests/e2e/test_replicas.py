@@ -26,6 +26,11 @@ CASES = {
                                "algorithm.adv_estimator=grpo", "rollout.n=4", "data.train_batch_size=16",
                                "actor.ppo_mini_batch_size=16"],
     "multiturn": ["recipes/demo-multiturn-cpu.yaml", "run.total_steps=2", "run.val_every=2"],
+    "lora+adapter_sync": ["recipes/demo-cpu.yaml", "run.total_steps=3", "actor.lora.rank=8",
+                          "actor.lora.modules_to_save=[lm_head]", "actor.optim.lr=3e-3", "critic.lora.rank=8",
+                          "rollout.lora_sync=adapters"],
+    "moe+routing_replay": ["recipes/demo-moe-cpu.yaml", "run.total_steps=3", "actor.moe_routing=replay",
+                           "actor.use_kl_loss=true"],
 }
 
 
