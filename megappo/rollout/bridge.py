@@ -21,7 +21,7 @@ raises `WeightSyncError` on every rank (an error, not a warning).
 Several rollout replicas (megappo.rollout.replicas; `receivers`: the replicas' leader ranks): every
 leader gets the full tensors from its own pipeline's ranks (megappo.models.weights), not through rank
 0. Rank 0 streams its copy into its ReplicaSet, led by the sync's id (`SYNC_ID`); another leader hands
-an owned copy to its `ReplicaServer`, which applies it when rank 0's ReplicaSet asks for that sync and
+a copy in host memory to its `ReplicaServer` (not a second copy of the model on its GPU), which applies it when rank 0's ReplicaSet asks for that sync and
 verifies it there. The other ranks only take part in the gathers.
 
 `logprob_mismatch` measures the engine's rollout log-probs against the trainer's
@@ -127,9 +127,8 @@ class WeightBridge:
             if self.adapters_only and self.syncs == 1:
                 self.engine.enable_adapters(self.model.lora.scale)
             self.engine.update_weights(self._stream(stats, expected))
-        elif self.replica is not None:  # owned copies: the replica applies them when rank 0 says so
-            dtype = self.engine_dtype
-            self.replica.stage(self.syncs, [(name, tensor.to(dtype, copy=True) if dtype else tensor.clone())
+        elif self.replica is not None:  # host copies: the replica applies them when rank 0 says so
+            self.replica.stage(self.syncs, [(name, tensor.to("cpu", self.engine_dtype or tensor.dtype, copy=True))
                                             for name, tensor in self._hf_tensors()], verify)
         else:
             for _ in self._hf_tensors():

@@ -159,7 +159,7 @@ class ReplicaSet:
                 params, sample_window=(span[0] * params.n, total))
 
         futures = [self._pool.submit(c.call, "generate", *part(span)) for c, span in zip(self.clients, spans[1:])]
-        parts = [self.local.generate(*part(spans[0]))] + [f.result() for f in futures]
+        parts = [_on_host(self.local.generate(*part(spans[0])))] + [f.result() for f in futures]
         return concat(parts, self.pad_token_id)
 
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
