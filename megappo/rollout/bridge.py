@@ -21,8 +21,9 @@ raises `WeightSyncError` on every rank (an error, not a warning).
 Several rollout replicas (megappo.rollout.replicas; `receivers`: the replicas' leader ranks): every
 leader gets the full tensors from its own pipeline's ranks (megappo.models.weights), not through rank
 0. Rank 0 streams its copy into its ReplicaSet, led by the sync's id (`SYNC_ID`); another leader hands
-a copy in host memory to its `ReplicaServer` (not a second copy of the model on its GPU), which applies it when rank 0's ReplicaSet asks for that sync and
-verifies it there. The other ranks only take part in the gathers.
+a copy in host memory (not a second model on its GPU) to its `ReplicaServer`, which applies it when
+rank 0's ReplicaSet asks for that sync and verifies it there. The other ranks only take part in the
+gathers.
 
 `logprob_mismatch` measures the engine's rollout log-probs against the trainer's
 recomputed ones for the same tokens; the trainer logs it every step.
