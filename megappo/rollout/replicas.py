@@ -59,6 +59,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from megappo.errors import ConfigError
 from megappo.rollout.batches import concat
 from megappo.rollout.engine import (
     Bucket, EngineCrashed, RolloutEngine, WeightSyncError, compare_fingerprints, iter_buckets,
@@ -72,7 +73,7 @@ SYNC_ID = "megappo.sync_id"
 def leaders(world_size: int, replicas: int) -> tuple[int, ...]:
     """The global ranks that hold the replicas' engines: replica i on rank i * world_size // replicas."""
     if not 1 <= replicas <= world_size:
-        raise ValueError(f"rollout.replicas={replicas} needs 1 <= replicas <= the job's {world_size} rank(s). "
+        raise ConfigError(f"rollout.replicas={replicas} needs 1 <= replicas <= the job's {world_size} rank(s). "
                          f"Fix: set rollout.replicas between 1 and {world_size}.")
     return tuple(i * world_size // replicas for i in range(replicas))
 
