@@ -6,8 +6,11 @@ response lengths, everything computed from them equal), and every metric agrees 
 engines' log-probs of the same tokens, computed in batches of other shapes, differ by float rounding;
 measured: 0 on these runs). The cases cover every path that generates: sync with validation (its
 prompts split too), async (a generation thread of rank 0 that drives both replicas, weight updates
-staged and applied in its order) with dynamic sampling's rounds (GRPO), and multi-turn
-episodes (each turn's engine call split over the replicas). The two-node case is in test_two_nodes.py.
+staged and applied in its order) with dynamic sampling's rounds (GRPO), multi-turn
+episodes (each turn's engine call split over the replicas), LoRA with adapter-only sync (the base
+weights then only the adapters and lm_head reach both replicas, each enabling adapters first), and
+the MoE demo (EP2) with routing replay (each replica records its samples' expert routes; joined in
+order, the actor and reference passes replay them). The two-node cases are in test_two_nodes.py.
 """
 
 import os

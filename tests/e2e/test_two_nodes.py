@@ -3,8 +3,10 @@ tools/launch/slurm_multinode.sbatch (`--nnodes 2 --rdzv-backend c10d --rdzv-endp
 --max-restarts 0`) started twice, as two agents, each in its own session (a node that can be
 killed as a whole), running the CPU demo over gloo.
 
-- TP2 inside a node x DP2 across the two (4 ranks), and losing a node: SIGKILL of every process
-  of node 1 (as a node that goes down; node 0's agent hosts the ranks' store) in the middle of
+- TP2 inside a node x DP2 across the two (4 ranks) with a rollout engine replica on each node
+  (rollout.replicas=2: global ranks 0 and 2; rank 0's generation and weight-apply requests reach
+  node 1's replica over TCP), and losing a node: SIGKILL of every process of node 1 (as a node
+  that goes down, its replica with it; node 0's agent hosts the ranks' store) in the middle of
   step 4's save: the other node's ranks stop at once, one line names the lost node and its
   ranks, no process of the run is left, and a rerun resumes from step 2, the last complete
   checkpoint; the run's metrics (steps 1-2 before the kill, 3-4 after) equal the same layout's
@@ -14,7 +16,9 @@ killed as a whole), running the CPU demo over gloo.
   store, in one line.
 - SIGTERM to one node only (SLURM preempting it), node 1 or node 0 (whose agent hosts the store):
   every rank stops at a step boundary with a checkpoint on every rank; never a hang (bounded waits).
-- PP2 across the nodes (1 rank per node): the same metrics as PP2 on one node.
+- PP2 across the nodes (1 rank per node): the same metrics as PP2 on one node, bitwise; with one
+  engine on rank 0, and with a rollout replica per node (rollout.replicas=2: ranks 0 and 1, each
+  replica's weight gather taking the other stage from the other node).
 
 Marked `multinode` (pytest -m multinode runs them alone). Every process of a node is found by a
 marker in its environment (inherited by every child).
@@ -152,7 +156,10 @@ def one_node(out: str, world: int, overrides: list[str]) -> str:
     return out
 
 
-TP2 = ["run.total_steps=4"]  # the recipe's TP=2: a node's 2 ranks are a TP group, DP across the nodes
+# the recipe's TP=2: a node's 2 ranks are a TP group, DP across the nodes; a rollout replica on each node
+# (global ranks 0 and 2), generation requests crossing to node 1
+REPLICAS = ["rollout.replicas=2"]
+TP2 = ["run.total_steps=4", *REPLICAS]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +198,7 @@ def kill_a_node(nodes: Nodes, node: int, mid_save: bool) -> tuple[str, list[int]
 
 def test_losing_a_node_stops_the_other_and_the_rerun_resumes(straight, tmp_path):
     out = str(tmp_path / "run")
-    nodes = Nodes(out, 2, ["run.total_steps=40"])  # long enough that the kill lands mid-run
+    nodes = Nodes(out, 2, ["run.total_steps=40", *REPLICAS])  # long enough that the kill lands mid-run
     try:
         text, ranks, stopped_in = kill_a_node(nodes, 1, mid_save=True)
     finally:
@@ -213,6 +220,7 @@ def test_losing_a_node_stops_the_other_and_the_rerun_resumes(straight, tmp_path)
     finally:
         rerun.kill()
     assert "(step 2)" in rerun.output(tail=0), rerun.output()
+    assert " rollout_replicas=2 (ranks 0, 2)\n" in rerun.output(tail=0), rerun.output()
     assert metrics(out) == metrics(straight)
     # per node: global RANK 0-3 split by node, LOCAL_RANK 0-1 and LOCAL_WORLD_SIZE 2 on each, GROUP_RANK the node
     by_node = sorted(seen, key=lambda ranks: ranks[0]["GROUP_RANK"])
@@ -276,11 +284,17 @@ def test_sigterm_to_one_node_stops_every_rank_with_a_checkpoint(tmp_path, node):
 PP2 = ["parallel.tp=1", "parallel.pp=2", "run.total_steps=2"]
 
 
-def test_pipeline_across_two_nodes_matches_one_node(tmp_path):
-    """PP2 with one rank per node: every activation and gradient crosses the node boundary."""
-    nodes = Nodes(str(tmp_path / "run"), 1, PP2)
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one-engine", "replica-per-node"])
+def test_pipeline_across_two_nodes_matches_one_node(tmp_path, replicas):
+    """PP2 with one rank per node: every activation and gradient crosses the node boundary. With a
+    rollout replica per node (global ranks 0 and 1), each replica's weight gather takes the other
+    stage from the other node, and rank 0's generation requests reach node 1's replica over TCP."""
+    overrides = [*PP2, f"rollout.replicas={replicas}"]
+    nodes = Nodes(str(tmp_path / "run"), 1, overrides)
     try:
         assert nodes.wait() == [0, 0], nodes.output()
     finally:
         nodes.kill()
-    assert metrics(str(tmp_path / "run")) == metrics(one_node(str(tmp_path / "one"), 2, PP2))
+    said = " rollout_replicas=2 (ranks 0, 1)\n" in nodes.output(tail=0)
+    assert said == (replicas == 2), nodes.output()
+    assert metrics(str(tmp_path / "run")) == metrics(one_node(str(tmp_path / "one"), 2, overrides))
