@@ -3,7 +3,7 @@
 generation batch or reach max_num_gen_batches (on_limit=fill):
 
 - a run killed after its step-2 checkpoint and resumed ends bit-identical (metrics, exported
-  weights) to a straight run, in rollout.mode one_step_off and async (max_staleness 2: the
+  weights) to a straight run, in rollout.mode one_step_off (on 2 engine replicas) and async (max_staleness 2: the
   checkpoint buffers batches generated ahead, their scores and filter metrics with them; with
   run.critic_warmup=2 there, so the run resumes from a checkpoint taken in warmup), and the
   filter's metrics say what it did; sync: the multi-turn demo (environment scores) resumes
@@ -26,7 +26,9 @@ FILTER = ["algorithm.filter_groups.enable=true", "rollout.n=4", "data.train_batc
           "critic.ppo_mini_batch_size=16"]
 #: async also carries run.critic_warmup=2 (the killed run resumes from the step-2 checkpoint, taken in warmup: the
 #: actor's optimizer has taken no step) and the staleness bound 2 (the checkpoint buffers the batches generated ahead)
-MODES = {"one_step_off": ["rollout.mode=one_step_off"],
+#: one_step_off also generates on 2 engine replicas (rollout.replicas=2, one per rank: docs/engines.md#replicas), so a
+#: run with replicas resumes exactly too (the batch generated ahead, split over both, buffered in the checkpoint)
+MODES = {"one_step_off": ["rollout.mode=one_step_off", "rollout.replicas=2"],
          "async": ["rollout.mode=async", "rollout.max_staleness=2", "run.critic_warmup=2"]}
 
 
