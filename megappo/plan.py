@@ -3,7 +3,9 @@
 `make_plan(cfg, world_size=None, gpu_mem_gib=None, hf_config=None) -> Plan` checks the layout
 (`Config.validate_world` for the batch split over data-parallel replicas, `ModelDims.check_layout`
 for TP/PP/VPP against heads, query groups, FFN and layers, the SGLang engine's tp size against
-the heads) and estimates the memory of one GPU, role by role; `format_plan(plan)` prints it.
+the heads, the rollout replicas' GPUs against the nodes) and estimates the memory of each kind of GPU (a
+pipeline stage's, with or without an engine or a staged update), role by role; the plan is the worst
+GPU's, with every kind's total beside it; `format_plan(plan)` prints it.
 Layout errors raise ConfigError / ModelConfigError naming the fix (the CLI exits 2); a plan that
 does not fit exits 1, with the changes that megappo.plan_fixes finds by planning them.
 
@@ -54,28 +56,43 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   (uniform: every group of n; block: the first n layers, the others whole) plus one group's full
   activations rebuilt in backward; selective drops its modules' insides from every layer
   (core_attn: the unfused 5*a*s^2*b term; mlp: the dense 3f; moe: the experts' copies).
-  engine: `rollout.engine=sglang` is one SGLang engine started by global rank 0 on its node's
-  first `rollout.sglang.tp_size` GPUs, after the trainer's models are built, so those GPUs hold
-  everything. SGLang sizes its static pool (weights / tp + KV cache) as mem_fraction_static times
-  the memory free when it starts and leaves the rest; Adam moments (created at the first
-  optimizer step) and activations must then fit in that rest. `rollout.engine=hf` with
-  hardware.device=gpu runs on global rank 0's GPU in the model dtype (colocated;
-  `rollout.placement=separate` keeps it on the host): its weights (all parameters x dtype bytes) stay
-  there, and its preallocated KV cache holds every sample of a step at once, data.train_batch_size x
-  rollout.n rows of s positions x 2 (K, V) x layers x KV heads x head dim x dtype bytes. The KV cache is
-  freed after the generation (rollout.mode=sync), so it counts as one more phase (the largest of it
-  and the activations); with one_step_off / async, generation overlaps training and both count.
+  engines (rollout.replicas = R, megappo.rollout.replicas): replica i's engine is led by global rank
+  L_i = i * world // R and colocated with the trainer: an SGLang replica spans the GPUs of ranks
+  [L_i, L_i + rollout.sglang.tp_size) of L_i's node (its base_gpu_id is L_i's local GPU), the hf engine
+  L_i's GPU (or, hardware.device=cpu, L_i's host memory). The spans must be disjoint and each within one
+  node (`Placement`). Every GPU of a span carries its engine; a GPU of no span carries none. SGLang (per
+  engine GPU): started after the trainer's models are built, it sizes its static pool (weights / tp +
+  KV cache) as mem_fraction_static times the memory free when it starts and leaves the rest; Adam
+  moments (created at the first optimizer step) and activations must then fit in that rest. The hf
+  engine (hardware.device=gpu, rollout.placement=colocated) in the model dtype: its weights (all
+  parameters x dtype bytes) stay there, and its preallocated KV cache holds every sample of its chunk of
+  a step at once: ceil(data.train_batch_size / R) prompts x rollout.n rows (R equal chunks of whole
+  prompts, every prompt at the longest length) of s positions x 2 (K, V) x layers x KV heads x head dim x
+  dtype bytes. The KV cache is freed after the generation (rollout.mode=sync), so it counts as one more
+  phase (the largest of it and the activations); with one_step_off / async, generation overlaps
+  training and both count. `rollout.placement=separate` keeps the hf engine on the host, and
+  sync_mode=distributed SGLang on GPUs of its own (R = 1): neither is planned on the trainer's GPUs.
+  staged update: a leader other than rank 0 gathers each weight update whole from its pipeline
+  (megappo.rollout.bridge) and keeps that copy, all parameters x dtype bytes, in host memory until rank
+  0's sequence of engine calls reaches the sync and it applies it (docs/engines.md, "Replicas"; rank 0
+  streams bucket by bucket instead). A GPU plan does not count it in a GPU's total; it names those ranks
+  and the host memory each node needs for them. With hardware.device=cpu a rank's memory is host memory:
+  there it is one more phase beside the activations with rollout.mode=sync (the larger counts), and on
+  top of them with one_step_off / async, where an update may wait while the trainer runs.
   reserve: RESERVE_GIB per GPU for the CUDA context, NCCL buffers and allocator slack, and
   ENGINE_RESERVE_GIB on engine GPUs for SGLang's CUDA graphs and sampling buffers (outside its pool).
 
 It does not know the allocator's fragmentation, Transformer Engine's workspaces, NCCL's real
-buffer sizes, SGLang's internals beyond its pool formula, or several nodes' placement of rank 0;
-treat the totals as estimates within a few GiB. It imports neither torch nor megatron.
+buffer sizes, SGLang's internals beyond its pool formula, or a rank order other than node by node
+(torchrun's, which it assumes); treat the totals as estimates within a few GiB. It imports neither
+torch nor megatron.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -210,7 +227,7 @@ def total_params(d: ModelDims, *, active: bool = False) -> int:
 
 def stage_params(d: ModelDims, *, tp: int, pp: int, stage: str, value_head: bool, divisible_by: int,
                  ep: int = 1) -> float:
-    """Parameters one GPU holds on pipeline `stage` ('all' for pp=1, 'first', 'last'); MoE
+    """Parameters one GPU holds on pipeline `stage` ('all' for pp=1, 'first', 'middle', 'last'); MoE
     layers hold experts / ep."""
     h, vpad = d.hidden_size, d.padded_vocab_size(tp, divisible_by)
     n = d.num_layers // pp * layer_params(d, tp, ep)
@@ -356,6 +373,90 @@ class EngineMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the rollout engines sit on the trainer's ranks (megappo.rollout.replicas): replica i is led by
+    global rank i * world // replicas, and its engine holds the GPUs of `width` ranks from there (SGLang:
+    rollout.sglang.tp_size; the hf engine: 1; 0 when it holds none of the trainer's GPUs)."""
+
+    world: int
+    per_node: int  # ranks (GPUs) of one node; the job's ranks fill node after node
+    leaders: tuple[int, ...]
+    width: int
+
+    @property
+    def replicas(self) -> int:
+        return len(self.leaders)
+
+    @property
+    def spans(self) -> tuple[range, ...]:
+        """Each replica's ranks (GPUs), in replica order."""
+        return tuple(range(leader, leader + self.width) for leader in self.leaders)
+
+    @functools.cached_property
+    def engine_ranks(self) -> frozenset[int]:
+        return frozenset(rank for span in self.spans for rank in span)
+
+    @functools.cached_property
+    def stagers(self) -> frozenset[int]:
+        """The leaders that stage each update whole before applying it: all but rank 0."""
+        return frozenset(self.leaders[1:])
+
+    def kind(self, rank: int) -> str:
+        """'leader' (a leader other than rank 0: it stages each update), 'engine' (a GPU of an engine) or
+        'trainer' (neither)."""
+        return "leader" if rank in self.stagers else "engine" if rank in self.engine_ranks else "trainer"
+
+    @property
+    def staged_per_node(self) -> int:
+        """Staged updates one node holds at most (its leaders but rank 0)."""
+        nodes = range(self.world // self.per_node)
+        return max(sum(1 for r in self.stagers if r // self.per_node == n) for n in nodes)
+
+    def replica_of(self, rank: int) -> int:
+        """The replica whose leader is `rank`, or whose span holds it (the one led from below it)."""
+        return bisect.bisect_right(self.leaders, rank) - 1
+
+
+def replica_leaders(world_size: int, replicas: int) -> tuple[int, ...]:
+    """megappo.rollout.replicas.leaders without importing torch: replica i on rank i * world_size // replicas."""
+    return tuple(i * world_size // replicas for i in range(replicas))
+
+
+def _side_by_side(leaders: tuple[int, ...], per_node: int, width: int) -> bool:
+    """Engines of `width` GPUs from each leader are disjoint and each within one node of `per_node` GPUs."""
+    return (all(leader % per_node + width <= per_node for leader in leaders)
+            and all(b - a >= width for a, b in zip(leaders, leaders[1:])))
+
+
+def replica_counts(world_size: int, per_node: int, width: int, most: Optional[int] = None) -> list[int]:
+    """The rollout.replicas up to `most` (None: the world size) whose engines of `width` GPUs each sit side by
+    side (`_side_by_side`; every count when the engines hold no GPU)."""
+    return [r for r in range(1, min(world_size, world_size if most is None else most) + 1)
+            if _side_by_side(replica_leaders(world_size, r), per_node, width)]
+
+
+def engine_placement(cfg: Config, world_size: int, per_node: int) -> Placement:
+    """The engines' ranks (`Placement`); ConfigError naming the fix when rollout.replicas does not fit the world."""
+    r, hw = cfg.rollout, cfg.hardware
+    if r.replicas > world_size:
+        raise ConfigError(f"rollout.replicas={r.replicas} needs at least as many ranks; the world has {world_size}. "
+                          f"Fix: set rollout.replicas between 1 and {world_size}.")
+    if r.engine == "sglang":
+        width = 0 if r.sync_mode == "distributed" else _engine_args(cfg)[0]
+    else:
+        width = 1 if hw.device == "cpu" or r.placement == "colocated" else 0
+    placement = Placement(world_size, per_node, replica_leaders(world_size, r.replicas), width)
+    if not _side_by_side(placement.leaders, per_node, width):
+        spans = ", ".join(f"{s.start}-{s.stop - 1}" for s in placement.spans)
+        raise ConfigError(
+            f"rollout.replicas={r.replicas} with rollout.sglang.tp_size={width}: replica i's engine takes the GPUs of "
+            f"ranks [i x {world_size} / {r.replicas}, + {width}) ({spans}), which overlap or cross a node of "
+            f"{per_node} GPUs. Fix: choose rollout.replicas from {replica_counts(world_size, per_node, width)}, or a "
+            f"smaller rollout.sglang.tp_size.")
+    return placement
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     recipe: str
     model: str  # where the architecture came from
@@ -379,13 +480,20 @@ class Plan:
     reserve: float  # bytes on this GPU outside roles and the engine pool
     hardware: str = ""  # the machines planned and where they came from
     device: str = "gpu"  # hardware.device
-    host_engine: float = 0.0  # bytes: the hf engine's model copy on this rank (device=cpu, rank 0)
-    gpu_engine: float = 0.0  # bytes: the hf engine's weights on this GPU (device=gpu, rank 0, colocated)
+    host_engine: float = 0.0  # bytes: the hf engine's model copy on this rank (device=cpu, a replica's leader)
+    gpu_engine: float = 0.0  # bytes: the hf engine's weights on this GPU (device=gpu, a replica's leader, colocated)
     gpu_engine_kv: float = 0.0  # bytes: its KV cache during a generation
     #: the hf engine's KV cache is held during the trainer's passes: rollout.mode is not sync (generation
     #: runs during them), or rollout.hf_decode is graphs (auto: for a supported model), whose cache stays
     gen_overlaps: bool = False
     ep: int = 1  # the actor's expert-parallel size (MoE)
+    rank: int = 0  # the global rank of the GPU planned (the first of its kind on its pipeline stage)
+    placement: Optional[Placement] = None  # the rollout engines' ranks
+    #: bytes: an update staged whole on this rank until its replica applies it (device=cpu, a leader but rank 0)
+    staged: float = 0.0
+    staged_overlaps: bool = False  # rollout.mode is not sync: a staged update may wait while the trainer runs
+    #: every kind of GPU planned: (its ranks, the rank planned, its total in bytes), the worst first
+    gpus: tuple[tuple[tuple[int, ...], int, float], ...] = ()
 
     @property
     def peak_activation(self) -> RoleMemory:
@@ -398,12 +506,14 @@ class Plan:
 
     @property
     def phases(self) -> float:
-        """The largest phase's transient bytes: activations, or the hf engine's KV cache (both when
-        generation overlaps training)."""
+        """The largest phase's transient bytes: activations, the hf engine's KV cache, or a staged update
+        (the KV cache on top when generation overlaps training; all three when rollout.mode is not sync)."""
         activations = self.peak_activation.activations
+        if self.staged_overlaps:
+            return activations + self.gpu_engine_kv + self.staged
         if self.gen_overlaps:
-            return activations + self.gpu_engine_kv
-        return max(activations, self.gpu_engine_kv)
+            return max(activations, self.staged) + self.gpu_engine_kv
+        return max(activations, self.gpu_engine_kv, self.staged)
 
     @property
     def total(self) -> float:
@@ -459,7 +569,7 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
     n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by,
                      ep=cfg.expert_parallel(role))
     per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
-    logits = 0.0 if value or stage == "first" else logits_bytes(
+    logits = 0.0 if value or stage in ("first", "middle") else logits_bytes(
         d, seq=seq, micro=micro, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by,
         chunk_tokens=m.lm_head_chunk_tokens, training=role == "actor")
     if role in ("actor", "critic"):
@@ -550,7 +660,8 @@ def check_engine_layout(d: ModelDims, tp_size: int, world_size: int | None) -> N
 
 def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Optional[float] = None,
               hf_config: Optional[str] = None, recipe: str = "", variant: Optional[str] = None) -> Plan:
-    """Check the layout (raises ConfigError / ModelConfigError naming the fix) and estimate one GPU's memory.
+    """Check the layout (raises ConfigError / ModelConfigError naming the fix) and estimate the memory of each
+    kind of GPU: the plan of the worst, with every kind's total in `gpus`.
     `world_size` / `gpu_mem_gib`: None takes them from the recipe's hardware section, or from the
     recipe's `variant` when `cfg` was loaded with one (its name is then what the plan says they came from)."""
     hw = cfg.hardware
@@ -592,7 +703,6 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
     actor = dims["actor"]
     dp = world_size // (p.tp * p.pp)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    gpu_mem = gpu_mem_gib * GIB
     engine_args = None
     if cfg.rollout.engine == "sglang":
         engine_args = _engine_args(cfg)
@@ -600,52 +710,143 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
         check_engine_layout(actor, engine_args[0], None if separate else world_size)
         if separate:
             engine_args = None
+    per_node = world_size // hw.nodes if world_size % hw.nodes == 0 else world_size
+    placement = engine_placement(cfg, world_size, per_node)
+    common = dict(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
+                  ep=cfg.expert_parallel("actor"),
+                  padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by), dp=dp, seq=seq,
+                  dtype=m.dtype, sequence_parallel=p.sequence_parallel,
+                  distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
+                  engine_name=cfg.rollout.engine, gpu_mem=gpu_mem_gib * GIB, hardware=hardware, device=hw.device,
+                  placement=placement, staged_overlaps=cfg.rollout.mode != "sync")
+    candidates, kinds_of = [], {}
+    for stage, pp_rank, rank in _gpus_to_plan(placement, p.pp, p.tp * dp):
+        roles = _roles_at(cfg, dims, world_size, stage, pp_rank)
+        candidates.append(_gpu_plan(cfg, actor, hf, roles, engine_args, stage=stage, rank=rank, **common))
+        kinds_of.setdefault(placement.kind(rank), []).append(candidates[-1])
+    # the worst GPU: one that does not fit, else the largest total; beside it, each kind's worst
+    worst = lambda plans: max(plans, key=lambda c: (not c.fits, c.total))  # noqa: E731
+    gpus = sorted(((tuple(r for r in range(world_size) if placement.kind(r) == kind), worst(plans).rank,
+                    worst(plans).total) for kind, plans in kinds_of.items()), key=lambda g: -g[2])
+    return dataclasses.replace(worst(candidates), gpus=tuple(gpus))
 
-    candidates = []
-    stages = [("all", 0)] if p.pp == 1 else [("first", 0), ("last", p.pp - 1)]
-    for stage, rank in stages:
-        roles = _roles_at(cfg, dims, world_size, stage, rank)
-        reserve = (RESERVE_GIB if hw.device == "gpu" else CPU_RESERVE_GIB) * GIB
-        host_engine = 0.0
-        if hw.device == "cpu" and cfg.rollout.engine == "hf" and rank == 0:  # rank 0 runs the transformers model
-            host_engine = total_params(actor) * DTYPE_BYTES[m.dtype]
-        gpu_engine = gpu_engine_kv = 0.0
-        if hw.device == "gpu" and cfg.rollout.engine == "hf" and cfg.rollout.placement != "separate" and rank == 0:
-            db = DTYPE_BYTES[m.dtype]  # megappo.rollout.hf_engine.gpu_placement: the model dtype on rank 0's GPU
-            gpu_engine = total_params(actor) * db
-            rows = cfg.data.train_batch_size * cfg.rollout.n
-            gpu_engine_kv = rows * seq * 2 * actor.num_layers * actor.num_query_groups * actor.head_dim * db
-        # the CUDA-graph decode keeps its KV cache through the trainer's passes (docs/engines.md, "Memory")
-        kv_kept = gpu_engine_kv > 0 and (cfg.rollout.hf_decode == "graphs" or (
-            cfg.rollout.hf_decode == "auto" and static_unsupported(types.SimpleNamespace(**hf)) is None))
-        overlaps = cfg.rollout.mode != "sync" or kv_kept
-        start = sum(r.weights + r.grads + r.master for r in roles) + reserve + host_engine + gpu_engine
-        engine = None
-        # the engine takes global ranks [0, tp_size) of rank 0's node; Megatron orders ranks tp, dp, then pp
-        if engine_args and rank * p.tp * dp < engine_args[0]:
-            tp_size, frac = engine_args
-            reserve += ENGINE_RESERVE_GIB * GIB
-            db = DTYPE_BYTES[m.dtype]
-            kv_heads = max(1, actor.num_query_groups // tp_size)  # SGLang replicates KV heads when tp > groups
-            engine = EngineMemory(tp_size=tp_size, mem_fraction=frac, weights=total_params(actor) * db / tp_size,
-                                  pool=frac * max(0.0, gpu_mem - start),
-                                  kv_token_bytes=2 * kv_heads * actor.head_dim * actor.num_layers * db)
-        plan = Plan(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
-                    ep=cfg.expert_parallel("actor"),
-                    padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by),
-                    dp=dp, seq=seq, dtype=m.dtype, sequence_parallel=p.sequence_parallel,
-                    distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
-                    stage=stage, roles=tuple(roles), engine=engine, engine_name=cfg.rollout.engine,
-                    gpu_mem=gpu_mem, reserve=reserve, hardware=hardware,
-                    device=hw.device, host_engine=host_engine, gpu_engine=gpu_engine, gpu_engine_kv=gpu_engine_kv,
-                    gen_overlaps=overlaps)
-        candidates.append(plan)
-    # the worst GPU: one that does not fit, else the largest total
-    return max(candidates, key=lambda c: (not c.fits, c.total))
+
+def _gpus_to_plan(placement: Placement, pp: int, per_stage: int) -> list[tuple[str, int, int]]:
+    """(stage, pipeline rank, global rank) of one GPU of each kind (placement.kind) on each pipeline stage
+    (Megatron orders ranks tp, dp, then pp: stage s holds ranks [s * per_stage, (s + 1) * per_stage)); of
+    the middle stages only the first holding each kind (a later one holds fewer micro-batches)."""
+    out, middles = [], set()
+    for s in range(pp):
+        stage = "all" if pp == 1 else "first" if s == 0 else "last" if s == pp - 1 else "middle"
+        kinds: dict[str, int] = {}
+        for rank in range(s * per_stage, (s + 1) * per_stage):
+            kinds.setdefault(placement.kind(rank), rank)
+        for kind, rank in kinds.items():
+            if stage == "middle":
+                if kind in middles:
+                    continue
+                middles.add(kind)
+            out.append((stage, s, rank))
+    return out
+
+
+def _gpu_plan(cfg: Config, actor: ModelDims, hf: dict, roles: list[RoleMemory],
+              engine_args: Optional[tuple[int, float]], *, stage: str, rank: int, placement: Placement,
+              **common) -> Plan:
+    """The plan of global rank `rank`'s GPU, pipeline stage `stage`, holding `roles`."""
+    hw, r = cfg.hardware, cfg.rollout
+    db = DTYPE_BYTES[cfg.model.dtype]
+    reserve = (RESERVE_GIB if hw.device == "gpu" else CPU_RESERVE_GIB) * GIB
+    holds = rank in placement.engine_ranks
+    host_engine = gpu_engine = gpu_engine_kv = 0.0
+    if r.engine == "hf" and holds and hw.device == "cpu":  # the leader runs the transformers model
+        host_engine = total_params(actor) * db
+    elif r.engine == "hf" and holds:  # megappo.rollout.hf_engine.gpu_placement: the model dtype on the leader's GPU
+        gpu_engine = total_params(actor) * db
+        rows = -(-cfg.data.train_batch_size // placement.replicas) * r.n  # its chunk: whole prompts
+        gpu_engine_kv = rows * common["seq"] * 2 * actor.num_layers * actor.num_query_groups * actor.head_dim * db
+    # the CUDA-graph decode keeps its KV cache through the trainer's passes (docs/engines.md, "Memory")
+    kv_kept = gpu_engine_kv > 0 and (r.hf_decode == "graphs" or (
+        r.hf_decode == "auto" and static_unsupported(types.SimpleNamespace(**hf)) is None))
+    overlaps = r.mode != "sync" or kv_kept
+    # a leader's staged copy of an update is host memory: a rank's own with device=cpu, beside a GPU's otherwise
+    staged = total_params(actor) * db if rank in placement.stagers and hw.device == "cpu" else 0.0
+    start = sum(x.weights + x.grads + x.master for x in roles) + reserve + host_engine + gpu_engine
+    engine = None
+    if engine_args and holds:
+        tp_size, frac = engine_args
+        reserve += ENGINE_RESERVE_GIB * GIB
+        kv_heads = max(1, actor.num_query_groups // tp_size)  # SGLang replicates KV heads when tp > groups
+        engine = EngineMemory(tp_size=tp_size, mem_fraction=frac, weights=total_params(actor) * db / tp_size,
+                              pool=frac * max(0.0, common["gpu_mem"] - start),
+                              kv_token_bytes=2 * kv_heads * actor.head_dim * actor.num_layers * db)
+    return Plan(stage=stage, roles=tuple(roles), engine=engine, reserve=reserve, host_engine=host_engine,
+                gpu_engine=gpu_engine, gpu_engine_kv=gpu_engine_kv, gen_overlaps=overlaps, rank=rank,
+                placement=placement, staged=staged, **common)
 
 
 def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
+def _ranks_text(ranks) -> str:
+    """'0-3, 6, 8-9': runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _kind_text(kind: str, pl: Placement, unit: str) -> str:
+    """What a GPU of `kind` (Placement.kind) holds besides the trainer's roles."""
+    if kind == "leader":
+        return ("another replica's leader, " + (f"a {unit} of its engine, " if pl.width else "")
+                + "with each update staged" + (" in host memory" if unit == "GPU" else ""))
+    if kind == "engine":
+        return f"a {unit} of an engine" if pl.replicas > 1 else f"a {unit} of the engine"
+    return "no engine"
+
+
+def _rollout_lines(plan: Plan, g) -> list[str]:
+    """Where the engines are: a line when any holds the trainer's GPUs or there are several."""
+    pl = plan.placement
+    if pl is None or (not pl.width and pl.replicas == 1):
+        return []
+    unit = "GPU" if plan.device == "gpu" else "rank"
+    what = f"{plan.engine_name} engine" + (f" of tp {pl.width}" if plan.engine_name == "sglang" else "")
+    spans = [f"{s.start}-{s.stop - 1}" if len(s) > 1 else f"{s.start}" for s in pl.spans]
+    if len(spans) > 8:
+        spans = [*spans[:3], "...", spans[-1]]
+    ranks = "ranks" if len(pl.engine_ranks) > 1 else "rank"
+    where = (f" on {ranks} {' | '.join(spans)} ({len(pl.engine_ranks)} of {pl.world} {unit}s)" if pl.width
+             else " on the host" if plan.device == "gpu" else "")
+    text = f"rollout: {pl.replicas} " + (f"replicas of an {what}" if pl.replicas > 1 else what) + where
+    if pl.stagers:
+        staged = total_params(plan.dims) * DTYPE_BYTES[plan.dtype]
+        several = len(pl.stagers) > 1
+        text += (f"; rank{'s' if several else ''} {_ranks_text(pl.stagers)} stage{'' if several else 's'} each "
+                 f"update whole ({g(staged)} GiB{' each' if several else ''}) until "
+                 f"{'they apply' if several else 'it applies'} it")
+        if plan.device == "gpu":
+            text += f", in host memory: {g(pl.staged_per_node * staged)} GiB on a node at most"
+    return [text]
+
+
+def _what_it_holds(plan: Plan) -> str:
+    """' (a GPU of the engine)', ' (replica 2's leader: ...)', ' (no engine)', or '' (no engine on any GPU)."""
+    pl, unit = plan.placement, "GPU" if plan.device == "gpu" else "rank"
+    if pl is None:
+        return ""
+    i = pl.replica_of(plan.rank)
+    holds = plan.rank in pl.engine_ranks
+    if plan.staged:
+        return f" (replica {i}'s leader: " + (f"a {unit} of its engine, " if holds else "") + "each update staged)"
+    if holds:
+        return f" (a {unit} of the engine)" if pl.replicas == 1 else f" (a {unit} of replica {i}'s engine)"
+    return " (no engine)" if pl.width else ""
 
 
 def format_plan(plan: Plan) -> str:
@@ -665,8 +866,9 @@ def format_plan(plan: Plan) -> str:
         + f" x dp {plan.dp}" + (f" (experts: ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
         f"{on(plan.distributed_optimizer)}; attention {'fused (TE)' if plan.fused_attention else 'unfused (local)'}",
         f"sequence length {plan.seq} (data.max_prompt_length + rollout.max_new_tokens)",
+        *_rollout_lines(plan, g),
         "",
-        f"memory per {unit} (GiB), pipeline stage '{plan.stage}'" + (" (a GPU of the engine)" if plan.engine else "")
+        f"memory per {unit} (GiB), pipeline stage '{plan.stage}', rank {plan.rank}{_what_it_holds(plan)}"
         + ("" if plan.device == "gpu" else " (hardware.device=cpu: host memory)") + ":",
         f"{'role':<10}{'params':>9}{'weights':>9}{'grads':>8}{'optimizer':>11}{'activations':>13}{'total':>8}",
     ]
@@ -680,10 +882,11 @@ def format_plan(plan: Plan) -> str:
                      f"GiB = {e.kv_tokens} tokens ({e.kv_tokens // plan.seq} sequences of {plan.seq})")
     elif plan.host_engine:
         lines.append(f"{'engine':<10}{'':>9}{g(plan.host_engine):>9}{'':>8}{'':>11}{'':>13}{g(plan.host_engine):>8}"
-                     f"   hf engine on rank 0: a transformers copy of the model")
+                     f"   hf engine on rank {plan.rank}: a transformers copy of the model")
     elif plan.gpu_engine:
         lines.append(f"{'engine':<10}{'':>9}{g(plan.gpu_engine):>9}{'':>8}{'':>11}{g(plan.gpu_engine_kv):>13}"
-                     f"{g(plan.gpu_engine + plan.gpu_engine_kv):>8}   hf engine on rank 0's GPU; its KV cache "
+                     f"{g(plan.gpu_engine + plan.gpu_engine_kv):>8}   hf engine on rank {plan.rank}'s GPU; its KV "
+                     f"cache "
                      f"(a step's {plan.seq}-token samples) " + ("during training too (rollout.mode, or hf_decode=graphs)" if plan.gen_overlaps
                                                              else "during generation only"))
     elif plan.engine_name == "hf":
@@ -691,16 +894,29 @@ def format_plan(plan: Plan) -> str:
     elif plan.engine_name == "sglang":
         lines.append(f"{'engine':<10}  sglang, sync_mode=distributed: on GPUs of its own beside the trainer's "
                      f"(rollout.sglang.tp_size of them), not planned here")
+    if plan.staged:
+        lines.append(f"{'staged':<10}{'':>9}{'':>9}{'':>8}{'':>11}{g(plan.staged):>13}{g(plan.staged):>8}   an update "
+                     f"whole ({plan.dtype}), from its gather until replica {plan.placement.replica_of(plan.rank)} "
+                     f"applies it")
     lines.append(f"{'reserve':<10}{'':>9}{'':>9}{'':>8}{'':>11}{'':>13}{g(plan.reserve):>8}   " + (
         "CUDA context, NCCL, allocator slack" + (", SGLang graphs" if plan.engine else "") if plan.device == "gpu"
         else "the process: Python, torch, Megatron, gloo"))
+    if len(plan.gpus) > 1:
+        lines += ["", f"every kind of {unit}, planned (the table above is the worst):"]
+        lines += [f"  rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)}: "
+                  f"{_kind_text(plan.placement.kind(ranks[0]), plan.placement, unit)}: "
+                  f"{g(total)} GiB (rank {rank})" for ranks, rank, total in plan.gpus]
     peak = plan.peak_activation
+    either = [f"activations {g(peak.activations)} (largest: {peak.phase}; phases run one after another)"]
+    both = []
+    if plan.gpu_engine_kv:
+        (both if plan.gen_overlaps else either).append(f"hf engine KV cache {g(plan.gpu_engine_kv)}")
+    if plan.staged:
+        (both if plan.staged_overlaps else either).append(f"staged update {g(plan.staged)}")
     lines += [
         "",
-        f"per {unit}: weights+grads+optimizer {g(plan.static)} + activations {g(peak.activations)} (largest: "
-        f"{peak.phase}; phases run one after another)"
-        + ((f" + hf engine KV cache {g(plan.gpu_engine_kv)}" if plan.gen_overlaps else
-            f" or hf engine KV cache {g(plan.gpu_engine_kv)} (the larger counts)") if plan.gpu_engine_kv else "")
+        f"per {unit}: weights+grads+optimizer {g(plan.static)} + " + " or ".join(either)
+        + (" (the larger counts)" if len(either) > 1 else "") + "".join(f" + {b}" for b in both)
         + (f" + engine {g(plan.engine.pool)}" if plan.engine else "")
         + (f" + hf engine {g(plan.host_engine)}" if plan.host_engine else "")
         + (f" + hf engine weights {g(plan.gpu_engine)}" if plan.gpu_engine else "") + f" + reserve {g(plan.reserve)} = {g(plan.total)} GiB of {g(plan.gpu_mem)} GiB",

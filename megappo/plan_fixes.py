@@ -14,9 +14,10 @@ batches, sequence lengths, model and algorithm) and can lower one GPU's memory, 
   micro-batches   <role>.micro_batch_size (padded) or <role>.max_tokens_per_micro_batch (packed),
                   halved down to one sequence
   LM head         model.lm_head_chunk_tokens=1024 (no full-vocabulary logits)
-  SGLang          rollout.sglang.tp_size (within rank 0's node), rollout.sglang.mem_fraction_static
-                  (solved: the middle of the range where the KV cache holds a sequence and the trainer
-                  still fits, `_solve_fraction`)
+  SGLang          rollout.sglang.tp_size (within a node; rollout.replicas lowered to as many as then fit
+                  beside each other), rollout.sglang.mem_fraction_static (solved: the middle of the range
+                  where the KV cache holds a sequence and the trainer still fits, `_solve_fraction`)
+  replicas        rollout.replicas, fewer (engines on fewer GPUs)
   hf engine       rollout.hf_decode=dynamic, rollout.placement=separate (generation on the host)
 
 Every change is applied to the config and planned again by `megappo.plan.make_plan` at the same world
@@ -51,7 +52,7 @@ from typing import Optional, Sequence
 from megappo.config import Config
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError
-from megappo.plan import GIB, Plan, make_plan
+from megappo.plan import GIB, Plan, make_plan, replica_counts
 from megappo.recipe import apply_override, config_from_dict, read_config
 
 MIN_SAVING_GIB = 0.05  # a layout that saves less takes no part in the combinations
@@ -214,8 +215,16 @@ def _knobs(cfg: Config, plan: Plan, world: int, per_node: int) -> list[_Knob]:
         g = d.num_query_groups
         sizes = [t for t in range(now + 1, min(world, per_node) + 1)
                  if d.num_heads % t == 0 and (g % t == 0 if t <= g else t % g == 0)]
-        if sizes:
-            knobs.append(_Knob("SGLang tp", tuple({"rollout.sglang.tp_size": str(t)} for t in sizes)))
+        values = []
+        for t in sizes:  # wider replicas: as many as still fit beside each other (megappo.plan.Placement)
+            fewer = max(replica_counts(world, per_node, t, most=r.replicas))
+            values.append({"rollout.sglang.tp_size": str(t), **({"rollout.replicas": str(fewer)}
+                                                                 if fewer != r.replicas else {})})
+        if values:
+            knobs.append(_Knob("SGLang tp", tuple(values)))
+    if r.replicas > 1 and plan.placement is not None:
+        counts = replica_counts(world, per_node, plan.placement.width, most=r.replicas - 1)
+        knobs.append(_Knob("rollout replicas", tuple({"rollout.replicas": str(c)} for c in reversed(counts))))
     if r.engine == "hf" and cfg.hardware.device == "gpu" and r.placement == "colocated":
         if r.hf_decode in ("auto", "graphs") and plan.gen_overlaps and r.mode == "sync":
             knobs.append(_Knob("hf decode", ({"rollout.hf_decode": "dynamic"},)))

@@ -12,6 +12,7 @@ Each case is the recipe file itself, through the CLI as a user runs it (`megappo
 |---|---|---|
 | model.path | a tiny model of the recipe's family (`tiny_model`): the real model's model_type and architecture switches (tied embeddings, RoPE base and scaling, MoE routing, dense layers) with TINY_CONFIGS sizes (hidden 64, 2 layers; 4 under VPP2), bf16 safetensors, a byte-level tokenizer with a chat template, a few SFT steps so it answers in the reward's format | the real weights are 8B-72B |
 | the layout | 2 gloo ranks (`two_ranks`): PP kept as PP2 (VPP kept), else EP kept as EP2, else TP2 or DP2, whichever the recipe has more of | 2 CPU ranks; each recipe keeps its kind of parallelism |
+| rollout.replicas | 2 when the recipe has several (an hf engine on each rank), else 1 (`two_ranks`) | the recipes' replicas cover their GPUs (docs/gpu.md); at most one per rank |
 | parallel.sequence_parallel | false | Megatron-Core's torch norms (the local layer spec, CPU) refuse it: it needs Transformer Engine or apex norms, i.e. a GPU |
 | model.layer_spec | local | Transformer Engine is GPU-only |
 | rollout.engine | hf | SGLang has its own lane (tests/sglang) |
@@ -93,9 +94,10 @@ ANSWERS = {"gsm8k": ("#### ", ""), "math_boxed": ("\\boxed{", "}")}
 #: cases)
 RECOMPUTE = ("actor.recompute.granularity", "critic.recompute.granularity")
 COLLAPSED = {
-    "qwen2.5-7b-ppo-8gpu.yaml:4gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP1 instead of DP2: TP2, as the recipe",
+    "qwen2.5-7b-ppo-8gpu.yaml:4gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP1 instead of DP2: TP2, as the recipe; "
+                                      "one engine instead of replicas, which every other case but the LoRA one runs",
                                       ("actor.micro_batch_size", "critic.micro_batch_size", "model.path",
-                                       "run.output_dir")),
+                                       "rollout.replicas", "run.output_dir")),
     "qwen2.5-7b-ppo-8gpu.yaml:16gpu": ("qwen3-8b-ppo-8gpu.yaml", "TP4 x DP4 instead of DP2: TP2, as the recipe",
                                        ("model.path", "run.output_dir")),
     "qwen2.5-7b-ppo-8gpu.yaml:16x40gb": ("qwen2.5-7b-ppo-8gpu.yaml:8x48gb", "PP2 x DP2 instead of DP1: PP2", ()),
@@ -111,12 +113,14 @@ COLLAPSED = {
     "qwen3-8b-ppo-8gpu.yaml:h200": ("qwen2.5-7b-ppo-8gpu.yaml:h200", "the same PPO run at DP2 with the distributed "
                                     "optimizer on Qwen2.5's stand-in", ("model.path", "run.output_dir")),
     "llama3.1-8b-grpo-8gpu.yaml:8x40gb": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 instead of DP2; TP2 runs in the PPO "
-                                          "cases", ("parallel.tp",)),
+                                          "cases; one engine instead of replicas, as the LoRA case",
+                                          ("parallel.tp", "rollout.replicas")),
     "llama3.1-8b-grpo-8gpu.yaml:4gpu": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 x DP2: TP2, as 8x40gb",
                                         ("actor.micro_batch_size", "parallel.tp")),
     "llama3.1-8b-grpo-8gpu.yaml:16gpu": ("llama3.1-8b-grpo-8gpu.yaml", "TP2 x DP8 instead of DP4: DP2", ()),
     "llama3.1-8b-grpo-8gpu.yaml:h200": ("llama3.1-8b-grpo-8gpu.yaml", "TP1 x DP8 without SP: DP2", ()),
-    "llama3.1-8b-grpo-8gpu.yaml:8x48gb": ("llama3.1-8b-grpo-8gpu.yaml", "TP8: TP2, as 8x40gb", ("parallel.tp",)),
+    "llama3.1-8b-grpo-8gpu.yaml:8x48gb": ("llama3.1-8b-grpo-8gpu.yaml", "TP8: TP2, as 8x40gb",
+                                          ("parallel.tp", "rollout.replicas")),
     "qwen3-30b-a3b-grpo-32gpu.yaml:16gpu": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP8 over DP8 instead of DP16: EP2", ()),
     "qwen3-30b-a3b-grpo-32gpu.yaml:h200": ("qwen3-30b-a3b-grpo-32gpu.yaml", "EP4 instead of EP8: EP2", ()),
     "qwen2.5-72b-ppo-64gpu.yaml:128gpu": ("qwen2.5-72b-ppo-64gpu.yaml", "DP2 instead of DP1: PP2 x VPP2", ()),
@@ -151,17 +155,19 @@ def case_name(recipe: str, variant: str | None) -> str:
 def two_ranks(cfg) -> list[str]:
     """The recipe's layout on 2 ranks: its pipeline as PP2 (with its VPP), else its expert
     parallelism as EP2 (DP2, TP1: MoE layers train under TP only with sequence parallelism),
-    else TP2 or DP2, whichever of tp and dp the recipe has more of (TP on a tie)."""
+    else TP2 or DP2, whichever of tp and dp the recipe has more of (TP on a tie); and its rollout
+    replicas as one per rank when it has several."""
     p = cfg.parallel
     own = [role for role in ("actor", "critic", "ref", "reward") if getattr(cfg, role).parallel.tp or
            getattr(cfg, role).parallel.pp or getattr(cfg, role).parallel.ep]
     assert not own, f"{own} have their own layouts: scale them to 2 ranks in two_ranks"
     dp = cfg.hardware_world_size // (p.tp * p.pp)
+    replicas = [f"rollout.replicas={min(2, cfg.rollout.replicas)}"]
     if p.pp > 1:
-        return ["parallel.tp=1", "parallel.pp=2", "parallel.ep=1"]
+        return ["parallel.tp=1", "parallel.pp=2", "parallel.ep=1", *replicas]
     if p.ep > 1:
-        return ["parallel.tp=1", "parallel.ep=2"]
-    return ["parallel.tp=2" if p.tp >= dp else "parallel.tp=1"]
+        return ["parallel.tp=1", "parallel.ep=2", *replicas]
+    return ["parallel.tp=2" if p.tp >= dp else "parallel.tp=1", *replicas]
 
 
 def tiny_model(cfg) -> tuple[str, int]:

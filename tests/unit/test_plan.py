@@ -11,7 +11,8 @@ from megappo.cli import main
 from megappo.config import ConfigError
 from megappo.recipe import config_from_dict
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
-from megappo.plan import (GIB, KNOWN_MODELS, chunks_in_flight, format_plan, layer_activation_bytes,
+from megappo.plan import (CPU_RESERVE_GIB, ENGINE_RESERVE_GIB, GIB, KNOWN_MODELS, RESERVE_GIB, chunks_in_flight,
+                          format_plan, layer_activation_bytes,
                           layers_in_flight,
                           make_plan, total_params)
 
@@ -327,3 +328,120 @@ def test_lora_memory_by_hand():
     saved = {r.role: r for r in make_plan(recipe(**{**grpo, "actor": {**grpo["actor"], "lora": {
         **lora, "modules_to_save": ["lm_head"]}}}), world_size=1).roles}["actor"]
     assert saved.grads == (adapters + 152_064 * 3584) * 4  # lm_head trains fully (vocab padded to 152,064)
+
+
+# -- rollout replicas: an engine on each replica's ranks (megappo.rollout.replicas) ---------------------
+
+SGLANG_2X2 = {"engine": "sglang", "max_new_tokens": 1024, "replicas": 2,
+              "sglang": {"tp_size": 2, "mem_fraction_static": 0.4}}
+
+
+def test_replica_leaders_are_the_runs():
+    """The planner places replica i where megappo.rollout.replicas starts it: rank i * world // replicas."""
+    from megappo.plan import replica_leaders
+    from megappo.rollout.replicas import leaders
+
+    for world, replicas in [(8, 1), (8, 2), (8, 3), (8, 8), (64, 8), (16, 5)]:
+        assert replica_leaders(world, replicas) == leaders(world, replicas)
+
+
+def test_sglang_replicas_hold_an_engine_on_every_gpu_of_their_span():
+    """rollout.replicas=2 x sglang tp 2 on 8 GPUs (tp 2 x dp 4): replica i is led by rank i * 8 / 2 and spans
+    ranks [4i, 4i + 2). Those 4 GPUs each hold weights / 2 and the KV cache in SGLang's pool (0.4 of what
+    the trainer leaves free) plus the engine reserve; the other 4 the trainer only. With one replica,
+    ranks 0-1 alone: the same worst GPU."""
+    par = {"tp": 2, "sequence_parallel": True, "use_distributed_optimizer": True}
+    plan = make_plan(recipe(parallel=par, rollout=SGLANG_2X2), world_size=8, gpu_mem_gib=80)
+    assert plan.placement.leaders == (0, 4) and plan.placement.engine_ranks == {0, 1, 4, 5}
+    start = sum(r.weights + r.grads + r.master for r in plan.roles) + RESERVE_GIB * GIB
+    assert plan.engine.pool == pytest.approx(0.4 * (80 * GIB - start))
+    assert plan.engine.weights == pytest.approx(QWEN7B_PARAMS * 2 / 2)  # bf16 over the replica's 2 GPUs
+    trainer = plan.static + plan.peak_activation.activations + RESERVE_GIB * GIB
+    engine = trainer + plan.engine.pool + ENGINE_RESERVE_GIB * GIB
+    assert plan.total == pytest.approx(engine)
+    kinds = {ranks: (rank, total) for ranks, rank, total in plan.gpus}
+    assert kinds == {(0, 1, 5): (0, pytest.approx(engine)), (4,): (4, pytest.approx(engine)),
+                     (2, 3, 6, 7): (2, pytest.approx(trainer))}
+    text = format_plan(plan)
+    assert "rollout: 2 replicas of an sglang engine of tp 2 on ranks 0-1 | 4-5 (4 of 8 GPUs); rank 4 stages" in text
+    staged = QWEN7B_PARAMS * 2 / GIB  # the whole bf16 model, in rank 4's host memory
+    assert f"each update whole ({staged:.1f} GiB) until it applies it, in host memory: {staged:.1f} GiB" in text
+    assert f"  ranks 2-3, 6-7: no engine: {trainer / GIB:.1f} GiB (rank 2)" in text
+    assert "pipeline stage 'all', rank 0 (a GPU of replica 0's engine)" in text
+    one = make_plan(recipe(parallel=par, rollout={**SGLANG_2X2, "replicas": 1}), world_size=8, gpu_mem_gib=80)
+    assert one.placement.engine_ranks == {0, 1} and one.total == pytest.approx(plan.total)
+    assert {ranks: rank for ranks, rank, _ in one.gpus} == {(0, 1): 0, (2, 3, 4, 5, 6, 7): 2}
+
+
+def test_a_replica_on_the_last_pipeline_stage_carries_its_engine_there():
+    """tp 4 x pp 2 on 8 GPUs, sglang tp 4: stage 0 is ranks 0-3, stage 1 ranks 4-7. One replica leaves the
+    last stage without an engine; a second (led by rank 4) puts one there, planned with that stage's roles:
+    its pool is 0.4 of what the last stage's trainer leaves free."""
+    from megappo.plan import _roles_at
+
+    par = {"tp": 4, "pp": 2, "sequence_parallel": True, "use_distributed_optimizer": True}
+    rollout = {**SGLANG_2X2, "sglang": {"tp_size": 4, "mem_fraction_static": 0.4}}
+    cfg = recipe(parallel=par, rollout=rollout)
+    last = _roles_at(cfg, {"actor": QWEN7B, "critic": QWEN7B}, 8, "last", 1)
+    static = sum(r.weights + r.grads + r.optimizer for r in last)
+    start = sum(r.weights + r.grads + r.master for r in last) + RESERVE_GIB * GIB
+    trainer = static + max(r.activations for r in last) + RESERVE_GIB * GIB
+    engine = trainer + 0.4 * (80 * GIB - start) + ENGINE_RESERVE_GIB * GIB
+    totals = {}
+    for replicas in (1, 2):
+        plan = make_plan(recipe(parallel=par, rollout={**rollout, "replicas": replicas}), world_size=8, gpu_mem_gib=80)
+        totals[replicas] = {rank: total for _, rank, total in plan.gpus}
+    assert totals[1][4] == pytest.approx(trainer) and totals[2][4] == pytest.approx(engine)
+    assert totals[1][0] == totals[2][0] == max(totals[2].values())  # the first stage's engine GPU stays the worst
+
+
+def test_hf_engine_replicas_each_hold_the_model_and_their_chunks_kv_cache():
+    """rollout.engine=hf, replicas=3 on 3 GPUs: every rank's GPU holds the bf16 model and a KV cache for its
+    chunk of whole prompts, ceil(8 / 3) = 3 prompts x n=4 = 12 rows (one engine: 32) of 1536 positions
+    x 2 x 28 layers x 4 KV heads x 128 x 2 bytes."""
+    rollout = {"engine": "hf", "max_new_tokens": 1024, "n": 4, "hf_decode": "dynamic", "replicas": 3}
+    plan = make_plan(recipe(rollout=rollout), world_size=3, gpu_mem_gib=400)
+    kv = 12 * 1536 * 2 * 28 * 4 * 128 * 2
+    assert plan.gpu_engine == 2 * QWEN7B_PARAMS and plan.gpu_engine_kv == kv
+    assert plan.staged == 0  # on a GPU job the staged update is host memory
+    assert plan.total == pytest.approx(plan.static + max(plan.peak_activation.activations, kv) + 2 * QWEN7B_PARAMS
+                                       + RESERVE_GIB * GIB)
+    assert sorted(ranks for ranks, _, _ in plan.gpus) == [(0,), (1, 2)]  # rank 0; the leaders that stage
+    one = make_plan(recipe(rollout={**rollout, "replicas": 1}), world_size=3, gpu_mem_gib=400)
+    assert one.gpu_engine_kv == 32 * 1536 * 2 * 28 * 4 * 128 * 2
+    assert "hf engine on rank 0's GPU" in format_plan(plan)
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_a_staged_update_counts_in_a_cpu_ranks_memory(mode):
+    """hardware.device=cpu, the hf engine, replicas=2 on 2 ranks: rank 1 holds its engine's copy of the model
+    and stages each update whole (bf16) in the same host memory: one more phase beside the activations
+    (sync: the larger counts), on top of them when generation overlaps training."""
+    hw = {"device": "cpu", "gpus_per_node": 2, "gpu_memory_gib": 400}
+    plan = make_plan(recipe(hardware=hw, rollout={"engine": "hf", "max_new_tokens": 1024, "replicas": 2,
+                                                  "mode": mode}))
+    staged = 2 * QWEN7B_PARAMS
+    assert plan.rank == 1 and plan.staged == staged and plan.host_engine == staged
+    act = plan.peak_activation.activations
+    phases = max(act, staged) if mode == "sync" else act + staged
+    assert plan.total == pytest.approx(plan.static + phases + staged + CPU_RESERVE_GIB * GIB)
+    rank0 = {rank: total for _, rank, total in plan.gpus}[0]
+    assert rank0 == pytest.approx(plan.total - phases + act)  # no staged update on rank 0
+    assert f"staged update {staged / GIB:.1f}" in format_plan(plan)
+
+
+def test_replica_layout_errors_name_the_fix():
+    with pytest.raises(ConfigError, match=r"rollout.replicas=16 needs at least as many ranks; the world has 8.*"
+                                          r"Fix: set rollout.replicas between 1 and 8"):
+        make_plan(recipe(rollout={"engine": "hf", "replicas": 16}), world_size=8)
+    # 3 replicas of 4 GPUs on 8: leaders 0, 2, 5 overlap
+    with pytest.raises(ConfigError, match=r"rollout.replicas=3 with rollout.sglang.tp_size=4: .*\(0-3, 2-5, 5-8\), "
+                                          r"which overlap or cross a node of 8 GPUs. Fix: choose rollout.replicas "
+                                          r"from \[1, 2\]"):
+        make_plan(recipe(rollout={"engine": "sglang", "replicas": 3, "sglang": {"tp_size": 4}}), world_size=8)
+    # 2 nodes of 8: 3 replicas of 4 would start at ranks 0, 5, 10; 5-8 crosses into the second node
+    two_nodes = {"nodes": 2, "gpus_per_node": 8}
+    with pytest.raises(ConfigError, match=r"cross a node of 8 GPUs. Fix: choose rollout.replicas from \[1, 2, 4\]"):
+        make_plan(recipe(hardware=two_nodes, rollout={"engine": "sglang", "replicas": 3, "sglang": {"tp_size": 4}}))
+    assert make_plan(recipe(hardware=two_nodes, rollout={"engine": "sglang", "replicas": 4, "sglang": {
+        "tp_size": 4}})).placement.engine_ranks == frozenset(range(16))

@@ -136,7 +136,10 @@ def test_no_single_fix_fits_the_fewest_together_do():
     assert len(together.overrides) >= 2 and replanned(QWEN_PPO, [], together, 48).fits
     for dropped in together.overrides:
         rest = [o for o in together.overrides if o != dropped]
-        assert not make_plan(load_config(QWEN_PPO, rest), gpu_mem_gib=48).fits, dropped
+        try:
+            assert not make_plan(load_config(QWEN_PPO, rest), gpu_mem_gib=48).fits, dropped
+        except ConfigError:  # refused without it (an SGLang tp size with the replicas that fit beside each other)
+            assert dropped.startswith("rollout.replicas="), dropped
     assert fixes.variant.name == "8x48gb" and fixes.variant.plan.fits
     assert f"  - {together.text}: {together.plan.total / GIB:.1f} GiB" in format_fixes(fixes, plan)
 
@@ -194,3 +197,32 @@ def test_docs_quote_what_the_planner_prints(argv, intro, capsys, monkeypatch):
     assert main(["plan", *argv]) == 1
     out = capsys.readouterr().out
     assert quoted in out and "does NOT fit" in quoted
+
+
+def test_a_wider_sglang_replica_comes_with_fewer_replicas():
+    """The Qwen 7B PPO recipe runs 8 SGLang replicas of tp 1; with a pool of 0.2 its 14.2 GiB of weights do not
+    fit in one GPU's pool. Wider engines are offered with as many replicas as then fit beside each other
+    (tp 2: 4 replicas), each planned."""
+    overrides = ["rollout.sglang.mem_fraction_static=0.2"]
+    plan, fixes = fixes_for(QWEN_PPO, overrides)
+    assert not plan.fits and plan.engine.kv_tokens == 0 and plan.placement.replicas == 8
+    wider = [f for f in fixes.alone if f.overrides == ("rollout.sglang.tp_size=2", "rollout.replicas=4")]
+    assert len(wider) == 1
+    again = replanned(QWEN_PPO, overrides, wider[0], 80)
+    assert again.fits and again.placement.engine_ranks == frozenset(range(8))
+
+
+def test_fewer_replicas_when_a_staged_update_does_not_fit():
+    """hardware.device=cpu, 2 ranks of 273 GiB, Qwen 7B PPO with the hf engine on each: rank 1 also stages
+    each update (14.2 GiB, more than its 9.4 GiB of activations) and goes over; rollout.replicas=1 fits."""
+    cfg = config_from_dict({
+        "model": {"path": "/nonexistent/Qwen2.5-7B-Instruct", "dtype": "bfloat16"},
+        "hardware": {"device": "cpu", "gpus_per_node": 2, "gpu_memory_gib": 273},
+        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 1},
+        "critic": {"ppo_mini_batch_size": 8, "micro_batch_size": 1},
+        "rollout": {"engine": "hf", "max_new_tokens": 1024, "replicas": 2},
+        "data": {"max_prompt_length": 512, "train_batch_size": 8}})
+    plan = make_plan(cfg)
+    assert not plan.fits and plan.rank == 1 and plan.staged > plan.peak_activation.activations
+    one = [f for f in find_fixes(cfg, plan).alone if f.overrides == ("rollout.replicas=1",)]
+    assert len(one) == 1 and one[0].plan.fits and one[0].plan.placement.replicas == 1
