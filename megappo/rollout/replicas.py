@@ -13,6 +13,8 @@ and concatenates the parts in order (`megappo.rollout.batches.concat`): the batc
 single engine gives, prompt for prompt. Each chunk carries its `sample_window` (its first sample's
 index in the whole call, the call's sample count), so a seeded sample draws the same uniforms, and
 so the same tokens, whatever the number of replicas (the hf engine; SGLang does not honour seeds).
+The batch's `gen_metrics` get `perf/replica_prompts_min`: the fewest prompts any replica generated in
+that call (0 when there were fewer prompts than replicas).
 
 Another leader runs a `ReplicaServer`: a thread that serves rank 0's requests to its engine over
 one authenticated TCP connection (multiprocessing.connection), strictly in the order rank 0 sends
@@ -140,7 +142,6 @@ class ReplicaSet:
 
     def __init__(self, local: RolloutEngine, clients: list[_Client], pad_token_id: int):
         self.local, self.clients, self.pad_token_id = local, clients, pad_token_id
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(clients)), thread_name_prefix="megappo-replica")
         self._differ: set[str] = set()  # names another replica holds differently since the last update
 
     @property
@@ -148,7 +149,7 @@ class ReplicaSet:
         return 1 + len(self.clients)
 
     def _each_remote(self, op: str, *args) -> list:
-        futures = [self._pool.submit(c.call, op, *args) for c in self.clients]
+        futures = [_on_daemon_thread(c.call, op, *args) for c in self.clients]
         return [f.result() for f in futures]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
@@ -159,9 +160,13 @@ class ReplicaSet:
             return [list(p) for p in prompts[span[0]:span[1]]], dataclasses.replace(
                 params, sample_window=(span[0] * params.n, total))
 
-        futures = [self._pool.submit(c.call, "generate", *part(span)) for c, span in zip(self.clients, spans[1:])]
+        futures = [_on_daemon_thread(c.call, "generate", *part(span)) for c, span in zip(self.clients, spans[1:])]
         parts = [_on_host(self.local.generate(*part(spans[0])))] + [f.result() for f in futures]
-        return concat(parts, self.pad_token_id)
+        batch = concat(parts, self.pad_token_id)
+        # every part came back: each replica generated its span's prompts (one without a span, none)
+        fewest = min(stop - start for start, stop in spans) if len(spans) == self.replicas else 0
+        batch.gen_metrics = {**(batch.gen_metrics or {}), "perf/replica_prompts_min": float(fewest)}
+        return batch
 
     def update_weights(self, buckets: Iterable[Bucket]) -> None:
         buckets = iter(buckets)
@@ -205,7 +210,6 @@ class ReplicaSet:
     def shutdown(self) -> None:
         for client in self.clients:
             client.close()
-        self._pool.shutdown(wait=False)
         self.local.shutdown()
 
     def __getattr__(self, name):  # anything else (kv_cache_bytes, ...): rank 0's engine's
@@ -281,6 +285,23 @@ def _no_delay(conn):
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return conn
+
+
+def _on_daemon_thread(fn, *args) -> concurrent.futures.Future:
+    """fn(*args) on a daemon thread of its own. Not a pool: a rank's exit joins every non-daemon thread
+    (megappo.parallel.launch.exit_rank), and an idle pool's workers end only once the pool is collected,
+    which never happens while a kept frame holds it (SGLang, first imported during the run's set-up, keeps
+    one, and with it every caller's frame up to megappo.run.create_run)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised again by the caller's result()
+            future.set_exception(e)
+
+    threading.Thread(target=work, name="megappo-replica-call", daemon=True).start()
+    return future
 
 
 def _send(conn, obj) -> None:

@@ -5,6 +5,11 @@ fingerprints each step: a mismatch would end the run) and validation call the en
 thread. async: the generation thread also loads the staged weight updates and verifies them, and
 validation loads the trained weights from the main thread between generations.
 
+The one_step_off run has two rollout replicas (rollout.replicas=2): an SGLang engine on each rank,
+each generating half of every batch (`perf/replica_prompts_min`) and of each validation, and each
+verifying every sync on its own rank (a mismatch on either would end the run); the run ends normally,
+both engines shut down. A replica that dies mid-run is test_replicas.py's.
+
 SGLang's sampling is not seeded on CPU (docs/engines.md): every run is another draw, so the
 checks are what must hold whatever is sampled, not numbers of one run."""
 
@@ -17,9 +22,12 @@ from tests.e2e.test_cli_demo import cli
 STEPS = 6
 
 
-@pytest.mark.parametrize("mode, staleness", [(["rollout.mode=one_step_off"], [0] + [1] * (STEPS - 1)),
+REPLICAS = ["rollout.replicas=2", "rollout.verify_every=1"]  # verify_every=1 is the default: said for the reader
+
+
+@pytest.mark.parametrize("mode, staleness", [(["rollout.mode=one_step_off", *REPLICAS], [0] + [1] * (STEPS - 1)),
                                              (["rollout.mode=async", "rollout.max_staleness=2"], [0, 1] + [2] * (STEPS - 2))],
-                         ids=["one_step_off", "async2"])
+                         ids=["one_step_off+2replicas", "async2"])
 def test_overlapped_modes_with_sglang(tmp_path, mode, staleness):
     code, out = cli("train", "recipes/demo-cpu.yaml", "rollout.engine=sglang", *mode,
                     "actor.old_logprob=is_correct", "rollout.sglang.max_total_tokens=4096", "model.dtype=float32",
@@ -39,3 +47,6 @@ def test_overlapped_modes_with_sglang(tmp_path, mode, staleness):
     assert all(0.5 < r["rollout/is_weight_mean"] <= 2.0 for r in steps), [r["rollout/is_weight_mean"] for r in steps]
     # validation (main thread, between generations) ran at steps 3 and 6 (and before training)
     assert [r["step"] for r in rows if "val/score/mean" in r] == [0, 3, 6]
+    if REPLICAS[0] in mode:  # an SGLang engine on each rank: both generated half of every batch
+        assert " rollout_replicas=2 (ranks 0, 1)\n" in out, out[-6000:]
+        assert [r["perf/replica_prompts_min"] for r in steps] == [32.0] * STEPS  # of 64 prompts
