@@ -51,7 +51,7 @@ from megappo.preflight import check_inputs
 from megappo.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
-from megappo.rollout.engines import engine_for
+from megappo.rollout.engines import engine_for, write_engine_init
 from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders
 from megappo.rollout.schedule import SCHEDULES
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
@@ -526,13 +526,16 @@ def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, acto
         return engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device,
                           local_rank=ps.local_rank, save_init=save_init)
 
-    engine = build() if ps.is_rank0 else None
-    if len(leader_ranks) > 1:
-        writes_init = cfg.rollout.engine == "sglang" and not cfg.model.path  # rank 0 wrote SGLang's starting copy
-        if writes_init:
+    engine = None
+    if len(leader_ranks) == 1:
+        engine = build() if ps.is_rank0 else None
+    else:
+        if cfg.rollout.engine == "sglang" and not cfg.model.path:  # SGLang's starting copy, written once
+            if ps.is_rank0:
+                write_engine_init(cfg, source.hf_model)
             torch.distributed.barrier()
-        if ps.rank in leader_ranks[1:]:
-            engine = build(save_init=not writes_init)
+        if ps.rank in leader_ranks:  # every replica's engine starts at the same time
+            engine = build(save_init=False)
     engine, replica = connect_replicas(ps.rank, leader_ranks, engine, pad_token_id=source.tokenizer.pad_token_id,
                                        bucket_bytes=cfg.rollout.update_bucket_mb << 20)
     rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit) if ps.is_rank0 else None

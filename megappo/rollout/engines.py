@@ -36,6 +36,18 @@ def build_engine(name: str, **kwargs) -> RolloutEngine:
     return ENGINES[name](**kwargs)
 
 
+def engine_init_dir(cfg: Config) -> str:
+    """Where SGLang's starting copy of a model built from `model.hf_config` is written."""
+    return os.path.join(cfg.run.output_dir, "engine-init")
+
+
+def write_engine_init(cfg: Config, hf_model) -> str:
+    """Write that copy (once per run: rank 0, before any replica's SGLang starts from it)."""
+    path = engine_init_dir(cfg)
+    hf_model.save_pretrained(path)
+    return path
+
+
 def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device: torch.device,
                local_rank: int = 0, save_init: bool = True) -> RolloutEngine:
     """The engine `cfg.rollout` names, holding the initial weights. `hf_model`: the transformers
@@ -43,7 +55,7 @@ def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device:
     `return_routes`: the trainer replays the engine's expert choices (routing replay); `device`:
     the trainer's (the hf engine runs on a CUDA trainer's GPU in the model dtype); `local_rank`:
     the building rank's on its node (a colocated SGLang replica starts on that rank's GPU);
-    `save_init`: write SGLang's copy of a model from `model.hf_config` (False: rank 0 wrote it)."""
+    `save_init`: write SGLang's copy of a model from `model.hf_config` (False: `write_engine_init` did)."""
     if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
         source = HFModelSource(path=cfg.model.path, hf_config=cfg.model.hf_config, seed=cfg.model.seed_init)
         return RemoteEngine(source, pad_token_id=tokenizer.pad_token_id, cores=cfg.rollout.engine_cores)
@@ -60,9 +72,7 @@ def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device:
                             **gpu_placement(device, cfg.model.dtype))
     model_path = cfg.model.path
     if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk
-        model_path = os.path.join(cfg.run.output_dir, "engine-init")
-        if save_init:
-            hf_model.save_pretrained(model_path)
+        model_path = write_engine_init(cfg, hf_model) if save_init else engine_init_dir(cfg)
     placement = {"base_gpu_id": local_rank} if local_rank and device.type == "cuda" else {}  # colocated replicas
     return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
