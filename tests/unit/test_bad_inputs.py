@@ -206,7 +206,10 @@ def _calls(path: pathlib.Path):
 
 
 #: modules that unpickle what their own child process sends over a private pipe (never a file)
-PICKLE_PIPES = {REPO / "megappo/rollout/remote.py"}
+#: pickles between the run's own processes, never from a file: rank 0 and its engine child (a pipe), rank 0 and
+#: the other rollout replicas' leaders (TCP, HMAC-authenticated with a key drawn per run and shared over the job's
+#: process group)
+PICKLE_PIPES = {REPO / "megappo/rollout/remote.py", REPO / "megappo/rollout/replicas.py"}
 
 
 def test_no_pickle_loading_in_megappo():
