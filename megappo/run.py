@@ -521,21 +521,15 @@ def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, acto
     ReplicaSet when there are several) behind the schedule of rollout.mode, the other leaders serve theirs to it,
     and every rank sends through the bridge; ranks other than 0 hold None for engine and schedule."""
     leader_ranks = replica_leaders(ps.world_size, cfg.rollout.replicas)
-
-    def build(save_init: bool = True):
-        return engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device,
-                          local_rank=ps.local_rank, save_init=save_init)
-
-    engine = None
-    if len(leader_ranks) == 1:
-        engine = build() if ps.is_rank0 else None
-    else:
-        if cfg.rollout.engine == "sglang" and not cfg.model.path:  # SGLang's starting copy, written once
-            if ps.is_rank0:
-                write_engine_init(cfg, source.hf_model)
+    if cfg.rollout.engine == "sglang" and not cfg.model.path:  # SGLang starts from a copy on disk, written once
+        if ps.is_rank0:
+            write_engine_init(cfg, source.hf_model)
+        if len(leader_ranks) > 1:
             torch.distributed.barrier()
-        if ps.rank in leader_ranks:  # every replica's engine starts at the same time
-            engine = build(save_init=False)
+    engine = None
+    if ps.rank in leader_ranks:  # with several replicas, every engine starts at the same time
+        engine = engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device,
+                            local_rank=ps.local_rank)
     engine, replica = connect_replicas(ps.rank, leader_ranks, engine, pad_token_id=source.tokenizer.pad_token_id,
                                        bucket_bytes=cfg.rollout.update_bucket_mb << 20)
     rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit) if ps.is_rank0 else None

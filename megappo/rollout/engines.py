@@ -1,12 +1,12 @@
 """Building the rollout engine: `ENGINES` (rollout.engine -> class), `build_engine(name, ...)`,
-and `engine_for(cfg, ...)`, the engine a recipe asks for on rank 0.
+and `engine_for(cfg, ...)`, the engine a recipe asks for on rank 0 (and on each other replica's rank).
 
 `engine_for` makes every choice the recipe implies: `hf` in this process (with the trainer's
 transformers copy of a model built from `model.hf_config`, or one loaded from `model.path`), `hf`
 in a child process (`rollout.placement=separate`: the child builds its own copy from an
 `HFModelSource`), or `sglang` (which starts from a directory: a model from `model.hf_config` is
-first saved under `run.output_dir`/engine-init), asking the engine for its expert choices when the
-trainer replays them.
+first saved under `run.output_dir`/engine-init by `write_engine_init`, once per run), asking the
+engine for its expert choices when the trainer replays them.
 
 This is the one module that imports the engine implementations; they import the interface and
 the shared helpers from `megappo.rollout.engine`, which imports none of them.
@@ -49,13 +49,13 @@ def write_engine_init(cfg: Config, hf_model) -> str:
 
 
 def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device: torch.device,
-               local_rank: int = 0, save_init: bool = True) -> RolloutEngine:
+               local_rank: int = 0) -> RolloutEngine:
     """The engine `cfg.rollout` names, holding the initial weights. `hf_model`: the transformers
     model built from `model.hf_config` (None when the weights come from `model.path`);
     `return_routes`: the trainer replays the engine's expert choices (routing replay); `device`:
     the trainer's (the hf engine runs on a CUDA trainer's GPU in the model dtype); `local_rank`:
-    the building rank's on its node (a colocated SGLang replica starts on that rank's GPU);
-    `save_init`: write SGLang's copy of a model from `model.hf_config` (False: `write_engine_init` did)."""
+    the building rank's on its node (a colocated SGLang replica starts on that rank's GPU). SGLang with a
+    model from `model.hf_config` starts from the copy `write_engine_init` wrote before."""
     if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
         source = HFModelSource(path=cfg.model.path, hf_config=cfg.model.hf_config, seed=cfg.model.seed_init)
         return RemoteEngine(source, pad_token_id=tokenizer.pad_token_id, cores=cfg.rollout.engine_cores)
@@ -70,9 +70,7 @@ def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device:
                             decode=cfg.rollout.hf_decode, eos_check_every=cfg.rollout.hf_eos_check_every,
                             max_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                             **gpu_placement(device, cfg.model.dtype))
-    model_path = cfg.model.path
-    if model_path is None:  # a model built from model.hf_config: SGLang starts from a copy on disk
-        model_path = write_engine_init(cfg, hf_model) if save_init else engine_init_dir(cfg)
+    model_path = cfg.model.path or engine_init_dir(cfg)  # a model from model.hf_config: its copy on disk
     placement = {"base_gpu_id": local_rank} if local_rank and device.type == "cuda" else {}  # colocated replicas
     return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
