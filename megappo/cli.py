@@ -246,9 +246,13 @@ def _train(args, cfg, world, on_ray, resume) -> int:
         return launch(["train", args.recipe, *args.overrides, *variant, "--world-size", str(world)], world,
                       address=args.ray_address or os.environ.get("RAY_ADDRESS") or "auto",
                       gpu=cfg.hardware.device != "cpu")
-    # a rank that dies or a collective that times out: every rank starts again, resuming (megappo.parallel.launch)
+    from megappo.parallel.fork import RankFork
+
+    # a rank that dies or a collective that times out: every rank starts again, resuming (megappo.parallel.launch);
+    # --launcher fork: the ranks are forks of this process once it has imported what they need
+    fork = RankFork(preload=_import_rank_modules, main=main) if args.launcher == "fork" else None
     ensure_ranks(world, max_restarts=cfg.run.max_restarts, restart_args=("checkpoint.resume=auto",),
-                 on_restart=lambda restart: _record_restart(cfg.run.output_dir, restart))
+                 on_restart=lambda restart: _record_restart(cfg.run.output_dir, restart), fork=fork)
     import torch.distributed
 
     from megappo import interrupts
@@ -287,6 +291,21 @@ def _train(args, cfg, world, on_ray, resume) -> int:
         print(done_line(history, run.start_step, run.total_steps, cfg.run.output_dir, png), flush=True)
     destroy_parallel()
     return 0
+
+
+def _import_rank_modules() -> None:
+    """Import what every rank of `megappo train` imports before its first step (torch.distributed,
+    Megatron-Core, transformers' model code, the run's modules), without their import-time warnings
+    (a rank silences them: megappo.parallel.state)."""
+    with warnings.catch_warnings(action="ignore"):
+        import megatron.core.dist_checkpointing  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.tensor_parallel  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+        import megappo.orchestrator  # noqa: F401
+        import megappo.run  # noqa: F401
 
 
 def done_line(history: list[dict], start_step: int, total_steps: int, run_dir: str, png: str) -> str:
@@ -496,9 +515,11 @@ def main(argv=None) -> int:
                        help="ranks to launch when not under torchrun (default: a GPU recipe's hardware.gpus_per_node, "
                             "else tp * pp, the lcm over roles with their own)")
     train.add_argument("--variant", default=None, help="apply the recipe's variants.NAME overrides (other hardware)")
-    train.add_argument("--launcher", choices=("torchrun", "ray"), default="torchrun",
-                       help="how the ranks start when not under torchrun: torchrun on this machine (default), or "
-                            "ray: Ray actors in a placement group on an existing Ray cluster (docs/launchers.md)")
+    train.add_argument("--launcher", choices=("fork", "torchrun", "ray"), default="fork",
+                       help="how the ranks start when not under torchrun: fork (default): torchrun's agent on this "
+                            "machine forks each rank from this process once it has imported what the ranks need; "
+                            "torchrun: the same agent starts each rank as a fresh interpreter; ray: Ray actors in a "
+                            "placement group on an existing Ray cluster (docs/launchers.md)")
     train.add_argument("--ray-address", default=None,
                        help="the Ray cluster for --launcher ray (default: $RAY_ADDRESS, else auto: the cluster "
                             "started on this machine with `ray start --head`)")

@@ -62,6 +62,7 @@ import threading
 import uuid
 from typing import Callable
 
+from megappo.parallel.fork import RankFork, fork_blocker, forked_ranks
 from megappo.parallel.listen import LOOPBACK, loopback_interface, loopback_rendezvous
 
 #: the exit code of a rank whose collective timed out or lost its peer (megappo.cli)
@@ -73,6 +74,8 @@ USER_CODE_EXIT = 4
 INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 #: torchrun's variable naming the file where the rank it started writes the error it ends on (record_error)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: this process ran torchrun's agent (torchrun): it ends as its ranks do (exit_rank)
+_agent_ran = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +157,9 @@ class Restart:
 
 
 def ensure_ranks(n: int, *, max_restarts: int = 0, restart_args: tuple[str, ...] = (),
-                 on_restart: Callable[[Restart], None] | None = None) -> None:
+                 on_restart: Callable[[Restart], None] | None = None, fork: RankFork | None = None) -> None:
+    """See the module docstring. `fork`: the ranks are forks of this process after `fork.preload()` (when
+    fork_blocker() finds nothing against it) instead of fresh interpreters (megappo.parallel.fork)."""
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != n:
@@ -170,15 +175,20 @@ def ensure_ranks(n: int, *, max_restarts: int = 0, restart_args: tuple[str, ...]
     main_spec = getattr(sys.modules["__main__"], "__spec__", None)
     # `python -m pkg.mod` must stay a module run so the package is importable in the ranks
     target = ["-m", main_spec.name] if main_spec is not None else [sys.argv[0]]
+    if fork is not None:
+        fork.preload()
+        fork = fork if fork_blocker() is None else None
     raise SystemExit(torchrun([*one_node_args(), "--nproc_per_node", str(n), *target, *sys.argv[1:]],
-                              max_restarts=max_restarts, restart_args=restart_args, on_restart=on_restart))
+                              max_restarts=max_restarts, restart_args=restart_args, on_restart=on_restart,
+                              fork=(fork, tuple(target)) if fork is not None else None))
 
 
 def exit_rank(code: int | None) -> None:
     """End this process as a rank ends (the module docstring): threads joined, output flushed,
-    atexit handlers run, then os._exit(code) without the interpreter's teardown. Outside torchrun
-    (no TORCHELASTIC_RUN_ID: a world of one, a plain command) it is sys.exit(code)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    atexit handlers run, then os._exit(code) without the interpreter's teardown; the launcher that ran
+    torchrun's agent ends so too (its ranks have ended). Elsewhere (no TORCHELASTIC_RUN_ID: a world of
+    one, a plain command) it is sys.exit(code)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and not _agent_ran:
         sys.exit(code)
     import atexit
 
@@ -201,14 +211,19 @@ def one_node_args() -> list[str]:
 
 
 def torchrun(argv: list[str], *, max_restarts: int = 0, restart_args: tuple[str, ...] = (),
-             on_restart: Callable[[Restart], None] | None = None) -> int:
+             on_restart: Callable[[Restart], None] | None = None,
+             fork: tuple[RankFork, tuple[str, ...]] | None = None) -> int:
     """`torchrun ARGV` in this process; returns 0, or the exit code of the rank that failed (1 when
     a signal ended it), after one line that names that rank, or 128 + the signal that stopped
     the ranks (SIGINT, SIGTERM). A failure that restarts (see the module docstring) runs ARGV +
-    `restart_args` again, up to `max_restarts` times."""
-    restarts = 0
+    `restart_args` again, up to `max_restarts` times. `fork`: (how, the part of ARGV that names the
+    rank's program): the ranks are forks of this process (megappo.parallel.fork)."""
+    global _agent_ran
+    _agent_ran = True
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    fresh_level, restarts = elastic_log.level, 0
     while True:
-        code, failure = _attempt(argv)
+        code, failure = _attempt(argv, fork, fresh_level)
         if failure is None:
             return code
         rank, exitcode = failure
@@ -227,10 +242,14 @@ def torchrun(argv: list[str], *, max_restarts: int = 0, restart_args: tuple[str,
             argv = [*argv, *restart_args]
 
 
-def _attempt(argv: list[str]) -> tuple[int, tuple[int, int] | None]:
+def _attempt(argv: list[str], fork: tuple[RankFork, tuple[str, ...]] | None, fresh_level: int
+             ) -> tuple[int, tuple[int, int] | None]:
     """One torchrun of ARGV: (exit code, (rank, its exit code) when a rank's death or a timed-out
     collective ended it, so that a restart may help; None otherwise). Every process the ranks
-    started is gone when it returns."""
+    started is gone when it returns. `fork`: see torchrun; `fresh_level`: the level of torch's elastic
+    logger before the launcher silenced it (a forked rank's)."""
+    import contextlib
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
@@ -245,7 +264,8 @@ def _attempt(argv: list[str]) -> tuple[int, tuple[int, int] | None]:
     if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:
         argv = ["--signals-to-handle", "SIGHUP,SIGQUIT", *argv]
     args = parse_args(argv)
-    with Forwarder() as signals, _RankGroups(), loopback_rendezvous():
+    starting = forked_ranks(fork[0], fork[1], fresh_level) if fork is not None else contextlib.nullcontext()
+    with Forwarder() as signals, _RankGroups(), loopback_rendezvous(), starting:
         try:
             run(args)
         except ChildFailedError as e:

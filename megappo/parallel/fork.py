@@ -1,0 +1,175 @@
+"""Ranks forked from the launcher instead of started as fresh interpreters (`megappo train` on one machine).
+
+A rank started by torchrun's agent as `python -u CMD ARGS` spends seconds importing torch, Megatron-Core
+and transformers, which the launcher (the `megappo train` process that runs the agent) has mostly
+imported already for its own checks. `RankFork` lets that launcher import the rest once (`preload`)
+and then have the agent fork each rank from itself (`forked_ranks`: torchrun's SubprocessContext
+starts a `ForkedRank` where it would start a Popen), so that a rank starts with every module in
+memory and runs `main` at once. The agent itself is unchanged: the same rendezvous, the same
+environment per rank, the same error files, failures, SIGTERM / SIGKILL of survivors and restarts;
+a forked rank is a child of the launcher in its own session, as torchrun's ranks are.
+
+What a forked rank gets, against a fresh interpreter (`_become_rank`):
+
+| state | fresh `python -u CMD ARGS` | forked rank |
+|---|---|---|
+| sys.argv, os.environ | the command, the agent's environment | set to the same |
+| stdout / stderr | unbuffered (`-u`) | replaced by unbuffered streams on fds 1 and 2 |
+| signal handlers | Python's defaults | the launcher's (Forwarder, the agent's) reset to Python's defaults; no wakeup fd |
+| process group | its own session (start_new_session) | its own session (setsid before the launcher goes on) |
+| torch threads | OMP_NUM_THREADS | torch.set_num_threads(OMP_NUM_THREADS) |
+| torch's default generator | its default seed | reseeded with that default seed |
+| random / numpy.random | seeded from the OS | reseeded from the OS |
+| modules | imported as the rank goes | already imported, import-time warnings already shown (or not) |
+| str hashes (PYTHONHASHSEED) | a seed of its own | the launcher's (the same in every rank) |
+| the launcher's stack, threads | - | never run: the rank ends with os._exit (megappo.parallel.launch.exit_rank) |
+
+Forking is safe only from a process that runs no other thread (a lock held by one stays held in
+the child: OpenMP's pool, tokenizers' rayon pool, a user's thread) and has not initialised CUDA:
+`fork_blocker()` says what stands in the way, and the launcher starts fresh interpreters then. The
+threads the launcher itself starts before forking (the agent's rendezvous timer and TCP store
+server, megappo.parallel.launch's rank-group watcher) hold nothing a rank uses.
+
+This module does not know about models, configs or the command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFork:
+    """How the launcher forks its ranks: `preload()` imports what every rank needs (called once, before the
+    agent starts), `main()` is a rank's whole program (the command line's main: it reads sys.argv and
+    returns the exit code)."""
+
+    preload: Callable[[], None]
+    main: Callable[[], int]
+
+
+def fork_blocker() -> str | None:
+    """Why this process cannot fork its ranks (None: it can): another thread runs, or CUDA is initialised."""
+    if not sys.platform.startswith("linux"):
+        return f"fork-started ranks need Linux, this is {sys.platform}"
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1 or threading.active_count() > 1:
+        return f"this process runs {threads} threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "this process has initialised CUDA"
+    return None
+
+
+class ForkedRank(subprocess.Popen):
+    """A Popen whose child is a fork of this process running `main` (see the module docstring) instead of
+    an exec of `args`: pid, poll, wait and signals are Popen's. `args` is the command a fresh rank would
+    run, `env` its whole environment."""
+
+    def __init__(self, args: tuple[str, ...], env: dict[str, str], main: Callable[[], int], argv0: str,
+                 target: tuple[str, ...], elastic_log_level: int):
+        self._rank = (main, argv0, target, elastic_log_level)
+        super().__init__(list(args), env=env, start_new_session=True)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *unused):
+        ready_r, ready_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns into the launcher's frames
+            code = 1
+            try:
+                os.close(ready_r)
+                os.setsid()  # before the launcher may signal the group (torchrun's killpg)
+                os.close(ready_w)
+                _become_rank(list(args), env, *self._rank[1:])
+                code = _run(self._rank[0])
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.read(ready_r, 1)  # EOF once the child has its session (or has died)
+        os.close(ready_r)
+        self.pid, self._child_created = pid, True
+
+
+def _become_rank(args: list[str], env: dict[str, str], argv0: str, target: tuple[str, ...],
+                 elastic_log_level: int) -> None:
+    """This forked process's state as a fresh `python -u TARGET ARGS` would have it (the module's table)."""
+    import logging
+
+    for signum in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(signum)) and signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.set_wakeup_fd(-1)
+    os.environ.clear()
+    os.environ.update(env)
+    start = next(i for i in range(len(args)) if tuple(args[i:i + len(target)]) == target) + len(target)
+    sys.argv = [argv0, *args[start:]]
+    for fd, name in ((1, "stdout"), (2, "stderr")):  # python -u
+        old = getattr(sys, name)
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors,
+                                  write_through=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    logging.getLogger("torch.distributed.elastic").setLevel(elastic_log_level)
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(torch.Generator().initial_seed())  # the seed a fresh process starts with
+        if env.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def _run(main: Callable[[], int]) -> int:
+    """`main()`'s exit code, an uncaught exception handled as the interpreter handles it (its traceback, 1)."""
+    try:
+        return main()
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr, flush=True)
+        return 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
+@contextlib.contextmanager
+def forked_ranks(fork: RankFork, target: tuple[str, ...], elastic_log_level: int):
+    """While entered, torchrun's agent in this process starts its ranks with ForkedRank: `target` is the
+    part of a rank's command before its arguments (`-m megappo.cli` or the script), `elastic_log_level` the
+    level of torch.distributed.elastic's logger a fresh rank has."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    argv0 = sys.argv[0]
+
+    class Handler(SubprocessHandler):
+        def _popen(self, args, env):
+            return ForkedRank(args, env, fork.main, argv0, target, elastic_log_level)
+
+    def handler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=None):
+        return Handler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                       local_rank_id=local_rank_id, numa_options=numa_options)
+
+    real = api.get_subprocess_handler
+    api.get_subprocess_handler = handler
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = real
