@@ -1,16 +1,19 @@
 #!/usr/bin/env python
 """How long a `megappo train` launch takes before and after its steps, on this machine.
 
-    python benchmarks/startup.py [--repeats 3]
+    python benchmarks/startup.py [--repeats 3] [--launchers fork,torchrun]
 
 Rows (each the median of `--repeats` fresh processes):
   import Megatron-Core (baseline)   a fresh interpreter imports the Megatron-Core modules a rank uses
                                     (models.gpt, optimizer, dist_checkpointing), as it would without megappo
   ... after `import megappo`        the same after `import megappo`: Megatron's import-time torch.compile
                                     decorations deferred to their first call (megappo.megatron_import)
-  megappo train, 1 step             `megappo train recipes/demo-cpu.yaml run.total_steps=1` (2 ranks, the
-                                    console script): seconds to the first step's line, to the `done:` line
-                                    (a checkpoint saved between), and to the command's exit
+  megappo train, 1 step             `megappo train recipes/demo-cpu.yaml run.total_steps=1 --launcher L` (2
+                                    ranks, the console script) for each L of `--launchers`: fork (the default:
+                                    ranks forked from the launcher) and torchrun (fresh interpreters, as before
+                                    the fork launcher); seconds to the first step's line, to the `done:` line
+                                    (a checkpoint saved between), and to the command's exit. The launchers'
+                                    runs alternate, so that a change in the machine's load reaches both
 
 Nothing here is a timed test: it prints a table to compare with benchmarks/RESULTS.md.
 
@@ -39,11 +42,11 @@ def seconds_to_import(prefix: str) -> float:
     return time.perf_counter() - start
 
 
-def one_step_launch() -> tuple[float, float, float]:
+def one_step_launch(launcher: str) -> tuple[float, float, float]:
     """(first step line, done line, exit) in seconds from the command's start."""
     out = tempfile.mkdtemp(prefix="megappo-startup-")
     command = [shutil.which("megappo") or "megappo", "train", "recipes/demo-cpu.yaml", "run.total_steps=1",
-               f"run.output_dir={out}"]
+               f"run.output_dir={out}", "--launcher", launcher]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,17 +68,24 @@ def one_step_launch() -> tuple[float, float, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--launchers", default="fork,torchrun",
+                   help="comma-separated `megappo train --launcher` values to time (default: fork,torchrun)")
     args = p.parse_args()
+    launchers = [name.strip() for name in args.launchers.split(",") if name.strip()]
     plain = statistics.median(seconds_to_import("") for _ in range(args.repeats))
     deferred = statistics.median(seconds_to_import("import megappo; ") for _ in range(args.repeats))
-    launches = [one_step_launch() for _ in range(args.repeats)]
-    first, done, total = (statistics.median(x) for x in zip(*launches))
-    print(f"{'what':52s}{'seconds':>9s}{'vs baseline':>13s}")
-    print(f"{'import Megatron-Core (baseline)':52s}{plain:9.2f}{1.0:12.2f}x")
-    print(f"{'import Megatron-Core after `import megappo`':52s}{deferred:9.2f}{deferred / plain:12.2f}x")
-    print(f"{'megappo train, 1 step: first step line':52s}{first:9.2f}")
-    print(f"{'megappo train, 1 step: done line (checkpoint saved)':52s}{done:9.2f}")
-    print(f"{'megappo train, 1 step: exit':52s}{total:9.2f}")
+    launches = {name: [] for name in launchers}
+    for _ in range(args.repeats):
+        for name in launchers:
+            launches[name].append(one_step_launch(name))
+    print(f"{'what':64s}{'seconds':>9s}{'vs baseline':>13s}")
+    print(f"{'import Megatron-Core (baseline)':64s}{plain:9.2f}{1.0:12.2f}x")
+    print(f"{'import Megatron-Core after `import megappo`':64s}{deferred:9.2f}{deferred / plain:12.2f}x")
+    for name in launchers:
+        first, done, total = (statistics.median(x) for x in zip(*launches[name]))
+        print(f"{f'megappo train --launcher {name}, 1 step: first step line':64s}{first:9.2f}")
+        print(f"{f'megappo train --launcher {name}, 1 step: done line (checkpoint saved)':64s}{done:9.2f}")
+        print(f"{f'megappo train --launcher {name}, 1 step: exit':64s}{total:9.2f}")
     return 0
 
 

@@ -18,8 +18,7 @@ What a forked rank gets, against a fresh interpreter (`_become_rank`):
 | signal handlers | Python's defaults | the launcher's (Forwarder, the agent's) reset to Python's defaults; no wakeup fd |
 | process group | its own session (start_new_session) | its own session (setsid before the launcher goes on) |
 | torch threads | OMP_NUM_THREADS | torch.set_num_threads(OMP_NUM_THREADS) |
-| torch's default generator | its default seed | reseeded with that default seed |
-| random / numpy.random | seeded from the OS | reseeded from the OS |
+| torch's default generator, random, numpy.random | seeded from the OS | reseeded from the OS |
 | modules | imported as the rank goes | already imported, import-time warnings already shown (or not) |
 | str hashes (PYTHONHASHSEED) | a seed of its own | the launcher's (the same in every rank) |
 | the launcher's stack, threads | - | never run: the rank ends with os._exit (megappo.parallel.launch.exit_rank) |
@@ -67,6 +66,9 @@ def fork_blocker() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "this process has initialised CUDA"
+    with open("/proc/self/maps") as maps:  # the driver, loaded by any CUDA call (a device count too)
+        if any("libcuda.so" in line for line in maps):
+            return "this process has loaded the CUDA driver"
     return None
 
 
@@ -130,7 +132,7 @@ def _become_rank(args: list[str], env: dict[str, str], argv0: str, target: tuple
         sys.modules["numpy"].random.seed()
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.manual_seed(torch.Generator().initial_seed())  # the seed a fresh process starts with
+        torch.seed()  # a fresh process's default generator starts from a seed of its own
         if env.get("OMP_NUM_THREADS", "").isdigit():
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
