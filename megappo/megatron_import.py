@@ -15,6 +15,9 @@ called costs nothing. `torch.compile` of anything else (a module), and every cal
 that import, is torch's own (a call from another thread during that import is deferred too: the
 same compile, later). The hook removes itself as soon as it has found `megatron.core`; when
 Megatron-Core was imported before megappo, or is found by another finder, nothing is deferred.
+During the same import, the optional packages Megatron-Core would import for code megappo never runs
+(OPTIONAL_UNUSED: wandb) are hidden from it, as if not installed (megappo's own wandb sink imports wandb
+itself).
 
 This module does not know which Megatron functions are decorated or which of them a model calls.
 """
@@ -80,11 +83,37 @@ class _Hook(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def exec_deferred(module):
-            with compile_deferred():
+            with compile_deferred(), _without(OPTIONAL_UNUSED):
                 exec_module(module)
 
         spec.loader.exec_module = exec_deferred  # this spec's own loader instance
         return spec
+
+
+#: packages Megatron-Core imports when installed, for code megappo never runs (wandb: the dynamic inference
+#: context's logging; about a second of every rank's start-up): hidden from it while it is imported
+OPTIONAL_UNUSED = ("wandb",)
+
+
+class _Hidden(importlib.abc.MetaPathFinder):
+    def __init__(self, names):
+        self.names = names
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+@contextlib.contextmanager
+def _without(names):
+    """While entered, importing one of `names` (not already imported) raises ModuleNotFoundError."""
+    hidden = _Hidden([n for n in names if n not in sys.modules])
+    sys.meta_path.insert(0, hidden)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(hidden)
 
 
 _HOOK = _Hook()
