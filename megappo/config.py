@@ -602,7 +602,7 @@ class RolloutConfig(_Section):
     bad_observation_policy: Literal["error", "warn"] = "error"  # multi-turn: an observation with characters the tokenizer has no token for: error stops the run; warn trains on it, counted in env/unknown_char_observations
     placement: Literal["colocated", "separate"] = "colocated"  # separate: the hf engine in a child process of rank 0 (docs/async.md)
     engine_cores: list[int] = dataclasses.field(default_factory=list)  # separate: pin the engine's process to these CPU cores; []: no pinning
-    replicas: int = 1  # rollout engines across the job's ranks, replica i on global rank i * world / replicas; rank 0 splits each generation's prompts (whole groups) over them, same tokens as one engine; 1: rank 0's engine only (docs/engines.md)
+    replicas: int = 1  # rollout engines across the job's ranks, replica i led by global rank i * world / replicas (on its GPUs; sync_mode=distributed: on GPUs of its own after the trainer's on that node); rank 0 splits each generation's prompts (whole groups) over them, same tokens as one engine; 1: rank 0's engine only (docs/engines.md)
     mode: Literal["sync", "one_step_off", "async"] = "sync"  # one_step_off: generate step k+1's batch while step k trains, one policy version behind; async: a generation thread up to max_staleness versions ahead (docs/async.md)
     max_staleness: Optional[int] = None  # async: policy versions a sample lags the trainer at most; None: 2
 
@@ -614,10 +614,6 @@ class RolloutConfig(_Section):
     def check(self) -> None:
         _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1, max_turns=1,
                   hf_eos_check_every=1, replicas=1)
-        _require(self.replicas == 1 or self.sync_mode == "tensor",
-                 f"{P}replicas={self.replicas} puts an engine on the trainer's own ranks (colocated, weights by "
-                 f"{P}sync_mode=tensor); {P}sync_mode={self.sync_mode} sends them to one engine on GPUs of its own. "
-                 f"Fix: set {P}sync_mode=tensor, or {P}replicas=1.")
         _require(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
                  f"{P}max_turn_tokens={self.max_turn_tokens} must be >= 1. Fix: set it to null (max_new_tokens) "
                  "or to the longest action you expect.")

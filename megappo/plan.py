@@ -71,7 +71,9 @@ The estimate, per GPU, in bytes (P = parameters this GPU holds, d = data-paralle
   dtype bytes. The KV cache is freed after the generation (rollout.mode=sync), so it counts as one more
   phase (the largest of it and the activations); with one_step_off / async, generation overlaps
   training and both count. `rollout.placement=separate` keeps the hf engine on the host, and
-  sync_mode=distributed SGLang on GPUs of its own (R = 1): neither is planned on the trainer's GPUs.
+  sync_mode=distributed puts each SGLang replica on rollout.sglang.tp_size GPUs of its own after the
+  trainer's on its leader's node (a node holding k leaders needs k x tp_size GPUs more): neither is
+  planned on the trainer's GPUs.
   staged update: a leader other than rank 0 gathers each weight update whole from its pipeline
   (megappo.rollout.bridge) and keeps that copy, all parameters x dtype bytes, in host memory until rank
   0's sequence of engine calls reaches the sync and it applies it (docs/engines.md, "Replicas"; rank 0
@@ -382,6 +384,7 @@ class Placement:
     per_node: int  # ranks (GPUs) of one node; the job's ranks fill node after node
     leaders: tuple[int, ...]
     width: int
+    own: int = 0  # GPUs of its own per engine, after the trainer's on its leader's node (sync_mode=distributed)
 
     @property
     def replicas(self) -> int:
@@ -395,6 +398,12 @@ class Placement:
     @functools.cached_property
     def engine_ranks(self) -> frozenset[int]:
         return frozenset(rank for span in self.spans for rank in span)
+
+    @property
+    def own_per_node(self) -> int:
+        """GPUs a node needs besides its trainer ranks' for the engines of their own it holds at most."""
+        nodes = range(self.world // self.per_node)
+        return self.own * max(sum(1 for r in self.leaders if r // self.per_node == n) for n in nodes)
 
     @functools.cached_property
     def stagers(self) -> frozenset[int]:
@@ -441,11 +450,13 @@ def engine_placement(cfg: Config, world_size: int, per_node: int) -> Placement:
     if r.replicas > world_size:
         raise ConfigError(f"rollout.replicas={r.replicas} needs at least as many ranks; the world has {world_size}. "
                           f"Fix: set rollout.replicas between 1 and {world_size}.")
+    own = 0
     if r.engine == "sglang":
         width = 0 if r.sync_mode == "distributed" else _engine_args(cfg)[0]
+        own = _engine_args(cfg)[0] if r.sync_mode == "distributed" else 0
     else:
         width = 1 if hw.device == "cpu" or r.placement == "colocated" else 0
-    placement = Placement(world_size, per_node, replica_leaders(world_size, r.replicas), width)
+    placement = Placement(world_size, per_node, replica_leaders(world_size, r.replicas), width, own)
     if not _side_by_side(placement.leaders, per_node, width):
         spans = ", ".join(f"{s.start}-{s.stop - 1}" for s in placement.spans)
         raise ConfigError(
@@ -816,12 +827,14 @@ def _rollout_lines(plan: Plan, g) -> list[str]:
     if pl is None or (not pl.width and pl.replicas == 1):
         return []
     unit = "GPU" if plan.device == "gpu" else "rank"
-    what = f"{plan.engine_name} engine" + (f" of tp {pl.width}" if plan.engine_name == "sglang" else "")
+    what = f"{plan.engine_name} engine" + (f" of tp {pl.width or pl.own}" if plan.engine_name == "sglang" else "")
     spans = [f"{s.start}-{s.stop - 1}" if len(s) > 1 else f"{s.start}" for s in pl.spans]
     if len(spans) > 8:
         spans = [*spans[:3], "...", spans[-1]]
     ranks = "ranks" if len(pl.engine_ranks) > 1 else "rank"
     where = (f" on {ranks} {' | '.join(spans)} ({len(pl.engine_ranks)} of {pl.world} {unit}s)" if pl.width
+             else f" on GPUs of {'their' if pl.replicas > 1 else 'its'} own ({pl.own_per_node} a node at most, after "
+                  f"its {pl.per_node} trainer GPUs)" if pl.own and plan.device == "gpu"
              else " on the host" if plan.device == "gpu" else "")
     text = f"rollout: {pl.replicas} " + (f"replicas of an {what}" if pl.replicas > 1 else what) + where
     if pl.stagers:
@@ -893,7 +906,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{'engine':<10}  hf engine: on the host (CPU memory), no GPU memory")
     elif plan.engine_name == "sglang":
         lines.append(f"{'engine':<10}  sglang, sync_mode=distributed: on GPUs of its own beside the trainer's "
-                     f"(rollout.sglang.tp_size of them), not planned here")
+                     f"(rollout.sglang.tp_size of them per replica), not planned here")
     if plan.staged:
         lines.append(f"{'staged':<10}{'':>9}{'':>9}{'':>8}{'':>11}{g(plan.staged):>13}{g(plan.staged):>8}   an update "
                      f"whole ({plan.dtype}), from its gather until replica {plan.placement.replica_of(plan.rank)} "

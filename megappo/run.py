@@ -52,7 +52,7 @@ from megappo.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.engines import engine_for, write_engine_init
-from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders
+from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders, node_slot
 from megappo.rollout.schedule import SCHEDULES
 from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
@@ -529,7 +529,7 @@ def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, acto
     engine = None
     if ps.rank in leader_ranks:  # with several replicas, every engine starts at the same time
         engine = engine_for(cfg, source.hf_model, source.tokenizer, return_routes=routing_replay, device=ps.device,
-                            local_rank=ps.local_rank)
+                            local_rank=ps.local_rank, replica_slot=node_slot(ps.rank, ps.local_rank, leader_ranks))
     engine, replica = connect_replicas(ps.rank, leader_ranks, engine, pad_token_id=source.tokenizer.pad_token_id,
                                        bucket_bytes=cfg.rollout.update_bucket_mb << 20)
     rollouts = SCHEDULES[cfg.rollout.mode](total_steps, cfg.rollout.staleness_limit) if ps.is_rank0 else None

@@ -19,6 +19,8 @@ This module does not know about Megatron, PPO, configs or the engine implementat
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from typing import Iterable, Iterator, Protocol, Sequence
 
 import torch
@@ -140,3 +142,20 @@ def iter_buckets(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int)
     if bucket:
         yield bucket
 
+
+def on_daemon_thread(fn, *args, name: str = "megappo-engine-call") -> concurrent.futures.Future:
+    """fn(*args) on a daemon thread of its own; its result (or exception) in the returned Future. Not a
+    pool: a rank's exit joins every non-daemon thread (megappo.parallel.launch.exit_rank), and an idle
+    pool's workers end only once the pool is shut down or collected, which never happens while a kept frame
+    holds it (SGLang, first imported during the run's set-up, keeps one, and with it every caller's frame up
+    to megappo.run.create_run): a run with such a pool never exited."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised again by the caller's result()
+            future.set_exception(e)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return future

@@ -49,13 +49,15 @@ def write_engine_init(cfg: Config, hf_model) -> str:
 
 
 def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device: torch.device,
-               local_rank: int = 0) -> RolloutEngine:
+               local_rank: int = 0, replica_slot: int = 0) -> RolloutEngine:
     """The engine `cfg.rollout` names, holding the initial weights. `hf_model`: the transformers
     model built from `model.hf_config` (None when the weights come from `model.path`);
     `return_routes`: the trainer replays the engine's expert choices (routing replay); `device`:
     the trainer's (the hf engine runs on a CUDA trainer's GPU in the model dtype); `local_rank`:
-    the building rank's on its node (a colocated SGLang replica starts on that rank's GPU). SGLang with a
-    model from `model.hf_config` starts from the copy `write_engine_init` wrote before."""
+    the building rank's on its node (a colocated SGLang replica starts on that rank's GPU); `replica_slot`:
+    the engine is its node's replica_slot-th (megappo.rollout.replicas.node_slot; SGLang with
+    sync_mode=distributed starts that many engines' GPUs after the trainer's). SGLang with a model from
+    `model.hf_config` starts from the copy `write_engine_init` wrote before."""
     if cfg.rollout.engine == "hf" and cfg.rollout.placement == "separate":  # the child builds its own copy
         source = HFModelSource(path=cfg.model.path, hf_config=cfg.model.hf_config, seed=cfg.model.seed_init)
         return RemoteEngine(source, pad_token_id=tokenizer.pad_token_id, cores=cfg.rollout.engine_cores)
@@ -71,8 +73,10 @@ def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device:
                             max_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                             **gpu_placement(device, cfg.model.dtype))
     model_path = cfg.model.path or engine_init_dir(cfg)  # a model from model.hf_config: its copy on disk
-    placement = {"base_gpu_id": local_rank} if local_rank and device.type == "cuda" else {}  # colocated replicas
+    colocated = cfg.rollout.sync_mode != "distributed"
+    placement = {"base_gpu_id": local_rank} if colocated and local_rank and device.type == "cuda" else {}
     return build_engine("sglang", model_path=model_path, pad_token_id=tokenizer.pad_token_id,
                         dtype=cfg.model.dtype, sync_mode=cfg.rollout.sync_mode, logprob_mode=cfg.rollout.logprob_mode,
+                        replica_slot=replica_slot,
                         engine_args={**({"enable_return_routed_experts": True} if return_routes else {}),
                                      **placement, **cfg.rollout.sglang})

@@ -2,7 +2,10 @@
 
 R replicas, each an engine of its own (the one `megappo.rollout.engines.engine_for` builds) held
 by a *leader* rank; the leaders are spread evenly over the job (`leaders`: replica i on global rank
-i * world // R, so replica 0 is rank 0's and two nodes of equal size get R / 2 each).
+i * world // R, so replica 0 is rank 0's and two nodes of equal size get R / 2 each). An engine is
+colocated on its leader's GPUs, or (SGLang, sync_mode=distributed) disaggregated: on GPUs of the
+leader's node the trainer does not use, one block of engine GPUs per replica of that node (`node_slot`);
+either way its leader's process drives it, and nothing below depends on where it runs.
 
 Rank 0 holds a `ReplicaSet`, which is a RolloutEngine: the orchestrator, the rollout schedule, the
 bridge, multi-turn episodes, dynamic sampling and validation call it exactly as they call one
@@ -45,7 +48,6 @@ This module does not know about Megatron, PPO, configs or how the bridge gathers
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -64,7 +66,7 @@ import torch.distributed as dist
 from megappo.errors import ConfigError
 from megappo.rollout.batches import concat
 from megappo.rollout.engine import (
-    Bucket, EngineCrashed, RolloutEngine, WeightSyncError, compare_fingerprints, iter_buckets,
+    Bucket, EngineCrashed, RolloutEngine, WeightSyncError, compare_fingerprints, iter_buckets, on_daemon_thread,
 )
 from megappo.types import RolloutBatch, SamplingParams
 
@@ -78,6 +80,12 @@ def leaders(world_size: int, replicas: int) -> tuple[int, ...]:
         raise ConfigError(f"rollout.replicas={replicas} needs 1 <= replicas <= the job's {world_size} rank(s). "
                          f"Fix: set rollout.replicas between 1 and {world_size}.")
     return tuple(i * world_size // replicas for i in range(replicas))
+
+
+def node_slot(rank: int, local_rank: int, leader_ranks: Sequence[int]) -> int:
+    """How many replicas lead from ranks of this rank's node below it (a node's ranks are contiguous): where
+    its engine goes among the node's GPUs for engines of their own (rollout.sync_mode=distributed)."""
+    return sum(1 for r in leader_ranks if rank - local_rank <= r < rank)
 
 
 def split_prompts(prompts: Sequence[Sequence[int]], parts: int, max_new_tokens: int) -> list[tuple[int, int]]:
@@ -149,7 +157,7 @@ class ReplicaSet:
         return 1 + len(self.clients)
 
     def _each_remote(self, op: str, *args) -> list:
-        futures = [_on_daemon_thread(c.call, op, *args) for c in self.clients]
+        futures = [on_daemon_thread(c.call, op, *args, name="megappo-replica-call") for c in self.clients]
         return [f.result() for f in futures]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
@@ -160,7 +168,7 @@ class ReplicaSet:
             return [list(p) for p in prompts[span[0]:span[1]]], dataclasses.replace(
                 params, sample_window=(span[0] * params.n, total))
 
-        futures = [_on_daemon_thread(c.call, "generate", *part(span)) for c, span in zip(self.clients, spans[1:])]
+        futures = [on_daemon_thread(c.call, "generate", *part(span), name="megappo-replica-call") for c, span in zip(self.clients, spans[1:])]
         parts = [_on_host(self.local.generate(*part(spans[0])))] + [f.result() for f in futures]
         batch = concat(parts, self.pad_token_id)
         # every part came back: each replica generated its span's prompts (one without a span, none)
@@ -285,23 +293,6 @@ def _no_delay(conn):
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return conn
-
-
-def _on_daemon_thread(fn, *args) -> concurrent.futures.Future:
-    """fn(*args) on a daemon thread of its own. Not a pool: a rank's exit joins every non-daemon thread
-    (megappo.parallel.launch.exit_rank), and an idle pool's workers end only once the pool is collected,
-    which never happens while a kept frame holds it (SGLang, first imported during the run's set-up, keeps
-    one, and with it every caller's frame up to megappo.run.create_run)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def work():
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - raised again by the caller's result()
-            future.set_exception(e)
-
-    threading.Thread(target=work, name="megappo-replica-call", daemon=True).start()
-    return future
 
 
 def _send(conn, obj) -> None:

@@ -13,7 +13,8 @@ Weight updates (`sync_mode`):
           `end_weight_update()` around tensor and distributed updates; they are called
           when the installed SGLang has them.
   distributed: the engine runs on GPUs of its own (`base_gpu_id`, default: the node's
-          local world size, i.e. the GPUs after the trainer's); the first update opens a
+          local world size, i.e. the GPUs after the trainer's; a node's further replicas
+          after the first's); the first update opens a
           process group of rank 0 (this process, the sender) and the engine's TP workers
           (`init_weights_update_group`, NCCL by default; `megappo/rollout/update_group.py`),
           then each bucket is broadcast as one flat buffer while the engine's
@@ -76,7 +77,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megappo.rollout.engine import Bucket, EngineCrashed, WeightSyncError, left_pad, tensor_fingerprint
+from megappo.rollout.engine import (
+    Bucket, EngineCrashed, WeightSyncError, left_pad, on_daemon_thread, tensor_fingerprint,
+)
 from megappo.rollout.routes import UNKNOWN, decode_sglang_routes
 from megappo.rollout.update_group import (
     dtype_name, flatten_bucket, free_port, open_update_group, outside_torchrun_store,
@@ -91,12 +94,15 @@ _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed
 
 
 def sglang_engine_args(model_path: str | None, *, tp_size: int, mem_fraction_static: float, dtype: str,
-                       sync_mode: str, user_args: dict[str, Any], cuda: bool, local_world_size: int) -> dict[str, Any]:
+                       sync_mode: str, user_args: dict[str, Any], cuda: bool, local_world_size: int,
+                       replica_slot: int = 0) -> dict[str, Any]:
     """The arguments megappo starts `sglang.Engine` with; `user_args` (rollout.sglang) win.
 
     `enable_memory_saver`: on GPUs for the colocated `tensor` mode, so that release_memory()
     frees the weights and KV cache during training (SGLang frees nothing without it).
-    `base_gpu_id`: for `distributed` on GPUs, the GPUs after the trainer's ranks on this node.
+    `base_gpu_id`: for `distributed` on GPUs, the GPUs after the trainer's ranks on this node
+    (from rollout.sglang.base_gpu_id when set); the node's `replica_slot`-th engine replica
+    (megappo.rollout.replicas) starts `replica_slot` x tp_size GPUs further.
     CPU: `device=cpu` and a KV cache of `CPU_MAX_TOTAL_TOKENS` tokens unless
     rollout.sglang.max_total_tokens says otherwise."""
     args: dict[str, Any] = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static,
@@ -108,6 +114,8 @@ def sglang_engine_args(model_path: str | None, *, tp_size: int, mem_fraction_sta
     if not cuda:  # mem_fraction_static would size the KV cache from host RAM (GBs for a tiny model)
         args.update(device="cpu", max_total_tokens=CPU_MAX_TOTAL_TOKENS)
     args.update(user_args)
+    if cuda and sync_mode == "distributed":
+        args["base_gpu_id"] += replica_slot * args["tp_size"]
     if not cuda and args.get("enable_memory_saver"):
         raise ValueError("rollout.sglang.enable_memory_saver needs CUDA (SGLang's memory saver pins GPU memory). "
                          "Fix: drop it on CPU; release_memory() then flushes the KV cache only.")
@@ -138,12 +146,13 @@ class SGLangEngine:
     """`engine`: an already started `sglang.Engine` (or an object with its methods) instead of starting one.
     `update_backend` / `update_address`: the weight-update group's backend (default nccl with
     CUDA, gloo without) and the address its store listens on (sync_mode=distributed; the
-    engine's workers run on this node)."""
+    engine's workers run on this node). `replica_slot`: sync_mode=distributed, the engine is this
+    node's replica_slot-th replica (`sglang_engine_args`)."""
 
     def __init__(self, model_path: str | None, *, pad_token_id: int, tp_size: int = 1,
                  mem_fraction_static: float = 0.5, dtype: str = "bfloat16", sync_mode: str = "tensor",
                  logprob_mode: str = "tempered", engine_args: dict[str, Any] | None = None, engine: Any = None,
-                 update_backend: str | None = None, update_address: str = "127.0.0.1"):
+                 update_backend: str | None = None, update_address: str = "127.0.0.1", replica_slot: int = 0):
         if sync_mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"rollout.sync_mode={sync_mode}: choose tensor, distributed or disk")
         engine_args = dict(engine_args or {})
@@ -157,7 +166,6 @@ class SGLangEngine:
         self.update_backend = update_backend or ("nccl" if cuda else "gloo")
         self.update_address = update_address
         self._group: dist.ProcessGroup | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._flat = True  # flattened buckets, when the engine's update_weights_from_distributed takes load_format
         self._crash: str | None = None
         self._starting = False
@@ -174,14 +182,17 @@ class SGLangEngine:
             os.environ.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
         args = sglang_engine_args(
             model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static, dtype=dtype, sync_mode=sync_mode,
-            user_args=engine_args, cuda=cuda, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            user_args=engine_args, cuda=cuda, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            replica_slot=replica_slot)
         if cuda:
             first, gpus = args.get("base_gpu_id", 0), torch.cuda.device_count()
             if sync_mode == "distributed" and first + self.tp_size > gpus:
                 raise ValueError(
                     f"rollout.sync_mode=distributed puts SGLang on GPUs {first}..{first + self.tp_size - 1}, after the "
-                    f"trainer's, but this node has {gpus} GPU(s). Fix: start fewer trainer ranks per node (torchrun "
-                    f"--nproc-per-node), lower rollout.sglang.tp_size, or use rollout.sync_mode=tensor (colocated).")
+                    f"trainer's{f' and {replica_slot} other engine replica(s) of this node' if replica_slot else ''}, "
+                    f"but this node has {gpus} GPU(s). Fix: start fewer trainer ranks per node (torchrun "
+                    f"--nproc-per-node), lower rollout.sglang.tp_size or rollout.replicas, or use "
+                    f"rollout.sync_mode=tensor (colocated).")
         else:
             _cpu_environment(self.tp_size)
         args.setdefault("custom_sigquit_handler", self._on_death_while_starting)
@@ -356,11 +367,9 @@ class SGLangEngine:
         self._engine_call("flush_cache")
 
     def _while_engine_calls(self, method: str, send, **kwargs):
-        """Call the engine's blocking receive method (on the engine's thread) while a helper
+        """Call the engine's blocking receive method (on the engine's thread) while a daemon
         thread sends this side's half; returns what `send` returns."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megappo-sync")
-        sending = self._pool.submit(send)
+        sending = on_daemon_thread(send, name="megappo-sync")
         self._call(method, **kwargs)
         try:
             return sending.result()
@@ -452,9 +461,6 @@ class SGLangEngine:
                 dist.destroy_process_group(self._group)
         finally:
             self._group = None
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-                self._pool = None
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started, also after a crash."""

@@ -88,3 +88,28 @@ def test_two_sglang_replicas_generate_verify_and_a_dead_one_ends_the_run(tmp_pat
     assert len(errors) == 1 and errors[0].startswith(
         "megappo: error: rollout replica 1 (global rank 1): the sglang rollout engine crashed"), output[-6000:]
     assert not left, "processes of the run left after it ended:\n" + "\n".join(left)
+
+
+def test_two_sglang_replicas_of_their_own_receive_broadcast_weights(tmp_path):
+    """Disaggregated replicas (rollout.sync_mode=distributed): each leader's engine takes its weights over a
+    weight-update group of its own (gloo on CPU), opened once at its first sync and reused: SGLang logs one
+    'init custom process group' per engine (at log level info). The run ends (it hung at its exit once: a
+    thread of the sender's kept the rank alive). Every sync is verified on both replicas (verify_every=1), both
+    generate half of every step's prompts, and their log-probs equal the trainer's within 1e-5 at every step
+    (rollout.mode=sync: the engines hold exactly the weights the trainer just updated)."""
+    from tests.e2e.test_cli_demo import cli
+
+    steps = 3
+    code, out = cli("train", "recipes/demo-cpu.yaml", f"run.output_dir={tmp_path}", *ARGS[:4],
+                    "rollout.sync_mode=distributed", "rollout.sglang.log_level=info", "model.dtype=float32",
+                    f"run.total_steps={steps}",
+                    "run.val_before_train=false", "run.val_every=0", "checkpoint.save_every=0",
+                    "logging.progress_bar=false", timeout=900)
+    assert code == 0, out[-6000:]
+    assert " rollout_replicas=2 (ranks 0, 1)\n" in out, out[-6000:]
+    assert out.count("init custom process group") == 2, out[-6000:]  # one group per engine, reused
+    rows = step_rows(str(tmp_path))
+    assert len(rows) == steps
+    assert [r["perf/replica_prompts_min"] for r in rows] == [32.0] * steps
+    worst = max(r["rollout/logprob_diff_max"] for r in rows)
+    assert worst <= 1e-5, f"engine/trainer log-prob mismatch {worst:.2e} > 1e-5"

@@ -241,6 +241,15 @@ def test_distributed_sync_keeps_the_engine_off_the_trainer_gpus():
     with pytest.raises(ModelConfigError, match=r"choose rollout.sglang.tp_size from \[1, 2, 4, 28\]"):
         make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "sglang": {"tp_size": 3}}),
                   world_size=2)
+    # disaggregated replicas: 4 engines of tp 2 led by ranks 0, 4, 8, 12 of 2 nodes, so each node needs 2 x 2 GPUs
+    # beyond its 8 trainer GPUs; the leaders but rank 0 stage each update in host memory; no trainer GPU holds one
+    four = make_plan(recipe(rollout={"engine": "sglang", "sync_mode": "distributed", "replicas": 4,
+                                     "sglang": {"tp_size": 2}}, parallel={"tp": 2},
+                            hardware={"nodes": 2, "gpus_per_node": 8}), world_size=16)
+    text = format_plan(four)
+    assert four.engine is None and four.placement.engine_ranks == frozenset()
+    assert ("rollout: 4 replicas of an sglang engine of tp 2 on GPUs of their own (4 a node at most, after its 8 "
+            "trainer GPUs); ranks 4, 8, 12 stage each update whole") in text, text
 
 
 def test_cli_exit_codes(capsys):

@@ -4,7 +4,7 @@ live, how a call's prompts are split, and what a weight update must carry."""
 import pytest
 import torch
 
-from megappo.rollout.replicas import SYNC_ID, ReplicaSet, leaders, split_prompts
+from megappo.rollout.replicas import SYNC_ID, ReplicaSet, leaders, node_slot, split_prompts
 
 
 def test_leaders_spread_evenly_over_the_job():
@@ -14,6 +14,14 @@ def test_leaders_spread_evenly_over_the_job():
     assert leaders(6, 4) == (0, 1, 3, 4)
     with pytest.raises(ValueError, match="rollout.replicas=3 needs 1 <= replicas <= the job's 2 rank"):
         leaders(2, 3)
+
+
+def test_node_slot_counts_the_replicas_led_from_lower_ranks_of_the_same_node():
+    # 2 nodes of 8 ranks, 4 replicas led by 0, 4, 8, 12: each node's first engine in slot 0, its second in slot 1
+    four = leaders(16, 4)
+    assert [node_slot(r, r % 8, four) for r in four] == [0, 1, 0, 1]
+    assert [node_slot(r, r % 4, leaders(8, 8)) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # nodes of 4
+    assert node_slot(0, 0, (0,)) == 0
 
 
 def spans_cover(spans, count):

@@ -148,6 +148,13 @@ def test_engine_args_per_device():
     assert gpu_tensor["enable_memory_saver"] is True and "device" not in gpu_tensor
     gpu_dist = sglang_engine_args("m", sync_mode="distributed", cuda=True, **kw)
     assert gpu_dist["base_gpu_id"] == 6 and "enable_memory_saver" not in gpu_dist
+    # a node's further disaggregated replicas: each tp_size GPUs after the one before, from rollout.sglang's base too
+    tp2 = dict(kw, tp_size=2)
+    assert [sglang_engine_args("m", sync_mode="distributed", cuda=True, replica_slot=k, **tp2)["base_gpu_id"]
+            for k in range(3)] == [6, 8, 10]
+    assert sglang_engine_args("m", sync_mode="distributed", cuda=True, replica_slot=1,
+                              **dict(tp2, user_args={"base_gpu_id": 4, "tp_size": 1}))["base_gpu_id"] == 5
+    assert "base_gpu_id" not in sglang_engine_args("m", sync_mode="distributed", cuda=False, replica_slot=1, **kw)
     cpu_dist = sglang_engine_args("m", sync_mode="distributed", cuda=False, **kw)
     assert "base_gpu_id" not in cpu_dist and "enable_memory_saver" not in cpu_dist and cpu_dist["device"] == "cpu"
     assert cpu_dist["max_total_tokens"] == 32768 and "max_total_tokens" not in gpu_dist  # not GBs of host RAM
