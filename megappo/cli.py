@@ -22,6 +22,7 @@ This module parses arguments and dispatches; it holds no model or PPO logic.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -118,7 +119,8 @@ def _train_start_up(args):
     if relaunching or on_ray:  # this process starts the ranks: every row is checked before any starts
         from megappo.preflight import check_prompts
 
-        check_prompts(cfg)
+        with _serial_tokenizers():  # no thread pool started here: the ranks may be forks of this process
+            check_prompts(cfg)
     lock = _lock_run(cfg)  # another live run in these directories: refused before anything is written
     try:
         with warnings.catch_warnings(action="ignore"):  # rank 0 reports resume warnings once
@@ -136,6 +138,22 @@ def _train_start_up(args):
     if os.environ.get("RANK", "0") == "0" and not relaunching and not on_ray:  # the process that is rank 0
         _say_verl_lines([*args.recipe_lines, *verl.start_up_lines()], cfg.run.output_dir)  # once the run is not refused
     return cfg, world, on_ray, resume, lock
+
+
+@contextlib.contextmanager
+def _serial_tokenizers():
+    """While entered, HF tokenizers encode on the calling thread (TOKENIZERS_PARALLELISM=false: the same
+    tokens, no rayon thread pool); the variable is restored after, so the ranks' environment is unchanged."""
+    key = "TOKENIZERS_PARALLELISM"
+    old = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def _val_only_settings(cfg, resume: dict, say: bool):
