@@ -27,6 +27,7 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 from megappo import correction_spec
+from megappo.ppo.specs import ESTIMATOR_SPECS, EstimatorSpec
 from megappo.errors import P, ConfigError  # noqa: F401 - ConfigError re-exported: megappo.config.ConfigError
 
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -264,10 +265,8 @@ TEMPLATE_ARGUMENTS_SET_BY_MEGAPPO = ("conversation", "messages", "add_generation
 #: verl 0.9.1's policy losses (megappo.ppo.policy_losses.POLICY_LOSSES; a unit test keeps the two equal)
 POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
                      "cispo", "bypass_mode")
-#: verl 0.9.1's advantage estimators (megappo.ppo.advantages.ESTIMATORS; a unit test keeps the two equal)
-ADV_ESTIMATORS = ("gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
-                  "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline",
-                  "tir_optimal_token_baseline")
+#: verl 0.9.1's advantage estimators: the names megappo.ppo.specs declares (megappo.ppo.advantages.ESTIMATORS)
+ADV_ESTIMATORS = tuple(ESTIMATOR_SPECS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,15 +561,18 @@ class AlgorithmConfig(_Section):
                  f"{P}use_kl_in_reward=true or {P}kl_ctrl.type=fixed.")
 
     @property
+    def estimator(self) -> EstimatorSpec:
+        """What the estimator needs from the step (megappo.ppo.specs)."""
+        return ESTIMATOR_SPECS[self.adv_estimator]
+
+    @property
     def needs_critic(self) -> bool:
-        return self.adv_estimator == "gae"
+        return self.estimator.critic
 
     @property
     def grouped(self) -> bool:
         """Estimators whose baseline is the other samples of the same prompt."""
-        return self.adv_estimator in ("grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
-                                      "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline",
-                                      "tir_optimal_token_baseline")
+        return self.estimator.grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -883,8 +885,8 @@ class Config(_Section):
                      f"rollout.max_new_tokens = {longest}: such a sequence would fit no micro-batch. Fix: set "
                      f"{key} >= {longest} (or lower the lengths).")
         keys, weights = self.gdpo_components, self.algorithm.gdpo_reward_weights
-        _require(self.algorithm.adv_estimator != "gdpo" or bool(keys),
-                 "algorithm.adv_estimator=gdpo normalises each reward component apart, but reward.functions is empty. "
+        _require(not self.algorithm.estimator.components or bool(keys),
+                 f"algorithm.adv_estimator={est} normalises each reward component apart, but reward.functions is empty. "
                  "Fix: list the components in reward.functions (e.g. [format_reward, exact_match]).")
         unknown = [k for k in keys if k not in self.reward.functions]
         _require(not unknown, f"algorithm.gdpo_reward_keys: {unknown} are not in reward.functions "
@@ -931,7 +933,7 @@ class Config(_Section):
                  f"{rc.loss_type}), not actor.policy_loss.loss_mode={mode} (verl would replace it silently). Fix: "
                  f"set algorithm.rollout_correction.bypass_mode=false to train with {mode} (decoupled correction), or "
                  "remove actor.policy_loss.loss_mode.")
-        _require(not self.algorithm.adv_estimator.endswith("optimal_token_baseline") or not bypass,
+        _require(not self.algorithm.estimator.sum_pi_squared or not bypass,
                  f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs the trainer's old log-probs and their "
                  "sum of squared probabilities, which bypass mode does not compute. Fix: set actor.old_logprob=recompute "
                  "and algorithm.rollout_correction.bypass_mode=false.")

@@ -70,7 +70,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     old = TokenStats(None)  # bypass: the engine's log-probs are the old ones, no recompute
     if not run.cfg.bypass_old_logprobs:
         with timed(m, "old_log_prob"):
-            old = run.actor.token_stats(seqs, entropy=True, sum_pi_squared=needs_sum_pi_squared(run.cfg))
+            old = run.actor.token_stats(seqs, entropy=True, sum_pi_squared=run.cfg.algorithm.estimator.sum_pi_squared)
     with timed(m, "ref"):
         ref_lp = run.ref.log_probs(seqs) if run.ref else None
     with timed(m, "values"):
@@ -157,7 +157,7 @@ def generate(run: Run, step: int) -> RolloutBatch:
     else:
         prompts = [run.train_examples[i] for i in run.sampler.next_batch()]
         batch = rollout(run, prompts, params)
-    if run.cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is the baseline
+    if run.cfg.algorithm.estimator.greedy_baseline:  # ReMax: the greedy response's reward is the baseline
         greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))
         batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
         batch.gen_metrics = {**(batch.gen_metrics or {}), **spread("critic/remax_baseline", batch.reward_baselines)}
@@ -326,15 +326,10 @@ def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, gr
     return out
 
 
-def needs_sum_pi_squared(cfg) -> bool:
-    """The optimal-token-baseline estimators read sum_v p_v^2 of the old policy at every response token."""
-    return cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
-
-
 def reward_components(run: Run, batch: RolloutBatch) -> torch.Tensor | None:
     """[N, K] each GDPO component's score (one reward function each, unweighted; from the batch's
     scoring, `rewards`); None for other estimators."""
-    if run.cfg.algorithm.adv_estimator != "gdpo":
+    if not run.cfg.algorithm.estimator.components:
         return None
     return batch.score_components[:, [run.cfg.reward.functions.index(n) for n in run.cfg.gdpo_components]]
 

@@ -1,6 +1,8 @@
 """megappo's PPO math: pure tensor functions with verl 0.9.1 semantics (torch only).
 
   stats       masked sum / mean / var / whiten
+  specs       what each advantage estimator needs from a step (a critic, groups, a greedy
+              baseline, sum pi^2, reward components): ESTIMATOR_SPECS, plain Python
   advantages  GAE (vectorised, with the reverse loop as reference), GRPO, RLOO,
               REINFORCE++, REINFORCE++-baseline, ReMax; the `ESTIMATORS` registry
   advantages_extra  OPO, GPG, GRPO pass@k, GDPO, optimal token baselines (plain and

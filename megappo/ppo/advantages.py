@@ -4,7 +4,9 @@ Owns: GAE (a vectorised fast path and the plain reverse loop it is tested agains
 GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax, the `ESTIMATORS` registry (which also
 holds OPO, GPG, GRPO pass@k, GDPO and the optimal token baselines of
 `megappo.ppo.advantages_extra`), and `compute_advantage`, which calls an estimator by name
-with the inputs it declares.
+with the inputs it declares. What each estimator needs from the step (a critic, groups, a
+greedy baseline, sum pi^2, reward components) is its entry in megappo.ppo.specs.ESTIMATOR_SPECS,
+checked against the function's required inputs at import.
 Does not know about configs, process groups or where the rewards came from.
 
 Shape legend: [B, T] = (sequences, response tokens); [B] = one value per sequence;
@@ -70,6 +72,7 @@ from megappo.ppo.advantages_extra import (
     compute_opo_outcome_advantage, compute_optimal_token_baseline_advantage,
     compute_tir_optimal_token_baseline_advantage,
 )
+from megappo.ppo.specs import ESTIMATOR_SPECS, estimator_spec
 from megappo.ppo.stats import masked_whiten
 
 # -- GAE and the masked discounted scan ---------------------------------------------------------
@@ -300,26 +303,45 @@ _INPUT_SOURCES = {
 }
 
 
+# each estimator's keyword names and required ones, read from its signature once, here
+_PARAMS = {name: inspect.signature(fn).parameters for name, fn in ESTIMATORS.items()}
+_REQUIRED = {name: tuple(p.name for p in params.values() if p.default is inspect.Parameter.empty)
+             for name, params in _PARAMS.items()}
+
+
+def _check_specs() -> None:
+    """The functions registered here are the estimators megappo.ppo.specs declares, each requiring
+    exactly the inputs its spec says (what the config and the orchestrator provide from the spec)."""
+    if set(ESTIMATORS) != set(ESTIMATOR_SPECS):
+        raise RuntimeError(f"advantage estimators without a spec or a function: "
+                           f"{sorted(set(ESTIMATORS) ^ set(ESTIMATOR_SPECS))} (megappo.ppo.specs.ESTIMATOR_SPECS)")
+    for name, required in _REQUIRED.items():
+        extra = set(required) - {"token_level_rewards", "response_mask"}
+        if extra != ESTIMATOR_SPECS[name].inputs:
+            raise RuntimeError(f"advantage estimator '{name}' requires {sorted(extra)}, but its spec declares "
+                               f"{sorted(ESTIMATOR_SPECS[name].inputs)} (megappo.ppo.specs.ESTIMATOR_SPECS)")
+
+
+_check_specs()
+
+
 def get_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator '{name}' (algorithm.adv_estimator); "
-                         f"choose from {sorted(ESTIMATORS)}")
+    estimator_spec(name)  # a ValueError naming the choices
     return ESTIMATORS[name]
 
 
 def estimator_inputs(name: str) -> tuple[str, ...]:
     """The inputs an estimator requires, e.g. ('token_level_rewards', 'values', 'response_mask')."""
-    params = inspect.signature(get_estimator(name)).parameters.values()
-    return tuple(p.name for p in params if p.default is inspect.Parameter.empty)
+    get_estimator(name)
+    return _REQUIRED[name]
 
 
 def compute_advantage(name: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Call the estimator `name` with the subset of `inputs` it accepts (keyword names as in
     the module docstring). Inputs it does not
     use are ignored, so a caller can pass everything it has; a missing one raises."""
-    fn = get_estimator(name)
-    params = inspect.signature(fn).parameters
-    missing = [p for p in estimator_inputs(name) if inputs.get(p) is None]
+    fn, params = get_estimator(name), _PARAMS[name]
+    missing = [p for p in _REQUIRED[name] if inputs.get(p) is None]
     if missing:
         sources = "; ".join(f"{p}: {_INPUT_SOURCES[p]}" for p in missing if p in _INPUT_SOURCES)
         given = sorted(k for k, v in inputs.items() if v is not None)
