@@ -168,3 +168,27 @@ def test_registry_and_compute_advantage_by_name():
     assert torch.equal(adv, compute_gae_advantage_return(rewards, values, mask, 1.0, 1.0)[0])
     with pytest.raises(ValueError, match=r"'remax' needs \['reward_baselines'\]"):
         compute_advantage("remax", **everything)
+
+
+def test_each_estimator_requires_what_its_spec_declares(monkeypatch):
+    """megappo.ppo.specs declares what an estimator needs from the step (the config and the orchestrator read
+    it); the registry's functions are checked against it at import: a spec that leaves out a required input,
+    or an estimator without a spec, is refused naming the estimator."""
+    from megappo.ppo import advantages
+    from megappo.ppo.specs import ESTIMATOR_SPECS, EstimatorSpec, estimator_spec
+
+    assert estimator_spec("gae").critic and estimator_spec("remax").greedy_baseline
+    assert estimator_spec("gdpo").components and estimator_spec("optimal_token_baseline").sum_pi_squared
+    assert [n for n, s in ESTIMATOR_SPECS.items() if s.grouped] == [
+        "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline", "opo", "gpg",
+        "grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
+    advantages._check_specs()
+    monkeypatch.setitem(advantages.ESTIMATOR_SPECS, "gae", EstimatorSpec())
+    with pytest.raises(RuntimeError, match=r"estimator 'gae' requires \['values'\], but its spec declares \[\]"):
+        advantages._check_specs()
+    monkeypatch.setitem(advantages.ESTIMATOR_SPECS, "gae", EstimatorSpec(critic=True))
+    monkeypatch.setitem(advantages.ESTIMATOR_SPECS, "new_one", EstimatorSpec())
+    with pytest.raises(RuntimeError, match=r"without a spec or a function: \['new_one'\]"):
+        advantages._check_specs()
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        estimator_spec("ppo")
