@@ -2,7 +2,7 @@
 as pure tensor functions, chosen by name from `POLICY_LOSSES`.
 
 Owns: one function per loss, the registry, `get_policy_loss`, `policy_loss_inputs`,
-`compute_policy_loss` (calls a loss with the inputs its signature accepts) and the checks
+`compute_policy_loss` (calls a loss with the inputs its signature accepts, read once at import) and the checks
 of each loss's knobs. `vanilla` is `megappo.ppo.losses.policy_loss` (with its verl-literal
 reference `policy_loss_reference` there); aggregation is `megappo.ppo.losses.agg_loss`.
 Does not know about configs, process groups or models: knobs are flat keyword arguments
@@ -445,6 +445,14 @@ COMMON_INPUTS = ("loss_agg_mode", "rollout_is_weights", "global_tokens", "global
                  "loss_scale_factor")
 
 
+#: each loss's keyword names, read from its signature once, here
+_PARAMS = {name: frozenset(inspect.signature(fn).parameters) for name, fn in POLICY_LOSSES.items()}
+_KNOBS = {name: tuple(p for p in inspect.signature(fn).parameters if p not in TENSOR_INPUTS and p not in COMMON_INPUTS)
+          for name, fn in POLICY_LOSSES.items()}
+_ALL_KNOBS = tuple(sorted({k for knobs in _KNOBS.values() for k in knobs}))
+_KNOWN = frozenset(TENSOR_INPUTS) | frozenset(COMMON_INPUTS) | frozenset(_ALL_KNOBS)
+
+
 def get_policy_loss(name: str) -> PolicyLoss:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss '{name}' (actor.policy_loss.loss_mode); "
@@ -455,13 +463,13 @@ def get_policy_loss(name: str) -> PolicyLoss:
 def policy_loss_inputs(name: str) -> tuple[str, ...]:
     """The knobs loss `name` accepts, e.g. ('clip_ratio_low', 'clip_ratio_high') for cispo:
     its keyword arguments beyond the tensors and the aggregation inputs (COMMON_INPUTS)."""
-    params = inspect.signature(get_policy_loss(name)).parameters
-    return tuple(p for p in params if p not in TENSOR_INPUTS and p not in COMMON_INPUTS)
+    get_policy_loss(name)
+    return _KNOBS[name]
 
 
 def all_policy_loss_knobs() -> tuple[str, ...]:
     """Every knob some registered loss accepts (sorted)."""
-    return tuple(sorted({k for name in POLICY_LOSSES for k in policy_loss_inputs(name)}))
+    return _ALL_KNOBS
 
 
 def compute_policy_loss(name: str, **inputs) -> tuple[torch.Tensor, Metrics]:
@@ -472,11 +480,10 @@ def compute_policy_loss(name: str, **inputs) -> tuple[torch.Tensor, Metrics]:
     missing = [k for k in TENSOR_INPUTS if inputs.get(k) is None]
     if missing:
         raise ValueError(f"policy loss '{name}' needs the tensors {missing}")
-    known = set(TENSOR_INPUTS) | set(COMMON_INPUTS) | set(all_policy_loss_knobs())
-    unknown = sorted(set(inputs) - known)
+    unknown = sorted(set(inputs) - _KNOWN)
     if unknown:
-        raise ValueError(f"compute_policy_loss got unknown inputs {unknown}; knobs are {list(all_policy_loss_knobs())}")
-    params = inspect.signature(fn).parameters
+        raise ValueError(f"compute_policy_loss got unknown inputs {unknown}; knobs are {list(_ALL_KNOBS)}")
+    params = _PARAMS[name]
     return fn(**{k: v for k, v in inputs.items() if k in params})
 
 
