@@ -268,7 +268,8 @@ def _train(args, cfg, world, on_ray, resume) -> int:
 
     # a rank that dies or a collective that times out: every rank starts again, resuming (megappo.parallel.launch);
     # --launcher fork: the ranks are forks of this process once it has imported what they need
-    fork = RankFork(preload=_import_rank_modules, main=main) if args.launcher == "fork" else None
+    model_type = _model_type(cfg.model.hf_config, cfg.model.path)
+    fork = RankFork(preload=lambda: _import_rank_modules(model_type)) if args.launcher == "fork" else None
     ensure_ranks(world, max_restarts=cfg.run.max_restarts, restart_args=("checkpoint.resume=auto",),
                  on_restart=lambda restart: _record_restart(cfg.run.output_dir, restart), fork=fork)
     import torch.distributed
@@ -311,19 +312,46 @@ def _train(args, cfg, world, on_ray, resume) -> int:
     return 0
 
 
-def _import_rank_modules() -> None:
+def _model_type(hf_config: dict | None, path: str | None) -> str | None:
+    """The model's HF model_type: from model.hf_config, else model.path's config.json (None when unread)."""
+    import json
+
+    if hf_config:
+        return hf_config.get("model_type")
+    try:
+        with open(os.path.join(path or "", "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _import_rank_modules(model_type: str | None = None) -> None:
     """Import what every rank of `megappo train` imports before its first step (torch.distributed,
-    Megatron-Core, transformers' model code, the run's modules), without their import-time warnings
-    (a rank silences them: megappo.parallel.state)."""
+    Megatron-Core, transformers' model code for `model_type`, the run's modules), without their
+    import-time warnings (a rank silences them: megappo.parallel.state)."""
+    import importlib
+
     with warnings.catch_warnings(action="ignore"):
         import megatron.core.dist_checkpointing  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401
         import megatron.core.optimizer  # noqa: F401
         import megatron.core.tensor_parallel  # noqa: F401
         import torch.distributed  # noqa: F401
+        import transformers.models.auto.modeling_auto  # noqa: F401
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
 
         import megappo.orchestrator  # noqa: F401
         import megappo.run  # noqa: F401
+
+        optional = ["torch.nn.attention.varlen"]  # megappo.models.attention_dispatch's kernels
+        if model_type:
+            name = model_type_to_module_name(model_type)
+            optional.append(f"transformers.models.{name}.modeling_{name}")
+        for module in optional:
+            try:
+                importlib.import_module(module)
+            except ImportError:  # the rank finds it missing too, and says so where it matters
+                pass
 
 
 def done_line(history: list[dict], start_step: int, total_steps: int, run_dir: str, png: str) -> str:
@@ -751,7 +779,23 @@ def entry() -> None:
     skips the interpreter's teardown (seconds of it: megappo.parallel.launch.exit_rank); elsewhere sys.exit."""
     from megappo.parallel.launch import exit_rank
 
+    if _forks_ranks(sys.argv[1:]):  # first of all: room in /proc/PID/environ for the forked ranks' variables
+        from megappo.parallel.fork import make_environ_room
+
+        make_environ_room(sys.orig_argv)
     exit_rank(main())
+
+
+def _forks_ranks(argv: list[str]) -> bool:
+    """Whether this command may fork ranks: `megappo train` with the fork launcher, not started by torchrun."""
+    if argv[:1] != ["train"] or "WORLD_SIZE" in os.environ:
+        return False
+    for i, arg in enumerate(argv):
+        if arg == "--launcher" and i + 1 < len(argv):
+            return argv[i + 1] == "fork"
+        if arg.startswith("--launcher="):
+            return arg.split("=", 1)[1] == "fork"
+    return True
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Ranks forked from the launcher instead of started as fresh interpreters (`megappo train` on one machine).
 
-A rank started by torchrun's agent as `python -u CMD ARGS` spends seconds importing torch, Megatron-Core
-and transformers, which the launcher (the `megappo train` process that runs the agent) has mostly
-imported already for its own checks. `RankFork` lets that launcher import the rest once (`preload`)
-and then have the agent fork each rank from itself (`forked_ranks`: torchrun's SubprocessContext
-starts a `ForkedRank` where it would start a Popen), so that a rank starts with every module in
-memory and runs `main` at once. The agent itself is unchanged: the same rendezvous, the same
+A rank started by torchrun's agent as `python -u TARGET ARGS` spends seconds importing torch,
+Megatron-Core and transformers, which the launcher (the `megappo train` process that runs the agent)
+has mostly imported already for its own checks. `RankFork` lets that launcher import the rest once
+(`preload`) and then have the agent fork each rank from itself (`forked_ranks`: torchrun's
+SubprocessContext starts a `ForkedRank` where it would start a Popen), so that a rank starts with
+every module in memory and runs TARGET (a script, or `-m` a module: runpy, as the interpreter runs it)
+at once. The agent itself is unchanged: the same rendezvous, the same
 environment per rank, the same error files, failures, SIGTERM / SIGKILL of survivors and restarts;
 a forked rank is a child of the launcher in its own session, as torchrun's ranks are.
 
@@ -14,12 +15,14 @@ What a forked rank gets, against a fresh interpreter (`_become_rank`):
 | state | fresh `python -u CMD ARGS` | forked rank |
 |---|---|---|
 | sys.argv, os.environ | the command, the agent's environment | set to the same |
+| /proc/PID/environ (ps, psutil) | that environment | the launcher's, with the rank's own variables written over the room the launcher made for them (`make_environ_room`) |
 | stdout / stderr | unbuffered (`-u`) | replaced by unbuffered streams on fds 1 and 2 |
 | signal handlers | Python's defaults | the launcher's (Forwarder, the agent's) reset to Python's defaults; no wakeup fd |
 | process group | its own session (start_new_session) | its own session (setsid before the launcher goes on) |
 | torch threads | OMP_NUM_THREADS | torch.set_num_threads(OMP_NUM_THREADS) |
 | torch's default generator, random, numpy.random | seeded from the OS | reseeded from the OS |
-| modules | imported as the rank goes | already imported, import-time warnings already shown (or not) |
+| `__main__` | TARGET, run by the interpreter | TARGET, run by runpy (a new `__main__`) |
+| other modules | imported as the rank goes | already imported, import-time warnings already shown (or not) |
 | str hashes (PYTHONHASHSEED) | a seed of its own | the launcher's (the same in every rank) |
 | the launcher's stack, threads | - | never run: the rank ends with os._exit (megappo.parallel.launch.exit_rank) |
 
@@ -49,11 +52,59 @@ from typing import Callable
 @dataclasses.dataclass(frozen=True)
 class RankFork:
     """How the launcher forks its ranks: `preload()` imports what every rank needs (called once, before the
-    agent starts), `main()` is a rank's whole program (the command line's main: it reads sys.argv and
-    returns the exit code)."""
+    agent starts); each rank then runs the launcher's own program (its TARGET) with its arguments."""
 
     preload: Callable[[], None]
-    main: Callable[[], int]
+
+
+#: a variable the launcher starts with (make_environ_room) whose bytes a forked rank overwrites with its own variables
+ENVIRON_ROOM = "MEGAPPO_ENVIRON_ROOM"
+ENVIRON_ROOM_BYTES = 8192
+
+
+def make_environ_room(argv: list[str]) -> None:
+    """Restart this process (exec, before anything else is done) with ENVIRON_ROOM in its environment, unless it
+    is there: what a process shows as its environment (/proc/PID/environ: ps, psutil, the tests that find a rank
+    by its RANK) is the block the kernel was given at exec, and a forked rank writes its own variables over this
+    room (_show_environ). The variable leaves os.environ at once: no rank or child sees it. `argv`: this process's
+    command line as it was started (sys.orig_argv)."""
+    if ENVIRON_ROOM in os.environ:
+        del os.environ[ENVIRON_ROOM]
+        return
+    if not sys.platform.startswith("linux"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, {**os.environ, ENVIRON_ROOM: "." * ENVIRON_ROOM_BYTES})
+
+
+def _show_environ(env: dict[str, str]) -> None:
+    """Write the variables of `env` that the process's exec-time environment lacks (or has with another value)
+    over ENVIRON_ROOM's bytes in that block, so that /proc/PID/environ shows them (a later entry wins for a
+    reader); nothing when there is no room or it is too small. The other bytes stay: a library may hold a
+    pointer to them (getenv)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            block = f.read()
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+    except OSError:
+        return
+    start = block.find(f"{ENVIRON_ROOM}=".encode())
+    if start < 0 or (start and block[start - 1] != 0):
+        return
+    room = block.index(b"\0", start) - start  # the entry's bytes, its NUL kept
+    shown = {}
+    for entry in block.split(b"\0"):
+        key, _, value = entry.decode(errors="replace").partition("=")
+        shown[key] = value
+    extra = "".join(f"{k}={v}\0" for k, v in env.items() if shown.get(k) != v).encode()
+    if len(extra) > room:
+        return
+    env_start = int(stat[stat.rindex(")") + 2:].split()[47])  # field 50 of proc(5): env_start
+    ctypes.memmove(env_start + start, extra + b"\0" * (room - len(extra)), room)
 
 
 def fork_blocker() -> str | None:
@@ -73,13 +124,13 @@ def fork_blocker() -> str | None:
 
 
 class ForkedRank(subprocess.Popen):
-    """A Popen whose child is a fork of this process running `main` (see the module docstring) instead of
-    an exec of `args`: pid, poll, wait and signals are Popen's. `args` is the command a fresh rank would
-    run, `env` its whole environment."""
+    """A Popen whose child is a fork of this process running `args` in itself (see the module docstring)
+    instead of an exec of them: pid, poll, wait and signals are Popen's. `args` is the command a fresh rank
+    would run (`python -u TARGET ARGS...`), `env` its whole environment, `target` the TARGET part of it
+    (`-m MODULE` or a script)."""
 
-    def __init__(self, args: tuple[str, ...], env: dict[str, str], main: Callable[[], int], argv0: str,
-                 target: tuple[str, ...], elastic_log_level: int):
-        self._rank = (main, argv0, target, elastic_log_level)
+    def __init__(self, args: tuple[str, ...], env: dict[str, str], target: tuple[str, ...], elastic_log_level: int):
+        self._rank = (target, elastic_log_level)
         super().__init__(list(args), env=env, start_new_session=True)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *unused):
@@ -93,7 +144,7 @@ class ForkedRank(subprocess.Popen):
                 os.close(ready_r)
                 os.setsid()  # before the launcher may signal the group (torchrun's killpg)
                 os.close(ready_w)
-                _become_rank(list(args), env, *self._rank[1:])
+                _become_rank(list(args), env, *self._rank)
                 code = _run(self._rank[0])
             finally:
                 os._exit(code)
@@ -103,8 +154,7 @@ class ForkedRank(subprocess.Popen):
         self.pid, self._child_created = pid, True
 
 
-def _become_rank(args: list[str], env: dict[str, str], argv0: str, target: tuple[str, ...],
-                 elastic_log_level: int) -> None:
+def _become_rank(args: list[str], env: dict[str, str], target: tuple[str, ...], elastic_log_level: int) -> None:
     """This forked process's state as a fresh `python -u TARGET ARGS` would have it (the module's table)."""
     import logging
 
@@ -118,8 +168,9 @@ def _become_rank(args: list[str], env: dict[str, str], argv0: str, target: tuple
     signal.set_wakeup_fd(-1)
     os.environ.clear()
     os.environ.update(env)
+    _show_environ(env)
     start = next(i for i in range(len(args)) if tuple(args[i:i + len(target)]) == target) + len(target)
-    sys.argv = [argv0, *args[start:]]
+    sys.argv = [target[-1], *args[start:]]  # runpy sets argv[0] as the interpreter does
     for fd, name in ((1, "stdout"), (2, "stderr")):  # python -u
         old = getattr(sys, name)
         stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors,
@@ -137,10 +188,17 @@ def _become_rank(args: list[str], env: dict[str, str], argv0: str, target: tuple
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
-def _run(main: Callable[[], int]) -> int:
-    """`main()`'s exit code, an uncaught exception handled as the interpreter handles it (its traceback, 1)."""
+def _run(target: tuple[str, ...]) -> int:
+    """The exit code of running `target` (`-m MODULE`, or a script) as `__main__`, as the interpreter runs it:
+    0 when it returns, SystemExit's code, an uncaught exception's traceback and 1."""
+    import runpy
+
     try:
-        return main()
+        if target[0] == "-m":
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target[0], run_name="__main__")
+        return 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
@@ -159,11 +217,9 @@ def forked_ranks(fork: RankFork, target: tuple[str, ...], elastic_log_level: int
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-    argv0 = sys.argv[0]
-
     class Handler(SubprocessHandler):
         def _popen(self, args, env):
-            return ForkedRank(args, env, fork.main, argv0, target, elastic_log_level)
+            return ForkedRank(args, env, target, elastic_log_level)
 
     def handler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=None):
         return Handler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,

@@ -21,6 +21,9 @@ step boundary with a checkpoint; a second signal kills them) and the launcher ex
 128 + the signal, as do ranks that stopped on a signal sent to them directly, with no line of
 its own (rank 0 says what was saved).
 One process needs no launcher: init_parallel starts a world of one.
+With `fork` (megappo train's default), the agent forks each rank from this process once it has
+imported what the ranks need, instead of starting `python -u ...` (megappo.parallel.fork); nothing
+else here changes.
 
 A rank ends through `exit_rank(code)` (`megappo.cli.entry`: the `megappo` command and `python -m
 megappo.cli`; the convert tools): its non-daemon threads joined, stdout / stderr flushed and the
@@ -53,6 +56,7 @@ This module does not know about models or configs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -248,7 +252,6 @@ def _attempt(argv: list[str], fork: tuple[RankFork, tuple[str, ...]] | None, fre
     collective ended it, so that a restart may help; None otherwise). Every process the ranks
     started is gone when it returns. `fork`: see torchrun; `fresh_level`: the level of torch's elastic
     logger before the launcher silenced it (a forked rank's)."""
-    import contextlib
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -265,7 +268,7 @@ def _attempt(argv: list[str], fork: tuple[RankFork, tuple[str, ...]] | None, fre
         argv = ["--signals-to-handle", "SIGHUP,SIGQUIT", *argv]
     args = parse_args(argv)
     starting = forked_ranks(fork[0], fork[1], fresh_level) if fork is not None else contextlib.nullcontext()
-    with Forwarder() as signals, _RankGroups(), loopback_rendezvous(), starting:
+    with Forwarder() as signals, _RankGroups(), loopback_rendezvous(), _frame_names(), starting:
         try:
             run(args)
         except ChildFailedError as e:
@@ -276,6 +279,27 @@ def _attempt(argv: list[str], fork: tuple[RankFork, tuple[str, ...]] | None, fre
         except SignalException as e:  # torchrun forwarded the signal to the ranks and stopped them
             return exit_code(e.sigval), None
     return 0, None
+
+
+@contextlib.contextmanager
+def _frame_names():
+    """While entered, the rendezvous names its events' methods from the frame (sys._getframe) instead of
+    `inspect.stack()`, which reads the source of every frame and scans every imported module for each:
+    seconds per launch once the ranks' modules are imported here (megappo.parallel.fork)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def get_method_name(depth=2):
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:
+            return "no_method_name"
+
+    real = dynamic_rendezvous.get_method_name
+    dynamic_rendezvous.get_method_name = get_method_name
+    try:
+        yield
+    finally:
+        dynamic_rendezvous.get_method_name = real
 
 
 class _RankGroups:

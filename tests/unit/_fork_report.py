@@ -1,5 +1,5 @@
 """A program that writes its process state as JSON (tests/unit/test_fork.py: a forked rank against a fresh
-interpreter): `python -u _fork_report.py OUT ARGS...`, or `main()` in a process forked by ForkedRank."""
+interpreter): `python -u _fork_report.py OUT ARGS...`, run by the interpreter or by a ForkedRank."""
 
 import json
 import os

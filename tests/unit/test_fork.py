@@ -16,9 +16,7 @@ REPORT = os.path.join(REPO, "tests", "unit", "_fork_report.py")
 # generator, a variable the rank's environment does not hold; it forks one rank, reporting to argv[1]
 LAUNCHER = f"""
 import os, signal, socket, sys
-sys.path.insert(0, {os.path.dirname(REPORT)!r})
 import torch
-import _fork_report
 from megappo.parallel.fork import ForkedRank
 signal.signal(signal.SIGTERM, lambda *a: None)
 signal.signal(signal.SIGHUP, lambda *a: None)
@@ -32,8 +30,7 @@ print(torch.initial_seed(), flush=True)
 os.environ["LAUNCHER_ONLY"] = "1"
 env = {{k: v for k, v in os.environ.items() if k != "LAUNCHER_ONLY"}}
 env.update(FORK_TEST="rank", OMP_NUM_THREADS="1")
-rank = ForkedRank((sys.executable, "-u", {REPORT!r}, sys.argv[1], "x", "--y=1"), env, _fork_report.main,
-                  {REPORT!r}, ({REPORT!r},), 0)
+rank = ForkedRank((sys.executable, "-u", {REPORT!r}, sys.argv[1], "x", "--y=1"), env, ({REPORT!r},), 0)
 sys.exit(rank.wait())
 """
 
@@ -53,19 +50,19 @@ def test_a_forked_rank_starts_as_a_fresh_interpreter(tmp_path):
 
 
 def test_a_failing_forked_rank_exits_as_the_interpreter_would(tmp_path):
+    (tmp_path / "bug.py").write_text("raise ValueError('a bug')\n")
+    (tmp_path / "refuse.py").write_text("raise SystemExit('refused')\n")
+    (tmp_path / "two.py").write_text("import sys\nsys.exit(2)\n")
     script = f"""
 import sys
 from megappo.parallel.fork import ForkedRank
-def bug():
-    raise ValueError("a bug")
-def refuse():
-    raise SystemExit("refused")
-codes = [ForkedRank((sys.executable, "-u", "-m", "x"), {{}}, f, "x", ("-m", "x"), 0).wait() for f in (bug, refuse)]
+codes = [ForkedRank((sys.executable, "-u", str(f)), {{}}, (str(f),), 0).wait()
+         for f in ({str(tmp_path / "bug.py")!r}, {str(tmp_path / "refuse.py")!r}, {str(tmp_path / "two.py")!r})]
 print(codes)
 """
     proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=REPO),
                           capture_output=True, text=True, timeout=300)
-    assert proc.stdout.strip() == "[1, 1]", proc.stderr
+    assert proc.stdout.strip() == "[1, 1, 2]", proc.stderr
     assert "ValueError: a bug" in proc.stderr and "Traceback" in proc.stderr and "refused" in proc.stderr
 
 
