@@ -36,10 +36,16 @@ SGLANG_LANE ?= test-sglang
 # compileall: the suite starts a few hundred Python processes; where the environment sets
 # PYTHONDONTWRITEBYTECODE (this project's machines do), each would compile megappo again (~0.5 s a process)
 # tools/system_packages.py: the Debian packages the SLURM tests need (apt-get, root; instant when installed)
+# Two pytest runs: the tests marked one_process (tests/unit, and e2e tests that start one process of one rank
+# and time nothing; tests/conftest.py) on TEST_WORKERS processes (pytest-xdist; auto: one per core), then the
+# rest one at a time (their ranks would compete for the cores); the second runs whatever the first says.
+TEST_WORKERS ?= auto
 test: install-test
 	$(PYTHON) tools/system_packages.py
 	$(PYTHON) -m compileall -q megappo tests tools benchmarks > /dev/null
-	$(PYTHON) -m pytest -q --durations=25 tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m one_process --durations=25 tests/unit tests/e2e; \
+	one_process=$$?; $(PYTHON) -m pytest -q -m "not one_process" --durations=25 --ignore=tests/unit tests && \
+	exit $$one_process
 ifneq ($(SGLANG_LANE),)
 	$(MAKE) $(SGLANG_LANE)
 endif

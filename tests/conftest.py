@@ -8,6 +8,11 @@ runs as `make test` does. It is set before torch is imported here, and every pro
 inherits it (torchrun ranks, the CLI, engine children): 2-4 ranks on a 2-core machine, each with a
 pool of threads, would oversubscribe the cores. Tests that compare results between processes
 computing with different thread counts state their tolerance (tests/e2e/test_remote_engine.py).
+
+Two runs in `make test`: the tests marked `one_process` (every test of tests/unit, marked here, and the
+e2e tests that start at most one process of one rank at a time and time nothing, marked in their files) on
+every core (pytest-xdist, `-n auto`); then the rest, one at a time, because their ranks would compete for
+the cores. Tests that share one run (a module-scoped fixture) carry `xdist_group` so one worker runs it.
 """
 
 import importlib.util
@@ -51,7 +56,19 @@ def lane_files_met(config) -> list[Path]:
     return sorted(LANE.glob("test_*.py"))
 
 
+ONE_PROCESS = ("one_process: starts at most one process of one rank at a time and times nothing: `make test` runs "
+               "these on every core (pytest-xdist); every test of tests/unit is one")
+UNIT = Path(__file__).parent / "unit"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", ONE_PROCESS)
+
+
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        if UNIT in Path(item.path).parents:
+            item.add_marker(pytest.mark.one_process)
     if not any(LANE in Path(item.path).parents for item in items):  # the folder named on the command line: collected
         items.extend(item for path in lane_files_met(config)
                      for item in SglangLaneFile.from_parent(session, path=path).collect())

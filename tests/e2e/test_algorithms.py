@@ -7,7 +7,7 @@ estimator ran, by a metric only that loss or estimator computes (a case run with
 The algorithm cases run in a world of one (`ONE_RANK`: TP1, no launcher): what they check is the
 algorithm's wiring and metrics, which no layout changes; the demo's TP2 runs the same passes in
 tests/e2e/test_cli_demo.py and the layouts are compared in tests/e2e/test_parallel_invariance.py.
-The reward model runs at the demo's TP2."""
+The reward model runs at the demo's TP2. The one-rank tests are marked one_process (tests/conftest.py)."""
 
 import json
 import os
@@ -82,6 +82,7 @@ def train(tmp_path, overrides):
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("case", list(CASES))
 def test_algorithm_runs(tmp_path, case):
     rows = train(tmp_path, [*ONE_RANK, *CASES[case]])
@@ -153,23 +154,34 @@ def test_reward_model_adds_its_score(tmp_path):
     assert rows[0]["perf/tflops/reward_model"] > 0
 
 
-def test_flop_rates_are_logged_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def ppo_one_rank(tmp_path_factory):
+    """One PPO run (critic + GAE) in a world of one that the two tests below read: a KL loss (so a reference
+    pass), 3 steps, the actor's warmup 2 training steps, the critic's warmup ratio 0.7."""
+    return train(tmp_path_factory.mktemp("ppo_one_rank"), [*ONE_RANK, "actor.use_kl_loss=true", "run.total_steps=3",
+                                                           "actor.optim.warmup_steps=2",
+                                                           "critic.optim.warmup_steps_ratio=0.7"])
+
+
+@pytest.mark.one_process
+@pytest.mark.xdist_group("ppo_one_rank")
+def test_flop_rates_are_logged_on_cpu(ppo_one_rank):
     """PPO (critic + GAE) with a KL loss (so a reference pass): every model stage logs its model
     FLOP rate (megappo.models.flops / megappo.perf); on CPU there is no peak, so no MFU, and no
     CUDA memory metrics."""
-    rows = train(tmp_path, [*ONE_RANK, "actor.use_kl_loss=true"])
-    last = rows[-1]
+    last = ppo_one_rank[-1]
     for name in ("old_log_prob", "ref", "values", "actor", "critic"):
         assert last[f"perf/tflops/{name}"] > 0, name
     assert not [k for k in last if k.startswith(("perf/mfu/", "perf/max_memory_"))]
 
 
-def test_the_lr_schedule_moves_once_per_training_step(tmp_path):
+@pytest.mark.one_process
+@pytest.mark.xdist_group("ppo_one_rank")
+def test_the_lr_schedule_moves_once_per_training_step(ppo_one_rank):
     """As verl's: the demo's 4 optimizer steps a training step (2 mini-batches x 2 epochs) share one rate, and
     optim.warmup_steps counts training steps (Megatron's linear warmup from 0: 0, lr / 2, lr). Stepped per
     optimizer step, the first step's rates would be 0, 1/2, 1, 1 x lr. The critic's warmup is verl's ratio of the
     run's steps: int(0.7 x 3) = 2."""
-    rows = train(tmp_path, [*ONE_RANK, "run.total_steps=3", "actor.optim.warmup_steps=2",
-                            "critic.optim.warmup_steps_ratio=0.7"])
+    rows = ppo_one_rank
     assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])
     assert [r["critic/lr"] for r in rows] == pytest.approx([0.0, 5e-4, 1e-3])

@@ -125,6 +125,7 @@ REFUSED_IN_RANK = {
 }
 
 
+@pytest.mark.one_process  # refused by rank 0 of a world of one (tests/conftest.py)
 @pytest.mark.parametrize("case", list(REFUSED_IN_RANK))
 def test_refused_before_any_model_is_built(tmp_path, case):
     overrides, needle = REFUSED_IN_RANK[case]

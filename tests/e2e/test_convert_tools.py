@@ -113,6 +113,7 @@ def test_moe_round_trip_at_ep2_with_verify(tmp_path):
     assert code != 0 and "num_experts=4 is not divisible by --ep=3. Fix: choose --ep from [1, 2, 4]" in out
 
 
+@pytest.mark.one_process  # no rank starts (tests/conftest.py)
 def test_bad_layout_stops_before_any_rank_starts(tmp_path):
     make_hf_dir(tmp_path / "hf", "llama")
     code, out = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(tmp_path / "hf"), "--out",
@@ -166,6 +167,7 @@ def test_existing_output_is_not_overwritten(tmp_path):
     assert code != 0 and "--overwrite" in out and (tmp_path / "o" / "keep.txt").exists()
 
 
+@pytest.mark.one_process  # no rank starts (tests/conftest.py)
 def test_user_errors_are_one_line_naming_the_flag(tmp_path):
     """A mistake on the command line: one `megappo: error:` line that names the tool's flag (not the
     recipe key), exit code 2, no traceback, nothing written."""

@@ -4,7 +4,11 @@ about either key as a verl key (they are megappo's)."""
 
 import json
 
+import pytest
+
 from tests.e2e.test_algorithms import ONE_RANK, train
+
+pytestmark = pytest.mark.one_process  # a world of one (tests/conftest.py)
 
 CLASSES = '''
 class DigitRows:

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megappo.models.weights import HFWeights
@@ -16,6 +17,7 @@ from megappo.run import model_source
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes/demo-cpu.yaml")
+pytestmark = pytest.mark.one_process  # `megappo export --init` is one process (tests/conftest.py)
 
 
 def export_init(*args) -> tuple[int, str]:

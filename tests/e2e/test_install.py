@@ -19,6 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(REPO, "tools", "install.py")
 TESTED = os.path.join(REPO, "constraints-tested.txt")
 UNREACHABLE = "http://127.0.0.1:9/whl/cpu"  # the discard port: connection refused at once
+pytestmark = pytest.mark.one_process  # tools/install.py and make with a fake interpreter (tests/conftest.py)
 
 FAKE_PYTHON = r'''#!{python}
 import json, os, sys

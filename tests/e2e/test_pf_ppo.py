@@ -2,8 +2,12 @@
 samples resampled by score, says what share it kept, and a rerun draws the same samples (the generator is
 seeded by run.seed and the step)."""
 
+import pytest
+
 from tests.e2e._runs import metrics
 from tests.e2e.test_algorithms import ONE_RANK, train
+
+pytestmark = pytest.mark.one_process  # a world of one (tests/conftest.py)
 
 PF_PPO = [*ONE_RANK, "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_random"]
 

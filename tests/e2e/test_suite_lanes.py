@@ -11,6 +11,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LANE = os.path.join(REPO, "tests", "sglang")
+pytestmark = pytest.mark.one_process  # one pytest process that collects the lane's stand-ins (tests/conftest.py)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed: the lane runs here")
