@@ -204,8 +204,13 @@ def _run(target: tuple[str, ...]) -> int:
             return e.code or 0
         print(e.code, file=sys.stderr, flush=True)
         return 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as e:
+        tb = e.__traceback__  # from TARGET's own frames, as the interpreter shows it: not this one's, not runpy's
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        if tb is not None:
+            e.__traceback__ = tb
+        sys.excepthook(type(e), e, e.__traceback__)
         return 1
 
 

@@ -64,6 +64,7 @@ print(codes)
                           capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip() == "[1, 1, 2]", proc.stderr
     assert "ValueError: a bug" in proc.stderr and "Traceback" in proc.stderr and "refused" in proc.stderr
+    assert "fork.py" not in proc.stderr and "runpy" not in proc.stderr  # the script's own frames, as python shows them
 
 
 def test_the_launchers_preload_starts_no_thread():
