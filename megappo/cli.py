@@ -238,7 +238,10 @@ def _lock_run(cfg):
 def cmd_train(args) -> int:
     from megappo import interrupts
 
+    from megappo.parallel.fork import release_signals
+
     with interrupts.held_during_start_up():  # Ctrl-C while torch is imported: raised after it
+        release_signals()  # a Ctrl-C while the command restarted itself (entry: make_environ_room) is handled here
         cfg, world, on_ray, resume, lock = _train_start_up(args)
     with lock:  # released at every end: return, exception, interrupt; by the OS at a crash
         return _train(args, cfg, world, on_ray, resume)
@@ -720,7 +723,7 @@ def _user_traceback(e) -> str:
     if cause is None:
         return ""
     ours = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(asyncio.__file__))
-    remote = getattr(cause, "remote_frames", None)  # raised in a reward worker (megappo.reward_workers)
+    remote = getattr(cause, "remote_frames", None)  # raised in a reward worker (megappo.rewards.workers)
     frames = traceback.StackSummary.from_list(remote) if remote else traceback.extract_tb(cause.__traceback__)
     theirs = [f for f in frames if not f.filename.startswith(ours)] or frames
     last = [f"{cause.remote_type}: {cause}\n"] if hasattr(cause, "remote_type") else \

@@ -57,6 +57,8 @@ class RankFork:
     preload: Callable[[], None]
 
 
+#: the signals make_environ_room holds while the process restarts
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: a variable the launcher starts with (make_environ_room) whose bytes a forked rank overwrites with its own variables
 ENVIRON_ROOM = "MEGAPPO_ENVIRON_ROOM"
 ENVIRON_ROOM_BYTES = 8192
@@ -66,8 +68,9 @@ def make_environ_room(argv: list[str]) -> None:
     """Restart this process (exec, before anything else is done) with ENVIRON_ROOM in its environment, unless it
     is there: what a process shows as its environment (/proc/PID/environ: ps, psutil, the tests that find a rank
     by its RANK) is the block the kernel was given at exec, and a forked rank writes its own variables over this
-    room (_show_environ). The variable leaves os.environ at once: no rank or child sees it. `argv`: this process's
-    command line as it was started (sys.orig_argv)."""
+    room (_show_environ). The variable leaves os.environ at once: no rank or child sees it. SIGINT and SIGTERM
+    are held (blocked) through the exec until release_signals(). `argv`: this process's command line as it was
+    started (sys.orig_argv)."""
     if ENVIRON_ROOM in os.environ:
         del os.environ[ENVIRON_ROOM]
         return
@@ -75,7 +78,17 @@ def make_environ_room(argv: list[str]) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, {**os.environ, ENVIRON_ROOM: "." * ENVIRON_ROOM_BYTES})
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)  # pending across the exec, not lost: release_signals
+    try:
+        os.execve(sys.executable, argv, {**os.environ, ENVIRON_ROOM: "." * ENVIRON_ROOM_BYTES})
+    except OSError:
+        release_signals()
+
+
+def release_signals() -> None:
+    """Deliver the SIGINT / SIGTERM held across make_environ_room's exec (a Ctrl-C then is not lost): call it
+    where the command handles them."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
 def _show_environ(env: dict[str, str]) -> None:
