@@ -15,6 +15,7 @@ What a forked rank gets, against a fresh interpreter (`_become_rank`):
 | state | fresh `python -u CMD ARGS` | forked rank |
 |---|---|---|
 | sys.argv, os.environ | the command, the agent's environment | set to the same |
+| /proc/PID/cmdline (ps) | `python -u TARGET ARGS` | the launcher's command line |
 | /proc/PID/environ (ps, psutil) | that environment | the launcher's, with the rank's own variables written over the room the launcher made for them (`make_environ_room`) |
 | stdout / stderr | unbuffered (`-u`) | replaced by unbuffered streams on fds 1 and 2 |
 | signal handlers | Python's defaults | the launcher's (Forwarder, the agent's) reset to Python's defaults; no wakeup fd |
