@@ -48,7 +48,7 @@ def main() -> int:
     p.add_argument("--passes-s", type=float, default=1.0)
     args = p.parse_args()
 
-    from megappo.reward_workers import RewardWorkers
+    from megappo.rewards.workers import RewardWorkers
     from megappo.rewards import score_records
 
     path = os.path.join(tempfile.mkdtemp(), "slow_reward.py")

@@ -445,7 +445,7 @@ class RewardConfig(_Section):
     bad_value_policy: Literal["error", "warn"] = "error"
     timeout_s: float = 60.0  # your own function's limit per call (rank 0); past it the run ends naming it and the row; 0: none
     # processes that call reward.functions on a step's responses, in parallel and while the step's model
-    # passes run (megappo.reward_workers); 0: rank 0 calls them after the passes, one response after another
+    # passes run (megappo.rewards.workers); 0: rank 0 calls them after the passes, one response after another
     num_workers: int = 0
     model_path: Optional[str] = None  # reward model: HF directory with a scalar score head
     model_weight: float = 1.0  # weight of the reward model's score in the sum

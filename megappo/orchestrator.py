@@ -31,17 +31,13 @@ from megappo.parallel.stage import stage
 from megappo.perf import flop_rate_metrics, peak_memory
 from megappo.ppo.advantages import compute_advantage
 from megappo.ppo.kl import apply_kl_penalty
-from megappo.ppo.overlong import overlong_metrics, overlong_penalty
 from megappo.ppo.pf_ppo import resample_indices
 from megappo.ppo.rollout_correction import rollout_correction
-from megappo.reward_workers import Scoring
-from megappo.rewards import CORRECT_SCORE, Scored, score_batch, score_records
 from megappo.rollout.bridge import logprob_mismatch
 from megappo.rollout.multiturn import observation_encoder, run_episodes
 from megappo.run import Run
 from megappo.samples import pick_samples, write_generations
 from megappo.types import RolloutBatch, SamplingParams
-from megappo.user_code import UserCodeError
 from megappo.val_metrics import by_data_source
 from megappo.workers import Experience, SeqBatch, TokenStats, pass_metrics
 
@@ -66,7 +62,7 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         batch = broadcast_from_rank0(run.rollouts.next_batch(step, lambda k: generate(run, k))
                                      if run.ps.is_rank0 else None)
     seqs = to_seqs(batch)
-    early = start_scoring(run, batch) if run.ps.is_rank0 else None  # reward workers score during the passes below
+    pending = run.scorer.start(batch) if run.ps.is_rank0 else None  # reward workers score during the passes below
     old = TokenStats(None)  # bypass: the engine's log-probs are the old ones, no recompute
     if not run.cfg.bypass_old_logprobs:
         with timed(m, "old_log_prob"):
@@ -81,23 +77,18 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     with timed(m, "adv"):  # rank 0 scores and computes advantages while the others wait for them
         if run.ps.is_rank0:
             with timed(m, "reward"):
-                read = early.read if early else responses(run, batch)  # decoded once for rewards and metrics
-                bad_before = run.reward_checks.bad_values
-                if batch.scores is None:  # each function once, its scores kept for GDPO (dynamic sampling: done)
-                    batch.scores, batch.score_components, batch.score_fields = generation_scores(
-                        run, batch, read, early.scoring if early else None)
-                scores = rewards(run, batch, rm_scores)
-                m["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)  # scored 0 (bad_value_policy)
-                with naming_prompts(run, batch):
-                    m.update(score_metrics("critic/score", scores, run.cfg.reward.metric_functions, *read))
-                m.update(overlong_log(run, batch))
-                m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; earlier in one_step_off/async)
-            exp = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values, m,
-                                  sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
+                scored = run.scorer.score_step(batch, pending, reward_model=rm_scores)
+                m.update(scored.metrics)
+                m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; one_step_off, async)
+            scores = scored.scores
+            exp, exp_metrics = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values,
+                                               sum_pi_squared=old.sum_pi_squared,
+                                               components=reward_components(run, batch))
+            m.update(exp_metrics)
             m.update(rollout_metrics(batch, scores, exp, old.entropy, run.cfg.data.max_prompt_length))
             log_generations(run, step, batch, scores)
             if run.cfg.algorithm.use_pf_ppo:
-                exp = pf_ppo(run, step, exp, scores, m)
+                exp, m["pf_ppo/unique_fraction"] = pf_ppo(run, step, exp, scores)
         exp = broadcast_from_rank0(exp)
     if run.critic:
         with timed(m, "update_critic"):
@@ -159,7 +150,7 @@ def generate(run: Run, step: int) -> RolloutBatch:
         batch = rollout(run, prompts, params)
     if run.cfg.algorithm.estimator.greedy_baseline:  # ReMax: the greedy response's reward is the baseline
         greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))
-        batch.reward_baselines = rewards(run, greedy, None)[batch.prompt_index]
+        batch.reward_baselines = run.scorer.totals(greedy)[batch.prompt_index]
         batch.gen_metrics = {**(batch.gen_metrics or {}), **spread("critic/remax_baseline", batch.reward_baselines)}
     run.engine.free_cache()  # the hf engine's KV cache is not kept through the trainer's passes
     return batch
@@ -168,13 +159,13 @@ def generate(run: Run, step: int) -> RolloutBatch:
 def sample_dynamically(run: Run, step: int, params: SamplingParams) -> RolloutBatch:
     """algorithm.filter_groups (megappo.dynamic_sampling): generation batches of data.gen_batch_size prompts,
     scored here, until data.train_batch_size groups whose samples differ are kept."""
-    bad_before = run.reward_checks.bad_values
+    bad_before = run.scorer.checks.bad_values
     batch = fill_batch(GroupFilter.of(run.cfg), step=step, seed=params.seed,
                        draw=lambda: [run.train_examples[i] for i in run.sampler.next_batch()],
                        generate=lambda prompts, seed: rollout(run, prompts, dataclasses.replace(params, seed=seed)),
-                       score=lambda b: generation_scores(run, b), pad_token_id=run.tokenizer.pad_token_id,
+                       score=run.scorer.generation_scores, pad_token_id=run.tokenizer.pad_token_id,
                        limits=run.filter_limits)
-    batch.gen_metrics["reward/bad_values"] = float(run.reward_checks.bad_values - bad_before)
+    batch.gen_metrics["reward/bad_values"] = float(run.scorer.checks.bad_values - bad_before)
     return batch
 
 
@@ -184,26 +175,6 @@ def group_prompts(batch: RolloutBatch) -> list:
     for i, g in enumerate(batch.prompt_index.tolist()):
         first.setdefault(g, i)
     return [batch.examples[first[g]] for g in range(len(first))]
-
-
-def generation_scores(run: Run, batch: RolloutBatch, read: tuple | None = None, scoring: Scoring | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[dict]]:
-    """What `rewards` gives without the reward model (at generation with dynamic sampling): [N] sequence scores (the
-    overlong penalty included, as verl's seq_reward), [N, K] each of reward.functions' scores (None
-    without functions), [N] the other fields they returned. With the overlong penalty on, `acc` that no
-    function returned is the unshaped score's correctness (verl's acc is the scorer's, before it).
-    `scoring`: the reward workers' calls of the functions on `read`, started earlier (`start_scoring`)."""
-    cfg = run.cfg.reward
-    scores = torch.zeros(batch.num_samples) if batch.env_scores is None else batch.env_scores.clone()
-    values, fields = None, [{} for _ in range(batch.num_samples)]
-    if cfg.functions:
-        record = scored(run, batch, cfg.functions, cfg.function_weights, read or responses(run, batch), scoring)
-        scores += torch.tensor(record.totals)
-        values, fields = torch.tensor(record.values, dtype=torch.float32), record.fields
-    if cfg.overlong_buffer.enable:
-        fields = [f if "acc" in f else dict(f, acc=float(s >= CORRECT_SCORE)) for f, s in zip(fields, scores.tolist())]
-        scores += overlong_shaping(run, batch)
-    return scores, values, fields
 
 
 def rollout(run: Run, prompts: list, params: SamplingParams) -> RolloutBatch:
@@ -237,95 +208,6 @@ def to_seqs(batch: RolloutBatch) -> SeqBatch:
                     prompt_len=batch.prompt_ids.shape[1], routes=batch.routes)
 
 
-def rewards(run: Run, batch: RolloutBatch, rm_scores: torch.Tensor | None, read: tuple | None = None) -> torch.Tensor:
-    """[N] sequence scores: the environment's rewards of each episode, rule-based functions (on
-    decoded text: `read`, else `responses` is called), DAPO's overlong penalty and the reward model.
-    A batch already scored (`batch.scores`: at generation with dynamic sampling, or by the step) holds
-    the first three: the functions are not called again."""
-    scores = (batch.scores if batch.scores is not None else generation_scores(run, batch, read)[0]).clone()
-    if rm_scores is not None:
-        scores += run.cfg.reward.model_weight * rm_scores.float()
-    return scores
-
-
-def overlong_shaping(run: Run, batch: RolloutBatch) -> torch.Tensor:
-    """[N] DAPO's overlong penalty (reward.overlong_buffer, megappo.ppo.overlong) of each response. Its
-    length is what counts against rollout.max_new_tokens: every real response token (a multi-turn
-    episode's actions and observations, as megappo.rollout.multiturn budgets them)."""
-    ob = run.cfg.reward.overlong_buffer
-    return overlong_penalty(batch.real_response_mask.sum(-1), max_len=run.cfg.rollout.max_new_tokens,
-                            buffer_len=ob.len, penalty_factor=ob.penalty_factor)
-
-
-def overlong_log(run: Run, batch: RolloutBatch) -> dict[str, float]:
-    """`reward/overlong_reward` and `reward/overlong` when reward.overlong_buffer.log (else {})."""
-    ob = run.cfg.reward.overlong_buffer
-    return overlong_metrics(overlong_shaping(run, batch)) if ob.enable and ob.log else {}
-
-
-def scored(run: Run, batch: RolloutBatch, names, weights, read: tuple, scoring: Scoring | None = None) -> Scored:
-    """score_records with the run's reward checks, the functions called by the reward workers where there are
-    some (`scoring`: already started); a failing function's error names the row's prompt too."""
-    if scoring is None and run.reward_workers:
-        scoring = run.reward_workers.start(*read[:4])
-    with naming_prompts(run, batch):
-        return score_records(names, weights, *read, checks=run.reward_checks,
-                             outcomes=scoring.outcomes() if scoring else None)
-
-
-@dataclasses.dataclass
-class EarlyScoring:
-    """A training batch's responses as the reward functions read them, and the reward workers' calls on them."""
-
-    read: tuple
-    scoring: Scoring
-
-
-def start_scoring(run: Run, batch: RolloutBatch) -> EarlyScoring | None:
-    """Rank 0: hand the batch's responses to the reward workers, which score them while the step's model
-    passes run; None without workers, or for a batch scored at generation (dynamic sampling)."""
-    if not run.reward_workers or batch.scores is not None:
-        return None
-    read = responses(run, batch)
-    return EarlyScoring(read, run.reward_workers.start(*read[:4]))
-
-
-@contextlib.contextmanager
-def naming_prompts(run: Run, batch: RolloutBatch):
-    """A UserCodeError raised inside (your reward function failed on a response of `batch`) gets its
-    row's prompt, decoded only then; the row (file and line, training or validation) it names already."""
-    try:
-        yield
-    except UserCodeError as e:
-        example = next((x for x in batch.examples or () if x.origin is not None and x.origin == e.row), None)
-        if example is None or e.prompt is not None:
-            raise
-        prompt = run.tokenizer.decode(list(example.prompt_ids), skip_special_tokens=True)
-        raise e.at(prompt=prompt) from e.__cause__
-
-
-def responses(run: Run, batch: RolloutBatch) -> tuple[list[str], list, list[dict], list[str], list]:
-    """What a reward function reads of each response (a whole episode: actions and observations):
-    (texts, ground truths, extras, data sources, and the dataset rows a failing function is named with:
-    each example's RowOrigin)."""
-    texts = run.tokenizer.batch_decode(batch.response_ids * batch.real_response_mask, skip_special_tokens=True)
-    extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
-    return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples],
-            [e.origin for e in batch.examples])
-
-
-def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, ground_truths, extras,
-                  data_sources, rows=None) -> dict[str, float]:
-    """`<prefix>/frac_correct`: the fraction of the [N] `scores` that are fully correct (>= 1.0);
-    `<prefix>/<name>`: the mean score of each function in reward.metric_functions (logged, not
-    trained on) on the same responses."""
-    out = {f"{prefix}/frac_correct": (scores >= CORRECT_SCORE).float().mean().item()}
-    for name in metric_functions:
-        values = score_batch([name], None, texts, ground_truths, extras, data_sources, rows)
-        out[f"{prefix}/{name}"] = sum(values) / len(values)
-    return out
-
-
 def reward_components(run: Run, batch: RolloutBatch) -> torch.Tensor | None:
     """[N, K] each GDPO component's score (one reward function each, unweighted; from the batch's
     scoring, `rewards`); None for other estimators."""
@@ -334,9 +216,11 @@ def reward_components(run: Run, batch: RolloutBatch) -> torch.Tensor | None:
     return batch.score_components[:, [run.cfg.reward.functions.index(n) for n in run.cfg.gdpo_components]]
 
 
-def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values,
-                    m: dict, *, sum_pi_squared=None, components=None) -> Experience:
-    cfg = run.cfg
+def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values, *,
+                    sum_pi_squared=None, components=None) -> tuple[Experience, dict[str, float]]:
+    """Rank 0: the batch's training record (old log-probs, in-reward KL, rollout correction, advantages and
+    returns, the loss mask) from its [N] `scores` and the step's passes, and what it logs of them."""
+    cfg, m = run.cfg, {}
     mask = batch.response_mask
     last = last_action_token(mask)
     token_scores = torch.zeros_like(mask, dtype=torch.float32)
@@ -351,53 +235,51 @@ def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_l
         token_rewards, kl_metrics = apply_kl_penalty(token_scores, old_lp, ref_lp, mask, run.kl_ctrl,
                                                      kl_penalty=cfg.algorithm.kl_penalty)
         m.update(kl_metrics)
-    is_weights, mask = correct_rollout(cfg.rollout_correction, old_lp, rollout_lp, mask, m)
+    is_weights, mask, correction_metrics = correct_rollout(cfg.rollout_correction, old_lp, rollout_lp, mask)
+    m.update(correction_metrics)
     adv, ret = advantages(cfg.algorithm, token_rewards, mask, values, batch, old_log_probs=old_lp,
                           sum_pi_squared=sum_pi_squared, rollout_is_weights=is_weights, reward_components=components,
                           reward_component_weights=cfg.algorithm.gdpo_reward_weights)
     m.update(spread("critic/rewards", token_rewards.sum(-1)))
-    mask = mask_truncated(cfg.algorithm.mask_truncated_completions, batch, mask, m)
+    if cfg.algorithm.mask_truncated_completions:
+        mask, m["response_length/masked_truncated"] = mask_truncated(batch, mask)
     return Experience(seqs=dataclasses.replace(seqs, response_mask=mask), old_log_probs=old_lp, advantages=adv,
-                      ref_log_probs=ref_lp, values=values, returns=ret, rollout_is_weights=is_weights)
+                      ref_log_probs=ref_lp, values=values, returns=ret, rollout_is_weights=is_weights), m
 
 
-def pf_ppo(run: Run, step: int, exp: Experience, scores: torch.Tensor, m: dict) -> Experience:
+def pf_ppo(run: Run, step: int, exp: Experience, scores: torch.Tensor) -> tuple[Experience, float]:
     """PF-PPO (algorithm.use_pf_ppo): the step's samples drawn again with replacement, weighted by their
-    scores (megappo.ppo.pf_ppo), from a generator seeded by (run.seed, step), so a resumed run draws the same.
-    The step's data metrics above are the generated batch's; pf_ppo/unique_fraction is the share of its
-    samples the update sees."""
+    scores (megappo.ppo.pf_ppo), from a generator seeded by (run.seed, step), so a resumed run draws the same;
+    and pf_ppo/unique_fraction, the share of the generated samples the update sees (the step's data metrics
+    are the generated batch's)."""
     p = run.cfg.algorithm.pf_ppo
     rows = resample_indices(scores.detach().float().cpu(), p.reweight_method, p.weight_pow,
                             generator=torch.Generator().manual_seed(run.cfg.run.seed * 1_000_003 + step))
-    m["pf_ppo/unique_fraction"] = rows.unique().numel() / rows.numel()
-    return exp.select(rows)
+    return exp.select(rows), rows.unique().numel() / rows.numel()
 
 
-def mask_truncated(enabled: bool, batch: RolloutBatch, mask: torch.Tensor, m: dict) -> torch.Tensor:
+def mask_truncated(batch: RolloutBatch, mask: torch.Tensor) -> tuple[torch.Tensor, float]:
     """algorithm.mask_truncated_completions: [N, R] `mask` with the rows of responses that ran into
-    rollout.max_new_tokens zeroed, so they carry no actor or critic loss. Applied after the advantages:
-    they still count in their group's baseline (TRL). Metric: `response_length/masked_truncated`."""
-    if not enabled:
-        return mask
+    rollout.max_new_tokens zeroed, so they carry no actor or critic loss, and the fraction of such rows
+    (`response_length/masked_truncated`). Applied after the advantages: they still count in their
+    group's baseline (TRL)."""
     truncated = batch.truncated
-    m["response_length/masked_truncated"] = truncated.float().mean().item()
-    return mask * ~truncated[:, None]
+    return mask * ~truncated[:, None], truncated.float().mean().item()
 
 
-def correct_rollout(rc, old_lp, rollout_lp, mask, m: dict):
+def correct_rollout(rc, old_lp, rollout_lp, mask):
     """Decoupled rollout correction (megappo.ppo.rollout_correction), once for the whole batch: ([N, R]
-    importance weights or None, [N, R] the response mask with rejected tokens 0). Bypass mode corrects
-    inside the loss instead, so here it changes nothing."""
+    importance weights or None, [N, R] the response mask with rejected tokens 0, its metrics). Bypass mode
+    corrects inside the loss instead, so here it changes nothing."""
     if not rc.enabled or rc.bypass_mode or not mask.any():
-        return None, mask
+        return None, mask, {}
     is_weights, kept, metrics = rollout_correction(
         old_lp, rollout_lp, mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
         rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
         rollout_rs_threshold=rc.rollout_rs_threshold)
-    m.update(metrics)
     if is_weights is not None:  # megappo's name before rollout_corr/*; kept for actor.old_logprob=is_correct runs
-        m["rollout/is_weight_mean"] = (is_weights.sum() / mask.sum()).item()
-    return is_weights, kept
+        metrics["rollout/is_weight_mean"] = (is_weights.sum() / mask.sum()).item()
+    return is_weights, kept, metrics
 
 
 def last_action_token(mask: torch.Tensor) -> torch.Tensor:
@@ -522,11 +404,8 @@ def validate(run: Run, step: int) -> dict[str, float]:
         return {}
     with run.rollouts.at_latest():  # async mode: no generation runs, the engine holds the trained weights
         batch = rollout(run, run.val_examples, validation_params(run.cfg.rollout, run.eos_ids))  # one batch
-    read = responses(run, batch)
-    scores, _, batch.score_fields = generation_scores(run, batch, read)
-    with naming_prompts(run, batch):
-        metrics = score_metrics("val/score", scores, run.cfg.reward.metric_functions, *read)
-    fields = batch.score_fields
+    scored, read = run.scorer.score_validation(batch)
+    scores, metrics, fields = scored.scores, scored.metrics, batch.score_fields
     returned = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
     if run.cfg.logging.validation_dir:
         write_generations(run.cfg.logging.validation_dir, step, pick_samples(run.tokenizer, batch, scores, -1))

@@ -30,8 +30,6 @@ from typing import Any
 import torch
 
 from megappo import checkpointing, interrupts
-from megappo.reward_workers import RewardWorkers
-from megappo.rewards import RewardChecks
 from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.data import ClassOrder, PromptSampler
 from megappo.dynamic_sampling import LimitCount
@@ -50,6 +48,7 @@ from megappo.parallel.state import ParallelState, add_layout, init_parallel
 from megappo.preflight import check_inputs
 from megappo.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
+from megappo.rewards.scoring import Scorer
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.engines import engine_for, write_engine_init
 from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders, node_slot
@@ -86,8 +85,7 @@ class Run:
     last_saved_step: int | None = None
     branch: dict | None = None  # the branch a checkpoint.resume_from run continues (megappo.checkpointing)
     rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
-    reward_checks: RewardChecks | None = None  # how your reward functions are checked (reward.bad_value_policy, ...)
-    reward_workers: RewardWorkers | None = None  # rank 0, reward.num_workers > 0: the processes that call them
+    scorer: Scorer | None = None  # rank 0: the rewards' scoring of batches, with its checks and reward workers
     # rank 0, algorithm.filter_groups: the steps that hit max_num_gen_batches (warned once, counted at the end)
     filter_limits: LimitCount = dataclasses.field(default_factory=LimitCount)
 
@@ -183,8 +181,8 @@ class Run:
             self.progress.close()  # the last bar stays; what follows starts on a new line
 
     def _release(self) -> None:
-        if self.reward_workers:
-            self.reward_workers.close()
+        if self.scorer:
+            self.scorer.close()
         if self.logger:
             self.logger.close()
 
@@ -374,9 +372,7 @@ def create_run(cfg: Config) -> Run:
                total_steps=prompts.total_steps, start_step=start_step, nan_skips=nan_skips,
                last_saved_step=start_step if resume else None, rollouts=rollouts,
                branch=resume["branch"] if resume else None,
-               reward_checks=RewardChecks.of(cfg.reward),
-               reward_workers=RewardWorkers(cfg.reward.functions, cfg.reward.num_workers, cfg.reward.timeout_s)
-               if ps.is_rank0 and cfg.reward.num_workers and cfg.reward.functions else None)
+               scorer=Scorer(cfg.reward, source.tokenizer, cfg.rollout.max_new_tokens) if ps.is_rank0 else None)
 
 
 def model_source(cfg: Config) -> ModelSource:

@@ -1,6 +1,6 @@
 """DAPO's overlong reward shaping (megappo.ppo.overlong) against verl 0.9.1's formula written out by
 hand, and how the orchestrator applies it and algorithm.mask_truncated_completions to a batch
-(megappo.orchestrator: rewards, make_experience) on a config of the CPU demo, no models."""
+(megappo.rewards.scoring.Scorer, megappo.orchestrator.make_experience) on a config of the CPU demo, no models."""
 
 import types
 
@@ -10,6 +10,7 @@ import torch
 from megappo import orchestrator
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
 from megappo.recipe import load_config
+from megappo.rewards.scoring import Scorer
 from megappo.types import RolloutBatch
 
 DEMO = "recipes/demo-cpu.yaml"
@@ -49,7 +50,7 @@ def batch_of(lengths, finish, *, width=4):
 
 def fake_run(*overrides):
     cfg = load_config(DEMO, ["rollout.max_new_tokens=4", *overrides])
-    return types.SimpleNamespace(cfg=cfg, kl_ctrl=None)
+    return types.SimpleNamespace(cfg=cfg, kl_ctrl=None, scorer=Scorer(cfg.reward, None, cfg.rollout.max_new_tokens))
 
 
 def test_rewards_add_the_penalty_to_the_score_and_log_it():
@@ -57,11 +58,11 @@ def test_rewards_add_the_penalty_to_the_score_and_log_it():
                    "reward.overlong_buffer.log=true")
     batch = batch_of([1, 2, 3, 4], ["stop", "stop", "stop", "length"])
     batch.env_scores = torch.tensor([1.0, 1.0, 0.0, 1.0])  # stands for the functions' scores
-    assert orchestrator.rewards(run, batch, None).tolist() == [1.0, 1.0, -0.5, 0.0]
-    assert orchestrator.overlong_log(run, batch) == {"reward/overlong_reward": -0.375, "reward/overlong": 0.5}
+    assert run.scorer.totals(batch).tolist() == [1.0, 1.0, -0.5, 0.0]
+    assert run.scorer.overlong_metrics(batch) == {"reward/overlong_reward": -0.375, "reward/overlong": 0.5}
     off = fake_run("reward.functions=[]")
-    assert orchestrator.rewards(off, batch, None).tolist() == [1.0, 1.0, 0.0, 1.0]
-    assert orchestrator.overlong_log(off, batch) == {}
+    assert off.scorer.totals(batch).tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert off.scorer.overlong_metrics(batch) == {}
 
 
 def test_multi_turn_length_counts_observation_tokens():
@@ -71,7 +72,7 @@ def test_multi_turn_length_counts_observation_tokens():
     batch.response_attention_mask = batch.response_mask.clone()
     batch.response_mask = torch.tensor([[1, 0, 0, 1], [1, 1, 0, 0]])  # actions; the rest observations / padding
     batch.response_attention_mask[1, 3] = 0  # the second episode has 3 real tokens
-    assert orchestrator.rewards(run, batch, None).tolist() == [-1.0, -0.5]
+    assert run.scorer.totals(batch).tolist() == [-1.0, -0.5]
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
@@ -81,8 +82,7 @@ def test_truncated_responses_leave_the_loss_mask_but_keep_their_advantage(mask_t
     batch = batch_of([1, 4, 2, 4], ["stop", "length", "stop", "length"])
     batch.clipped = None
     seqs = orchestrator.to_seqs(batch)
-    m = {}
-    exp = orchestrator.make_experience(run, batch, seqs, torch.tensor([1.0, 0.0, 0.0, 1.0]), None, None, None, m)
+    exp, m = orchestrator.make_experience(run, batch, seqs, torch.tensor([1.0, 0.0, 0.0, 1.0]), None, None, None)
     # GRPO's groups (0, 1) and (2, 3): the truncated samples still count in their group's baseline
     assert exp.advantages[:, 0].tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
     kept = exp.seqs.response_mask
@@ -96,5 +96,5 @@ def test_a_multi_turn_episode_is_truncated_when_it_ran_out_of_the_budget():
     batch = batch_of([1, 4], ["length", "stop"])
     batch.clipped = torch.tensor([False, True])  # an action cut by its turn's budget alone is not truncated
     assert batch.truncated.tolist() == [False, True]
-    m = {}
-    assert orchestrator.mask_truncated(True, batch, batch.response_mask, m).sum(-1).tolist() == [1, 0]
+    kept, fraction = orchestrator.mask_truncated(batch, batch.response_mask)
+    assert kept.sum(-1).tolist() == [1, 0] and fraction == 0.5

@@ -9,7 +9,7 @@ from megappo.config import ConfigError
 from megappo.recipe import load_config
 from megappo.data import builtin_rows
 from megappo.metrics import Progress
-from megappo.orchestrator import score_metrics
+from megappo.rewards.scoring import score_metrics
 from megappo.preflight import check_inputs
 from megappo.rewards import READS, REWARD_FUNCTIONS, final_answer_matches, score_batch
 

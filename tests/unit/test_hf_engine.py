@@ -390,12 +390,13 @@ def test_the_orchestrator_frees_the_kv_cache_after_each_generation(model):
     """orchestrator.generate (the step's gen stage) leaves no KV-cache buffers on the engine for
     the trainer's passes."""
     from megappo.orchestrator import generate
+    from megappo.ppo.specs import ESTIMATOR_SPECS
 
     engine = HFEngine(model, pad_token_id=PAD, kv_cache="static")
     rollout_cfg = types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, stop_token_ids=[],
                                         seed=0, logprob_mode="tempered", env="single_turn")
     cfg = types.SimpleNamespace(rollout=rollout_cfg,
-                                algorithm=types.SimpleNamespace(adv_estimator="grpo",
+                                algorithm=types.SimpleNamespace(adv_estimator="grpo", estimator=ESTIMATOR_SPECS["grpo"],
                                                                 filter_groups=types.SimpleNamespace(enable=False)))
     examples = [types.SimpleNamespace(prompt_ids=p) for p in PROMPTS]
     run = types.SimpleNamespace(cfg=cfg, plan=types.SimpleNamespace(routing_replay=False), engine=engine,

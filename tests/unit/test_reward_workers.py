@@ -1,4 +1,4 @@
-"""Reward workers (reward.num_workers, megappo.reward_workers): the functions called in spawned processes
+"""Reward workers (reward.num_workers, megappo.rewards.workers): the functions called in spawned processes
 give the same scores, fields, checks and errors as rank 0 calling them one response after another."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 
 from megappo.cli import _user_traceback
 from megappo.data import RowOrigin
-from megappo.reward_workers import RewardWorkers
+from megappo.rewards.workers import RewardWorkers
 from megappo.rewards import RewardChecks, score_records
 from megappo.user_code import UserCodeError
 

@@ -4,16 +4,15 @@ such (no file); the broken-JSON error, the data check, the prompt-length check a
 user's reward function (training or validation, with the prompt) name the same row the same way."""
 
 import json
-import types
 
 import pytest
 import torch
 
 from megappo.data import DataError
-from megappo.orchestrator import responses, scored
+from megappo.config import RewardConfig
+from megappo.rewards.scoring import Scorer
 from megappo.preflight import load_prompts
 from megappo.recipe import load_config
-from megappo.rewards import RewardChecks
 from megappo.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch
 from megappo.user_code import UserCodeError
@@ -55,7 +54,7 @@ def prompts(*overrides):
 
 
 def reward_error(examples, tmp_path, monkeypatch) -> str:
-    """The trainer's scoring of one response per example (orchestrator.responses, scored) with a reward
+    """The trainer's scoring of one response per example (megappo.rewards.scoring.Scorer) with a reward
     function that raises on the ground truth 9."""
     (tmp_path / "mine.py").write_text(REWARD)
     monkeypatch.chdir(tmp_path)
@@ -64,9 +63,9 @@ def reward_error(examples, tmp_path, monkeypatch) -> str:
                          response_ids=torch.zeros(n, 1, dtype=torch.long), response_mask=torch.ones(n, 1, dtype=torch.long),
                          rollout_log_probs=torch.zeros(n, 1), finish_reasons=["stop"] * n,
                          prompt_index=torch.arange(n), examples=examples)
-    run = types.SimpleNamespace(tokenizer=TOK, reward_checks=RewardChecks(), reward_workers=None)
+    scorer = Scorer(RewardConfig(functions=["mine.py:score"]), TOK, max_new_tokens=1)
     with pytest.raises(UserCodeError) as raised:
-        scored(run, batch, ["mine.py:score"], None, responses(run, batch))
+        scorer.generation_scores(batch)
     return str(raised.value)
 
 

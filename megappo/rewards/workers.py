@@ -25,7 +25,7 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterator, Sequence
 
-from megappo.rewards import Outcome, call_functions
+from megappo.rewards.functions import Outcome, call_functions
 from megappo.user_code import UserCodeError
 
 CHUNKS_PER_WORKER = 4

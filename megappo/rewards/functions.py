@@ -35,7 +35,7 @@ checked.
 `call_functions` calls the functions on one response and gives each one's outcome (its value, a
 timeout, what it raised); `score_records` turns the outcomes into checked scores, calling the
 functions itself or reading the outcomes reward workers computed in other processes
-(megappo.reward_workers, reward.num_workers): the same checks and errors either way.
+(megappo.rewards.workers, reward.num_workers): the same checks and errors either way.
 
 `reads(name)` says which row fields a function needs (`reward_model.ground_truth`, or
 `extra_info.task` / `extra_info.entry` for reasoning-gym); the start-up data check
@@ -54,6 +54,7 @@ import functools
 import inspect
 import math
 import numbers
+import os
 import re
 import signal
 import sys
@@ -200,7 +201,7 @@ def reads(name: str) -> tuple[str, ...]:
 
 def get_reward_fn(name: str) -> RewardFn:
     if ":" in name:
-        return _custom(name)
+        return _custom(name, os.getcwd())  # a relative path means another file in another directory
     if name not in REWARD_FUNCTIONS:
         guess = difflib.get_close_matches(name, list(REWARD_FUNCTIONS), n=1)
         hint = f" Did you mean '{guess[0]}'?" if guess else ""
@@ -210,8 +211,8 @@ def get_reward_fn(name: str) -> RewardFn:
 
 
 @functools.cache
-def _custom(name: str) -> RewardFn:
-    """`file.py:fn` or `package.module:fn` as a RewardFn (loaded once)."""
+def _custom(name: str, cwd: str) -> RewardFn:
+    """`file.py:fn` or `package.module:fn` as a RewardFn (loaded once per working directory `cwd`)."""
     fix = "Fix: write reward.functions=[path/to/file.py:function] (or package.module:function)."
     module, where, attr = load_spec(name, who=f"reward function '{name}'", fix=fix, malformed=(
         f"reward function '{name}' in reward.functions is not FILE.py:FUNCTION. {fix}"))
@@ -311,7 +312,7 @@ Outcome = tuple[str, Any]
 def call_functions(names: Sequence[str], response: str, ground_truth: Any, extra: dict, data_source,
                    timeout_s: float) -> list[Outcome]:
     """Each named function's outcome on one response, your own functions under the time limit (what
-    rank 0 runs, or a reward worker: megappo.reward_workers). A built-in function's error is raised."""
+    rank 0 runs, or a reward worker: megappo.rewards.workers). A built-in function's error is raised."""
     out = []
     for name in names:
         fn = get_reward_fn(name)
@@ -398,7 +399,7 @@ def score_records(names: Sequence[str], weights: Sequence[float] | None, respons
                   checks: RewardChecks | None = None, outcomes: Iterable[list[Outcome]] | None = None) -> Scored:
     """`score_batch` with each function's own score and the extra fields of the dicts they returned
     (when two functions return the same field, the later one's is kept). `outcomes`: the functions'
-    outcomes on each response, in order, when reward workers called them (megappo.reward_workers);
+    outcomes on each response, in order, when reward workers called them (megappo.rewards.workers);
     None: they are called here."""
     checks = RewardChecks() if checks is None else checks
     fns = [get_reward_fn(n) for n in names]
