@@ -69,6 +69,7 @@ def test_moe_demo_with_routing_replay(tmp_path, dtype):
         assert 0 < r["rollout_corr/rollout_is_mean"] <= 2.0 and 0 <= r["rollout_corr/rollout_rs_masked_fraction"] < 0.5
 
 
+@pytest.mark.one_process  # refused by the config check before any rank starts (tests/conftest.py)
 def test_routing_replay_needs_an_moe_actor(tmp_path):
     proc = train("recipes/demo-cpu.yaml", f"run.output_dir={tmp_path}", "actor.moe_routing=replay")
     out = proc.stdout + proc.stderr

@@ -65,11 +65,11 @@ def test_module_function_is_imported_from_the_working_directory(tmp_path, monkey
 BAD = {
     "no file": ("nope.py:score", "file 'nope.py' does not exist (relative paths start at {tmp}). Fix: write "
                                  "reward.functions=[path/to/file.py:function]"),
-    "no function": ("mine.py:score", "'mine.py' has no function 'score' (it has ['first_digit', 'needs_unit', 'words'])"),
+    "no function": ("own.py:score", "'own.py' has no function 'score' (it has ['first_digit', 'needs_unit', 'words'])"),
     "no module": ("no_such_module_xyz:score", "cannot import 'no_such_module_xyz'"),
     "module raises": ("broken.py:score", "importing 'broken.py' raised ZeroDivisionError: division by zero. Fix: "
                                          "correct that file."),
-    "not FILE:FN": ("'mine.py:'", "reward function 'mine.py:' in reward.functions is not FILE.py:FUNCTION"),
+    "not FILE:FN": ("'own.py:'", "reward function 'own.py:' in reward.functions is not FILE.py:FUNCTION"),
     "unknown name": ("exact_matc", "unknown reward function 'exact_matc' in reward.functions. Did you mean "
                                    "'exact_match'?"),
 }
@@ -77,7 +77,9 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_reward_function_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys, case):
-    (tmp_path / "mine.py").write_text(MEGAPPO_STYLE)
+    # own.py: a name no other test loads (a function is loaded once per name; tests/unit/test_row_numbers.py's
+    # mine.py has a `score`, which a test run after it in the same process would otherwise be given)
+    (tmp_path / "own.py").write_text(MEGAPPO_STYLE)
     (tmp_path / "broken.py").write_text("x = 1 / 0\n")
     monkeypatch.chdir(tmp_path)
     name, needle = BAD[case]
