@@ -107,3 +107,14 @@ def test_timeout_zero_is_no_limit_and_negative_is_refused(mine):
     assert rewards.call_with_timeout(lambda: 7, 0) == 7
     with pytest.raises(ConfigError, match=r"timeout_s=-1.0 must be >= 0"):
         RewardConfig(timeout_s=-1)
+
+
+def test_a_relative_reward_path_is_the_file_of_the_current_directory(tmp_path, monkeypatch):
+    """`mine.py:score` is loaded once per working directory: another directory's mine.py is another function
+    (the loaded function was once cached by the name alone)."""
+    for value in (1, 2):
+        (tmp_path / str(value)).mkdir()
+        (tmp_path / str(value) / "mine.py").write_text(f"def score(response, ground_truth, extra):\n    return {value}\n")
+    for value in (1, 2, 1):
+        monkeypatch.chdir(tmp_path / str(value))
+        assert rewards.get_reward_fn("mine.py:score")("r", "g", {}) == value
