@@ -431,7 +431,7 @@ PLOT_PANELS = (
 )
 
 
-#: the default plot's panel for a run with dynamic sampling (algorithm.filter_groups; megappo.dynamic_sampling)
+#: the default plot's panel for a run with dynamic sampling (algorithm.filter_groups; megappo.rollout.dynamic_sampling)
 DYNAMIC_SAMPLING_PANEL = ("dynamic sampling", ("filter_groups/kept_fraction", "filter_groups/generated_score_mean",
                                                "filter_groups/hit_limit"))
 

@@ -6,7 +6,7 @@ progress; tensors it produces are broadcast, per-sample results of the models co
 to it (`megappo.workers`). Setup (models, engine, data, checkpoints) lives in `megappo.run`.
 When each step's batch is generated (now, or during the previous step: `rollout.mode`) is
 `run.rollouts` (megappo.rollout.schedule); `generate` is what a generation does (with
-algorithm.filter_groups: rounds of generation and scoring, megappo.dynamic_sampling, the batch
+algorithm.filter_groups: rounds of generation and scoring, megappo.rollout.dynamic_sampling, the batch
 carrying its scores and metrics to the step that trains on it). With algorithm.use_pf_ppo the step
 trains on its samples resampled by score after the advantages (`pf_ppo`, PF-PPO).
 
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from megappo.dynamic_sampling import GroupFilter, fill_batch
+from megappo.rollout.dynamic_sampling import GroupFilter, fill_batch
 from megappo.envs.loading import env_class
 from megappo.metrics import BudgetWatch, console
 from megappo.parallel import cpu_compat
@@ -157,7 +157,7 @@ def generate(run: Run, step: int) -> RolloutBatch:
 
 
 def sample_dynamically(run: Run, step: int, params: SamplingParams) -> RolloutBatch:
-    """algorithm.filter_groups (megappo.dynamic_sampling): generation batches of data.gen_batch_size prompts,
+    """algorithm.filter_groups (megappo.rollout.dynamic_sampling): generation batches of data.gen_batch_size prompts,
     scored here, until data.train_batch_size groups whose samples differ are kept."""
     bad_before = run.scorer.checks.bad_values
     batch = fill_batch(GroupFilter.of(run.cfg), step=step, seed=params.seed,

@@ -32,7 +32,7 @@ import torch
 from megappo import checkpointing, interrupts
 from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.data import ClassOrder, PromptSampler
-from megappo.dynamic_sampling import LimitCount
+from megappo.rollout.dynamic_sampling import LimitCount
 from megappo.metrics import MetricLogger, Progress, console
 from megappo.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model

@@ -85,7 +85,7 @@ class RolloutBatch:
     clipped: torch.Tensor | None = None
     policy_version: int = 0  # optimizer steps behind the weights that generated it (megappo.rollout.schedule)
     #: [N] float32 sequence scores given at generation (environment + rule functions, no reward model):
-    #: set by dynamic sampling (megappo.dynamic_sampling), so the trainer does not call the functions
+    #: set by dynamic sampling (megappo.rollout.dynamic_sampling), so the trainer does not call the functions
     #: again; None: scored by the trainer
     scores: torch.Tensor | None = None
     score_components: torch.Tensor | None = None  # [N, K] with `scores`: each of reward.functions' scores, unweighted

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (megappo.dynamic_sampling) without processes: which groups are uniform,
+"""DAPO's dynamic sampling (megappo.rollout.dynamic_sampling) without processes: which groups are uniform,
 the metric values, the seeds and bounds of the rounds, joining round batches (MoE routes with their rows),
 and `fill_batch` over a fake generator (plain functions in place of the engine and the reward functions)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megappo.data import PromptExample
-from megappo.dynamic_sampling import (ROUND_SEED_STRIDE, FilterLimitError, GroupFilter, LimitCount, concat, fill_batch,
+from megappo.rollout.dynamic_sampling import (ROUND_SEED_STRIDE, FilterLimitError, GroupFilter, LimitCount, concat, fill_batch,
                                       metric_values, round_seed, take, uniform_groups)
 from megappo.errors import ConfigError
 from megappo.types import RolloutBatch
