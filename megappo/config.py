@@ -616,6 +616,10 @@ class RolloutConfig(_Section):
     def check(self) -> None:
         _at_least(self, n=1, max_new_tokens=1, update_bucket_mb=1, verify_every=0, val_n=1, max_turns=1,
                   hf_eos_check_every=1, replicas=1)
+        _require(self.replicas == 1 or self.sync_mode != "disk",
+                 f"{P}replicas={self.replicas} with {P}sync_mode=disk: the disk fallback is for one engine. Fix: set "
+                 f"{P}sync_mode=tensor (replicas on the trainer's GPUs) or distributed (replicas on GPUs of their "
+                 f"own), or {P}replicas=1.")
         _require(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
                  f"{P}max_turn_tokens={self.max_turn_tokens} must be >= 1. Fix: set it to null (max_new_tokens) "
                  "or to the longest action you expect.")

@@ -1,6 +1,8 @@
 """Rank 0's side of rollout replicas (megappo.rollout.replicas) without processes: where the replicas
 live, how a call's prompts are split, and what a weight update must carry."""
 
+import pathlib
+
 import pytest
 import torch
 
@@ -62,3 +64,18 @@ def test_an_update_without_its_sync_id_is_refused():
         engine.update_weights([[("w", torch.zeros(2))]])
     engine.update_weights([[(SYNC_ID, torch.tensor(1))], [("w", torch.zeros(2))]])
     assert engine.local.calls == [["w"]]  # rank 0's engine never sees the id
+
+
+def test_replicas_take_weights_by_tensor_or_distributed_not_disk():
+    """rollout.replicas works with sync_mode=tensor (colocated) and distributed (each replica on GPUs of its own);
+    the disk fallback is for one engine, refused with the fix named."""
+    from megappo.config import ConfigError
+    from megappo.recipe import load_config
+
+    demo = str(pathlib.Path(__file__).parents[2] / "recipes" / "demo-cpu.yaml")
+    for mode in ("tensor", "distributed"):
+        assert load_config(demo, ["rollout.engine=sglang", f"rollout.sync_mode={mode}",
+                                                     "rollout.replicas=2"]).rollout.replicas == 2
+    with pytest.raises(ConfigError, match=r"rollout.replicas=2 with rollout.sync_mode=disk: .* Fix: set "
+                                          r"rollout.sync_mode=tensor"):
+        load_config(demo, ["rollout.engine=sglang", "rollout.sync_mode=disk", "rollout.replicas=2"])
