@@ -778,15 +778,23 @@ def _run_failure(e: RuntimeError) -> tuple[RuntimeError, int] | None:
 
 
 def entry() -> None:
-    """The `megappo` command (setup.py's console script) and `python -m megappo.cli`: `main()`, then a rank
-    skips the interpreter's teardown (seconds of it: megappo.parallel.launch.exit_rank); elsewhere sys.exit."""
+    """The `megappo` command (setup.py's console script) and `python -m megappo.cli`: `main()`, then a rank,
+    or the launcher whose ranks ended, skips the interpreter's teardown (seconds of it:
+    megappo.parallel.launch.exit_rank); elsewhere sys.exit."""
     from megappo.parallel.launch import exit_rank
 
     if _forks_ranks(sys.argv[1:]):  # first of all: room in /proc/PID/environ for the forked ranks' variables
         from megappo.parallel.fork import make_environ_room
 
         make_environ_room(sys.orig_argv)
-    exit_rank(main())
+    try:
+        code = main()
+    except SystemExit as e:  # the launcher's end (ensure_ranks) too: without the interpreter's teardown
+        code = e.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr, flush=True)
+            code = 1
+    exit_rank(code)
 
 
 def _forks_ranks(argv: list[str]) -> bool:
