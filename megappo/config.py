@@ -27,7 +27,7 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 from megappo import correction_spec
-from megappo.ppo.specs import ESTIMATOR_SPECS, EstimatorSpec
+from megappo.ppo.specs import ESTIMATOR_SPECS, POLICY_LOSS_NAMES, EstimatorSpec
 from megappo.errors import P, ConfigError  # noqa: F401 - ConfigError re-exported: megappo.config.ConfigError
 
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -262,9 +262,8 @@ class LoRAConfig(_Section):
 TEMPLATE_ARGUMENTS_SET_BY_MEGAPPO = ("conversation", "messages", "add_generation_prompt", "tokenize", "return_dict",
                                      "return_tensors", "continue_final_message")
 
-#: verl 0.9.1's policy losses (megappo.ppo.policy_losses.POLICY_LOSSES; a unit test keeps the two equal)
-POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
-                     "cispo", "bypass_mode")
+#: verl 0.9.1's policy losses: the names megappo.ppo.specs declares (megappo.ppo.policy_losses.POLICY_LOSSES)
+POLICY_LOSS_MODES = POLICY_LOSS_NAMES
 #: verl 0.9.1's advantage estimators: the names megappo.ppo.specs declares (megappo.ppo.advantages.ESTIMATORS)
 ADV_ESTIMATORS = tuple(ESTIMATOR_SPECS)
 

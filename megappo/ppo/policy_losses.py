@@ -102,6 +102,7 @@ import torch
 
 from megappo.ppo.losses import _token_mean, agg_loss, policy_loss
 from megappo.ppo.rollout_correction import bypass_mode_loss
+from megappo.ppo.specs import POLICY_LOSS_NAMES
 from megappo.ppo.stats import masked_mean, masked_sum
 
 Metrics = dict[str, torch.Tensor]
@@ -444,6 +445,10 @@ TENSOR_INPUTS = ("old_log_prob", "log_prob", "advantages", "response_mask")
 COMMON_INPUTS = ("loss_agg_mode", "rollout_is_weights", "global_tokens", "global_seqs", "dp_size",
                  "loss_scale_factor")
 
+
+if tuple(POLICY_LOSSES) != POLICY_LOSS_NAMES:
+    raise RuntimeError(f"policy losses registered here {list(POLICY_LOSSES)} differ from those megappo.ppo.specs "
+                       f"declares {list(POLICY_LOSS_NAMES)} (POLICY_LOSS_NAMES)")
 
 #: each loss's keyword names, read from its signature once, here
 _PARAMS = {name: frozenset(inspect.signature(fn).parameters) for name, fn in POLICY_LOSSES.items()}

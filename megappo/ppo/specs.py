@@ -1,7 +1,8 @@
 """What each advantage estimator needs from a trainer step, declared once, in plain Python.
 
 Owns: `EstimatorSpec` and `ESTIMATOR_SPECS` (algorithm.adv_estimator -> what the estimator reads
-besides the token-level rewards and the response mask). megappo.ppo.advantages registers each
+besides the token-level rewards and the response mask), and the policy losses' names
+(`POLICY_LOSS_NAMES`, actor.policy_loss.loss_mode). megappo.ppo.advantages registers each
 estimator's function under the same name (`ESTIMATORS`; a unit test keeps the two registries equal)
 and checks each function's inputs against its spec once, at import. Everything that depends on the
 estimator asks its spec instead of comparing names: the config's checks (a critic, rollout.n >= 2,
@@ -56,6 +57,12 @@ ESTIMATOR_SPECS: dict[str, EstimatorSpec] = {
     "optimal_token_baseline": EstimatorSpec(grouped=True, sum_pi_squared=True),
     "tir_optimal_token_baseline": EstimatorSpec(grouped=True, sum_pi_squared=True),
 }
+
+
+#: verl 0.9.1's policy losses (actor.policy_loss.loss_mode): megappo.ppo.policy_losses.POLICY_LOSSES holds their
+#: functions, each declaring its knobs in its signature (checked against this list at import)
+POLICY_LOSS_NAMES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+                     "cispo", "bypass_mode")
 
 
 def estimator_spec(name: str) -> EstimatorSpec:
