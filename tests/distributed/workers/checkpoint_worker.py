@@ -1,6 +1,6 @@
 """torchrun worker (2 ranks): model + optimizer + LR-scheduler checkpoints resume exactly.
 
-usage: torchrun --nproc_per_node 2 checkpoint_worker.py OUT_DIR [moe | bf16]
+usage: torchrun --nproc_per_node 2 checkpoint_worker.py OUT_DIR [moe | fp32 bf16 | bf16]  (default: fp32)
 
 For the plain and the distributed optimizer: a tiny Llama trains 2 steps at TP=2 (linear
 warmup and decay, so the scheduler state matters), is saved with `save_trainable` (leaving no
@@ -271,18 +271,19 @@ def check_bf16(out: str, family: str, role: str, layout, dist_opt: bool) -> None
 
 def main():
     global CFG, DIMS
-    out = sys.argv[1]
-    if sys.argv[2:] == ["bf16"]:
-        for case in BF16_CASES:
-            check_bf16(out, *case)
-    elif sys.argv[2:] == ["moe"]:
+    out, modes = sys.argv[1], sys.argv[2:] or ["fp32"]
+    assert modes == ["moe"] or set(modes) <= {"fp32", "bf16"}, f"moe alone, or fp32 and / or bf16, not {modes}"
+    if modes == ["moe"]:  # sets the module's model (CFG, DIMS): alone in its launch
         CFG = TINY_CONFIGS["qwen3_moe"]
         DIMS = dims_from_hf(CFG)
         check(out, dist_opt=False, moe=True)
         check_moe_lora(out)
-    else:
+    if "fp32" in modes:  # checkpoints in OUT/dist_opt0, OUT/dist_opt1; bf16's in OUT/<case name>
         for dist_opt in (False, True):
             check(out, dist_opt)
+    if "bf16" in modes:
+        for case in BF16_CASES:
+            check_bf16(out, *case)
     dist.barrier()
     if dist.get_rank() == 0:
         print("ALL OK", flush=True)
