@@ -6,13 +6,13 @@ has mostly imported already for its own checks. `RankFork` lets that launcher im
 (`preload`) and then have the agent fork each rank from itself (`forked_ranks`: torchrun's
 SubprocessContext starts a `ForkedRank` where it would start a Popen), so that a rank starts with
 every module in memory and runs TARGET (a script, or `-m` a module: runpy, as the interpreter runs it)
-at once. The agent itself is unchanged: the same rendezvous, the same
-environment per rank, the same error files, failures, SIGTERM / SIGKILL of survivors and restarts;
-a forked rank is a child of the launcher in its own session, as torchrun's ranks are.
+at once. The agent itself is unchanged: the same rendezvous, the same environment per rank, the same
+error files, failures, SIGTERM / SIGKILL of survivors and restarts; a forked rank is a child of the
+launcher in its own session, as torchrun's ranks are.
 
 What a forked rank gets, against a fresh interpreter (`_become_rank`):
 
-| state | fresh `python -u CMD ARGS` | forked rank |
+| state | fresh `python -u TARGET ARGS` | forked rank |
 |---|---|---|
 | sys.argv, os.environ | the command, the agent's environment | set to the same |
 | /proc/PID/cmdline (ps) | `python -u TARGET ARGS` | the launcher's command line |
