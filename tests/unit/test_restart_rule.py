@@ -110,7 +110,7 @@ def test_no_restart_after_a_signal_to_the_launcher():
 def test_restart_loop_appends_restart_args_once_and_reports_each_restart(monkeypatch, capsys):
     outcomes = iter([(1, (1, -9)), (3, (0, launch.GAVE_UP_EXIT)), (0, None)])
     seen = []
-    monkeypatch.setattr(launch, "_attempt", lambda argv: (seen.append(argv), next(outcomes))[1])
+    monkeypatch.setattr(launch, "_attempt", lambda argv, *how: (seen.append(argv), next(outcomes))[1])
     restarts = []
     code = launch.torchrun(["-m", "x"], max_restarts=2, restart_args=("checkpoint.resume=auto",),
                            on_restart=restarts.append)
@@ -127,7 +127,7 @@ def test_restart_loop_appends_restart_args_once_and_reports_each_restart(monkeyp
 
 
 def test_restart_loop_gives_up_after_max_restarts(monkeypatch, capsys):
-    monkeypatch.setattr(launch, "_attempt", lambda argv: (1, (1, -9)))
+    monkeypatch.setattr(launch, "_attempt", lambda argv, *how: (1, (1, -9)))
     restarts = []
     assert launch.torchrun(["-m", "x"], max_restarts=1, on_restart=restarts.append) == 1
     assert len(restarts) == 1
@@ -136,7 +136,7 @@ def test_restart_loop_gives_up_after_max_restarts(monkeypatch, capsys):
 
 
 def test_restart_loop_never_restarts_a_run_that_may_not(monkeypatch):
-    monkeypatch.setattr(launch, "_attempt", lambda argv: (2, None))
+    monkeypatch.setattr(launch, "_attempt", lambda argv, *how: (2, None))
     restarts = []
     assert launch.torchrun(["-m", "x"], max_restarts=5, on_restart=restarts.append) == 2
     assert restarts == []
