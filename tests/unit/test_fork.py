@@ -6,6 +6,7 @@ are end-to-end tests (tests/e2e/test_fork_launch.py, the hygiene tests)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -40,8 +41,11 @@ def test_a_forked_rank_starts_as_a_fresh_interpreter(tmp_path):
     forked, fresh = tmp_path / "forked.json", tmp_path / "fresh.json"
     launcher = subprocess.run([sys.executable, "-c", LAUNCHER, str(forked)], env=env, check=True, timeout=300,
                               capture_output=True, text=True)
+    # the fresh rank as torchrun starts it from a launcher that handles SIGINT (megappo's does): a handled
+    # signal is default again after exec (pytest-xdist's workers ignore SIGINT, which a child would inherit)
     subprocess.run([sys.executable, "-u", REPORT, str(fresh), "x", "--y=1"], check=True, timeout=300,
-                   env=dict(env, FORK_TEST="rank", OMP_NUM_THREADS="1"), start_new_session=True)
+                   env=dict(env, FORK_TEST="rank", OMP_NUM_THREADS="1"), start_new_session=True,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     got, want = json.loads(forked.read_text()), json.loads(fresh.read_text())
     assert got.pop("torch_seed") != int(launcher.stdout)  # a seed of its own, as a fresh process draws
     want.pop("torch_seed")
