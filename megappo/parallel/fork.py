@@ -10,11 +10,12 @@ at once. The agent itself is unchanged: the same rendezvous, the same environmen
 error files, failures, SIGTERM / SIGKILL of survivors and restarts; a forked rank is a child of the
 launcher in its own session, as torchrun's ranks are.
 
-What a forked rank gets, against a fresh interpreter (`_become_rank`):
+What a forked rank gets, against a fresh interpreter (`become_rank`):
 
 | state | fresh `python -u TARGET ARGS` | forked rank |
 |---|---|---|
 | sys.argv, os.environ | the command, the agent's environment | set to the same |
+| sys.path[0] | TARGET's folder (a script), the working directory (`-m`) | set to the same (the rest is the launcher's: PYTHONPATH, site) |
 | /proc/PID/cmdline (ps) | `python -u TARGET ARGS` | the launcher's command line |
 | /proc/PID/environ (ps, psutil) | that environment | the launcher's, with the rank's own variables written over the room the launcher made for them (`make_environ_room`) |
 | stdout / stderr | unbuffered (`-u`) | replaced by unbuffered streams on fds 1 and 2 |
@@ -25,7 +26,7 @@ What a forked rank gets, against a fresh interpreter (`_become_rank`):
 | `__main__` | TARGET, run by the interpreter | TARGET, run by runpy (a new `__main__`) |
 | other modules | imported as the rank goes | already imported, import-time warnings already shown (or not) |
 | str hashes (PYTHONHASHSEED) | a seed of its own | the launcher's (the same in every rank) |
-| the launcher's stack, threads | - | never run: the rank ends with os._exit (megappo.parallel.launch.exit_rank) |
+| the launcher's stack, threads | - | never run: the rank ends with os._exit after its threads and atexit handlers (`exit_as_interpreter`; megappo.parallel.launch.exit_rank) |
 
 Forking is safe only from a process that runs no other thread (a lock held by one stays held in
 the child: OpenMP's pool, tokenizers' rayon pool, a user's thread) and has not initialised CUDA:
@@ -69,7 +70,7 @@ def make_environ_room(argv: list[str]) -> None:
     """Restart this process (exec, before anything else is done) with ENVIRON_ROOM in its environment, unless it
     is there: what a process shows as its environment (/proc/PID/environ: ps, psutil, the tests that find a rank
     by its RANK) is the block the kernel was given at exec, and a forked rank writes its own variables over this
-    room (_show_environ). The variable leaves os.environ at once: no rank or child sees it. SIGINT and SIGTERM
+    room (show_environ). The variable leaves os.environ at once: no rank or child sees it. SIGINT and SIGTERM
     are held (blocked) through the exec until release_signals(). `argv`: this process's command line as it was
     started (sys.orig_argv)."""
     if ENVIRON_ROOM in os.environ:
@@ -92,11 +93,13 @@ def release_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
-def _show_environ(env: dict[str, str]) -> None:
+def show_environ(env: dict[str, str], room_name: str = ENVIRON_ROOM) -> None:
     """Write the variables of `env` that the process's exec-time environment lacks (or has with another value)
-    over ENVIRON_ROOM's bytes in that block, so that /proc/PID/environ shows them (a later entry wins for a
-    reader); nothing when there is no room or it is too small. The other bytes stay: a library may hold a
-    pointer to them (getenv)."""
+    over the bytes of the variable `room_name` (ENVIRON_ROOM) in that block, so that /proc/PID/environ shows them
+    (a later entry wins for a reader); nothing when there is no room or it is too small. What is left of the room
+    stays a variable of that name (dots), never a run of NULs: a reader such as psutil stops at an empty entry,
+    and the entries after the room (another room, for a fork of this process) stay readable. The other bytes
+    stay: a library may hold a pointer to them (getenv)."""
     import ctypes
 
     try:
@@ -106,7 +109,7 @@ def _show_environ(env: dict[str, str]) -> None:
             stat = f.read()
     except OSError:
         return
-    start = block.find(f"{ENVIRON_ROOM}=".encode())
+    start = block.find(f"{room_name}=".encode())
     if start < 0 or (start and block[start - 1] != 0):
         return
     room = block.index(b"\0", start) - start  # the entry's bytes, its NUL kept
@@ -115,10 +118,11 @@ def _show_environ(env: dict[str, str]) -> None:
         key, _, value = entry.decode(errors="replace").partition("=")
         shown[key] = value
     extra = "".join(f"{k}={v}\0" for k, v in env.items() if shown.get(k) != v).encode()
-    if len(extra) > room:
+    left = f"{room_name}=".encode()
+    if len(extra) + len(left) > room:
         return
     env_start = int(stat[stat.rindex(")") + 2:].split()[47])  # field 50 of proc(5): env_start
-    ctypes.memmove(env_start + start, extra + b"\0" * (room - len(extra)), room)
+    ctypes.memmove(env_start + start, extra + left + b"." * (room - len(extra) - len(left)), room)
 
 
 def fork_blocker() -> str | None:
@@ -158,8 +162,8 @@ class ForkedRank(subprocess.Popen):
                 os.close(ready_r)
                 os.setsid()  # before the launcher may signal the group (torchrun's killpg)
                 os.close(ready_w)
-                _become_rank(list(args), env, *self._rank)
-                code = _run(self._rank[0])
+                become_rank(list(args), env, *self._rank)
+                exit_as_interpreter(run_as_main(self._rank[0]))
             finally:
                 os._exit(code)
         os.close(ready_w)
@@ -168,8 +172,11 @@ class ForkedRank(subprocess.Popen):
         self.pid, self._child_created = pid, True
 
 
-def _become_rank(args: list[str], env: dict[str, str], target: tuple[str, ...], elastic_log_level: int) -> None:
-    """This forked process's state as a fresh `python -u TARGET ARGS` would have it (the module's table)."""
+def become_rank(args: list[str], env: dict[str, str], target: tuple[str, ...], elastic_log_level: int,
+                show: bool = True) -> None:
+    """This forked process's state as a fresh `python -u TARGET ARGS` would have it (the module's table).
+    `show=False`: /proc/PID/environ keeps the exec-time block as it is (its room stays for forks of this
+    process)."""
     import logging
 
     for signum in signal.valid_signals():
@@ -182,9 +189,12 @@ def _become_rank(args: list[str], env: dict[str, str], target: tuple[str, ...], 
     signal.set_wakeup_fd(-1)
     os.environ.clear()
     os.environ.update(env)
-    _show_environ(env)
+    if show:
+        show_environ(env)
     start = next(i for i in range(len(args)) if tuple(args[i:i + len(target)]) == target) + len(target)
     sys.argv = [target[-1], *args[start:]]  # runpy sets argv[0] as the interpreter does
+    # sys.path[0] as the interpreter sets it: the script's folder, or the working directory under -m
+    sys.path[0] = os.getcwd() if target[0] == "-m" else os.path.dirname(os.path.realpath(target[0]))
     for fd, name in ((1, "stdout"), (2, "stderr")):  # python -u
         old = getattr(sys, name)
         stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors,
@@ -202,7 +212,7 @@ def _become_rank(args: list[str], env: dict[str, str], target: tuple[str, ...], 
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
-def _run(target: tuple[str, ...]) -> int:
+def run_as_main(target: tuple[str, ...]) -> int:
     """The exit code of running `target` (`-m MODULE`, or a script) as `__main__`, as the interpreter runs it:
     0 when it returns, SystemExit's code, an uncaught exception's traceback and 1."""
     import runpy
@@ -226,6 +236,23 @@ def _run(target: tuple[str, ...]) -> int:
             e.__traceback__ = tb
         sys.excepthook(type(e), e, e.__traceback__)
         return 1
+
+
+def exit_as_interpreter(code: int | None) -> None:
+    """End this process as the interpreter ends a program, without its teardown (seconds of it, and nothing a
+    fork needs): non-daemon threads joined, output flushed, atexit handlers run (multiprocessing's among them:
+    a Manager's server process ends with its owner), then os._exit(code)."""
+    import atexit
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 @contextlib.contextmanager

@@ -66,7 +66,7 @@ import threading
 import uuid
 from typing import Callable
 
-from megappo.parallel.fork import RankFork, fork_blocker, forked_ranks
+from megappo.parallel.fork import RankFork, exit_as_interpreter, fork_blocker, forked_ranks
 from megappo.parallel.listen import LOOPBACK, loopback_interface, loopback_rendezvous
 
 #: the exit code of a rank whose collective timed out or lost its peer (megappo.cli)
@@ -194,17 +194,7 @@ def exit_rank(code: int | None) -> None:
     one, a plain command) it is sys.exit(code)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ and not _agent_ran:
         sys.exit(code)
-    import atexit
-
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    exit_as_interpreter(code)
 
 
 def one_node_args() -> list[str]:

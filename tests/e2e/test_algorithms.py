@@ -11,13 +11,13 @@ The reward model runs at the demo's TP2. The one-rank tests are marked one_proce
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from megappo.models.hf_reference import build_hf_model, save_hf_dir
+from tests import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["run.total_steps=2", "logging.progress_bar=false", "run.val_every=0", "run.val_before_train=false"]
@@ -75,9 +75,9 @@ ONE_RANK = ["--world-size", "1", "parallel.tp=1"]
 def train(tmp_path, overrides):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml",
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml",
                            f"run.output_dir={tmp_path}", *COMMON, *overrides],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 

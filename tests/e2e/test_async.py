@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+from tests import prefork
 from tests.e2e._runs import metrics
 from tests.e2e.test_resume import REPO, run
 
@@ -83,7 +84,7 @@ def test_a_killed_engine_process_ends_the_run_with_a_message_and_no_leftovers(tm
 
     cmd = command(tmp_path, IS, "rollout.mode=async", "rollout.placement=separate", "run.total_steps=30",
                   "run.val_every=0", "checkpoint.save_every=0")
-    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = prefork.popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log, deadline = tmp_path / "metrics.jsonl", time.time() + 300
     while not (log.is_file() and '"step": 2' in log.read_text()):
         assert proc.poll() is None and time.time() < deadline, "the run did not reach step 2"

@@ -14,10 +14,11 @@ The cases refused before any rank starts are in tests/unit/test_bad_inputs.py.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULTS = os.path.join(REPO, "tests", "e2e", "_faults.py")
@@ -30,8 +31,8 @@ def megappo(*args: str, fault: str | None = None, pythonpath: str = REPO) -> tup
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
     cmd = [FAULTS, fault] if fault else ["-m", "megappo.cli"]
-    proc = subprocess.run([sys.executable, *cmd, "train", "recipes/demo-cpu.yaml", *QUIET, *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = prefork.run([sys.executable, *cmd, "train", "recipes/demo-cpu.yaml", *QUIET, *args], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -3,12 +3,12 @@ trained policy exported and used with plain transformers."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from megappo.models.precision import COMPARE_TOL
+from tests import prefork
 from tests.doc_console import check_quoted
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,8 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def cli(*args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     return proc.returncode, out
 
@@ -120,8 +120,8 @@ print(json.dumps({{"answers": answers, "eos": tok.eos_token_id, "pad": tok.pad_t
 """
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = prefork.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["eos"] == got["config_eos"] == got["gen_eos"] == 1 and got["pad"] == 0

@@ -6,7 +6,6 @@ Each tool launches its own ranks (tp*pp), as a user would run it.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from megappo.models.hf_config import SUPPORTED_ARCHS
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model, save_hf_dir, save_pretrained
+from tests import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,8 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_tool(name, *args, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", name), *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = prefork.run([sys.executable, os.path.join(REPO, "tools", name), *args], env=env,
+                       capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     if check and proc.returncode != 0:
         raise AssertionError(out[-6000:])
@@ -86,8 +86,8 @@ def test_every_family_saved_by_transformers_converts_with_verify(tmp_path):
         args += [str(tmp_path / family), str(tmp_path / f"{family}-mcore")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "e2e", "_convert_in_process.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = prefork.run([sys.executable, os.path.join(REPO, "tests", "e2e", "_convert_in_process.py"), *args],
+                       env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     results = [json.loads(line[len("verify: "):]) for line in proc.stdout.splitlines() if line.startswith("verify: ")]
     assert [r["hf_dir"] for r in results] == list(sizes)

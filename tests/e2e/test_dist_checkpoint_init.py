@@ -8,7 +8,6 @@ move a weight, so the step's checkpoint holds the weights the roles started from
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import torch
@@ -16,6 +15,7 @@ import yaml
 
 from megappo.models.hf_reference import build_hf_model, save_hf_dir
 from megappo.tokenizer import builtin_tokenizer_files, load_tokenizer
+from tests import prefork
 from tests.e2e._runs import hf_weights
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
 def run(*args, timeout=600) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, *args], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = prefork.run([sys.executable, *args], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -13,10 +13,10 @@ generation batch or reach max_num_gen_batches (on_limit=fill):
 """
 
 import json
-import subprocess
 
 import pytest
 
+from tests import prefork
 from tests.e2e._runs import hf_weights, metrics
 from tests.e2e.test_async import command
 from tests.e2e.test_resume import REPO, env, kill_when, run
@@ -72,7 +72,7 @@ def test_filtered_run_killed_then_resumed_is_bit_identical(tmp_path, mode):
 def test_on_limit_stop_ends_the_run_with_one_line(tmp_path):
     cmd = command(tmp_path, *FILTER, "algorithm.filter_groups.max_num_gen_batches=1", "data.gen_batch_size=16",
                   "algorithm.filter_groups.on_limit=stop", "run.total_steps=2", "run.val_before_train=false")
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = prefork.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-4000:]
     assert "Traceback" not in out, out[-4000:]

@@ -5,7 +5,6 @@ the recipe's own run starts from."""
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from megappo.models.weights import HFWeights
 from megappo.recipe import load_config
 from megappo.run import model_source
+from tests import prefork
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes/demo-cpu.yaml")
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.one_process  # `megappo export --init` is one process (
 
 def export_init(*args) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "export", "--init", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", "export", "--init", *args], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from tests import prefork
 from tests.e2e._runs import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,8 +28,8 @@ ARGS = ["run.total_steps=6", "checkpoint.save_every=1", "checkpoint.keep_last=0"
 def megappo(*args, timeout=400):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return prefork.run([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=timeout)
 
 
 def train(out, *extra):

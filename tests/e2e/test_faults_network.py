@@ -15,6 +15,8 @@ import time
 
 import psutil
 
+from tests import prefork
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -35,12 +37,12 @@ def test_a_one_node_run_listens_on_loopback_only(tmp_path):
     for key in ("WORLD_SIZE", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml",
+    proc = prefork.popen([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml",
                              "logging.progress_bar=false", "run.val_before_train=false", "run.val_every=0",
                              "run.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
                              "critic.ppo_mini_batch_size=16", "actor.micro_batch_size=16", "critic.micro_batch_size=16",
                              f"run.output_dir={run}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                         stderr=subprocess.STDOUT, text=True)
     watched, sockets, ranks_seen = psutil.Process(proc.pid), set(), set()
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:

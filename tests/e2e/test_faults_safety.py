@@ -24,6 +24,7 @@ import torch
 
 from megappo.checkpointing import file_digest
 
+from tests import prefork
 from tests.e2e._runs import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +45,7 @@ def env():
 
 
 def run(cmd, timeout=300):
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = prefork.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -53,8 +54,8 @@ def raced(tmp_path_factory):
     """Run A, and run B on the same directory started as soon as A holds it: (A's dir, B's exit code, B's output,
     A's files when B had ended)."""
     out = tmp_path_factory.mktemp("raced") / "run"
-    first = subprocess.Popen(train(out), env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    first = prefork.popen(train(out), env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
     deadline = time.time() + 120
     while not os.path.exists(out / "megappo.lock") and first.poll() is None and time.time() < deadline:
         time.sleep(0.05)

@@ -9,10 +9,11 @@ rotting in between. On a machine without CUDA the rows that need CUDA and a GPU 
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
+
+from tests import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,9 +27,9 @@ def test_gpu_bench_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--smoke",
+    proc = prefork.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--smoke",
                            "--out", str(tmp_path), "--wheels", str(tmp_path / "no-wheels")],
-                          env=env, capture_output=True, text=True, timeout=400)
+                       env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert list(report["parts"]) == ["tests", "bench"] and report["wheels"] == []

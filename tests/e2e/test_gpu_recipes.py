@@ -67,6 +67,7 @@ import torch
 from megappo.recipe import load_config
 from megappo.plan import resolve_hf_config
 from megappo.rewards import get_reward_fn
+from tests import prefork
 from tests.e2e._runs import hf_weights
 from tests.e2e._runs import metrics as metrics_without_timings
 from tests.e2e._tiny_models import tiny_config, tiny_instruct_model
@@ -291,8 +292,8 @@ def clis(cwd: str, *commands: list[str], timeout: int = 300) -> list[str]:
     """Several `megappo` commands at once (each export is one process: both cores work)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    procs = [subprocess.Popen([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=cwd, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for args in commands]
+    procs = [prefork.popen([sys.executable, "-m", "megappo.cli", *args], env=env, cwd=cwd, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for args in commands]
     outs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     for args, proc, out in zip(commands, procs, outs):
         assert proc.returncode == 0, f"megappo {' '.join(args)}\n{out[-6000:]}"

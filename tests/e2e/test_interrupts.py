@@ -19,6 +19,8 @@ import time
 import psutil
 import pytest
 
+from tests import prefork
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULTS = os.path.join(REPO, "tests", "e2e", "_faults.py")
 STEPS = 8
@@ -39,7 +41,7 @@ def env():
 
 
 def run(cmd, timeout=400) -> str:
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = prefork.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
@@ -66,8 +68,8 @@ def interrupt(cmd, out, signals, *, after_step=2, held=None, to="group", timeout
     (`to="launcher"`, as `kill PID` does) or to every process it started (`to="all"`, as SLURM
     signals a job step). Returns (exit code, output, seconds from the last signal to the exit)."""
     e = dict(env(), FAULT_HELD_FILE=str(held)) if held else env()
-    proc = subprocess.Popen(cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = prefork.popen(cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
     deadline = time.time() + timeout
     waiting_for = f"the fault's file {held}" if held else f"step {after_step}"
     try:
@@ -173,8 +175,8 @@ def test_a_second_ctrl_c_stops_a_world_of_one_at_once(tmp_path):
 def test_a_signal_before_the_first_step_ended_has_nothing_to_save(tmp_path):
     """Every rank is signalled as its setup ends: the ranks agree before step 1 and stop."""
     out = str(tmp_path / "run")
-    proc = subprocess.run(command(out, fault="sigint_setup"), env=env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=400)
+    proc = prefork.run(command(out, fault="sigint_setup"), env=env(), cwd=REPO, capture_output=True, text=True,
+                       timeout=400)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 130, output[-6000:]
     assert "interrupted before step 1 ended: nothing to save; rerun the same command to start again" in output
@@ -183,7 +185,9 @@ def test_a_signal_before_the_first_step_ended_has_nothing_to_save(tmp_path):
 
 
 def test_ctrl_c_during_start_up(tmp_path):
-    """Ctrl-C while the command is still reading the recipe (no rank started): one line, 130."""
+    """Ctrl-C while the command is still reading the recipe (no rank started): one line, 130. A fresh
+    interpreter (its imports are the start-up this interrupts; a fork of tests/prefork.py's server is past
+    them at once)."""
     proc = subprocess.Popen(command(str(tmp_path / "run")), env=env(), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     time.sleep(0.5)

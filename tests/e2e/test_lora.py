@@ -9,11 +9,11 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import torch
 
+from tests import prefork
 from tests.doc_console import check_quoted
 from tests.e2e.test_cli_demo import REPO, cli
 
@@ -68,8 +68,8 @@ def test_demo_learns_with_lora_and_exports_a_peft_adapter(tmp_path):
     exports = [shlex.split(line) for line in bash if line.startswith("megappo export")]
     assert len(exports) == 1, bash
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", *exports[0][1:]], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", *exports[0][1:]], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     out_dir = tmp_path / exports[0][-1]
     assert "peft adapter in" in proc.stdout and "docs/lora.md" in proc.stdout, proc.stdout
@@ -102,8 +102,8 @@ def test_demo_learns_with_lora_and_exports_a_peft_adapter(tmp_path):
         f"    torch.save({{'ids': ids, 'greedy': out, 'in_place': in_place(input_ids=ids).logits, "
         f"'moved': model(input_ids=ids).logits}}, {str(outputs)!r})"])
     env.pop("PYTHONPATH")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = prefork.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = torch.load(outputs)
 

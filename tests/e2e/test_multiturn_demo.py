@@ -8,10 +8,10 @@ benchmarks/RESULTS.md; here a lower bar at 80 steps keeps the test near 1.5 minu
 
 import json
 import os
-import subprocess
 import sys
 
 from megappo.models.precision import COMPARE_TOL
+from tests import prefork
 from tests.e2e._runs import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,9 +21,9 @@ RECIPE = "recipes/demo-multiturn-cpu.yaml"
 def train(out, *args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", RECIPE, f"run.output_dir={out}",
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", "train", RECIPE, f"run.output_dir={out}",
                            "logging.progress_bar=false", *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                       timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return proc.stdout
 

@@ -8,10 +8,11 @@ are summed, so every layout computes the same numbers up to float rounding (<= 1
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = ("critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
@@ -33,7 +34,7 @@ def run_layout(tmp_path, name):
     cmd = [sys.executable, "-m", "megappo.cli", "train", "--world-size", str(nproc), "recipes/demo-cpu.yaml",
            f"run.output_dir={out_dir}", "run.total_steps=3", "logging.progress_bar=false",
            "actor.micro_batch_size=4", "critic.micro_batch_size=4", *overrides]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = prefork.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "critic/score/mean" in r]  # training steps, not the step-0 validation row

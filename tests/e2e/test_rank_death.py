@@ -26,6 +26,7 @@ import psutil
 import pytest
 import torch
 
+from tests import prefork
 from tests.e2e._runs import hf_weights, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,8 +80,8 @@ def kill_rank1_after_checkpoint(cmd, out, mark, timeout=400, victim="rank 1"):
     behind would hold a pipe open after the launcher ended."""
     log = os.path.join(os.path.dirname(out), os.path.basename(out) + ".log")
     with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, env=env(mark), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = prefork.popen(cmd, env=env(mark), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     latest = os.path.join(out, "checkpoints", "latest")
     deadline = time.time() + timeout
     try:
@@ -133,7 +134,7 @@ def test_a_killed_launcher_leaves_no_process_of_the_run(tmp_path):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("straight"))
-    proc = subprocess.run(command(out), env=env(), cwd=REPO, capture_output=True, text=True, timeout=400)
+    proc = prefork.run(command(out), env=env(), cwd=REPO, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out
 

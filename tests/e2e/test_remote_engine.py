@@ -15,6 +15,7 @@ from megappo.rollout.engine import EngineCrashed, compare_fingerprints, tensor_f
 from megappo.rollout.hf_engine import HFEngine
 from megappo.rollout.remote import HFModelSource, RemoteEngine
 from megappo.types import SamplingParams
+from tests import prefork
 
 PAD = 0
 PROMPTS = [[5, 17, 42, 9, 100], [7, 3], [250, 251, 252]]
@@ -112,8 +113,8 @@ def test_the_child_ends_when_the_trainer_is_killed(tmp_path):
     path = tmp_path / "owner.py"
     path.write_text(script)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    proc = prefork.popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
     line = proc.stdout.readline()  # not read to the end: a surviving child would hold the pipe open
     assert proc.wait(timeout=300) == -signal.SIGKILL and line.strip().isdigit(), line
     child = psutil.Process(int(line))

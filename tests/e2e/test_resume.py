@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from megappo.models.precision import COMPARE_TOL
+from tests import prefork
 from tests.e2e._runs import hf_weights, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +46,7 @@ def env():
 
 
 def run(cmd, timeout=400):
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = prefork.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
@@ -59,7 +60,7 @@ def kill_during_save(cmd, partial: str, timeout=400) -> None:
 
 def kill_when(cmd, ready, what: str, timeout=400) -> None:
     """Start `cmd` and SIGKILL it with every process it started as soon as `ready()` is true."""
-    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = prefork.popen(cmd, env=env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
     try:
         while not ready():
@@ -166,15 +167,15 @@ def test_resume_at_another_layout(straight, tmp_path):
 def test_resume_refuses_a_changed_algorithm(straight, tmp_path):
     out = tmp_path / "changed"
     shutil.copytree(os.path.join(straight, "checkpoints"), out / "checkpoints")
-    proc = subprocess.run(command(str(out), *DP2, "algorithm.adv_estimator=reinforce_plus_plus"), env=env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = prefork.run(command(str(out), *DP2, "algorithm.adv_estimator=reinforce_plus_plus"), env=env(),
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "cannot resume from" in proc.stderr and "algorithm.adv_estimator: checkpoint 'gae' vs now" in proc.stderr
     assert not (out / "metrics.jsonl").exists()  # refused before anything was written
 
 
 def test_rerun_of_a_finished_run_has_nothing_to_do(straight):
-    proc = subprocess.run(command(straight, *DP2), env=env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = prefork.run(command(straight, *DP2), env=env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "nothing to do: " in proc.stdout and "at step 4 and run.total_steps=4" in proc.stdout
     assert [r["step"] for r in metrics(straight)] == [0, 1, 2, 3, 4]  # the log is untouched
 
@@ -183,14 +184,14 @@ def test_export_a_checkpoint_to_hf(straight, tmp_path):
     """`megappo export RUN_DIR OUT` writes the latest checkpoint's actor: the same tensors as
     the end-of-training export (checkpoint.save_hf_at_end)."""
     out = tmp_path / "hf_actor"
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "export", straight, str(out)], env=env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", "export", straight, str(out)], env=env(), cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a, b = hf_weights(os.path.join(straight, "hf", "actor")), hf_weights(str(out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(t.dtype == torch.bfloat16 for t in b.values())  # the weights the run trained, in their dtype
-    again = subprocess.run([sys.executable, "-m", "megappo.cli", "export", straight, str(out)], env=env(), cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    again = prefork.run([sys.executable, "-m", "megappo.cli", "export", straight, str(out)], env=env(), cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists and is not empty; pass --overwrite" in again.stderr
 
 

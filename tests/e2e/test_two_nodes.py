@@ -36,6 +36,7 @@ import uuid
 import psutil
 import pytest
 
+from tests import prefork
 from tests.e2e._runs import metrics
 
 pytestmark = pytest.mark.multinode
@@ -83,8 +84,8 @@ class Nodes:
         for k in range(2):
             log = f"{out}.node{k}.log"
             with open(log, "w") as sink:  # a file, not a pipe: a process left behind would hold a pipe open
-                self.agents.append(subprocess.Popen(cmd, env=env(f"{self.run_id} {k}"), cwd=REPO, stdout=sink,
-                                                    stderr=subprocess.STDOUT, start_new_session=True))
+                self.agents.append(prefork.popen(cmd, env=env(f"{self.run_id} {k}"), cwd=REPO, stdout=sink,
+                                                 stderr=subprocess.STDOUT, start_new_session=True))
             self.logs.append(log)
 
     def wait(self, timeout: float = TIMEOUT) -> list[int]:
@@ -151,7 +152,7 @@ def one_node(out: str, world: int, overrides: list[str]) -> str:
     """The same layout on one node (megappo's own launcher); returns its run dir."""
     cmd = [sys.executable, "-m", "megappo.cli", "train", "--world-size", str(world), "recipes/demo-cpu.yaml",
            f"run.output_dir={out}", *ARGS, *overrides]
-    proc = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = prefork.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out
 

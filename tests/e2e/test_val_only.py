@@ -6,8 +6,9 @@ validation at the last step (3, with run.val_every=2), as verl's test_freq."""
 
 import json
 import os
-import subprocess
 import sys
+
+from tests import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAST = ["run.total_steps=3", "checkpoint.save_every=2", "logging.progress_bar=false", "run.val_before_train=false",
@@ -18,9 +19,9 @@ FAST = ["run.total_steps=3", "checkpoint.save_every=2", "logging.progress_bar=fa
 def train(out, *extra) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", "recipes/demo-cpu.yaml",
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", "recipes/demo-cpu.yaml",
                            f"run.output_dir={out}", *FAST, *extra], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                       timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -9,7 +9,6 @@ GSPO script runs the same way on `--config-name=ppo_trainer`."""
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import yaml
@@ -17,6 +16,7 @@ import yaml
 from megappo.data import digit_successor_rows
 from megappo.models.hf_reference import build_hf_model, save_hf_dir
 from megappo.tokenizer import builtin_tokenizer_files, load_tokenizer
+from tests import prefork
 from tests.unit.test_verl_scripts import script_overrides
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -39,8 +39,8 @@ def demo_script(tmp_path, script: str) -> list[str]:
 def megappo_train(*args) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", *args],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = prefork.run([sys.executable, "-m", "megappo.cli", "train", *args],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out

@@ -25,6 +25,7 @@ import uuid
 
 import psutil
 
+from tests import prefork
 from tests.e2e.test_rank_death import REPO, env, kill_all, marked
 
 KILL_AFTER, STEPS = 2, 8  # the run would go on past step KILL_AFTER: it is the kill that ends it
@@ -45,8 +46,8 @@ def test_two_sglang_replicas_generate_verify_and_a_dead_one_ends_the_run(tmp_pat
     out, mark, log = str(tmp_path / "run"), uuid.uuid4().hex, tmp_path / "run.log"
     cmd = [sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml", f"run.output_dir={out}", *ARGS]
     with open(log, "w") as sink:  # a file, not a pipe: a process left behind would hold a pipe open
-        proc = subprocess.Popen(cmd, env=env(mark), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = prefork.popen(cmd, env=env(mark), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     try:
         deadline = time.time() + 600
         while len(step_rows(out)) < KILL_AFTER:
