@@ -271,7 +271,7 @@ def fwd_bwd_call(model, exp) -> Callable[[], None]:
     it, without the KL and entropy-bonus terms, which are off by default) and its backward."""
     from megappo.models.forward import run_micro_batches
     from megappo.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
-    from megappo.ppo.losses import global_counts, policy_loss
+    from megappo.ppo.losses import LossInputs, global_counts, policy_loss
 
     seqs, prompt = exp.seqs, exp.seqs.prompt_len
     counts = global_counts(seqs.response_mask)
@@ -282,8 +282,8 @@ def fwd_bwd_call(model, exp) -> Callable[[], None]:
     def on_output(logits, mb):  # [1, T, V_pad] (TP=1; these vocabularies need no padding rows)
         log_probs, _entropy = vocab_parallel_log_probs_and_entropy(
             logits[:, prompt - 1:-1].float(), mb["input_ids"][:, prompt:], model.ps.tp_group)
-        loss, _ = policy_loss(old_log_prob=mb["old"], log_prob=log_probs, advantages=mb["adv"],
-                              response_mask=mb["response_mask"], **counts)
+        loss, _ = policy_loss(LossInputs(old_log_prob=mb["old"], log_prob=log_probs, advantages=mb["adv"],
+                                         response_mask=mb["response_mask"], **counts))
         return loss, None
 
     def call():

@@ -80,7 +80,7 @@ def main():
         reinforce_plus_plus_returns_reference,
     )
     from megappo.parallel.vocab_parallel import vocab_parallel_log_probs_and_entropy
-    from megappo.ppo.losses import policy_loss, policy_loss_reference
+    from megappo.ppo.losses import LossInputs, policy_loss, policy_loss_reference
     from megappo.ppo.stats import masked_whiten
 
     B, L, g, lam = args.batch, args.length, args.gamma, args.lam
@@ -108,7 +108,8 @@ def main():
     def pg(fn):
         def run():
             x = new.clone().requires_grad_()
-            loss, metrics = fn(old, x, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+            loss, metrics = fn(LossInputs(old, x, adv, mask), clip_ratio_low=0.2, clip_ratio_high=0.28,
+                               clip_ratio_c=3.0)
             loss.backward()
             return loss.detach(), x.grad, metrics
         return run

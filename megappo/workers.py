@@ -291,11 +291,11 @@ class PolicyWorker(_Passes):
             def on_output(logits, mb):
                 lp, ent = self._token_stats(logits, mb, entropy=True)  # logged always
                 mask = mb["response_mask"]
+                inputs = ppo_losses.LossInputs(mb["old"], lp, mb["adv"], mask, loss_agg_mode=loss_agg_mode,
+                                               rollout_is_weights=mb.get("isw"), **counts)
                 pg_loss, m = compute_policy_loss(
-                    loss_mode, old_log_prob=mb["old"], log_prob=lp, advantages=mb["adv"], response_mask=mask,
-                    loss_agg_mode=loss_agg_mode, rollout_is_weights=mb.get("isw"),
-                    generator=torch.Generator().manual_seed(seed * 100_003 + next(parts)), **loss_knobs,
-                    **mini_batch_knobs, **counts)
+                    loss_mode, inputs, generator=torch.Generator().manual_seed(seed * 100_003 + next(parts)),
+                    **loss_knobs, **mini_batch_knobs)
                 loss = pg_loss
                 ent_loss = ppo_losses.agg_loss(ent, mask, loss_agg_mode, **counts)
                 if entropy_coeff:

@@ -10,12 +10,13 @@
   kl          KL estimators (k1/k2/k3/abs and straight-through "+"), KL controllers,
               the KL penalty in the reward
   overlong    DAPO's overlong reward shaping: the penalty of responses near the budget
-  losses      loss aggregation with global counts, clipped policy / value losses,
-              full-vocabulary log-probs and entropy, entropy and KL loss terms
+  losses      loss aggregation with global counts, the policy losses' inputs record
+              (LossInputs), clipped policy / value losses, full-vocabulary log-probs
+              and entropy, entropy and KL loss terms
   policy_losses  verl's policy losses by name (actor.policy_loss.loss_mode): the
               `POLICY_LOSSES` registry (vanilla = losses.policy_loss, dppo_tv, dppo_kl,
               gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, dro, cispo), get_policy_loss,
-              policy_loss_inputs, compute_policy_loss
+              POLICY_LOSS_KNOBS, compute_policy_loss
   pf_ppo      PF-PPO's weights by score and the resampling draw
   rollout_correction  rollout IS weights (token / sequence, TIS / IcePop) and rejection
               masks with verl's metrics, verl's presets, the bypass-mode losses

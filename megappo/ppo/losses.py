@@ -1,8 +1,9 @@
 """PPO losses and their aggregation, with verl 0.9.1 semantics, as pure tensor functions.
 
-Owns: loss aggregation (`agg_loss`, `global_counts`), the clipped policy loss (fast form
-and verl's literal form as its reference), the clipped value loss, full-vocabulary
-log-probs / entropy from logits, the entropy loss and the KL loss term.
+Owns: loss aggregation (`agg_loss`, `global_counts`), `LossInputs` (the record every policy
+loss takes: a part's [B, T] tensors and how its losses are aggregated), the clipped policy
+loss (fast form and verl's literal form as its reference), the clipped value loss,
+full-vocabulary log-probs / entropy from logits, the entropy loss and the KL loss term.
 Does not know about configs, process groups or models; cross-rank totals come in as
 arguments (`global_tokens`, `global_seqs`, `dp_size`).
 
@@ -39,6 +40,8 @@ every micro-batch) gives the whole mini-batch's token mean; dp_size does not sca
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megappo.ppo.kl import kl_penalty
@@ -49,7 +52,7 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-su
 
 def global_counts(mask: torch.Tensor) -> dict[str, int]:
     """{"global_tokens", "global_seqs"} of a whole mini-batch's [B, T] response mask, to be
-    passed to agg_loss / policy_loss / value_loss of each of its parts. Sequences are the
+    passed to agg_loss / LossInputs / value_loss of each of its parts. Sequences are the
     non-empty rows, as agg_loss counts them by default."""
     return {"global_tokens": int(mask.sum()), "global_seqs": int((mask.sum(-1) > 0).sum())}
 
@@ -96,6 +99,41 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor, global_tokens: int | N
                                                                                 global_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """What every policy loss reads: a part's four [B, T] tensors and how its per-token losses are
+    aggregated (agg_loss's mode and the whole mini-batch's counts; None = this part's own)."""
+
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    loss_agg_mode: str = "token-mean"
+    rollout_is_weights: torch.Tensor | None = None  # [B, T], detached by the caller; multiply the per-token loss
+    global_tokens: int | None = None
+    global_seqs: int | None = None
+    dp_size: int = 1
+    loss_scale_factor: float | None = None
+
+    def __post_init__(self):
+        missing = [k for k in ("old_log_prob", "log_prob", "advantages", "response_mask") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"a policy loss needs the tensors {missing}")
+
+    def aggregate(self, losses: torch.Tensor, mode: str | None = None) -> torch.Tensor:
+        """agg_loss of the [B, T] per-token losses times the rollout IS weights (when given), over
+        response_mask with this part's counts; `mode` overrides loss_agg_mode (sapo's fixed mode)."""
+        if self.rollout_is_weights is not None:
+            losses = losses * self.rollout_is_weights
+        return agg_loss(losses, self.response_mask, self.loss_agg_mode if mode is None else mode,
+                        global_tokens=self.global_tokens, global_seqs=self.global_seqs, dp_size=self.dp_size,
+                        loss_scale_factor=self.loss_scale_factor)
+
+    def token_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """A metric: the token mean of [B, T] `values` over response_mask (a part of the global one)."""
+        return _token_mean(values, self.response_mask, self.global_tokens)
+
+
 def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> None:
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO (actor.clip_ratio_c), got {clip_ratio_c}")
@@ -104,12 +142,8 @@ def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: flo
                          f"got {clip_ratio_low}, {clip_ratio_high}")
 
 
-def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                response_mask: torch.Tensor, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-                global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with asymmetric clip and dual-clip; all inputs [B, T].
 
     ratio r = exp(clamp(log_prob - old_log_prob, -20, 20)). Per token, as in verl,
@@ -122,36 +156,28 @@ def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
     tokens where the dual-clip bound was taken}). `policy_loss_reference` is verl's form.
     """
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    log_ratio = torch.clamp(x.log_prob - x.old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
-    positive = advantages >= 0
+    positive = x.advantages >= 0
     bounded = torch.where(positive, torch.clamp(ratio, max=1 + clip_ratio_high),
                           torch.clamp(ratio, min=1 - clip_ratio_low, max=clip_ratio_c))
-    losses = -advantages * bounded
-    if rollout_is_weights is not None:
-        losses = losses * rollout_is_weights
-    loss = agg_loss(losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
-                    dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+    loss = x.aggregate(-x.advantages * bounded)
     with torch.no_grad():
-        r, a = ratio.detach(), advantages.detach()
+        r, a = ratio.detach(), x.advantages.detach()
         clipped = ((a > 0) & (r > 1 + clip_ratio_high)) | ((a < 0) & (r < 1 - clip_ratio_low))
         metrics = {
-            "actor/pg_clipfrac": _token_mean(clipped.to(r.dtype), response_mask, global_tokens),
-            "actor/ppo_kl": _token_mean(-log_ratio.detach(), response_mask, global_tokens),
-            "actor/pg_clipfrac_lower": _token_mean(((a < 0) & (r > clip_ratio_c)).to(r.dtype), response_mask,
-                                                   global_tokens),
+            "actor/pg_clipfrac": x.token_mean(clipped.to(r.dtype)),
+            "actor/ppo_kl": x.token_mean(-log_ratio.detach()),
+            "actor/pg_clipfrac_lower": x.token_mean(((a < 0) & (r > clip_ratio_c)).to(r.dtype)),
         }
     return loss, metrics
 
 
-def policy_loss_reference(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                          response_mask: torch.Tensor, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                          clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                          rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-                          global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss_reference(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                          clip_ratio_c: float = 3.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """verl 0.9.1's `compute_policy_loss_vanilla`, step by step; the reference for `policy_loss`."""
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    old_log_prob, log_prob, advantages, response_mask = x.old_log_prob, x.log_prob, x.advantages, x.response_mask
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     pg_losses1 = -advantages * ratio
@@ -160,15 +186,12 @@ def policy_loss_reference(old_log_prob: torch.Tensor, log_prob: torch.Tensor, ad
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
-                    dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+    loss = x.aggregate(pg_losses)  # times rollout_is_weights, then agg_loss
     metrics = {
-        "actor/pg_clipfrac": _token_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask, global_tokens),
-        "actor/ppo_kl": _token_mean(-log_ratio, response_mask, global_tokens),
-        "actor/pg_clipfrac_lower": _token_mean(torch.gt(clip_pg_losses1, pg_losses3).float()
-                                               * (advantages < 0).float(), response_mask, global_tokens),
+        "actor/pg_clipfrac": x.token_mean(torch.gt(pg_losses2, pg_losses1).float()),
+        "actor/ppo_kl": x.token_mean(-log_ratio),
+        "actor/pg_clipfrac_lower": x.token_mean(torch.gt(clip_pg_losses1, pg_losses3).float()
+                                                * (advantages < 0).float()),
     }
     return loss, {k: v.detach() for k, v in metrics.items()}
 

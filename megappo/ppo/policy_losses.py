@@ -1,22 +1,24 @@
 """The policy-loss registry: verl 0.9.1's eleven policy losses (actor.policy_loss.loss_mode)
 as pure tensor functions, chosen by name from `POLICY_LOSSES`.
 
-Owns: one function per loss, the registry, `get_policy_loss`, `policy_loss_inputs`,
-`compute_policy_loss` (calls a loss with the inputs its signature accepts, read once at import) and the checks
-of each loss's knobs. `vanilla` is `megappo.ppo.losses.policy_loss` (with its verl-literal
-reference `policy_loss_reference` there); aggregation is `megappo.ppo.losses.agg_loss`.
+Owns: one function per loss, the registry, `get_policy_loss`, `POLICY_LOSS_KNOBS` (each
+loss's knobs, read from its signature once at import), `compute_policy_loss` (calls a loss
+with the knobs it takes) and the checks of each loss's knobs. `vanilla` is
+`megappo.ppo.losses.policy_loss` (with its verl-literal reference `policy_loss_reference`
+there); the inputs record `LossInputs` and aggregation (`agg_loss`) are megappo.ppo.losses'.
 Does not know about configs, process groups or models: knobs are flat keyword arguments
-named after their config keys, cross-rank totals come in as `global_tokens`,
+named after their config keys, cross-rank totals come in the record as `global_tokens`,
 `global_seqs`, `dp_size`.
 
 Shape legend: [B, T] = (sequences in this part, response tokens); [B] = one value per
 sequence. Every loss is
-  fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
-     rollout_is_weights=None, global_tokens=None, global_seqs=None, dp_size=1,
-     loss_scale_factor=None, <its knobs, with verl's defaults>) -> (loss, metrics)
-with all tensors [B, T], loss a 0-dim tensor and metrics {verl's name: 0-dim detached
-tensor}: the names verl's function returns plus megappo's own (OWN_METRICS). rollout_is_weights (detached by the
-caller) multiply the per-token loss before aggregation.
+  fn(x: LossInputs, *, <its knobs, with verl's defaults>) -> (loss, metrics)
+where the record x holds the [B, T] tensors old_log_prob, log_prob, advantages,
+response_mask, rollout_is_weights (None or detached by the caller: they multiply the
+per-token loss before aggregation) and the aggregation settings loss_agg_mode,
+global_tokens, global_seqs, dp_size, loss_scale_factor (x.aggregate(per-token losses),
+x.token_mean(values)); loss is a 0-dim tensor and metrics {verl's name: 0-dim detached
+tensor}: the names verl's function returns plus megappo's own (OWN_METRICS).
 
 Notation: d = log_prob - old_log_prob, r = exp(clamp(d, -20, 20)), r' = exp(d) (no
 clamp), p = exp(log_prob), p_old = exp(old_log_prob), sg = stop-gradient, n = valid
@@ -57,11 +59,12 @@ bypass_mode (rollout correction's two-policy loss, ppo_clip or reinforce) is reg
 in megappo.ppo.rollout_correction.
 
 Split invariance. Every loss keeps the contract of megappo.ppo.losses (its module docstring):
-give every micro-batch / DP part `**global_counts(mask_of_the_mini_batch)` (and dp_size) and
-the parts' losses (and gradients) sum to the whole mini-batch's loss, and the parts' token-mean
-metrics sum to the mini-batch's metric. Sequence-level quantities (GSPO's sequence ratio,
-geo_mean's geometric mean, sapo's and seq-mean modes' row means) are exact because megappo's
-micro-batches always hold whole sequences (megappo.parallel.packing). Exceptions:
+build every micro-batch / DP part's LossInputs with `**global_counts(mask_of_the_mini_batch)`
+(and dp_size) and the parts' losses (and gradients) sum to the whole mini-batch's loss, and the
+parts' token-mean metrics sum to the mini-batch's metric. Sequence-level quantities (GSPO's
+sequence ratio, geo_mean's geometric mean, sapo's and seq-mean modes' row means) are exact
+because megappo's micro-batches always hold whole sequences (megappo.parallel.packing).
+Exceptions:
   - geo_mean: verl takes torch.mean over the rows of the micro-batch, which depends on the
     split and counts empty rows. megappo sums the rows' losses and divides by global_seqs
     (non-empty rows of the mini-batch; this part's own when None) times dp_size: verl's value
@@ -100,7 +103,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from megappo.ppo.losses import _token_mean, agg_loss, policy_loss
+from megappo.ppo.losses import LossInputs, agg_loss, policy_loss
 from megappo.ppo.rollout_correction import bypass_mode_loss
 from megappo.ppo.specs import POLICY_LOSS_NAMES
 from megappo.ppo.stats import masked_mean, masked_sum
@@ -127,18 +130,10 @@ def _check_cov_ratio(loss_mode: str, key: str, ratio: float) -> None:
 # -- shared steps --------------------------------------------------------------------------------
 
 
-def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor, clamp: bool) -> torch.Tensor:
+def _log_ratio(x: LossInputs, clamp: bool) -> torch.Tensor:
     """[B, T] d = log_prob - old_log_prob, clamped to [-20, 20] where the verl loss clamps it."""
-    d = log_prob - old_log_prob
+    d = x.log_prob - x.old_log_prob
     return torch.clamp(d, min=-20.0, max=20.0) if clamp else d
-
-
-def _aggregate(losses: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str,
-               rollout_is_weights: torch.Tensor | None, **counts) -> torch.Tensor:
-    """agg_loss of the [B, T] per-token losses times the rollout IS weights (when given)."""
-    if rollout_is_weights is not None:
-        losses = losses * rollout_is_weights
-    return agg_loss(losses, response_mask, loss_agg_mode, **counts)
 
 
 def _zero(like: torch.Tensor) -> torch.Tensor:
@@ -149,14 +144,15 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 # -- the losses ----------------------------------------------------------------------------------
 
 
-def _dppo(loss_mode: str, old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode,
-          rollout_is_weights, clip_ratio_low, clip_ratio_high, clip_ratio_c, counts) -> tuple[torch.Tensor, Metrics]:
+def _dppo(loss_mode: str, x: LossInputs, *, clip_ratio_low: float, clip_ratio_high: float,
+          clip_ratio_c: float) -> tuple[torch.Tensor, Metrics]:
     """DPPO-Binary-TV / -KL (https://arxiv.org/abs/2602.04879): a policy gradient with a
     truncated IS weight sg(min(r, c)) on the tokens whose probability moved by less than the
     divergence bound in the direction the advantage pushes (clip_ratio_low/high are the bound)."""
     _check_clip_ratios(loss_mode, clip_ratio_low, clip_ratio_high)
     _require(clip_ratio_c > 0, "clip_ratio_c", "> 0 (the IS truncation)", loss_mode, clip_ratio_c)
-    d = _log_ratio(old_log_prob, log_prob, clamp=True)
+    old_log_prob, log_prob = x.old_log_prob, x.log_prob
+    d = _log_ratio(x, clamp=True)
     ratio = torch.exp(d)
     with torch.no_grad():
         prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
@@ -168,109 +164,76 @@ def _dppo(loss_mode: str, old_log_prob, log_prob, advantages, response_mask, *, 
                          + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)))
             up = (binary_kl <= clip_ratio_high) | (prob <= old_prob)
             down = (binary_kl <= clip_ratio_low) | (prob >= old_prob)
-        valid = torch.where(advantages > 0, up, down).to(log_prob.dtype)
+        valid = torch.where(x.advantages > 0, up, down).to(log_prob.dtype)
         weight = torch.clamp(ratio, max=clip_ratio_c) * valid
-    loss = _aggregate(-advantages * weight * log_prob, response_mask, loss_agg_mode, rollout_is_weights, **counts)
-    g = counts["global_tokens"]
+    loss = x.aggregate(-x.advantages * weight * log_prob)
     return loss, {
-        "actor/pg_clipfrac": _token_mean(1.0 - valid, response_mask, g),
-        "actor/ppo_kl": _token_mean(-d, response_mask, g),
-        "actor/pg_clipfrac_lower": _token_mean((ratio > clip_ratio_c).to(valid.dtype) * valid, response_mask, g),
+        "actor/pg_clipfrac": x.token_mean(1.0 - valid),
+        "actor/ppo_kl": x.token_mean(-d),
+        "actor/pg_clipfrac_lower": x.token_mean((ratio > clip_ratio_c).to(valid.dtype) * valid),
     }
 
 
-def dppo_tv(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-            response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-            rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-            global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-            clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 20.0,
-            ) -> tuple[torch.Tensor, Metrics]:
+def dppo_tv(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+            clip_ratio_c: float = 20.0) -> tuple[torch.Tensor, Metrics]:
     """DPPO with the total-variation bound |p - p_old| (see the table)."""
-    return _dppo("dppo_tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=loss_agg_mode,
-                 rollout_is_weights=rollout_is_weights, clip_ratio_low=clip_ratio_low,
-                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                 counts=dict(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                             loss_scale_factor=loss_scale_factor))
+    return _dppo("dppo_tv", x, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                 clip_ratio_c=clip_ratio_c)
 
 
-def dppo_kl(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-            response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-            rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-            global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-            clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 20.0,
-            ) -> tuple[torch.Tensor, Metrics]:
+def dppo_kl(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+            clip_ratio_c: float = 20.0) -> tuple[torch.Tensor, Metrics]:
     """DPPO with the binary-KL bound KL(Bernoulli(p_old) || Bernoulli(p)) (see the table)."""
-    return _dppo("dppo_kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=loss_agg_mode,
-                 rollout_is_weights=rollout_is_weights, clip_ratio_low=clip_ratio_low,
-                 clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                 counts=dict(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                             loss_scale_factor=loss_scale_factor))
+    return _dppo("dppo_kl", x, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                 clip_ratio_c=clip_ratio_c)
 
 
-def gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-         response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-         rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-         global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-         clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, Metrics]:
+def gspo(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, Metrics]:
     """GSPO (https://arxiv.org/abs/2507.18071): the clipped surrogate with the sequence ratio
     s_i = exp(mean of d over row i's valid tokens) on every token of the row, carrying each
     token's own gradient: s_it = sg(s_i) * p_it / sg(p_it). The [B] row means need whole rows."""
     _check_clip_ratios("gspo", clip_ratio_low, clip_ratio_high)
-    d = _log_ratio(old_log_prob, log_prob, clamp=False)
-    row_tokens = response_mask.sum(-1).clamp(min=1)
-    row_log_ratio = (masked_sum(d, response_mask, dim=-1) / row_tokens).detach()  # [B]
+    log_prob, advantages = x.log_prob, x.advantages
+    d = _log_ratio(x, clamp=False)
+    row_tokens = x.response_mask.sum(-1).clamp(min=1)
+    row_log_ratio = (masked_sum(d, x.response_mask, dim=-1) / row_tokens).detach()  # [B]
     log_s = torch.clamp(log_prob - log_prob.detach() + row_log_ratio.unsqueeze(-1), max=10.0)
     s = torch.exp(log_s)
     # max(-A s, -A clip(s, 1-lo, 1+hi)) = -A min(s, 1+hi) for A >= 0 and -A max(s, 1-lo) for A < 0
     bounded = torch.where(advantages >= 0, torch.clamp(s, max=1 + clip_ratio_high),
                           torch.clamp(s, min=1 - clip_ratio_low))
-    loss = _aggregate(-advantages * bounded, response_mask, loss_agg_mode, rollout_is_weights,
-                      global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                      loss_scale_factor=loss_scale_factor)
+    loss = x.aggregate(-advantages * bounded)
     with torch.no_grad():
         a, s = advantages.detach(), s.detach()
         clipped = ((a > 0) & (s > 1 + clip_ratio_high)) | ((a < 0) & (s < 1 - clip_ratio_low))
     return loss, {
-        "actor/pg_clipfrac": _token_mean(clipped.to(s.dtype), response_mask, global_tokens),
-        "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
+        "actor/pg_clipfrac": x.token_mean(clipped.to(s.dtype)),
+        "actor/ppo_kl": x.token_mean(-d),
         "actor/pg_clipfrac_lower": _zero(loss),
-        "actor/gspo_seq_ratio": _token_mean(s, response_mask, global_tokens),
+        "actor/gspo_seq_ratio": x.token_mean(s),
     }
 
 
-def sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-         response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-         rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-         global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-         tau_pos: float = 1.0, tau_neg: float = 1.05) -> tuple[torch.Tensor, Metrics]:
+def sapo(x: LossInputs, *, tau_pos: float = 1.0, tau_neg: float = 1.05) -> tuple[torch.Tensor, Metrics]:
     """SAPO (https://arxiv.org/abs/2511.20347): a smooth sigmoid gate of the ratio instead of
     the hard clip. Aggregated with seq-mean-token-mean whatever `loss_agg_mode` says (verl)."""
     _require(tau_pos > 0, "tau_pos", "> 0", "sapo", tau_pos)
     _require(tau_neg > 0, "tau_neg", "> 0", "sapo", tau_neg)
-    d = _log_ratio(old_log_prob, log_prob, clamp=True)
+    advantages = x.advantages
+    d = _log_ratio(x, clamp=True)
     tau = torch.where(advantages > 0, advantages.new_tensor(tau_pos), advantages.new_tensor(tau_neg))
     sig = torch.sigmoid(tau * (torch.exp(d) - 1.0))
     gate = sig * (4.0 / tau)
-    loss = _aggregate(-gate * advantages, response_mask, "seq-mean-token-mean", rollout_is_weights,
-                      global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                      loss_scale_factor=loss_scale_factor)
+    loss = x.aggregate(-gate * advantages, mode="seq-mean-token-mean")
     with torch.no_grad():
         grad_gate = 4.0 * sig * (1.0 - sig)  # d gate / d r
-    return loss, {"actor/pg_clipfrac": _zero(loss), "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
-                  "actor/pg_clipfrac_lower": _zero(loss),
-                  "actor/sapo_gate": _token_mean(grad_gate, response_mask, global_tokens)}
+    return loss, {"actor/pg_clipfrac": _zero(loss), "actor/ppo_kl": x.token_mean(-d),
+                  "actor/pg_clipfrac_lower": _zero(loss), "actor/sapo_gate": x.token_mean(grad_gate)}
 
 
-def gpg(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-        response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-        rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-        global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-        ) -> tuple[torch.Tensor, Metrics]:
+def gpg(x: LossInputs) -> tuple[torch.Tensor, Metrics]:
     """GPG: the plain policy gradient -A log_prob (old_log_prob is unused); no metrics."""
-    loss = _aggregate(-log_prob * advantages, response_mask, loss_agg_mode, rollout_is_weights,
-                      global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                      loss_scale_factor=loss_scale_factor)
-    return loss, {}
+    return x.aggregate(-x.log_prob * x.advantages), {}
 
 
 def _covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -280,13 +243,9 @@ def _covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask:
                 * (log_prob - masked_mean(log_prob, response_mask)))
 
 
-def clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-             response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-             rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-             global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-             clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_cov_ratio: float = 0.0002,
-             clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, generator: torch.Generator | None = None,
-             ) -> tuple[torch.Tensor, Metrics]:
+def clip_cov(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+             clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, Metrics]:
     """Clip-Cov (https://arxiv.org/abs/2505.22617): the clipped surrogate (no dual clip, no
     clamp of d) with the gradient cut off on max(1, floor(clip_cov_ratio n)) tokens drawn at
     random among the valid, not already clipped ones whose covariance lies in (lb, ub)."""
@@ -294,7 +253,8 @@ def clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: tor
     _check_cov_ratio("clip_cov", "clip_cov_ratio", clip_cov_ratio)
     _require(clip_cov_lb < clip_cov_ub, "policy_loss.clip_cov_lb", f"< clip_cov_ub ({clip_cov_ub})", "clip_cov",
              clip_cov_lb)
-    d = _log_ratio(old_log_prob, log_prob, clamp=False)
+    log_prob, advantages, response_mask = x.log_prob, x.advantages, x.response_mask
+    d = _log_ratio(x, clamp=False)
     ratio = torch.exp(d)
     surrogate = -advantages * ratio
     clipped_surrogate = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
@@ -309,109 +269,88 @@ def clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: tor
             order = torch.randperm(len(candidates), generator=rng)
             chosen = candidates[order[:draws].to(candidates.device)]
             keep[chosen[:, 0], chosen[:, 1]] = 0
-    loss = _aggregate(torch.maximum(surrogate, clipped_surrogate) * keep, response_mask, loss_agg_mode,
-                      rollout_is_weights, global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                      loss_scale_factor=loss_scale_factor)
-    cut = _token_mean(1.0 - keep, response_mask, global_tokens)
-    return loss, {"actor/pg_clipfrac": cut, "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
-                  "actor/clip_cov_cut_frac": cut.clone()}
+    loss = x.aggregate(torch.maximum(surrogate, clipped_surrogate) * keep)
+    cut = x.token_mean(1.0 - keep)
+    return loss, {"actor/pg_clipfrac": cut, "actor/ppo_kl": x.token_mean(-d), "actor/clip_cov_cut_frac": cut.clone()}
 
 
-def kl_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-           response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-           rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-           global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-           kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1) -> tuple[torch.Tensor, Metrics]:
+def kl_cov(x: LossInputs, *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1) -> tuple[torch.Tensor, Metrics]:
     """KL-Cov (https://arxiv.org/abs/2505.22617): the unclipped surrogate -A r' plus a
     ppo_kl_coef |d| penalty on the max(1, floor(kl_cov_ratio n)) valid tokens with the largest
     covariance (torch.topk; no draw)."""
     _check_cov_ratio("kl_cov", "kl_cov_ratio", kl_cov_ratio)
     _require(ppo_kl_coef >= 0, "policy_loss.ppo_kl_coef", ">= 0", "kl_cov", ppo_kl_coef)
-    d = _log_ratio(old_log_prob, log_prob, clamp=False)
+    d = _log_ratio(x, clamp=False)
     with torch.no_grad():
-        valid = response_mask > 0
+        valid = x.response_mask > 0
         penalised = torch.zeros_like(valid)
         if valid.any():
             # the covariance over the valid tokens only (plain means of the gathered values, as verl)
-            adv, logp = advantages[valid].detach().cpu(), log_prob[valid].detach().cpu()
+            adv, logp = x.advantages[valid].detach().cpu(), x.log_prob[valid].detach().cpu()
             cov = (adv - adv.mean()) * (logp - logp.mean())
             top = torch.topk(cov, max(1, int(len(cov) * kl_cov_ratio))).indices
             flat = penalised.view(-1)
             flat[valid.reshape(-1).nonzero().squeeze(-1)[top.to(flat.device)]] = True
-    losses = -advantages * torch.exp(d) + torch.where(penalised, ppo_kl_coef * d.abs(), torch.zeros_like(d))
-    loss = _aggregate(losses, response_mask, loss_agg_mode, rollout_is_weights, global_tokens=global_tokens,
-                      global_seqs=global_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
-    return loss, {"actor/ppo_kl": _token_mean(d.abs(), response_mask, global_tokens),
-                  "actor/kl_cov_penalised_frac": _token_mean(penalised.to(d.dtype), response_mask, global_tokens)}
+    loss = x.aggregate(-x.advantages * torch.exp(d)
+                       + torch.where(penalised, ppo_kl_coef * d.abs(), torch.zeros_like(d)))
+    return loss, {"actor/ppo_kl": x.token_mean(d.abs()),
+                  "actor/kl_cov_penalised_frac": x.token_mean(penalised.to(d.dtype))}
 
 
-def geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-             response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-             rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-             global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-             clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, Metrics]:
+def geo_mean(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+             ) -> tuple[torch.Tensor, Metrics]:
     """GMPO (https://arxiv.org/abs/2507.20673): one loss per row, -mean(A) times the geometric
     mean of the token ratios clipped in log space (each token's d clipped to [-lo, hi] on the
     side its advantage's sign pessimises); [B] row losses summed over the non-empty rows and
     divided by global_seqs times dp_size (sequence-level advantages assumed, as verl).
     `loss_agg_mode` is ignored (verl)."""
     _check_clip_ratios("geo_mean", clip_ratio_low, clip_ratio_high)
-    d = _log_ratio(old_log_prob, log_prob, clamp=False)
+    advantages, response_mask = x.advantages, x.response_mask
+    d = _log_ratio(x, clamp=False)
     d_clipped = torch.clamp(d, -clip_ratio_low, clip_ratio_high)
     sign = torch.sign(advantages)
     d_pessimistic = sign * torch.minimum(sign * d, sign * d_clipped)
     row_tokens = response_mask.sum(-1) + 1e-8  # [B]
     row_ratio = torch.exp(masked_sum(d_pessimistic, response_mask, dim=-1) / row_tokens)
     row_losses = -masked_sum(advantages, response_mask, dim=-1) / row_tokens * row_ratio  # [B]
-    if rollout_is_weights is not None:  # the rows' geometric-mean IS weight
-        row_losses = row_losses * torch.exp(masked_sum(torch.log(rollout_is_weights + 1e-10), response_mask,
+    if x.rollout_is_weights is not None:  # the rows' geometric-mean IS weight
+        row_losses = row_losses * torch.exp(masked_sum(torch.log(x.rollout_is_weights + 1e-10), response_mask,
                                                        dim=-1) / row_tokens)
     non_empty = (response_mask.sum(-1) > 0).to(row_losses.dtype)
     loss = agg_loss(row_losses.unsqueeze(-1), non_empty.unsqueeze(-1), "seq-mean-token-sum",
-                    global_seqs=global_seqs, dp_size=dp_size)
+                    global_seqs=x.global_seqs, dp_size=x.dp_size)
     with torch.no_grad():
         clipped, a = (d != d_clipped).to(d.dtype), advantages.detach()
     return loss, {
-        "actor/pg_clipfrac": _token_mean(clipped * (a > 0), response_mask, global_tokens),
-        "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
-        "actor/pg_clipfrac_lower": _token_mean(clipped * (a < 0), response_mask, global_tokens),
+        "actor/pg_clipfrac": x.token_mean(clipped * (a > 0)),
+        "actor/ppo_kl": x.token_mean(-d),
+        "actor/pg_clipfrac_lower": x.token_mean(clipped * (a < 0)),
     }
 
 
-def dro(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-        response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-        rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-        global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-        dro_beta: float | None = None) -> tuple[torch.Tensor, Metrics]:
+def dro(x: LossInputs, *, dro_beta: float | None = None) -> tuple[torch.Tensor, Metrics]:
     """Direct Reward Optimization: -(A log_prob - dro_beta/2 d^2), a policy gradient with a
     quadratic log-ratio penalty. dro_beta has no default (required, > 0)."""
     _require(dro_beta is not None and dro_beta > 0, "policy_loss.dro_beta", "> 0", "dro", dro_beta)
-    d = _log_ratio(old_log_prob, log_prob, clamp=False)
-    loss = _aggregate(-(log_prob * advantages - 0.5 * dro_beta * d.square()), response_mask, loss_agg_mode,
-                      rollout_is_weights, global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                      loss_scale_factor=loss_scale_factor)
-    return loss, {"actor/ppo_kl": _token_mean(-d, response_mask, global_tokens)}
+    d = _log_ratio(x, clamp=False)
+    loss = x.aggregate(-(x.log_prob * x.advantages - 0.5 * dro_beta * d.square()))
+    return loss, {"actor/ppo_kl": x.token_mean(-d)}
 
 
-def cispo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-          response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-          rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-          global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-          clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2) -> tuple[torch.Tensor, Metrics]:
+def cispo(x: LossInputs, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+          ) -> tuple[torch.Tensor, Metrics]:
     """CISPO (https://arxiv.org/abs/2506.13585): -sg(clip(r, 1-lo, 1+hi)) A log_prob, so every
     token keeps a gradient, weighted by its clipped (stopped) IS ratio."""
     _check_clip_ratios("cispo", clip_ratio_low, clip_ratio_high)
-    d = _log_ratio(old_log_prob, log_prob, clamp=True)
+    d = _log_ratio(x, clamp=True)
     with torch.no_grad():
         ratio = torch.exp(d)
         weight = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    loss = _aggregate(-weight * advantages * log_prob, response_mask, loss_agg_mode, rollout_is_weights,
-                      global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                      loss_scale_factor=loss_scale_factor)
-    return loss, {"actor/pg_clipfrac": _token_mean((ratio != weight).to(ratio.dtype), response_mask, global_tokens),
-                  "actor/ppo_kl": _token_mean(-d, response_mask, global_tokens),
+    loss = x.aggregate(-weight * x.advantages * x.log_prob)
+    return loss, {"actor/pg_clipfrac": x.token_mean((ratio != weight).to(ratio.dtype)),
+                  "actor/ppo_kl": x.token_mean(-d),
                   "actor/pg_clipfrac_lower": _zero(loss),
-                  "actor/cispo_weight": _token_mean(weight, response_mask, global_tokens)}
+                  "actor/cispo_weight": x.token_mean(weight)}
 
 
 # -- the registry and the dispatcher -------------------------------------------------------------
@@ -441,21 +380,14 @@ OWN_METRICS: dict[str, tuple[str, ...]] = {
     "kl_cov": ("actor/kl_cov_penalised_frac",), "clip_cov": ("actor/clip_cov_cut_frac",),
 }
 
-TENSOR_INPUTS = ("old_log_prob", "log_prob", "advantages", "response_mask")
-COMMON_INPUTS = ("loss_agg_mode", "rollout_is_weights", "global_tokens", "global_seqs", "dp_size",
-                 "loss_scale_factor")
-
-
 if tuple(POLICY_LOSSES) != POLICY_LOSS_NAMES:
     raise RuntimeError(f"policy losses registered here {list(POLICY_LOSSES)} differ from those megappo.ppo.specs "
                        f"declares {list(POLICY_LOSS_NAMES)} (POLICY_LOSS_NAMES)")
 
-#: each loss's keyword names, read from its signature once, here
-_PARAMS = {name: frozenset(inspect.signature(fn).parameters) for name, fn in POLICY_LOSSES.items()}
-_KNOBS = {name: tuple(p for p in inspect.signature(fn).parameters if p not in TENSOR_INPUTS and p not in COMMON_INPUTS)
-          for name, fn in POLICY_LOSSES.items()}
-_ALL_KNOBS = tuple(sorted({k for knobs in _KNOBS.values() for k in knobs}))
-_KNOWN = frozenset(TENSOR_INPUTS) | frozenset(COMMON_INPUTS) | frozenset(_ALL_KNOBS)
+#: each loss's knobs: its keyword arguments after the LossInputs record, read from its signature once, here
+POLICY_LOSS_KNOBS: dict[str, tuple[str, ...]] = {
+    name: tuple(inspect.signature(fn).parameters)[1:] for name, fn in POLICY_LOSSES.items()}
+_ALL_KNOBS = frozenset(k for knobs in POLICY_LOSS_KNOBS.values() for k in knobs)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
@@ -465,35 +397,18 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return POLICY_LOSSES[name]
 
 
-def policy_loss_inputs(name: str) -> tuple[str, ...]:
-    """The knobs loss `name` accepts, e.g. ('clip_ratio_low', 'clip_ratio_high') for cispo:
-    its keyword arguments beyond the tensors and the aggregation inputs (COMMON_INPUTS)."""
-    get_policy_loss(name)
-    return _KNOBS[name]
-
-
-def all_policy_loss_knobs() -> tuple[str, ...]:
-    """Every knob some registered loss accepts (sorted)."""
-    return _ALL_KNOBS
-
-
-def compute_policy_loss(name: str, **inputs) -> tuple[torch.Tensor, Metrics]:
-    """Call the loss `name` with the subset of `inputs` its signature accepts: the four [B, T]
-    tensors, COMMON_INPUTS and any knobs. Knobs another loss takes are ignored, so the trainer
-    can pass every knob; a name no loss accepts raises (a typo), as does a missing tensor."""
+def compute_policy_loss(name: str, inputs: LossInputs, **knobs) -> tuple[torch.Tensor, Metrics]:
+    """The loss `name` of `inputs`, given the knobs it takes (POLICY_LOSS_KNOBS). Knobs only another
+    loss takes are ignored, so the trainer can pass every knob; a name no loss takes raises (a typo)."""
     fn = get_policy_loss(name)
-    missing = [k for k in TENSOR_INPUTS if inputs.get(k) is None]
-    if missing:
-        raise ValueError(f"policy loss '{name}' needs the tensors {missing}")
-    unknown = sorted(set(inputs) - _KNOWN)
+    unknown = sorted(set(knobs) - _ALL_KNOBS)
     if unknown:
-        raise ValueError(f"compute_policy_loss got unknown inputs {unknown}; knobs are {list(_ALL_KNOBS)}")
-    params = _PARAMS[name]
-    return fn(**{k: v for k, v in inputs.items() if k in params})
+        raise ValueError(f"compute_policy_loss got unknown inputs {unknown}; knobs are {sorted(_ALL_KNOBS)} "
+                         "(the tensors and aggregation settings go in the LossInputs record)")
+    return fn(inputs, **{k: v for k, v in knobs.items() if k in POLICY_LOSS_KNOBS[name]})
 
 
 __all__: Sequence[str] = (
-    "COMMON_INPUTS", "POLICY_LOSSES", "TENSOR_INPUTS", "all_policy_loss_knobs", "cispo", "clip_cov",
-    "compute_policy_loss", "dppo_kl", "dppo_tv", "dro", "geo_mean", "get_policy_loss", "gpg", "gspo", "kl_cov",
-    "policy_loss_inputs", "sapo",
+    "OWN_METRICS", "POLICY_LOSSES", "POLICY_LOSS_KNOBS", "cispo", "clip_cov", "compute_policy_loss", "dppo_kl",
+    "dppo_tv", "dro", "geo_mean", "get_policy_loss", "gpg", "gspo", "kl_cov", "sapo",
 )

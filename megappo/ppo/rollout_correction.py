@@ -17,7 +17,7 @@ The two modes (`algorithm.rollout_correction.bypass_mode`):
 
 | mode | policies | old log-probs | weights and mask formed | policy loss |
 |---|---|---|---|---|
-| decoupled (false) | 3: rollout, old, current | recomputed by the trainer | once per batch, `rollout_correction(old, rollout, mask)` on the WHOLE batch | losses.policy_loss(rollout_is_weights=w) on the returned mask |
+| decoupled (false) | 3: rollout, old, current | recomputed by the trainer | once per batch, `rollout_correction(old, rollout, mask)` on the WHOLE batch | losses.policy_loss(LossInputs(rollout_is_weights=w)) on the returned mask |
 | bypass (true) | 2: rollout = old, current | the engine's | per micro-batch inside the loss, from log_prob.detach() vs the engine's (batch normalisation: by the mini-batch's mean, `is_weight_sums`) | `bypass_mode_loss` (ppo_clip or reinforce) |
 
 The options (keys under `algorithm.rollout_correction`; verl functions in
@@ -64,13 +64,14 @@ Differences from verl:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from megappo.correction_spec import (_IS_FIX, _KEY, IS_LEVELS, parse_is_threshold, parse_rs_options,
                                      parse_rs_thresholds, validate)
-from megappo.ppo.losses import _token_mean, agg_loss, policy_loss
+from megappo.ppo.losses import LossInputs, policy_loss
 from megappo.ppo.stats import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0  # log ratios are clamped to [-20, 20] before exp: weights in [2e-9, 4.9e8]
@@ -392,35 +393,22 @@ def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
 
 # -- bypass-mode losses --------------------------------------------------------------------------
 
-def reinforce_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                   response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-                   rollout_is_weights: torch.Tensor | None = None, global_tokens: int | None = None,
-                   global_seqs: int | None = None, dp_size: int = 1, loss_scale_factor: float | None = None,
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reinforce_loss(x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE with optional IS weights, all inputs [B, T]; verl's compute_policy_loss_reinforce.
 
-    l = -A * log_prob (* w), aggregated by losses.agg_loss with the given global counts (split
+    l = -A * log_prob (* w), aggregated by losses.agg_loss with the record's global counts (split
     invariant as losses.policy_loss). old_log_prob (the rollout's) only feeds the metric
     actor/ppo_kl = token mean of old_log_prob - log_prob, a part of the global token mean when
     global_tokens is given (sum it over parts). The weights should be detached."""
-    losses = -advantages * log_prob
-    if rollout_is_weights is not None:
-        losses = losses * rollout_is_weights
-    loss = agg_loss(losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
-                    dp_size=dp_size, loss_scale_factor=loss_scale_factor)
-    kl = _token_mean(old_log_prob.detach() - log_prob.detach(), response_mask, global_tokens)
-    return loss, {"actor/ppo_kl": kl}
+    loss = x.aggregate(-x.advantages * x.log_prob)
+    return loss, {"actor/ppo_kl": x.token_mean(x.old_log_prob.detach() - x.log_prob.detach())}
 
 
-def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor, *, loss_type: str = "ppo_clip", rollout_is: str | None = None,
+def bypass_mode_loss(x: LossInputs, *, loss_type: str = "ppo_clip", rollout_is: str | None = None,
                      rollout_is_threshold: float | str | None = 2.0, rollout_is_batch_normalize: bool = False,
                      rollout_is_batch_mean: float | None = None,
                      rollout_rs: str | None = None, rollout_rs_threshold: float | str | None = None,
                      clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
-                     loss_agg_mode: str = "token-mean", rollout_is_weights: torch.Tensor | None = None,
-                     global_tokens: int | None = None, global_seqs: int | None = None, dp_size: int = 1,
-                     loss_scale_factor: float | None = None,
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Bypass-mode policy loss of one part (micro-batch), all inputs [B, T]; verl's
     compute_policy_loss_bypass_mode. old_log_prob is the rollout engine's.
@@ -430,13 +418,13 @@ def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advanta
     loss_type "ppo_clip": losses.policy_loss on the rejection-masked mask WITHOUT the IS
     weights (the ratio pi/pi_rollout is already the IS ratio; they are computed for the metrics
     only); "reinforce": `reinforce_loss` with the weights. Give every part the counts of the
-    whole mini-batch BEFORE rejection (`**global_counts(mini_batch_mask)`, as verl's
+    whole mini-batch BEFORE rejection (`LossInputs(..., **global_counts(mini_batch_mask))`, as verl's
     global_batch_info): rejected tokens then contribute 0 and the parts' losses add up as in
     losses.py's contract (a) / (b). (Without counts, agg_loss divides by the tokens / rows the
     part keeps AFTER rejection: another normalisation.) The actor/* metrics are parts of global token means (sum
     them over parts; rejected tokens count as 0); the "rollout_corr/*" metrics are local to the
     part (verl averages them over micro-batches: average them over parts), and absent for a
-    part without valid tokens. `rollout_is_weights` must be None: this loss forms its own.
+    part without valid tokens. `x.rollout_is_weights` must be None: this loss forms its own.
     rollout_is_batch_normalize divides the weights by `rollout_is_batch_mean`, the mean of the mini-batch
     this part belongs to (`is_weight_sums` over its parts; the metric rollout_is_batch_norm_factor), or,
     when that is None, by this call's own mean (the whole mini-batch given at once)."""
@@ -444,27 +432,25 @@ def bypass_mode_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advanta
              rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
              rollout_rs_threshold=rollout_rs_threshold, bypass_mode=True, loss_type=loss_type)
     given_mean = rollout_is_batch_normalize and rollout_is_batch_mean is not None
-    if rollout_is_weights is not None:
+    if x.rollout_is_weights is not None:
         raise ValueError("bypass_mode_loss forms its own IS weights from the current log-probs, but precomputed "
                          "rollout_is_weights were given (decoupled mode's, or actor.old_logprob=is_correct). Fix: use "
                          f"one of {_KEY}bypass_mode=true or the precomputed weights, not both.")
-    weights, mask, corr_metrics = None, response_mask, {}
-    if response_mask.any():
+    weights, mask, corr_metrics = None, x.response_mask, {}
+    if x.response_mask.any():
         weights, mask, corr_metrics = rollout_correction(
-            log_prob.detach(), old_log_prob, response_mask, rollout_is=rollout_is,
+            x.log_prob.detach(), x.old_log_prob, x.response_mask, rollout_is=rollout_is,
             rollout_is_threshold=rollout_is_threshold, rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold,
             rollout_is_batch_normalize=rollout_is_batch_normalize and not given_mean)
         if given_mean and weights is not None:  # as is_weights' own normalisation: not by a mean of ~0
             weights = weights / rollout_is_batch_mean if rollout_is_batch_mean > 1e-8 else weights
             corr_metrics[PREFIX + "rollout_is_batch_norm_factor"] = (rollout_is_batch_mean if rollout_is_batch_mean > 1e-8
                                                                      else 1.0)
-    counts = dict(loss_agg_mode=loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
-                  loss_scale_factor=loss_scale_factor)
     if loss_type == "reinforce":
-        loss, metrics = reinforce_loss(old_log_prob, log_prob, advantages, mask, rollout_is_weights=weights, **counts)
+        loss, metrics = reinforce_loss(dataclasses.replace(x, response_mask=mask, rollout_is_weights=weights))
     else:
-        loss, metrics = policy_loss(old_log_prob, log_prob, advantages, mask, clip_ratio_low=clip_ratio_low,
-                                    clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, **counts)
+        loss, metrics = policy_loss(dataclasses.replace(x, response_mask=mask), clip_ratio_low=clip_ratio_low,
+                                    clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
     return loss, {**metrics, **corr_metrics}
 
 

@@ -2,15 +2,16 @@
 function written out step by step below (with verl's agg_loss), hand-worked numbers, edge
 cases, invariance to micro-batch and DP splits, dtypes, and the dispatcher."""
 
+import dataclasses
 import inspect
 import math
 
 import pytest
 import torch
 
-from megappo.ppo.losses import AGG_MODES, global_counts
+from megappo.ppo.losses import AGG_MODES, LossInputs, global_counts
 from megappo.ppo.policy_losses import (
-    COMMON_INPUTS, OWN_METRICS, POLICY_LOSSES, TENSOR_INPUTS, compute_policy_loss, get_policy_loss, policy_loss_inputs,
+    OWN_METRICS, POLICY_LOSS_KNOBS, POLICY_LOSSES, compute_policy_loss, get_policy_loss,
 )
 
 T = torch.tensor
@@ -322,10 +323,19 @@ def _batch(seed, B=8, L=7, dtype=F64, empty_row=True):
     return [x.to(dtype) for x in (old, new, adv, mask, weights)]
 
 
+RECORD_FIELDS = {f.name for f in dataclasses.fields(LossInputs)}
+
+
+def _call(fn, old, new, adv, mask, **kw):
+    """fn(LossInputs(old, new, adv, mask, <kw's record fields>), <kw's knobs>)."""
+    record = {k: v for k, v in kw.items() if k in RECORD_FIELDS}
+    return fn(LossInputs(old, new, adv, mask, **record), **{k: v for k, v in kw.items() if k not in RECORD_FIELDS})
+
+
 def _run(fn, old, new, adv, mask, **kw):
     """(loss, gradient w.r.t. log_prob, metrics) of one call."""
     lp = new.clone().requires_grad_()
-    loss, metrics = fn(old, lp, adv, mask, **kw)
+    loss, metrics = _call(fn, old, lp, adv, mask, **kw)
     (grad,) = torch.autograd.grad(loss, lp, allow_unused=True)
     return loss.detach(), (torch.zeros_like(new) if grad is None else grad), metrics
 
@@ -340,7 +350,8 @@ def _compare(name, old, new, adv, mask, mode, weights, knobs, seed=0):
     ref_extra = {"generator": torch.Generator().manual_seed(seed)} if name == "clip_cov" else {}
     loss, grad, metrics = _run(fn, old, new, adv, mask, loss_agg_mode=mode, rollout_is_weights=weights,
                                **_knobs_for(fn, knobs), **extra)
-    ref_loss, ref_grad, ref_metrics = _run(lambda o, n, a, m, **kw: ref(o, n, a, m, mode, weights, **kw),
+    ref_loss, ref_grad, ref_metrics = _run(lambda x, **kw: ref(x.old_log_prob, x.log_prob, x.advantages,
+                                                               x.response_mask, mode, weights, **kw),
                                            old, new, adv, mask, **_knobs_for(ref, knobs), **ref_extra)
     _assert_close(loss, ref_loss)
     _assert_close(grad, ref_grad)
@@ -371,13 +382,13 @@ def test_the_comparison_exercises_the_covariance_selections():
     _compare("clip_cov", old, new, adv, mask, "token-mean", None, {})  # verl's defaults: 1 token
     _compare("kl_cov", old, new, adv, mask, "token-mean", None, {})
     # some tokens are clipped by both clip-ratio losses
-    assert POLICY_LOSSES["vanilla"](old, new, adv, mask)[1]["actor/pg_clipfrac"] > 0
-    assert POLICY_LOSSES["geo_mean"](old, new, adv, mask)[1]["actor/pg_clipfrac_lower"] > 0
+    assert POLICY_LOSSES["vanilla"](LossInputs(old, new, adv, mask))[1]["actor/pg_clipfrac"] > 0
+    assert POLICY_LOSSES["geo_mean"](LossInputs(old, new, adv, mask))[1]["actor/pg_clipfrac_lower"] > 0
 
 
 def test_geo_mean_divides_by_non_empty_rows_where_verl_averages_all_rows():
     old, new, adv, mask, _ = _batch(1)  # row 5 is empty
-    ours = POLICY_LOSSES["geo_mean"](old, new, adv, mask)[0]
+    ours = POLICY_LOSSES["geo_mean"](LossInputs(old, new, adv, mask))[0]
     verl = ref_geo_mean(old, new, adv, mask, "token-mean", None)[0]
     _assert_close(ours, verl * 8 / 7)
 
@@ -385,7 +396,7 @@ def test_geo_mean_divides_by_non_empty_rows_where_verl_averages_all_rows():
 def test_clip_cov_draws_deterministically_from_its_generator():
     old, new, adv, mask, _ = _batch(0)
     knobs = _knobs_for(POLICY_LOSSES["clip_cov"], KNOBS)
-    run = lambda **kw: POLICY_LOSSES["clip_cov"](old, new, adv, mask, **knobs, **kw)[0]
+    run = lambda **kw: POLICY_LOSSES["clip_cov"](LossInputs(old, new, adv, mask), **knobs, **kw)[0]
     assert run().item() == run().item()  # no generator: a fixed seed
     assert run(generator=torch.Generator().manual_seed(5)).item() == \
         run(generator=torch.Generator().manual_seed(5)).item()
@@ -412,13 +423,13 @@ def test_zero_advantages(name):
     old, new, _, mask, _ = _batch(2)
     fn = POLICY_LOSSES[name]
     n = mask.sum()
-    loss = fn(old, new, torch.zeros_like(old), mask, **_knobs_for(fn, KNOBS))[0]
+    loss = fn(LossInputs(old, new, torch.zeros_like(old), mask), **_knobs_for(fn, KNOBS))[0]
     if name == "dro":  # only the quadratic penalty is left
         _assert_close(loss, 0.5 * KNOBS["dro_beta"] * ((new - old) ** 2 * mask).sum() / n)
     elif name == "kl_cov":  # every covariance is 0; the top-k tokens keep their |d| penalty
         shifted = old + 0.25
         k = max(1, int(n * KNOBS["kl_cov_ratio"]))
-        loss = fn(old, shifted, torch.zeros_like(old), mask, **_knobs_for(fn, KNOBS))[0]
+        loss = fn(LossInputs(old, shifted, torch.zeros_like(old), mask), **_knobs_for(fn, KNOBS))[0]
         _assert_close(loss, KNOBS["ppo_kl_coef"] * 0.25 * k / n)
     else:
         assert loss.item() == 0.0
@@ -544,7 +555,7 @@ def test_micro_batch_and_dp_splits_give_the_whole_batch(name, mode):
         for rank in ranks:
             for mb in range(rank.start, rank.stop, 2):
                 rows = slice(mb, mb + 2)
-                loss, m = fn(old[rows], lp[rows], adv[rows], mask[rows], **kw, **counts, dp_size=dp_size)
+                loss, m = _call(fn, old[rows], lp[rows], adv[rows], mask[rows], **kw, **counts, dp_size=dp_size)
                 total = total + loss
                 metrics = {k: metrics.get(k, 0) + v for k, v in m.items()}
         (grad,) = torch.autograd.grad(total, lp, allow_unused=True)
@@ -583,13 +594,15 @@ def test_float32_agrees_with_float64_and_bf16_runs(name):
 
 def test_the_registry_holds_verls_names_and_one_calling_convention():
     assert sorted(POLICY_LOSSES) == sorted(VERL_NAMES + ["bypass_mode"])
+    fields = dataclasses.fields(LossInputs)
+    assert [f.name for f in fields[:4]] == ["old_log_prob", "log_prob", "advantages", "response_mask"]
+    defaults = {f.name: f.default for f in fields[4:]}
+    assert defaults == {"loss_agg_mode": "token-mean", "rollout_is_weights": None, "global_tokens": None,
+                        "global_seqs": None, "dp_size": 1, "loss_scale_factor": None}
     for name, fn in POLICY_LOSSES.items():
-        params = inspect.signature(fn).parameters
-        assert list(params)[:4] == list(TENSOR_INPUTS), name
-        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in list(params)[4:]), name
-        defaults = {k: params[k].default for k in COMMON_INPUTS}
-        assert defaults == {"loss_agg_mode": "token-mean", "rollout_is_weights": None, "global_tokens": None,
-                            "global_seqs": None, "dp_size": 1, "loss_scale_factor": None}, name
+        params = list(inspect.signature(fn).parameters.values())
+        assert params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and params[0].annotation == "LossInputs", name
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[1:]), name
 
 
 def test_knobs_and_their_verl_defaults():
@@ -614,7 +627,7 @@ def test_knobs_and_their_verl_defaults():
     }
     for name, knobs in expected.items():
         params = inspect.signature(get_policy_loss(name)).parameters
-        assert policy_loss_inputs(name) == tuple(knobs), name
+        assert POLICY_LOSS_KNOBS[name] == tuple(knobs), name
         assert {k: params[k].default for k in knobs} == knobs, name
 
 
@@ -622,26 +635,29 @@ def test_unknown_loss_names_the_config_key_and_the_choices():
     with pytest.raises(ValueError, match=r"unknown policy loss 'ppo' \(actor.policy_loss.loss_mode\); "
                                          r"choose from \['bypass_mode', 'cispo', 'clip_cov'"):
         get_policy_loss("ppo")
+    old, new, adv, mask, _ = _batch(0)
     with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
-        compute_policy_loss("ppo")
+        compute_policy_loss("ppo", LossInputs(old, new, adv, mask))
 
 
 def test_compute_policy_loss_passes_each_loss_the_knobs_it_takes():
     old, new, adv, mask, weights = _batch(6)
-    everything = dict(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
-                      loss_agg_mode="seq-mean-token-sum", rollout_is_weights=weights, **global_counts(mask),
-                      dp_size=1, loss_scale_factor=None, **KNOBS, generator=torch.Generator().manual_seed(1))
+    inputs = LossInputs(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+                        loss_agg_mode="seq-mean-token-sum", rollout_is_weights=weights, **global_counts(mask),
+                        dp_size=1, loss_scale_factor=None)
+    every_knob = dict(**KNOBS, generator=torch.Generator().manual_seed(1))
     for name in VERL_NAMES:
         fn = POLICY_LOSSES[name]
-        loss, metrics = compute_policy_loss(name, **everything)
+        loss, metrics = compute_policy_loss(name, inputs, **every_knob)
         extra = {"generator": torch.Generator().manual_seed(1)} if name == "clip_cov" else {}
-        direct, direct_metrics = fn(old, new, adv, mask, loss_agg_mode="seq-mean-token-sum", rollout_is_weights=weights,
-                                    **global_counts(mask), **_knobs_for(fn, KNOBS), **extra)
+        direct, direct_metrics = fn(LossInputs(old, new, adv, mask, loss_agg_mode="seq-mean-token-sum",
+                                               rollout_is_weights=weights, **global_counts(mask)),
+                                    **_knobs_for(fn, KNOBS), **extra)
         assert loss.item() == direct.item() and metrics.keys() == direct_metrics.keys()
     with pytest.raises(ValueError, match=r"unknown inputs \['clip_ratio'\]"):  # a typo is not silently ignored
-        compute_policy_loss("gpg", **everything, clip_ratio=0.2)
+        compute_policy_loss("gpg", inputs, **every_knob, clip_ratio=0.2)
     with pytest.raises(ValueError, match=r"needs the tensors \['advantages'\]"):
-        compute_policy_loss("gpg", old_log_prob=old, log_prob=new, response_mask=mask)
+        compute_policy_loss("gpg", LossInputs(old_log_prob=old, log_prob=new, advantages=None, response_mask=mask))
 
 
 @pytest.mark.parametrize("name, knobs, message", [
@@ -662,7 +678,7 @@ def test_bad_knobs_name_their_config_key(name, knobs, message):
     old, new, adv, mask, _ = _batch(0)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
-        compute_policy_loss(name, old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+        compute_policy_loss(name, LossInputs(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask),
                             **{**KNOBS, **knobs})
 
 
@@ -671,17 +687,19 @@ def test_own_metrics_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5]], dtype=F64))
     new = torch.log(torch.tensor([[0.5, 0.75, 0.9]], dtype=F64))  # r = 1, 1.5 (the masked token: 1.8)
     adv, mask = torch.tensor([[1.0, 1.0, 1.0]], dtype=F64), torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
-    m = POLICY_LOSSES["cispo"](old, new, adv, mask)[1]  # weights clip(r, 0.8, 1.2) = 1, 1.2
+    x = LossInputs(old, new, adv, mask)
+    m = POLICY_LOSSES["cispo"](x)[1]  # weights clip(r, 0.8, 1.2) = 1, 1.2
     assert m["actor/cispo_weight"].item() == pytest.approx(1.1)
-    m = POLICY_LOSSES["gspo"](old, new, adv, mask)[1]  # s = exp(mean(0, log 1.5)) = sqrt(1.5) on both tokens
+    m = POLICY_LOSSES["gspo"](x)[1]  # s = exp(mean(0, log 1.5)) = sqrt(1.5) on both tokens
     assert m["actor/gspo_seq_ratio"].item() == pytest.approx(1.5 ** 0.5)
-    m = POLICY_LOSSES["sapo"](old, new, adv, mask, tau_pos=2.0)[1]  # 4 sig(x)(1 - sig(x)), x = 2 (r - 1) = 0, 1
+    m = POLICY_LOSSES["sapo"](x, tau_pos=2.0)[1]  # 4 sig(x)(1 - sig(x)), x = 2 (r - 1) = 0, 1
     sig = 1 / (1 + math.exp(-1.0))
     assert m["actor/sapo_gate"].item() == pytest.approx((1.0 + 4 * sig * (1 - sig)) / 2)
-    m = POLICY_LOSSES["kl_cov"](old, new, adv, mask, kl_cov_ratio=0.5)[1]  # max(1, floor(0.5 x 2)) = 1 of 2 tokens
+    m = POLICY_LOSSES["kl_cov"](x, kl_cov_ratio=0.5)[1]  # max(1, floor(0.5 x 2)) = 1 of 2 tokens
     assert m["actor/kl_cov_penalised_frac"].item() == pytest.approx(0.5)
     adv2 = torch.tensor([[-3.0, 3.0, 0.0]], dtype=F64)  # cov = (A - 0)(lp - mean lp) = 3 x 0.2 on both tokens
     old2 = new.detach().clone()  # r = 1: nothing clipped, both candidates if lb < cov < ub
-    m = POLICY_LOSSES["clip_cov"](old2, new, adv2, mask, clip_cov_ratio=0.5, clip_cov_lb=0.0, clip_cov_ub=10.0)[1]
+    m = POLICY_LOSSES["clip_cov"](LossInputs(old2, new, adv2, mask), clip_cov_ratio=0.5, clip_cov_lb=0.0,
+                                  clip_cov_ub=10.0)[1]
     assert m["actor/clip_cov_cut_frac"].item() == pytest.approx(0.5) == m["actor/pg_clipfrac"].item()
     assert set(OWN_METRICS) == {"gspo", "sapo", "cispo", "kl_cov", "clip_cov"}

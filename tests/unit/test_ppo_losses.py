@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megappo.ppo.losses import (
-    AGG_MODES, agg_loss, entropy_from_logits, entropy_loss, global_counts, kl_loss, log_probs_from_logits,
-    policy_loss, policy_loss_reference, value_loss,
+    AGG_MODES, LossInputs, agg_loss, entropy_from_logits, entropy_loss, global_counts, kl_loss,
+    log_probs_from_logits, policy_loss, policy_loss_reference, value_loss,
 )
 
 T = torch.tensor
@@ -108,35 +108,37 @@ def test_seq_mean_token_sum_norm_needs_a_fixed_scale_when_parts_are_padded_diffe
 @pytest.mark.parametrize("fn", [policy_loss, policy_loss_reference])
 def test_policy_loss_worked_examples(fn):
     one = torch.ones(1, 1)
-    loss, m = fn(T([[0.0]]), T([[0.5]]), T([[0.5]]), one)  # ratio e^0.5 = 1.65 clipped to 1.2
+    loss, m = fn(LossInputs(T([[0.0]]), T([[0.5]]), T([[0.5]]), one))  # ratio e^0.5 = 1.65 clipped to 1.2
     assert loss.item() == pytest.approx(-0.6)
     assert m["actor/pg_clipfrac"].item() == 1.0 and m["actor/ppo_kl"].item() == pytest.approx(-0.5)
     assert m["actor/pg_clipfrac_lower"].item() == 0.0
     # inside the clip range: -A * ratio
-    loss, m = fn(T([[0.0]]), T([[0.1]]), T([[2.0]]), one)
+    loss, m = fn(LossInputs(T([[0.0]]), T([[0.1]]), T([[2.0]]), one))
     assert loss.item() == pytest.approx(-2 * math.exp(0.1)) and m["actor/pg_clipfrac"].item() == 0.0
     # negative advantage, huge ratio: dual-clip bounds the loss at -A * c = 0.5 * 3
-    loss, m = fn(T([[0.0]]), T([[5.0]]), T([[-0.5]]), one, clip_ratio_c=3.0)
+    loss, m = fn(LossInputs(T([[0.0]]), T([[5.0]]), T([[-0.5]]), one), clip_ratio_c=3.0)
     assert loss.item() == pytest.approx(1.5) and m["actor/pg_clipfrac_lower"].item() == 1.0
     # negative advantage, ratio 2 (< c): the unclipped -A * r is the max
-    loss, m = fn(T([[0.0]]), T([[math.log(2.0)]]), T([[-0.5]]), one)
+    loss, m = fn(LossInputs(T([[0.0]]), T([[math.log(2.0)]]), T([[-0.5]]), one))
     assert loss.item() == pytest.approx(1.0) and m["actor/pg_clipfrac_lower"].item() == 0.0
     # asymmetric clip: ratio 0.5 with A < 0 is clipped at 1 - 0.1; A > 0 at 1 + 0.3
-    loss, m = fn(T([[0.0]]), T([[math.log(0.5)]]), T([[-1.0]]), one, clip_ratio_low=0.1, clip_ratio_high=0.3)
+    loss, m = fn(LossInputs(T([[0.0]]), T([[math.log(0.5)]]), T([[-1.0]]), one), clip_ratio_low=0.1,
+                 clip_ratio_high=0.3)
     assert loss.item() == pytest.approx(0.9) and m["actor/pg_clipfrac"].item() == 1.0
-    loss, _ = fn(T([[0.0]]), T([[math.log(2.0)]]), T([[1.0]]), one, clip_ratio_low=0.1, clip_ratio_high=0.3)
+    loss, _ = fn(LossInputs(T([[0.0]]), T([[math.log(2.0)]]), T([[1.0]]), one), clip_ratio_low=0.1,
+                 clip_ratio_high=0.3)
     assert loss.item() == pytest.approx(-1.3)
     # masked tokens (even NaN ones) and importance weights
-    loss, _ = fn(T([[0.0, 0.0]]), T([[0.0, NAN]]), T([[1.0, 7.0]]), T([[1.0, 0.0]]),
-                 rollout_is_weights=T([[0.5, 1.0]]))
+    loss, _ = fn(LossInputs(T([[0.0, 0.0]]), T([[0.0, NAN]]), T([[1.0, 7.0]]), T([[1.0, 0.0]]),
+                            rollout_is_weights=T([[0.5, 1.0]])))
     assert loss.item() == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-        fn(T([[0.0]]), T([[0.0]]), T([[1.0]]), one, clip_ratio_c=1.0)
+        fn(LossInputs(T([[0.0]]), T([[0.0]]), T([[1.0]]), one), clip_ratio_c=1.0)
 
 
 def test_policy_loss_log_ratio_clamp_keeps_loss_finite_and_gradient_zero():
     lp = T([[1000.0, -1000.0]], requires_grad=True)
-    loss, m = policy_loss(torch.zeros(1, 2), lp, T([[-1.0, 1.0]]), torch.ones(1, 2))
+    loss, m = policy_loss(LossInputs(torch.zeros(1, 2), lp, T([[-1.0, 1.0]]), torch.ones(1, 2)))
     loss.backward()
     # token 0: ratio e^20, A < 0: dual-clip at 3; token 1: ratio e^-20, A > 0: -A * e^-20
     assert loss.item() == pytest.approx((3.0 - math.exp(-20)) / 2)
@@ -152,11 +154,10 @@ def test_policy_loss_fast_form_equals_verl_form(mode):
     adv = torch.randn(16, 32, generator=gen)
     adv[0, :5] = 0.0
     isw = torch.rand(16, 32, generator=gen)
-    kw = dict(clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5, loss_agg_mode=mode,
-              rollout_is_weights=isw)
+    kw = dict(clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5)
     x1, x2 = new.clone().requires_grad_(), new.clone().requires_grad_()
-    loss1, m1 = policy_loss(old, x1, adv, mask, **kw)
-    loss2, m2 = policy_loss_reference(old, x2, adv, mask, **kw)
+    loss1, m1 = policy_loss(LossInputs(old, x1, adv, mask, loss_agg_mode=mode, rollout_is_weights=isw), **kw)
+    loss2, m2 = policy_loss_reference(LossInputs(old, x2, adv, mask, loss_agg_mode=mode, rollout_is_weights=isw), **kw)
     loss1.backward()
     loss2.backward()
     assert loss1.item() == pytest.approx(loss2.item(), rel=1e-6)
@@ -169,10 +170,10 @@ def test_policy_loss_fast_form_equals_verl_form(mode):
 def test_policy_loss_and_metrics_add_up_over_parts():
     gen, mask = _batch(3)
     old, new, adv = (torch.randn(8, 6, generator=gen) for _ in range(3))
-    whole, m_whole = policy_loss(old, new, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    whole, m_whole = policy_loss(LossInputs(old, new, adv, mask, loss_agg_mode="seq-mean-token-mean"))
     counts = global_counts(mask)
-    parts = [policy_loss(old[i:i + 2], new[i:i + 2], adv[i:i + 2], mask[i:i + 2],
-                         loss_agg_mode="seq-mean-token-mean", **counts) for i in range(0, 8, 2)]
+    parts = [policy_loss(LossInputs(old[i:i + 2], new[i:i + 2], adv[i:i + 2], mask[i:i + 2],
+                                    loss_agg_mode="seq-mean-token-mean", **counts)) for i in range(0, 8, 2)]
     assert sum(p[0] for p in parts).item() == pytest.approx(whole.item(), rel=1e-6)
     for key, value in m_whole.items():
         assert sum(p[1][key] for p in parts).item() == pytest.approx(value.item(), rel=1e-5, abs=1e-7), key

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megappo.ppo.losses import AGG_MODES, agg_loss, global_counts, policy_loss, policy_loss_reference
+from megappo.ppo.losses import AGG_MODES, LossInputs, agg_loss, global_counts, policy_loss, policy_loss_reference
 from megappo.correction_spec import (
     RS_OPTIONS, RsBounds, parse_is_threshold, parse_rs_options, parse_rs_thresholds, validate,
 )
@@ -565,8 +565,8 @@ def test_bypass_loss_without_correction_settings_is_the_clipped_loss_on_the_engi
     """ppo-math.md's difference 9: verl's bypass loss raises without a rollout_correction section; here its
     settings default to verl's (ppo_clip, no IS weights, no rejection), which is policy_loss against the engine."""
     engine, current, adv, mask = _loss_batch(2)
-    loss, m = bypass_mode_loss(engine, current, adv, mask)
-    expected, m_expected = policy_loss(engine, current, adv, mask)
+    loss, m = bypass_mode_loss(LossInputs(engine, current, adv, mask))
+    expected, m_expected = policy_loss(LossInputs(engine, current, adv, mask))
     assert torch.equal(loss, expected) and float(m["actor/ppo_kl"]) == float(m_expected["actor/ppo_kl"])
     assert not [k for k in m if k.startswith("rollout_corr/rollout_is_") or k.startswith("rollout_corr/rollout_rs_")]
 
@@ -576,19 +576,20 @@ def test_bypass_ppo_clip_is_policy_loss_on_the_rejection_masked_mask(mode):
     engine, current, adv, mask = _loss_batch(1)
     rc = dict(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.7_1.4,0.04")
     x = current.clone().requires_grad_()
-    loss, m = bypass_mode_loss(engine, x, adv, mask, loss_type="ppo_clip", loss_agg_mode=mode,
+    loss, m = bypass_mode_loss(LossInputs(engine, x, adv, mask, loss_agg_mode=mode), loss_type="ppo_clip",
                                clip_ratio_low=0.15, clip_ratio_high=0.28, **rc)
     loss.backward()
     w, rs_mask, m_corr = rollout_correction(current, engine, mask, **rc)
     assert 0 < rs_mask.sum() < mask.sum()
     y = current.clone().requires_grad_()
-    expected, m_expected = policy_loss(engine, y, adv, rs_mask, loss_agg_mode=mode, clip_ratio_low=0.15,
+    expected, m_expected = policy_loss(LossInputs(engine, y, adv, rs_mask, loss_agg_mode=mode), clip_ratio_low=0.15,
                                        clip_ratio_high=0.28)  # no IS weights: the ratio is the IS ratio
     expected.backward()
     assert torch.equal(loss, expected) and torch.equal(x.grad, y.grad)
     z = current.clone().requires_grad_()
-    verl_loss, _ = policy_loss_reference(engine, z, adv, v_rollout_correction(current, engine, mask, **rc)[1],
-                                         loss_agg_mode=mode, clip_ratio_low=0.15, clip_ratio_high=0.28)
+    verl_mask = v_rollout_correction(current, engine, mask, **rc)[1]
+    verl_loss, _ = policy_loss_reference(LossInputs(engine, z, adv, verl_mask, loss_agg_mode=mode),
+                                         clip_ratio_low=0.15, clip_ratio_high=0.28)
     assert loss.item() == pytest.approx(verl_loss.item(), rel=1e-6)
     assert {k: v.item() for k, v in m_expected.items()} == {k: m[k].item() for k in m_expected}
     assert {k: m[k] for k in m_corr} == m_corr and set(m) == set(m_expected) | set(m_corr)
@@ -599,7 +600,7 @@ def test_bypass_reinforce_is_minus_a_w_log_prob(mode):
     engine, current, adv, mask = _loss_batch(2)
     rc = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_max_k2", rollout_rs_threshold=0.2)
     x = current.clone().requires_grad_()
-    loss, m = bypass_mode_loss(engine, x, adv, mask, loss_type="reinforce", loss_agg_mode=mode, **rc)
+    loss, m = bypass_mode_loss(LossInputs(engine, x, adv, mask, loss_agg_mode=mode), loss_type="reinforce", **rc)
     loss.backward()
     w, rs_mask, _ = rollout_correction(current, engine, mask, **rc)
     assert 0 < rs_mask.sum() < mask.sum()
@@ -617,7 +618,7 @@ def test_bypass_reinforce_is_minus_a_w_log_prob(mode):
 
 def test_reinforce_loss_without_weights_and_its_gradient():
     lp = T([[-1.0, -2.0, -3.0]], requires_grad=True)
-    loss, m = reinforce_loss(T([[-1.5, -2.0, 0.0]]), lp, T([[2.0, -1.0, 5.0]]), T([[1.0, 1.0, 0.0]]))
+    loss, m = reinforce_loss(LossInputs(T([[-1.5, -2.0, 0.0]]), lp, T([[2.0, -1.0, 5.0]]), T([[1.0, 1.0, 0.0]])))
     assert loss.item() == pytest.approx((2.0 * 1.0 + -1.0 * 2.0) / 2)  # -A * log_prob, token mean
     loss.backward()
     assert torch.allclose(lp.grad, T([[-1.0, 0.5, 0.0]]))
@@ -642,16 +643,17 @@ def test_bypass_loss_adds_up_over_row_parts_with_global_counts(loss_type, mode):
               rollout_rs_threshold="0.05,0.9_1.1")
     counts = global_counts(mask)
     x = current.clone().requires_grad_()
-    whole, m_whole = bypass_mode_loss(engine, x, adv, mask, loss_type=loss_type, loss_agg_mode=mode,
-                                      loss_scale_factor=12, **counts, **rc)
+    whole, m_whole = bypass_mode_loss(LossInputs(engine, x, adv, mask, loss_agg_mode=mode, loss_scale_factor=12,
+                                                 **counts), loss_type=loss_type, **rc)
     whole.backward()
     # without counts agg_loss counts the tokens / rows kept after rejection: a different normalisation
-    kept_only, _ = bypass_mode_loss(engine, current, adv, mask, loss_type=loss_type, loss_agg_mode=mode,
-                                    loss_scale_factor=12, **rc)
+    kept_only, _ = bypass_mode_loss(LossInputs(engine, current, adv, mask, loss_agg_mode=mode, loss_scale_factor=12),
+                                    loss_type=loss_type, **rc)
     assert kept_only.item() != pytest.approx(whole.item(), rel=1e-3)
     y = current.clone().requires_grad_()
-    parts = [bypass_mode_loss(engine[i:i + 2], y[i:i + 2], adv[i:i + 2], mask[i:i + 2], loss_type=loss_type,
-                              loss_agg_mode=mode, loss_scale_factor=12, **counts, **rc) for i in range(0, 8, 2)]
+    parts = [bypass_mode_loss(LossInputs(engine[i:i + 2], y[i:i + 2], adv[i:i + 2], mask[i:i + 2], loss_agg_mode=mode,
+                                         loss_scale_factor=12, **counts), loss_type=loss_type, **rc)
+             for i in range(0, 8, 2)]
     total = sum(p[0] for p in parts)
     total.backward()
     assert total.item() == pytest.approx(whole.item(), rel=1e-5)
@@ -659,8 +661,8 @@ def test_bypass_loss_adds_up_over_row_parts_with_global_counts(loss_type, mode):
     assert sum(p[1]["actor/ppo_kl"] for p in parts).item() == pytest.approx(m_whole["actor/ppo_kl"].item(),
                                                                            rel=1e-5, abs=1e-7)
     # row 4 (empty) shares a part with row 5; a part with no valid token has no rollout_corr/ metrics
-    empty, m_empty = bypass_mode_loss(engine[4:5], current[4:5], adv[4:5], mask[4:5], loss_type=loss_type,
-                                      loss_agg_mode=mode, **counts, **rc)
+    empty, m_empty = bypass_mode_loss(LossInputs(engine[4:5], current[4:5], adv[4:5], mask[4:5], loss_agg_mode=mode,
+                                                 **counts), loss_type=loss_type, **rc)
     assert empty.item() == 0.0 and not any(k.startswith("rollout_corr/") for k in m_empty)
 
 
@@ -676,7 +678,7 @@ def test_bypass_batch_normalisation_divides_by_the_mini_batch_mean_in_every_part
     assert not weights_need_batch_mean(**{**rc, "loss_type": "ppo_clip"})  # its weights are metrics only
     counts = global_counts(mask)
     x = current.clone().requires_grad_()
-    whole, m_whole = bypass_mode_loss(engine, x, adv, mask, loss_agg_mode=mode, **counts, **rc)
+    whole, m_whole = bypass_mode_loss(LossInputs(engine, x, adv, mask, loss_agg_mode=mode, **counts), **rc)
     whole.backward()
     w, _, m_w = rollout_correction(current, engine, mask, rollout_is=level, rollout_is_threshold=threshold,
                                    rollout_is_batch_normalize=True)  # the whole batch's normalised weights
@@ -686,15 +688,16 @@ def test_bypass_batch_normalisation_divides_by_the_mini_batch_mean_in_every_part
     mean = float(sums[0] / sums[1])
     assert mean == pytest.approx(m_w["rollout_corr/rollout_is_batch_norm_factor"], rel=1e-6) and mean != 1.0
     y = current.clone().requires_grad_()
-    parts = [bypass_mode_loss(engine[i:i + 2], y[i:i + 2], adv[i:i + 2], mask[i:i + 2], loss_agg_mode=mode,
-                              rollout_is_batch_mean=mean, **counts, **rc) for i in range(0, 8, 2)]
+    parts = [bypass_mode_loss(LossInputs(engine[i:i + 2], y[i:i + 2], adv[i:i + 2], mask[i:i + 2], loss_agg_mode=mode,
+                                         **counts), rollout_is_batch_mean=mean, **rc) for i in range(0, 8, 2)]
     total = sum(p[0] for p in parts)
     total.backward()
     assert total.item() == pytest.approx(whole.item(), rel=1e-5)  # float32: the two means' roundings
     assert torch.allclose(y.grad, x.grad, rtol=1e-5, atol=1e-8)
     assert all(p[1]["rollout_corr/rollout_is_batch_norm_factor"] == mean for p in parts if p[1])
-    own = sum(bypass_mode_loss(engine[i:i + 2], current[i:i + 2], adv[i:i + 2], mask[i:i + 2], loss_agg_mode=mode,
-                               **counts, **rc)[0] for i in range(0, 8, 2))  # each part by its own mean
+    own = sum(bypass_mode_loss(LossInputs(engine[i:i + 2], current[i:i + 2], adv[i:i + 2], mask[i:i + 2],
+                                          loss_agg_mode=mode, **counts), **rc)[0]
+              for i in range(0, 8, 2))  # each part by its own mean
     assert own.item() != pytest.approx(whole.item(), rel=1e-3)
     assert is_weight_sums(current[4:5], engine[4:5], mask[4:5], rollout_is=level,  # an empty row: nothing
                           rollout_is_threshold=threshold).tolist() == [0.0, 0.0]
@@ -703,6 +706,6 @@ def test_bypass_batch_normalisation_divides_by_the_mini_batch_mean_in_every_part
 def test_bypass_loss_refuses_precomputed_weights_and_an_unknown_loss_type():
     engine, current, adv, mask = _loss_batch(0)
     with pytest.raises(ValueError, match="precomputed"):
-        bypass_mode_loss(engine, current, adv, mask, rollout_is_weights=torch.ones_like(mask))
+        bypass_mode_loss(LossInputs(engine, current, adv, mask, rollout_is_weights=torch.ones_like(mask)))
     with pytest.raises(ValueError, match="loss_type"):
-        bypass_mode_loss(engine, current, adv, mask, loss_type="vanilla")
+        bypass_mode_loss(LossInputs(engine, current, adv, mask), loss_type="vanilla")

@@ -34,7 +34,7 @@ from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import init_parallel
-from megappo.ppo.losses import AGG_MODES, global_counts
+from megappo.ppo.losses import AGG_MODES, LossInputs, global_counts
 from megappo.ppo.policy_losses import compute_policy_loss
 from megappo.workers import Experience, PolicyWorker, SeqBatch, ValueWorker
 
@@ -251,9 +251,10 @@ def check_policy_losses(ps, family: str, vpp, dtype: str) -> None:
                             loss_agg_mode=agg, entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,
                             kl_loss_type="low_var_kl", seed=3, loss_scale_factor=knobs.get("loss_scale_factor"))
         if ps.rank == 0:
-            loss, want = compute_policy_loss(mode, old_log_prob=old, log_prob=ref_lp * mask, advantages=adv,
-                                             response_mask=mask, loss_agg_mode=agg, rollout_is_weights=weights,
-                                             **CLIP, **knobs, **global_counts(mask))  # bypass: counts before rejection
+            inputs = LossInputs(old, ref_lp * mask, adv, mask, loss_agg_mode=agg, rollout_is_weights=weights,
+                                loss_scale_factor=knobs.get("loss_scale_factor"),
+                                **global_counts(mask))  # bypass: counts before rejection
+            loss, want = compute_policy_loss(mode, inputs, **CLIP, **loss_knobs)
             for key, value in {"actor/pg_loss": loss, **want}.items():
                 if key.startswith("rollout_corr/"):  # each part's own statistic, averaged over parts
                     continue
