@@ -262,10 +262,13 @@ class _Server:
         env[PREFORK_ROOM] = "." * PREFORK_ROOM_BYTES  # room for a command's own variables (`_become`)
         env[ENVIRON_ROOM] = "." * ENVIRON_ROOM_BYTES  # and then for its forked ranks' (megappo.parallel.fork)
         self.log = os.path.join(self.dir, "server.log")
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.prefork", self.path], env=env, cwd=REPO,
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
-        self.ready = self.proc.stdout.readline().strip() == "ready"
+        with open(self.log, "w") as log:  # the server detaches: a test's process-tree kill (SGLang's) misses it
+            starter = subprocess.Popen([sys.executable, "-m", "tests.prefork", self.path, str(os.getpid())], env=env,
+                                       cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.said = starter.stdout.readline().split()
+        starter.stdout.close()
+        starter.wait()
+        self.pid = int(self.said[1]) if self.said[:1] == ["ready"] else None
 
     def start(self, request: dict, fds: list[int]) -> tuple[socket.socket, int]:
         """Have the server fork `request` with `fds` as its stdin, stdout and stderr: (the socket its exit code
@@ -281,9 +284,17 @@ class _Server:
             data += chunk
         return sock, int(data)
 
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
     def stop(self):
-        self.proc.kill()
-        self.proc.wait()
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -291,13 +302,15 @@ _SERVERS: dict[int, _Server | None] = {}
 
 
 def _server() -> _Server | None:
-    """This process's server (started at the first call), None when it could not start."""
+    """This process's server (started at the first call, again if it died), None when it could not start."""
     pid = os.getpid()
+    if pid in _SERVERS and _SERVERS[pid] is not None and not _SERVERS[pid].alive():
+        _SERVERS.pop(pid).stop()
     if pid not in _SERVERS:
         server = _Server()
-        if not server.ready:
+        if server.pid is None:
             with open(server.log) as log:
-                why = (server.proc.stdout.read() + log.read()).strip()[-2000:]
+                why = (" ".join(server.said) + " " + log.read()).strip()[-2000:]
             print(f"tests/prefork.py: the server did not start ({why}); commands start fresh", file=sys.stderr)
             server.stop()
             server = None
@@ -325,25 +338,32 @@ def preload() -> None:
         import megappo.plan  # noqa: F401
 
 
-def serve(path: str) -> None:
-    """Accept commands on the Unix socket `path`, fork each, report its exit code; end with the parent."""
+def serve(path: str, owner: int) -> None:
+    """Accept commands on the Unix socket `path`, fork each, report its exit code; end with the process `owner`
+    (the pytest process). The server detaches first (its parent exits, it has a session of its own), so that a
+    test killing its own process tree leaves it running."""
     import logging
 
     from megappo.parallel.fork import exit_as_interpreter, fork_blocker
 
+    if os.fork():
+        os._exit(0)
+    os.setsid()
     preload()
-    parent = os.getppid()
     elastic_level = logging.getLogger("torch.distributed.elastic").getEffectiveLevel()
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
     blocker = fork_blocker()
-    print("ready" if blocker is None else f"cannot fork: {blocker}", flush=True)
+    print(f"ready {os.getpid()}" if blocker is None else f"cannot fork: {blocker}", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)  # the pipe to the starter closes; fd 1 stays taken
+    os.dup2(devnull, 1)
+    os.close(devnull)
     if blocker is not None:
         return
     running: dict[int, socket.socket] = {}
-    while os.getppid() == parent:
+    while _alive(owner):
         ready, _, _ = select.select([listener, *running.values()], [], [], 0.05)
         for sock in ready:
             if sock is listener:
@@ -435,6 +455,14 @@ def _become(request: dict, fds: list[int], base_path: list[str], elastic_level: 
     return run_as_main(target)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is pytest's to handle
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]))

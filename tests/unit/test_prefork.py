@@ -105,6 +105,15 @@ def test_timeouts_and_signals_as_subprocess(tmp_path):
         os.kill(proc.pid, 0)  # reaped by the server
 
 
+def test_the_server_is_outside_this_process_tree():
+    """A test that kills its own process's children (SGLang's engine shutdown does) leaves the server running."""
+    import psutil
+
+    server = prefork._server()
+    assert server is not None and server.alive()
+    assert server.pid not in [p.pid for p in psutil.Process().children(recursive=True)]
+
+
 def test_torchrun_ranks_are_forks_of_the_agent(tmp_path):
     (tmp_path / "rank.py").write_text(textwrap.dedent('''
         import os, sys
