@@ -285,11 +285,7 @@ class _Server:
         return sock, int(data)
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        return _alive(self.pid)
 
     def stop(self):
         if self.pid is not None:
