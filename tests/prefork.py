@@ -340,7 +340,7 @@ def serve(path: str, owner: int) -> None:
     test killing its own process tree leaves it running."""
     import logging
 
-    from megappo.parallel.fork import exit_as_interpreter, fork_blocker
+    from megappo.parallel.fork import fork_blocker, fork_child
 
     if os.fork():
         os._exit(0)
@@ -368,26 +368,14 @@ def serve(path: str, owner: int) -> None:
                 while not msg.endswith(b"\n"):
                     msg += conn.recv(1 << 22)
                 request = json.loads(msg)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                ready_r, ready_w = os.pipe()
-                pid = os.fork()
-                if pid == 0:
-                    code = 1
-                    try:
-                        os.close(ready_r)
-                        listener.close()
-                        for other in (conn, *running.values()):
-                            other.close()
-                        if request["new_session"]:
-                            os.setsid()  # before the test can signal the group, as Popen's start_new_session
-                        os.close(ready_w)
-                        exit_as_interpreter(_become(request, fds, base_path, elastic_level))
-                    finally:
-                        os._exit(code)
-                os.close(ready_w)
-                os.read(ready_r, 1)  # EOF once the child has its session (or has died)
-                os.close(ready_r)
+
+                def command(conn=conn, request=request, fds=fds) -> int:
+                    listener.close()
+                    for other in (conn, *running.values()):
+                        other.close()
+                    return _become(request, fds, base_path, elastic_level)
+
+                pid = fork_child(command, new_session=request["new_session"])
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(f"{pid}\n".encode())
@@ -418,8 +406,8 @@ def serve(path: str, owner: int) -> None:
 
 def _become(request: dict, fds: list[int], base_path: list[str], elastic_level: int) -> int:
     """In the fork: become `python -u ARGV...` in the request's directory and environment, run it, return its
-    exit code (megappo.parallel.fork.become_rank and run_as_main, as a forked rank of megappo train; the caller
-    ends the process as the interpreter would, exit_as_interpreter)."""
+    exit code (megappo.parallel.fork.become_rank and run_as_main, as a forked rank of megappo train; fork_child
+    ends the process as the interpreter would)."""
     from megappo.parallel.fork import (ENVIRON_ROOM, ENVIRON_ROOM_BYTES, RankFork, become_rank, forked_ranks, run_as_main,
                                       show_environ)
 
@@ -432,9 +420,8 @@ def _become(request: dict, fds: list[int], base_path: list[str], elastic_level: 
     os.chdir(request["cwd"])
     rest = argv[1:] if argv[0] == "-u" else argv
     target = tuple(rest[:2]) if rest[0] == "-m" else (rest[0],)
-    first = request["cwd"] if target[0] == "-m" else os.path.dirname(os.path.realpath(target[0]))
     python_path = [os.path.join(request["cwd"], p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [first, *python_path, *base_path]
+    sys.path[1:] = [*python_path, *base_path]  # sys.path[0]: become_rank's, as the interpreter sets it
     env = dict(env)
     if target == ("-m", "megappo.cli"):  # the launcher finds the room its forked ranks write their variables over
         env[ENVIRON_ROOM] = "." * ENVIRON_ROOM_BYTES

@@ -152,24 +152,35 @@ class ForkedRank(subprocess.Popen):
         super().__init__(list(args), env=env, start_new_session=True)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *unused):
-        ready_r, ready_w = os.pipe()
-        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:  # the rank: never returns into the launcher's frames
-            code = 1
-            try:
-                os.close(ready_r)
-                os.setsid()  # before the launcher may signal the group (torchrun's killpg)
-                os.close(ready_w)
-                become_rank(list(args), env, *self._rank)
-                exit_as_interpreter(run_as_main(self._rank[0]))
-            finally:
-                os._exit(code)
-        os.close(ready_w)
-        os.read(ready_r, 1)  # EOF once the child has its session (or has died)
-        os.close(ready_r)
-        self.pid, self._child_created = pid, True
+        def rank() -> int:
+            become_rank(list(args), env, *self._rank)
+            return run_as_main(self._rank[0])
+
+        self.pid, self._child_created = fork_child(rank), True
+
+
+def fork_child(body: Callable[[], int | None], new_session: bool = True) -> int:
+    """Fork a child that runs `body()` and ends as the interpreter ends, with its return value as the exit code
+    (1 when body raises; it never returns into this process's frames); return the child's pid once the child has
+    its own session (`new_session`: before this process may signal its group, torchrun's killpg, as Popen's
+    start_new_session) or has died."""
+    ready_r, ready_w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            if new_session:
+                os.setsid()
+            os.close(ready_w)
+            exit_as_interpreter(body())
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # EOF once the child has its session (or has died)
+    os.close(ready_r)
+    return pid
 
 
 def become_rank(args: list[str], env: dict[str, str], target: tuple[str, ...], elastic_log_level: int,
