@@ -50,7 +50,7 @@ def main():
     from megappo.models.hf_reference import build_hf_model
     from megappo.parallel.state import init_parallel
     from megappo.rollout.bridge import WeightBridge
-    from megappo.rollout.hf_engine import HFEngine
+    from megappo.rollout.hf.engine import HFEngine
     from megappo.types import SamplingParams
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab,

@@ -39,8 +39,8 @@ def main() -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gpu import gen_values, timed_runs  # as gpu.py times its gen rows (importing it puts the repo on sys.path)
-    from megappo.rollout.hf_engine import HFEngine
-    from megappo.rollout.static_decode import WHOLE_CACHE
+    from megappo.rollout.hf.engine import HFEngine
+    from megappo.rollout.hf.static_decode import WHOLE_CACHE
     from megappo.types import SamplingParams
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -39,7 +39,7 @@ mfu   The actor on Megatron-Core (megappo's `build_model`, local layer spec, and
       `perf/tflops/...` metrics use): 6 N T + 6 N_head K + 6 L A sum(s^2) for training, a third of
       it forward only, with the head on the K response positions, causal attention counted half.
       TFLOP/s = FLOPs / seconds. MFU = TFLOP/s / peak, against the device's dense peak in the run's
-      dtype (megappo.perf.PEAK_TFLOPS, or `--peak-tflops`) and against the baseline: a plain torch
+      dtype (megappo.metrics.perf.PEAK_TFLOPS, or `--peak-tflops`) and against the baseline: a plain torch
       matmul of 8192^3 measured in this run (what the device achieves).
 gen   Rollout generation with random weights, one batch (temperature 1, no top-k/top-p, no early stop:
       every call runs `--gen-new-tokens` decode steps), `--gen-repeats` timed calls per row after a
@@ -61,7 +61,7 @@ e2e   Whole runs of `megappo train` (a subprocess each) on the recipes in benchm
       medians over the steps after the first (warm-up) of the step, each stage's time and
       perf/throughput (tokens/s per GPU); the spread of the generation time (slowest / fastest step);
       the peak of perf/max_memory_allocated_gb against `megappo plan`'s total for the same recipe
-      (megappo.plan.make_plan); perf/mfu/actor. A run that fails is an error row with its log's tail;
+      (megappo.plan.planner.make_plan); perf/mfu/actor. A run that fails is an error row with its log's tail;
       a run that passes `--e2e-timeout` (or what is left of `--time-limit`) is killed (its whole
       process group) and its row holds the steps it finished (`timed_out` set, `steps` below
       `--e2e-steps`), an error row if none.
@@ -254,7 +254,7 @@ def ppo_experience(b: Bench, dims, seq_len: int):
     """`micro_batches` random sequences [n, T] (prompt + response, no padding) and an
     Experience with random old log-probs and advantages, on the host, as the orchestrator
     builds them (run_micro_batches moves each micro-batch to the device)."""
-    from megappo.workers import Experience, SeqBatch
+    from megappo.trainer.roles import Experience, SeqBatch
 
     n, prompt = b.settings.micro_batches, min(b.settings.prompt_len, seq_len // 4)
     gen = torch.Generator().manual_seed(0)
@@ -380,7 +380,7 @@ def actor_rows(b: Bench, size: str, spec: str) -> list[Row]:
     from megappo.models.hf_config import dims_from_hf
     from megappo.models.training import OptimSettings, make_trainable
     from megappo.parallel.packing import MicroBatching
-    from megappo.workers import PolicyWorker
+    from megappo.trainer.roles import PolicyWorker
 
     dims = dims_from_hf(SIZES[size])
     label, gpu_only = f"{size} {spec}", spec == "te"
@@ -488,8 +488,8 @@ def bench_gen(b: Bench) -> list[Row]:
     on one batch with random weights, sampling at temperature 1 without EOS (every call runs
     gen_new_tokens decode steps), `--gen-repeats` timed calls each after one warm-up call."""
     from megappo.parallel import cpu_compat
-    from megappo.rollout.hf_engine import HFEngine
-    from megappo.rollout.static_decode import WHOLE_CACHE
+    from megappo.rollout.hf.engine import HFEngine
+    from megappo.rollout.hf.static_decode import WHOLE_CACHE
     from megappo.types import SamplingParams
 
     s = b.settings
@@ -598,7 +598,7 @@ def sync_rows(b: Bench, size: str) -> list[Row]:
     from megappo.models.builders import build_model
     from megappo.models.hf_config import dims_from_hf
     from megappo.rollout.bridge import WeightBridge
-    from megappo.rollout.hf_engine import HFEngine
+    from megappo.rollout.hf.engine import HFEngine
 
     s, config = b.settings, SIZES[size]
     holder = {}
@@ -746,7 +746,7 @@ def run_until(argv: list[str], env: dict[str, str], timeout: float, cwd: str | N
 
 def e2e_row(b: Bench, name: str, out_dir: str) -> Row:
     from megappo.recipe import load_config
-    from megappo.plan import GIB, make_plan
+    from megappo.plan.planner import GIB, make_plan
 
     s = b.settings
     timeout = min(s.e2e_timeout, b.seconds_left() - 10)  # 10 s to write the row and the JSON
@@ -849,8 +849,8 @@ def print_table(section: str, rows: list[Row]) -> None:
 
 
 def device_peak(device: torch.device, dtype: str, override: float | None) -> tuple[float | None, str]:
-    """The peak MFU divides by (megappo.perf, the trainer's own table) and where it came from."""
-    from megappo.perf import device_peak_tflops
+    """The peak MFU divides by (megappo.metrics.perf, the trainer's own table) and where it came from."""
+    from megappo.metrics.perf import device_peak_tflops
 
     peak = device_peak_tflops(device, dtype, override)
     if override:
@@ -859,7 +859,7 @@ def device_peak(device: torch.device, dtype: str, override: float | None) -> tup
         return None, "none (no GPU)"
     if peak is None:
         return None, f"unknown device '{torch.cuda.get_device_name(device)}': pass --peak-tflops"
-    return peak, "megappo.perf.PEAK_TFLOPS"
+    return peak, "megappo.metrics.perf.PEAK_TFLOPS"
 
 
 def run_config(b: Bench, peak_source: str) -> dict[str, Any]:
@@ -892,7 +892,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, short lengths (CI)")
     p.add_argument("--json", help="write the config and every row here")
     p.add_argument("--e2e-dir", help="e2e: keep the runs (metrics.jsonl, e2e.log) here (default: a temporary directory)")
-    p.add_argument("--peak-tflops", type=float, help="the device's dense peak, when not in megappo.perf.PEAK_TFLOPS")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense peak, when not in megappo.metrics.perf.PEAK_TFLOPS")
     p.add_argument("--time-limit", type=float, help="seconds this run may take (e2e runs end in time to report)")
     p.add_argument("--sizes", help=f"mfu and sync sizes, of {list(SIZES)} (default {DEFAULTS['sizes']})")
     p.add_argument("--gen-size", choices=list(SIZES), help=f"gen's size (default {DEFAULTS['gen_size']})")

@@ -173,8 +173,8 @@ or pass --smollm2-path DIR."""
 
 def prepare_smollm2(args, work: str) -> dict:
     """The smollm2 workload's prompts (reasoning-gym rows with their chat-template token ids)."""
-    from megappo.data import build_prompts, reasoning_gym_rows
-    from megappo.tokenizer import load_tokenizer
+    from megappo.data.prompts import build_prompts, reasoning_gym_rows
+    from megappo.data.tokenizer import load_tokenizer
 
     path = os.path.abspath(args.smollm2_path)
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -281,9 +281,9 @@ def profile_worker(recipe: str, trace: str, steps: int = 3) -> None:
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import megappo.orchestrator as orch
+    import megappo.trainer.step as orch
     from megappo.recipe import load_config
-    from megappo.run import create_run
+    from megappo.trainer.setup import create_run
 
     plain_timed = orch.timed
 
@@ -449,7 +449,7 @@ class ReasoningGymScore:
     base_model_prefix = "backbone"
 
     def __init__(self, rows: list[dict], tokenizer):
-        from megappo.data import reasoning_gym_scorer
+        from megappo.rewards.functions import reasoning_gym_scorer
 
         self.rows = rows
         self.tokenizer = tokenizer

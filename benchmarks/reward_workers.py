@@ -11,7 +11,7 @@ workers' functions):
   workers, after passes:   the workers score once the passes are done (validation and dynamic sampling
                            use them so): passes + parallel scoring
   workers, during passes:  a training step: the responses handed over, the passes run, then the wait for
-                           what is left (megappo.orchestrator.start_scoring)
+                           what is left (megappo.trainer.step.start_scoring)
 The step's model passes are stood in for by `--passes-s` seconds of waiting on rank 0 (on a GPU the host
 thread mostly waits for the device). Every row's scores are checked equal to the baseline's. With
 `--workers` at the machine's core count, the parallel rows approach 1 / workers of the scoring time.

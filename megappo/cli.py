@@ -51,7 +51,7 @@ def cmd_smoke(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from megappo.convert import hf_to_megatron, megatron_to_hf
+    from megappo.trainer.convert import hf_to_megatron, megatron_to_hf
     from megappo.models.builders import build_model
     from megappo.models.checkpoint import load_model
     from megappo.models.hf_config import dims_from_hf
@@ -89,10 +89,10 @@ def cmd_smoke(args) -> int:
 def _train_start_up(args):
     """The recipe, the world size, whether this is a Ray driver, and the checkpoint to resume:
     every check that can refuse the run before any rank starts."""
-    from megappo.checkpointing import find_resume
+    from megappo.trainer.checkpointing import find_resume
     from megappo.errors import ConfigError
     from megappo.recipe import read_config
-    from megappo.preflight import check_inputs
+    from megappo.trainer.preflight import check_inputs
 
     _hydra_recipe(args)  # verl's --config-path / --config-name: the recipe they name
     cfg, verl = read_config(args.recipe, args.overrides, args.variant)  # every config error before any rank starts
@@ -117,7 +117,7 @@ def _train_start_up(args):
     check_inputs(cfg, world, launcher="ray" if on_ray else None)  # packages, world, layout vs model, data files,
     # rewards, tokenizer: no rank started yet
     if relaunching or on_ray:  # this process starts the ranks: every row is checked before any starts
-        from megappo.preflight import check_prompts
+        from megappo.trainer.preflight import check_prompts
 
         with _serial_tokenizers():  # no thread pool started here: the ranks may be forks of this process
             check_prompts(cfg)
@@ -157,10 +157,10 @@ def _serial_tokenizers():
 
 
 def _val_only_settings(cfg, resume: dict, say: bool):
-    """run.val_only on a checkpoint: the config it validates with (megappo.checkpointing.val_only_config: the
+    """run.val_only on a checkpoint: the config it validates with (megappo.trainer.checkpointing.val_only_config: the
     checkpoint's own settings, this command line's validation keys); `say`: one start-up line naming the
     command line's settings it does not use."""
-    from megappo.checkpointing import val_only_config
+    from megappo.trainer.checkpointing import val_only_config
 
     cfg, ignored = val_only_config(resume["config"], cfg)
     if say:
@@ -186,7 +186,7 @@ def _sized_by(set_by: dict[str, str], recipe: str | None):
 
 def _set_aside_later(cfg, resume) -> None:
     """checkpoint.resume_from starting its branch: checkpoint.dir's later checkpoints moved aside, said in one line."""
-    from megappo.checkpointing import set_aside_later
+    from megappo.trainer.checkpointing import set_aside_later
 
     aside = set_aside_later(cfg, resume)
     if aside:
@@ -197,8 +197,8 @@ def _set_aside_later(cfg, resume) -> None:
 
 
 def _set_aside_earlier(cfg) -> None:
-    """A fresh run that finds an earlier run's files: moved into superseded/, said in one line (megappo.earlier_runs)."""
-    from megappo.earlier_runs import set_aside_earlier
+    """A fresh run that finds an earlier run's files: moved into superseded/, said in one line (megappo.trainer.earlier_runs)."""
+    from megappo.trainer.earlier_runs import set_aside_earlier
 
     line = set_aside_earlier(cfg)
     if line:
@@ -222,10 +222,10 @@ def _say_verl_lines(lines: list[str], run_dir: str) -> None:
 
 
 def _lock_run(cfg):
-    """The run's lock on run.output_dir and checkpoint.dir (megappo.runlock), taken by the process
+    """The run's lock on run.output_dir and checkpoint.dir (megappo.trainer.runlock), taken by the process
     that lives as long as the run: this one when it launches the ranks or is the only rank, global
     rank 0 under an outside launcher; the ranks a launcher started find its token and go on."""
-    from megappo.runlock import RunLock, acquire
+    from megappo.trainer.runlock import RunLock, acquire
 
     if os.environ.get("RANK", "0") != "0":
         return RunLock([])
@@ -236,7 +236,7 @@ def _lock_run(cfg):
 
 
 def cmd_train(args) -> int:
-    from megappo import interrupts
+    from megappo.parallel import interrupts
 
     from megappo.parallel.fork import release_signals
 
@@ -251,7 +251,7 @@ def _train(args, cfg, world, on_ray, resume) -> int:
     from megappo.parallel.launch import ensure_ranks
 
     if resume and cfg.run.total_steps and resume["step"] >= cfg.run.total_steps and not cfg.run.val_only:
-        from megappo.checkpointing import find_resume
+        from megappo.trainer.checkpointing import find_resume
 
         with warnings.catch_warnings(action="ignore"):  # the ranks say which file is damaged, if they start
             resume = find_resume(cfg, verify="full")  # the digests too, before saying there is nothing to do
@@ -277,16 +277,16 @@ def _train(args, cfg, world, on_ray, resume) -> int:
                  on_restart=lambda restart: _record_restart(cfg.run.output_dir, restart), fork=fork)
     import torch.distributed
 
-    from megappo import interrupts
+    from megappo.parallel import interrupts
 
     # Ctrl-C / SIGTERM: stop at a step boundary (torchrun's RANK and LOCAL_WORLD_SIZE, when it started this rank)
     interrupts.install(announce=int(os.environ.get("RANK", 0)) == 0,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    from megappo.metrics import plot_run
-    from megappo.orchestrator import train
+    from megappo.metrics.sinks import plot_run
+    from megappo.trainer.loop import train
     from megappo.parallel.stage import stage
     from megappo.parallel.state import destroy_parallel
-    from megappo.run import create_run, val_only_dir
+    from megappo.trainer.setup import create_run, val_only_dir
 
     with stage("setup"):  # the stage a failed collective reports when no inner one is named
         run = create_run(cfg)
@@ -295,7 +295,7 @@ def _train(args, cfg, world, on_ray, resume) -> int:
             history = train(run)
         except interrupts.Interrupted as e:
             if run.ps.is_rank0:
-                from megappo.metrics import end_live_line
+                from megappo.metrics.sinks import end_live_line
 
                 end_live_line()  # the line goes below the progress bar, not onto it
                 print(f"megappo: {e}", flush=True)
@@ -343,8 +343,8 @@ def _import_rank_modules(model_type: str | None = None) -> None:
         import transformers.models.auto.modeling_auto  # noqa: F401
         from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-        import megappo.orchestrator  # noqa: F401
-        import megappo.run  # noqa: F401
+        import megappo.trainer.loop  # noqa: F401  (and the step, setup and roles it imports)
+        import megappo.trainer.setup  # noqa: F401
 
         optional = ["torch.nn.attention.varlen"]  # megappo.models.attention_dispatch's kernels
         if model_type:
@@ -380,7 +380,7 @@ def _record_restart(run_dir: str, restart) -> None:
 
 def cmd_plan(args) -> int:
     from megappo.recipe import read_config
-    from megappo.plan import format_plan, make_plan
+    from megappo.plan.planner import format_plan, make_plan
 
     _hydra_recipe(args)
     cfg, verl = read_config(args.recipe, args.overrides, args.variant)
@@ -391,7 +391,7 @@ def cmd_plan(args) -> int:
     print(format_plan(plan))
     fixes = None
     if not plan.fits:
-        from megappo.plan_fixes import find_fixes, format_fixes
+        from megappo.plan.fixes import find_fixes, format_fixes
 
         fixes = find_fixes(cfg, plan, hf_config=args.hf_config, recipe=args.recipe, overrides=args.overrides,
                            variant=args.variant)
@@ -424,8 +424,8 @@ def cmd_export(args) -> int:
         raise ConfigError(f"megappo export takes key=value overrides with --init only (a recipe's initial model), got "
                           f"{' '.join(args.overrides)}. Fix: drop them, or write `megappo export --init RECIPE OUT "
                           "key=value ...`.")
-    from megappo.checkpointing import check_model_dir, resolve_checkpoint
-    from megappo.convert import check_output_dir
+    from megappo.trainer.checkpointing import check_model_dir, resolve_checkpoint
+    from megappo.trainer.convert import check_output_dir
     from megappo.models.checkpoint import read_metadata
     from megappo.models.hf_config import ModelDims
     from megappo.parallel.launch import ensure_ranks
@@ -435,7 +435,7 @@ def cmd_export(args) -> int:
     ModelDims(**read_metadata(ckpt)["dims"]).check_layout(args.tp, args.pp, names=("--tp", "--pp"))
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp)
-    from megappo.convert import megatron_to_hf
+    from megappo.trainer.convert import megatron_to_hf
     from megappo.parallel.state import destroy_parallel, init_parallel
 
     base = adapter_base_of(ckpt)
@@ -451,10 +451,10 @@ def cmd_export(args) -> int:
 
 def export_initial_model(args) -> int:
     """`megappo export --init RECIPE OUT [key=value ...]`: the recipe's initial actor (built from model.hf_config)
-    as an HF directory (megappo.run.write_initial_model)."""
+    as an HF directory (megappo.trainer.setup.write_initial_model)."""
     from megappo.errors import ConfigError
     from megappo.recipe import load_config
-    from megappo.run import write_initial_model
+    from megappo.trainer.setup import write_initial_model
 
     if args.role != "actor" or args.tp != 1 or args.pp != 1:
         raise ConfigError("megappo export --init writes the recipe's initial actor (the policy) from model.hf_config; "
@@ -469,17 +469,17 @@ def export_initial_model(args) -> int:
 
 
 def adapter_base_of(model_ckpt: str):
-    """A LoRA actor checkpoint's AdapterBase (megappo.run.adapter_base), from the trainer checkpoint's
+    """A LoRA actor checkpoint's AdapterBase (megappo.trainer.setup.adapter_base), from the trainer checkpoint's
     saved config beside it; None for anything else (a critic's export is merged only)."""
     import json
 
-    from megappo.checkpointing import STATE_FILE
+    from megappo.trainer.checkpointing import STATE_FILE
     from megappo.models.checkpoint import read_metadata
 
     meta, state = read_metadata(model_ckpt), os.path.join(os.path.dirname(model_ckpt), STATE_FILE)
     if not meta.get("lora") or meta["role"] != "actor" or not os.path.isfile(state):
         return None
-    from megappo.run import adapter_base
+    from megappo.trainer.setup import adapter_base
 
     with open(state) as f:
         return adapter_base(json.load(f)["config"]["model"])
@@ -487,7 +487,7 @@ def adapter_base_of(model_ckpt: str):
 
 def peft_note(out: str, base_path: str | None) -> str:
     """What a LoRA export wrote for peft, and how to load it (docs/lora.md)."""
-    from megappo.convert import BASE_DIR, PEFT_DIR
+    from megappo.trainer.convert import BASE_DIR, PEFT_DIR
 
     adapter = os.path.join(out, PEFT_DIR)
     if base_path is None:
@@ -502,7 +502,7 @@ def peft_note(out: str, base_path: str | None) -> str:
 
 
 def cmd_plot(args) -> int:
-    from megappo.metrics import plot_run
+    from megappo.metrics.sinks import plot_run
 
     patterns = [p.strip() for given in args.metrics for p in given.split(",") if p.strip()]
     print(plot_run(args.run_dir, args.out, patterns))
@@ -623,7 +623,7 @@ def main(argv=None) -> int:
     _one_line_warnings()
     try:
         return run_reporting_errors(args.func, args)
-    except KeyboardInterrupt:  # Ctrl-C before the training loop handles it (megappo.interrupts)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop handles it (megappo.parallel.interrupts)
         if int(os.environ.get("RANK", 0)) == 0:
             print("megappo: interrupted", file=sys.stderr, flush=True)
         return 130
@@ -669,7 +669,7 @@ def run_reporting_errors(func, *args) -> int:
 
 def _reporting_errors(func, *args) -> int:
     """run_reporting_errors's handling of the errors it reports."""
-    from megappo.data import DataError
+    from megappo.data.prompts import DataError
     from megappo.errors import ConfigError, ModelConfigError
     from megappo.parallel.launch import USER_CODE_EXIT, record_error
     from megappo.user_code import UserCodeError
@@ -758,7 +758,7 @@ def _lost_line(ranks, error, store_gone: bool) -> str:
 
 def _end_progress_line() -> None:
     """An error message starts on its own line, not after the live progress bar."""
-    metrics = sys.modules.get("megappo.metrics")  # not imported: no bar was drawn
+    metrics = sys.modules.get("megappo.metrics.sinks")  # not imported: no bar was drawn
     if metrics:
         metrics.end_live_line()
 
@@ -770,8 +770,8 @@ def _run_failure(e: RuntimeError) -> tuple[RuntimeError, int] | None:
     from megappo.parallel.stage import as_collective_error  # imported only now: these pull in torch
     from megappo.rollout.engine import EngineCrashed, WeightSyncError
 
-    orchestrator = sys.modules.get("megappo.orchestrator")  # never imported: `e` cannot be its error
-    if isinstance(e, (WeightSyncError, EngineCrashed)) or (orchestrator and isinstance(e, orchestrator.NonFiniteLossError)):
+    loop = sys.modules.get("megappo.trainer.loop")  # never imported: `e` cannot be its error
+    if isinstance(e, (WeightSyncError, EngineCrashed)) or (loop and isinstance(e, loop.NonFiniteLossError)):
         return e, 1
     collective = as_collective_error(e)
     return (collective, GAVE_UP_EXIT) if collective else None

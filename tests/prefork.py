@@ -331,7 +331,7 @@ def preload() -> None:
         import torch.distributed.run  # noqa: F401
 
         import megappo.parallel.launch  # noqa: F401
-        import megappo.plan  # noqa: F401
+        import megappo.plan.planner  # noqa: F401
 
 
 def serve(path: str, owner: int) -> None:

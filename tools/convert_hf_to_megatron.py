@@ -38,7 +38,7 @@ def main() -> int:
 
 
 def convert(args) -> int:
-    from megappo.convert import check_output_dir
+    from megappo.trainer.convert import check_output_dir
     from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
     from megappo.models.weights import HFWeights
     from megappo.parallel.launch import ensure_ranks
@@ -53,7 +53,7 @@ def convert(args) -> int:
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp * args.ep)
 
-    from megappo.convert import hf_to_megatron
+    from megappo.trainer.convert import hf_to_megatron
     from megappo.parallel.state import destroy_parallel, init_parallel
 
     ps = init_parallel(args.tp, args.pp, ep=args.ep)

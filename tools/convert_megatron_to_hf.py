@@ -36,8 +36,8 @@ def main() -> int:
 
 
 def convert(args) -> int:
-    from megappo.checkpointing import STATE_FILE, check_model_dir
-    from megappo.convert import check_output_dir
+    from megappo.trainer.checkpointing import STATE_FILE, check_model_dir
+    from megappo.trainer.convert import check_output_dir
     from megappo.models.checkpoint import META_FILE, read_metadata
     from megappo.models.hf_config import ModelConfigError, ModelDims
     from megappo.parallel.launch import ensure_ranks
@@ -55,7 +55,7 @@ def convert(args) -> int:
     check_output_dir(args.out, args.overwrite)
     ensure_ranks(args.tp * args.pp * args.ep)
 
-    from megappo.convert import megatron_to_hf
+    from megappo.trainer.convert import megatron_to_hf
     from megappo.parallel.state import destroy_parallel, init_parallel
 
     from megappo.cli import adapter_base_of, peft_note

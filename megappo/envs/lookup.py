@@ -1,6 +1,6 @@
 """The `lookup` environment: a procedural task a model can only solve with the environment's help.
 
-Each row (`megappo.data.lookup_rows`) hides a value (a digit, the row's ground truth) behind a
+Each row (`megappo.data.prompts.lookup_rows`) hides a value (a digit, the row's ground truth) behind a
 key named in the prompt ("3?": what is stored under key 3?). The value is drawn per row, so
 the prompt says nothing about it: a policy that answers at once is right one time in ten. The
 model looks the key up by starting an action with "=", the environment answers with the

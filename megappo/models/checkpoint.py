@@ -13,7 +13,7 @@ Megatron optimizer state (Adam moments, step; the distributed optimizer's shards
 'fully_reshardable' format) and the LR scheduler, so training continues exactly. Loading
 runs no code from the files: every pickle in them is read restricted (megappo.models.safe_pickle).
 
-This module does not know about trainer state (step, data cursor, RNG: megappo.checkpointing).
+This module does not know about trainer state (step, data cursor, RNG: megappo.trainer.checkpointing).
 """
 
 from __future__ import annotations

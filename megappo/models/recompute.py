@@ -8,7 +8,7 @@ cannot do for that model and layout (naming the config key and the fix), and
 `transformer_config_kwargs()` gives the TransformerConfig fields.
 
 What each granularity keeps for backward (per transformer layer and micro-batch; the planner,
-megappo.plan, turns this into bytes):
+megappo.plan.planner, turns this into bytes):
   none       every layer's activations.
   full       uniform, n layers per checkpoint: only the input [s, b, h] of every group of n layers
              of a model chunk; the group's activations are rebuilt by one more forward of those n
@@ -137,7 +137,7 @@ class Recompute:
             return dict(recompute_granularity="selective", recompute_modules=list(self.modules))
         return {}
 
-    # -- what is kept, for the planner (megappo.plan turns these into bytes) --------------------------
+    # -- what is kept, for the planner (megappo.plan.planner turns these into bytes) --------------------------
 
     def kept_per_chunk(self, layers: int) -> tuple[int, int]:
         """(layer inputs kept, layers kept whole) for backward, per micro-batch, of a model chunk of

@@ -16,7 +16,7 @@ having lost it, exited first. The launcher's last line then names that rank; it 
 `megappo: error:` line repeating the rank's own message (`final_line`) when that message is not
 already the last error on the screen: a bug's (the rank printed a traceback), or one followed by
 a survivor's lost-connection or timeout line or another rank's error.
-SIGINT and SIGTERM sent to the launcher go on to the ranks (megappo.interrupts: they stop at a
+SIGINT and SIGTERM sent to the launcher go on to the ranks (megappo.parallel.interrupts: they stop at a
 step boundary with a checkpoint; a second signal kills them) and the launcher exits with
 128 + the signal, as do ranks that stopped on a signal sent to them directly, with no line of
 its own (rank 0 says what was saved).
@@ -74,7 +74,7 @@ GAVE_UP_EXIT = 3
 #: the exit code of a rank whose run ended on an error in the user's own code (megappo.user_code.UserCodeError):
 #: that rank printed the one message, so the launcher adds no line of its own
 USER_CODE_EXIT = 4
-#: the exit codes of ranks that stopped on SIGINT / SIGTERM (megappo.interrupts)
+#: the exit codes of ranks that stopped on SIGINT / SIGTERM (megappo.parallel.interrupts)
 INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 #: torchrun's variable naming the file where the rank it started writes the error it ends on (record_error)
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -248,7 +248,7 @@ def _attempt(argv: list[str], fork: tuple[RankFork, tuple[str, ...]] | None, fre
     from torch.distributed.launcher.api import LaunchConfig
     from torch.distributed.run import parse_args, run
 
-    from megappo.interrupts import Forwarder, exit_code
+    from megappo.parallel.interrupts import Forwarder, exit_code
 
     # torchrun's own report of a failure is a traceback of itself; the line below replaces it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -21,7 +21,7 @@ waiting for another), after one line that names it and, where its error is not a
 on the screen, repeats it (megappo.parallel.launch.final_line; none after an error in the user's
 own code, USER_CODE_EXIT, that nobody spoke after: that rank's message stays last); the other ranks are then
 stopped (SIGTERM, SIGKILL after STOP_GRACE_S). SIGINT / SIGTERM sent to the driver go on to the
-ranks as SIGINT (stop at a step boundary with a checkpoint, megappo.interrupts) and the driver
+ranks as SIGINT (stop at a step boundary with a checkpoint, megappo.parallel.interrupts) and the driver
 exits with 128 + its signal; a second signal kills the ranks at once. A cluster that cannot be
 reached, or that has too few CPUs / GPUs for the ranks, is bad input (ConfigError: exit 2, the
 message says the fix).
@@ -37,14 +37,14 @@ import sys
 import time
 
 from megappo.errors import ConfigError
-from megappo.interrupts import exit_code
+from megappo.parallel.interrupts import exit_code
 from megappo.parallel.launch import ERROR_FILE_ENV, RankError, cause, final_line, rank_error
 
 #: how long the driver tries to reach the head of the cluster it was given
 CONNECT_TIMEOUT_S = 10.0
 #: how long a placement group may wait for a busy cluster's resources to free up
 PLACEMENT_TIMEOUT_S = 300.0
-#: the driver's variables every rank gets as well: the run lock's token (megappo.runlock.TOKEN_ENV),
+#: the driver's variables every rank gets as well: the run lock's token (megappo.trainer.runlock.TOKEN_ENV),
 #: so rank 0 knows the driver holds the run's lock
 INHERITED_ENV = ("MEGAPPO_RUN_LOCK",)
 #: SIGTERM -> SIGKILL for the ranks left when one failed

@@ -39,7 +39,7 @@ functions itself or reading the outcomes reward workers computed in other proces
 
 `reads(name)` says which row fields a function needs (`reward_model.ground_truth`, or
 `extra_info.task` / `extra_info.entry` for reasoning-gym); the start-up data check
-(megappo.datacheck) counts the rows that lack them. A function of your own is taken to read
+(megappo.trainer.data_check) counts the rows that lack them. A function of your own is taken to read
 the ground truth, as verl's reward manager always does.
 
 This module does not know about tokenizers, models or process groups.
@@ -114,9 +114,14 @@ def exact_match(response: str, ground_truth: Any, extra: dict) -> float:
     return 1.0 if response.strip() == str(ground_truth).strip() else 0.0
 
 
-def reasoning_gym_score(response: str, ground_truth: Any, extra: dict) -> float:
-    from megappo.data import reasoning_gym_scorer
+def reasoning_gym_scorer(task: str):
+    """reasoning-gym's own scoring function of `task` (score_answer(answer, entry) -> float)."""
+    import reasoning_gym
 
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def reasoning_gym_score(response: str, ground_truth: Any, extra: dict) -> float:
     return float(reasoning_gym_scorer(extra["task"])(response, extra["entry"]))
 
 
@@ -387,7 +392,7 @@ def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses
                 data_sources: Sequence[str] | None = None, rows: Sequence | None = None, *,
                 checks: RewardChecks | None = None) -> list[float]:
     """Weighted sum of the named functions' scores for each response; `rows`: each response's
-    dataset row (megappo.data.RowOrigin: file and line, or built-in source; training or validation),
+    dataset row (megappo.data.prompts.RowOrigin: file and line, or built-in source; training or validation),
     named when your own function fails on it (UserCodeError) and in its warnings; `checks`: how your
     functions' values and calls are checked (None: the defaults, error on NaN/inf, 60 s)."""
     return score_records(names, weights, responses, ground_truths, extras, data_sources, rows, checks=checks).totals

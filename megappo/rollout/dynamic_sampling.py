@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megappo.data import DataError
+from megappo.data.prompts import DataError
 from megappo.errors import ConfigError
 from megappo.rewards import CORRECT_SCORE
 from megappo.rollout.batches import concat, take

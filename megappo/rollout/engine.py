@@ -3,7 +3,7 @@
 An engine lives in the orchestrator process (global rank 0). It generates from prompt
 token ids and receives the actor's weights as HF-named tensors, bucket by bucket, from
 the bridge (`megappo.rollout.bridge`). Implementations: `hf` (transformers, CPU default)
-and `sglang` (GPU); `megappo.rollout.engines` builds them (this module imports none of them).
+and `sglang` (GPU); `megappo.rollout.registry` builds them (this module imports none of them).
 
 An engine that applies LoRA adapters itself (the hf engine) also has `enable_adapters(scale)`:
 the bridge calls it once before its first adapter-only sync (`rollout.lora_sync=adapters`), after
@@ -148,7 +148,7 @@ def on_daemon_thread(fn, *args, name: str = "megappo-engine-call") -> concurrent
     pool: a rank's exit joins every non-daemon thread (megappo.parallel.launch.exit_rank), and an idle
     pool's workers end only once the pool is shut down or collected, which never happens while a kept frame
     holds it (SGLang, first imported during the run's set-up, keeps one, and with it every caller's frame up
-    to megappo.run.create_run): a run with such a pool never exited."""
+    to megappo.trainer.setup.create_run): a run with such a pool never exited."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def work():

@@ -59,7 +59,7 @@ import torch
 
 from megappo.envs.base import Action, Environment, Episode, StepResult
 from megappo.rollout.engine import left_pad
-from megappo.tokenizer import characters_encoded_as, chat_template_ids, unknown_token
+from megappo.data.tokenizer import characters_encoded_as, chat_template_ids, unknown_token
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.user_code import UserCodeError
 

@@ -1,6 +1,6 @@
 """Rollout engine replicas: generation spread over the job's ranks (`rollout.replicas`).
 
-R replicas, each an engine of its own (the one `megappo.rollout.engines.engine_for` builds) held
+R replicas, each an engine of its own (the one `megappo.rollout.registry.engine_for` builds) held
 by a *leader* rank; the leaders are spread evenly over the job (`leaders`: replica i on global rank
 i * world // R, so replica 0 is rank 0's and two nodes of equal size get R / 2 each). An engine is
 colocated on its leader's GPUs, or (SGLang, sync_mode=distributed) disaggregated: on GPUs of the

@@ -36,7 +36,7 @@ sync, for a checkpoint's or validation's settling) and, in async mode, `perf/rol
 Checkpoints and validation: `settle()` waits for every generation the synced weights allow
 (one_step_off: the one in flight; async: up to step k + 1 + N after step k) and returns the
 buffered batches [(step, batch)]; a checkpoint stores them, and `restore()` puts them back so
-that a resumed run trains on the same batches as an uninterrupted one (megappo.checkpointing).
+that a resumed run trains on the same batches as an uninterrupted one (megappo.trainer.checkpointing).
 `at_latest()` (around validation) settles and makes the engine hold the trainer's weights.
 
 This module does not know what a generation does (the orchestrator passes `generate(step)`),

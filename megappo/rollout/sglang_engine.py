@@ -44,7 +44,7 @@ generates in a thread of its own while the main thread syncs weights). Every cal
 SGLang's asyncio loop (`Engine.loop.run_until_complete`, SGLang's offline API unchanged); the
 caller waits for it, checking for a crash. The loop therefore never runs in the main thread:
 uvloop, run in the main thread, takes the process's signal wakeup fd for the length of the call,
-so megappo.interrupts' watcher missed a SIGINT/SIGTERM sent during an engine call (no
+so megappo.parallel.interrupts' watcher missed a SIGINT/SIGTERM sent during an engine call (no
 acknowledgement, no stop at once on the second one); and the tokenizer manager's handle loop,
 started in the main thread, adds loop handlers for SIGTERM (a graceful engine shutdown behind the
 trainer's back) and SIGQUIT (kills the process tree). Started in the engine's thread, it adds none.
@@ -52,7 +52,7 @@ trainer's back) and SIGQUIT (kills the process tree). Started in the engine's th
 Crashes: SGLang's subprocess watchdog SIGQUITs this process when a scheduler or detokenizer
 dies, and SGLang's own handler then kills the whole process tree, the trainer included. The
 engine replaces it (SGLang's `custom_sigquit_handler` while starting, megappo's SIGQUIT handler
-once running; SIGINT/SIGTERM and the wakeup fd are given back to megappo.interrupts after the
+once running; SIGINT/SIGTERM and the wakeup fd are given back to megappo.parallel.interrupts after the
 start) and watches the engine's processes itself: a death stops the engine's event loop, and
 the call in flight (or the next one) raises `EngineCrashed` in the thread that made it, an
 error `megappo train` reports in one line.
@@ -227,7 +227,7 @@ class SGLangEngine:
     def _take_back_signals(self, saved) -> None:
         """SGLang's start-up takes SIGQUIT (its handler kills the whole process tree) and may
         change SIGINT/SIGTERM and the signal wakeup fd: give SIGINT/SIGTERM and the wakeup fd back
-        to what they were (megappo.interrupts), and SIGQUIT to the engine's crash handling."""
+        to what they were (megappo.parallel.interrupts), and SIGQUIT to the engine's crash handling."""
         handlers, wakeup_fd = saved
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -443,7 +443,7 @@ class SGLangEngine:
             out[name] = tensor_fingerprint(torch.as_tensor(values, dtype=torch.float32).to(self.dtype))
         return out
 
-    def free_cache(self) -> None:  # the KV cache is SGLang's static pool, planned as held (megappo.plan)
+    def free_cache(self) -> None:  # the KV cache is SGLang's static pool, planned as held (megappo.plan.planner)
         pass
 
     def release_memory(self) -> None:

@@ -1,5 +1,5 @@
 """Convert several HF directories with verification in one process: a world of one (TP1), the
-same `megappo.convert.hf_to_megatron` that tools/convert_hf_to_megatron.py runs per directory,
+same `megappo.trainer.convert.hf_to_megatron` that tools/convert_hf_to_megatron.py runs per directory,
 without a process start (imports, gloo) per directory. Prints one JSON line per directory.
 
     python tests/e2e/_convert_in_process.py HF_DIR OUT [HF_DIR OUT ...]
@@ -8,7 +8,7 @@ without a process start (imports, gloo) per directory. Prints one JSON line per 
 import json
 import sys
 
-from megappo.convert import hf_to_megatron
+from megappo.trainer.convert import hf_to_megatron
 from megappo.parallel.state import destroy_parallel, init_parallel
 
 

@@ -6,7 +6,7 @@
   corrupt_sync  the hf engine adds 1 to the first element of the first tensor it loads
   stall_rank0   global rank 0 sleeps 600 s at the start of the first generation, while the
                 other ranks wait for the batch: a hung rank
-  sigint_setup  every rank sends itself SIGINT when its setup (megappo.run.create_run) is done,
+  sigint_setup  every rank sends itself SIGINT when its setup (megappo.trainer.setup.create_run) is done,
                 before the first step
   slow_step2    global rank 0 sleeps 600 s at the start of step 2's generation: a step that
                 is still running when a signal comes (it first creates the file named by
@@ -31,7 +31,7 @@ def main() -> int:
     if fault == "nan_reward":
         rewards.REWARD_FUNCTIONS["nan"] = lambda response, ground_truth, extra: float("nan")
     elif fault == "corrupt_sync":
-        from megappo.rollout.hf_engine import HFEngine
+        from megappo.rollout.hf.engine import HFEngine
 
         load = HFEngine.update_weights
 
@@ -50,33 +50,33 @@ def main() -> int:
         HFEngine.update_weights = corrupting
     elif fault == "stall_rank0":
         if os.environ.get("RANK") == "0":  # the ranks, not the launcher (generation runs on rank 0)
-            from megappo import orchestrator
+            from megappo.trainer import step as trainer_step
 
-            generate = orchestrator.generate
+            generate = trainer_step.generate
 
             def stalled(run, step):
                 time.sleep(600)
                 return generate(run, step)
 
-            orchestrator.generate = stalled
+            trainer_step.generate = stalled
     elif fault == "sigint_setup":
         import signal
 
-        from megappo import run
+        from megappo.trainer import setup
 
-        create_run = run.create_run
+        create_run = setup.create_run
 
         def interrupted(cfg):
             created = create_run(cfg)
             os.kill(os.getpid(), signal.SIGINT)
             return created
 
-        run.create_run = interrupted
+        setup.create_run = interrupted
     elif fault == "slow_step2":
         if os.environ.get("RANK", "0") == "0":  # rank 0 of a launched world, or a world of one
-            from megappo import orchestrator
+            from megappo.trainer import step as trainer_step
 
-            generate = orchestrator.generate
+            generate = trainer_step.generate
 
             def slow(run, step):
                 if step == 2:
@@ -85,7 +85,7 @@ def main() -> int:
                     time.sleep(600)
                 return generate(run, step)
 
-            orchestrator.generate = slow
+            trainer_step.generate = slow
     elif fault == "no_tensorboard_rank0":
         if os.environ.get("RANK") == "0":  # the ranks, not the launcher (which checks the package is installed)
             sys.modules["torch.utils.tensorboard"] = None  # `import` raises ImportError

@@ -167,7 +167,7 @@ def ppo_one_rank(tmp_path_factory):
 @pytest.mark.xdist_group("ppo_one_rank")
 def test_flop_rates_are_logged_on_cpu(ppo_one_rank):
     """PPO (critic + GAE) with a KL loss (so a reference pass): every model stage logs its model
-    FLOP rate (megappo.models.flops / megappo.perf); on CPU there is no peak, so no MFU, and no
+    FLOP rate (megappo.models.flops / megappo.metrics.perf); on CPU there is no peak, so no MFU, and no
     CUDA memory metrics."""
     last = ppo_one_rank[-1]
     for name in ("old_log_prob", "ref", "values", "actor", "critic"):

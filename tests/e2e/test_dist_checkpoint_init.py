@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from megappo.models.hf_reference import build_hf_model, save_hf_dir
-from megappo.tokenizer import builtin_tokenizer_files, load_tokenizer
+from megappo.data.tokenizer import builtin_tokenizer_files, load_tokenizer
 from tests import prefork
 from tests.e2e._runs import hf_weights
 

@@ -12,7 +12,7 @@ import torch
 
 from megappo.models.weights import HFWeights
 from megappo.recipe import load_config
-from megappo.run import model_source
+from megappo.trainer.setup import model_source
 from tests import prefork
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ import uuid
 import pytest
 import torch
 
-from megappo.checkpointing import file_digest
+from megappo.trainer.checkpointing import file_digest
 
 from tests import prefork
 from tests.e2e._runs import metrics

@@ -65,7 +65,7 @@ import pytest
 import torch
 
 from megappo.recipe import load_config
-from megappo.plan import resolve_hf_config
+from megappo.plan.planner import resolve_hf_config
 from megappo.rewards import get_reward_fn
 from tests import prefork
 from tests.e2e._runs import hf_weights

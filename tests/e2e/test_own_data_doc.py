@@ -82,7 +82,7 @@ def test_own_data_doc_from_nothing_to_a_learning_run(tmp_path):
     assert json.dumps(samples[-1]) in out  # the tail shown
     check_quoted(out, __file__)  # the console lines the doc quotes (marked blocks: tests/doc_console.py)
 
-    from megappo.data import load_rows  # the Parquet copy reads back as the same rows
+    from megappo.data.prompts import load_rows  # the Parquet copy reads back as the same rows
 
     for split in ("train", "val"):
         base = tmp_path / "data" / split

@@ -1,4 +1,4 @@
-"""rollout.placement=separate: the hf engine in a child process (megappo.rollout.remote) gives the
+"""rollout.placement=separate: the hf engine in a child process (megappo.rollout.hf.remote) gives the
 colocated engine's tokens and log-probs, serves requests in order (an update sent while a
 generation runs applies after it), verifies weights by fingerprint, and a dead child raises
 EngineCrashed with its exit code instead of hanging. (Spawns one child process per test module.)"""
@@ -12,8 +12,8 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.engine import EngineCrashed, compare_fingerprints, tensor_fingerprint
-from megappo.rollout.hf_engine import HFEngine
-from megappo.rollout.remote import HFModelSource, RemoteEngine
+from megappo.rollout.hf.engine import HFEngine
+from megappo.rollout.hf.remote import HFModelSource, RemoteEngine
 from megappo.types import SamplingParams
 from tests import prefork
 
@@ -105,7 +105,7 @@ def test_the_child_ends_when_the_trainer_is_killed(tmp_path):
 
     script = ("import os, signal\n"
               "from megappo.models.hf_reference import TINY_CONFIGS\n"
-              "from megappo.rollout.remote import HFModelSource, RemoteEngine\n"
+              "from megappo.rollout.hf.remote import HFModelSource, RemoteEngine\n"
               "if __name__ == '__main__':\n"
               "    e = RemoteEngine(HFModelSource(hf_config=TINY_CONFIGS['llama'], seed=3), pad_token_id=0)\n"
               "    print(e.pid, flush=True)\n"
@@ -132,7 +132,7 @@ def test_a_bucket_crosses_as_one_shared_buffer_not_through_the_pipe():
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from megappo.rollout.remote import _cut, _shared_bucket
+    from megappo.rollout.hf.remote import _cut, _shared_bucket
 
     bucket = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(3)),
               ("d", torch.tensor(2.5)), ("e", torch.randn(256, 1024))]  # 1 MiB

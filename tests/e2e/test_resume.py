@@ -209,8 +209,8 @@ def files(root, skip=("megappo.lock",)):
 def test_a_fresh_run_never_overwrites_an_earlier_runs_results(straight, tmp_path):
     """A finished run's directory, then a checkpoint.resume=off run killed before its first checkpoint, then
     the same directory's rerun (no checkpoint to resume): each fresh run first moves the earlier one's files
-    into superseded/ (megappo.earlier_runs), byte for byte, and says so in one line."""
-    from megappo.earlier_runs import OUTPUT_ENTRIES
+    into superseded/ (megappo.trainer.earlier_runs), byte for byte, and says so in one line."""
+    from megappo.trainer.earlier_runs import OUTPUT_ENTRIES
 
     assert set(os.listdir(straight)) <= set(OUTPUT_ENTRIES)  # every name a real run writes is known
     out = tmp_path / "run"

@@ -6,7 +6,7 @@ first node; the CPU demo runs with one rank per node (DP across the two nodes). 
 rank's environment (read from /proc) shows it on its own slurmd with the torchrun variables of a
 two-node job: RANK 0 and 1, LOCAL_RANK 0 and GROUP_RANK (the node) 0 and 1. `scancel` mid-run stops
 it with a checkpoint (SLURM sends SIGTERM to every process of the step on both nodes first; the
-ranks stop at a step boundary, megappo.interrupts), and the same sbatch again resumes from that
+ranks stop at a step boundary, megappo.parallel.interrupts), and the same sbatch again resumes from that
 checkpoint and finishes the run, each step once.
 
 Marked `multinode` (pytest -m multinode runs the multi-node tests alone; it runs in `make test`

@@ -13,9 +13,9 @@ import sys
 
 import yaml
 
-from megappo.data import digit_successor_rows
+from megappo.data.prompts import digit_successor_rows
 from megappo.models.hf_reference import build_hf_model, save_hf_dir
-from megappo.tokenizer import builtin_tokenizer_files, load_tokenizer
+from megappo.data.tokenizer import builtin_tokenizer_files, load_tokenizer
 from tests import prefork
 from tests.unit.test_verl_scripts import script_overrides
 

@@ -120,7 +120,7 @@ def test_crash_during_a_background_generation_raises_in_the_caller(tiny_llama_di
 
 SIGNALS = textwrap.dedent("""
     import os, signal, sys, threading, psutil
-    from megappo import interrupts
+    from megappo.parallel import interrupts
     from megappo.rollout.sglang_engine import SGLangEngine
     from megappo.types import SamplingParams
 
@@ -138,7 +138,7 @@ SIGNALS = textwrap.dedent("""
 
 
 def test_sigterm_during_an_engine_call_reaches_megappos_handling(tiny_llama_dir, tmp_path):
-    """megappo.interrupts during a generation of the main thread (rollout.mode=sync): the first
+    """megappo.parallel.interrupts during a generation of the main thread (rollout.mode=sync): the first
     SIGTERM is acknowledged, the second stops the process at once (143). Its watcher thread wakes
     on the signal wakeup fd, which uvloop took while SGLang's event loop ran in the main thread:
     both went unheard until the generation ended."""

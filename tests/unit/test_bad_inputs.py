@@ -209,7 +209,7 @@ def _calls(path: pathlib.Path):
 #: pickles between the run's own processes, never from a file: rank 0 and its engine child (a pipe), rank 0 and
 #: the other rollout replicas' leaders (TCP, HMAC-authenticated with a key drawn per run and shared over the job's
 #: process group)
-PICKLE_PIPES = {REPO / "megappo/rollout/remote.py", REPO / "megappo/rollout/replicas.py"}
+PICKLE_PIPES = {REPO / "megappo/rollout/hf/remote.py", REPO / "megappo/rollout/replicas.py"}
 
 
 def test_no_pickle_loading_in_megappo():

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from megappo import checkpointing
+from megappo.trainer import checkpointing
 from megappo.config import ConfigError
 from megappo.errors import CheckpointError
 from megappo.recipe import config_from_dict
@@ -62,7 +62,7 @@ def test_auto_resumes_from_latest_and_ignores_partial_saves(tmp_path):
 def test_resume_off_starts_fresh_beside_existing_checkpoints(tmp_path):
     cfg = cfg_at(tmp_path, checkpoint={"resume": "off"})
     fake_checkpoint(cfg.checkpoint_dir, 2, cfg)
-    assert checkpointing.find_resume(cfg) is None  # megappo.earlier_runs moves them aside before the run writes
+    assert checkpointing.find_resume(cfg) is None  # megappo.trainer.earlier_runs moves them aside before the run writes
     assert checkpointing.find_resume(cfg_at(tmp_path))["step"] == 2
 
 
@@ -125,7 +125,7 @@ def test_rollout_buffer_of_an_earlier_megappo_one_batch_still_loads(tmp_path):
     under "batches". Both load as [(step, RolloutBatch)] with the prompt records rebuilt."""
     import torch
 
-    from megappo.data import PromptExample
+    from megappo.data.prompts import PromptExample
     from megappo.types import RolloutBatch
 
     batch = RolloutBatch(prompt_ids=torch.tensor([[3, 4]]), prompt_mask=torch.ones(1, 2), response_ids=torch.tensor([[5]]),
@@ -145,7 +145,7 @@ def test_a_buffered_batch_keeps_each_rows_origin(tmp_path):
     with None."""
     import torch
 
-    from megappo.data import PromptExample, RowOrigin
+    from megappo.data.prompts import PromptExample, RowOrigin
     from megappo.types import RolloutBatch
 
     origin = RowOrigin("val.jsonl", 3, "jsonl", "validation")

@@ -319,7 +319,7 @@ def test_lora_settings_and_their_refusals():
     """actor.lora / critic.lora: names mapped to Megatron's layers; the reference becomes the actor's base
     (its layout the actor's); wrong names, ref.lora, reward.lora and ref.parallel with it are refused, and so is
     rollout.lora_sync=adapters without actor.lora, with SGLang, with placement=separate or for a MoE model."""
-    from megappo.run import lora_of
+    from megappo.trainer.setup import lora_of
 
     kl = {"algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 2}, "actor": {"use_kl_loss": True,
           "parallel": {"tp": 2}, "lora": {"rank": 8, "target_modules": ["q_proj", "down_proj"],
@@ -357,7 +357,7 @@ def test_lora_settings_and_their_refusals():
     # a verl LoRA script gives the reference the actor's layout: the same layout, so nothing to refuse
     assert build(**kl, ref={"parallel": {"tp": 2, "pp": 1}}).layout("ref") == (2, 1, None)
     from megappo.models.hf_reference import TINY_CONFIGS
-    from megappo.preflight import ModelConfigError, check_models
+    from megappo.trainer.preflight import ModelConfigError, check_models
 
     moe = build(model={"hf_config": TINY_CONFIGS["qwen3_moe"]}, actor={"lora": {"rank": 8}},
                 rollout={"lora_sync": "adapters"})

@@ -11,7 +11,7 @@ SCRIPT = r"""
 import torch
 from megappo.parallel import cpu_compat
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.rollout.engines import build_engine
+from megappo.rollout.registry import build_engine
 from megappo.types import SamplingParams
 
 engine = build_engine("hf", model=build_hf_model(TINY_CONFIGS["llama"], seed=0), pad_token_id=0)

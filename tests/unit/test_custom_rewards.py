@@ -6,7 +6,7 @@ import pytest
 
 from megappo import cli
 from megappo.config import ConfigError
-from megappo.data import RowOrigin
+from megappo.data.prompts import RowOrigin
 from megappo.rewards import get_reward_fn, reads, score_batch
 from megappo.user_code import UserCodeError
 

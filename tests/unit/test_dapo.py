@@ -1,13 +1,13 @@
 """DAPO's overlong reward shaping (megappo.ppo.overlong) against verl 0.9.1's formula written out by
 hand, and how the orchestrator applies it and algorithm.mask_truncated_completions to a batch
-(megappo.rewards.scoring.Scorer, megappo.orchestrator.make_experience) on a config of the CPU demo, no models."""
+(megappo.rewards.scoring.Scorer, megappo.trainer.step.make_experience) on a config of the CPU demo, no models."""
 
 import types
 
 import pytest
 import torch
 
-from megappo import orchestrator
+from megappo.trainer import step as trainer_step
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
 from megappo.recipe import load_config
 from megappo.rewards.scoring import Scorer
@@ -81,8 +81,8 @@ def test_truncated_responses_leave_the_loss_mask_but_keep_their_advantage(mask_t
                    f"algorithm.mask_truncated_completions={str(mask_truncated).lower()}")
     batch = batch_of([1, 4, 2, 4], ["stop", "length", "stop", "length"])
     batch.clipped = None
-    seqs = orchestrator.to_seqs(batch)
-    exp, m = orchestrator.make_experience(run, batch, seqs, torch.tensor([1.0, 0.0, 0.0, 1.0]), None, None, None)
+    seqs = trainer_step.to_seqs(batch)
+    exp, m = trainer_step.make_experience(run, batch, seqs, torch.tensor([1.0, 0.0, 0.0, 1.0]), None, None, None)
     # GRPO's groups (0, 1) and (2, 3): the truncated samples still count in their group's baseline
     assert exp.advantages[:, 0].tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
     kept = exp.seqs.response_mask
@@ -96,5 +96,5 @@ def test_a_multi_turn_episode_is_truncated_when_it_ran_out_of_the_budget():
     batch = batch_of([1, 4], ["length", "stop"])
     batch.clipped = torch.tensor([False, True])  # an action cut by its turn's budget alone is not truncated
     assert batch.truncated.tolist() == [False, True]
-    kept, fraction = orchestrator.mask_truncated(batch, batch.response_mask)
+    kept, fraction = trainer_step.mask_truncated(batch, batch.response_mask)
     assert kept.sum(-1).tolist() == [1, 0] and fraction == 0.5

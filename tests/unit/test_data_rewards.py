@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megappo.data import DataError, PromptSampler, build_prompts, builtin_rows, load_rows, read_rows
+from megappo.data.prompts import DataError, PromptSampler, build_prompts, builtin_rows, load_rows, read_rows
 from megappo.rewards import gsm8k, last_boxed, math_boxed, score_batch
 
 

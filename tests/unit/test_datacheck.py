@@ -2,9 +2,9 @@
 
 import pytest
 
-from megappo.data import DataError, build_prompts, numbered
-from megappo.datacheck import check_data, check_rows
-from megappo.tokenizer import load_tokenizer, unknown_characters, unknown_token
+from megappo.data.prompts import DataError, build_prompts, numbered
+from megappo.trainer.data_check import check_data, check_rows
+from megappo.data.tokenizer import load_tokenizer, unknown_characters, unknown_token
 
 TOK = load_tokenizer("builtin:digits")
 

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from megappo.config import ConfigError
-from megappo.data import DataError, class_rows, read_rows
-from megappo.preflight import check_inputs, load_prompts
+from megappo.data.prompts import DataError, class_rows, read_rows
+from megappo.trainer.preflight import check_inputs, load_prompts
 from megappo.recipe import load_config
-from megappo.tokenizer import load_tokenizer
+from megappo.data.tokenizer import load_tokenizer
 
 ROWS_CLASS = '''
 import json

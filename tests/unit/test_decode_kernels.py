@@ -1,4 +1,4 @@
-"""The decode step's kernels (megappo.rollout.decode_kernels) against transformers' own pieces: RoPE bit for
+"""The decode step's kernels (megappo.rollout.hf.decode_kernels) against transformers' own pieces: RoPE bit for
 bit (fp32 and bf16, GQA, one and several positions, each supported model family's function); RMSNorm bit for
 bit in fp32 and within one bf16 rounding in bf16, equal to the trainer's torch.nn.RMSNorm; the grouped
 attention against attention over K and V repeated per query head; and `StepKernels` reaching every norm and
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.rollout import decode_kernels
-from megappo.rollout.decode_kernels import (GROUPED_DECODE, StepKernels, grouped_decode_attention, rms_norm,
+from megappo.rollout.hf import decode_kernels
+from megappo.rollout.hf.decode_kernels import (GROUPED_DECODE, StepKernels, grouped_decode_attention, rms_norm,
                                             rope)
-from megappo.rollout.decode_paths import STATIC_MODEL_TYPES
+from megappo.rollout.hf.decode_paths import STATIC_MODEL_TYPES
 
 FAMILIES = sorted(STATIC_MODEL_TYPES)  # llama, qwen2, qwen3
 
@@ -108,7 +108,7 @@ def test_step_kernels_reach_every_norm_and_rope_call_and_undo_them(family, monke
     assert kernels.modeling == [module]
     original, attention = module.apply_rotary_pos_emb, model.config._attn_implementation
     calls = []
-    monkeypatch.setattr("megappo.rollout.decode_kernels.rope", lambda *a: calls.append(1) or rope(*a))
+    monkeypatch.setattr("megappo.rollout.hf.decode_kernels.rope", lambda *a: calls.append(1) or rope(*a))
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         want = model(input_ids=ids).logits

@@ -1,4 +1,4 @@
-"""`<role>.dist_checkpoint` is checked before any rank starts (megappo.preflight.check_dist_checkpoints): a
+"""`<role>.dist_checkpoint` is checked before any rank starts (megappo.trainer.preflight.check_dist_checkpoints): a
 directory with Megatron's metadata.json; the reference's is the actor's unless it names its own."""
 
 import json
@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from megappo.models.hf_config import ModelConfigError
-from megappo.preflight import check_dist_checkpoints
+from megappo.trainer.preflight import check_dist_checkpoints
 from megappo.recipe import load_config
 
 DEMO = str(pathlib.Path(__file__).resolve().parents[2] / "recipes/demo-cpu.yaml")

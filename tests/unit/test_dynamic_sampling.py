@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from megappo.data import PromptExample
+from megappo.data.prompts import PromptExample
 from megappo.rollout.dynamic_sampling import (ROUND_SEED_STRIDE, FilterLimitError, GroupFilter, LimitCount, concat, fill_batch,
                                       metric_values, round_seed, take, uniform_groups)
 from megappo.errors import ConfigError

@@ -1,11 +1,11 @@
-"""A fresh run moves an earlier run's files aside (megappo.earlier_runs); nothing is deleted."""
+"""A fresh run moves an earlier run's files aside (megappo.trainer.earlier_runs); nothing is deleted."""
 
 import os
 
-from megappo import checkpointing
-from megappo.earlier_runs import earlier_files, set_aside_earlier
+from megappo.trainer import checkpointing
+from megappo.trainer.earlier_runs import earlier_files, set_aside_earlier
 from megappo.recipe import config_from_dict
-from megappo.runlock import LOCK_FILE
+from megappo.trainer.runlock import LOCK_FILE
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}
 

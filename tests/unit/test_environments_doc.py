@@ -17,10 +17,10 @@ import yaml
 
 from megappo.config import ConfigError
 from megappo.envs.loading import env_class
-from megappo.orchestrator import rollout
-from megappo.preflight import check_inputs, check_prompts, load_prompts
+from megappo.trainer.step import rollout
+from megappo.trainer.preflight import check_inputs, check_prompts, load_prompts
 from megappo.recipe import load_config
-from megappo.tokenizer import load_tokenizer
+from megappo.data.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch, SamplingParams
 from tests.e2e._tiny_models import byte_level_tokenizer
 
@@ -121,7 +121,7 @@ def test_the_pages_guess_env_runs_as_its_command_names_it(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match=r"rollout.env_args=\{'max_guesses': 0\}: max_guesses must be >= 1\. Fix:"):
         check_inputs(load_config(recipe, [overrides[0], "rollout.env_args={max_guesses: 0}"]), cfg.launch_world_size)
 
-    # the trainer's rollout (megappo.orchestrator.rollout) of the run's prompts, the policy as its engine
+    # the trainer's rollout (megappo.trainer.step.rollout) of the run's prompts, the policy as its engine
     tok = load_tokenizer(cfg.model.tokenizer)
     examples = load_prompts(cfg, tok)[0]
     policy = Bisecting(tok)

@@ -7,10 +7,10 @@ import torch
 
 from megappo.config import ConfigError
 from megappo.recipe import load_config
-from megappo.data import builtin_rows
-from megappo.metrics import Progress
+from megappo.data.prompts import builtin_rows
+from megappo.metrics.sinks import Progress
 from megappo.rewards.scoring import score_metrics
-from megappo.preflight import check_inputs
+from megappo.trainer.preflight import check_inputs
 from megappo.rewards import READS, REWARD_FUNCTIONS, final_answer_matches, score_batch
 
 

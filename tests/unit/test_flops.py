@@ -1,13 +1,13 @@
 """Model FLOPs (megappo.models.flops) against counts worked out by hand, and the FLOP-rate / MFU /
-peak-memory helpers (megappo.perf) on CPU."""
+peak-memory helpers (megappo.metrics.perf) on CPU."""
 
 import pytest
 import torch
 
-from megappo import perf
+from megappo.metrics import perf
 from megappo.models.flops import layer_matmul_params, pass_flops
 from megappo.models.hf_config import ModelDims
-from megappo.plan import layer_params
+from megappo.plan.planner import layer_params
 
 # L=2 layers, H=8, 2 query heads and 1 query group of head dim 4, ffn 16, vocab 10
 DIMS = ModelDims(arch="LlamaForCausalLM", num_layers=2, hidden_size=8, num_heads=2, num_query_groups=1, head_dim=4,

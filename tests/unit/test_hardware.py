@@ -7,7 +7,7 @@ import pytest
 
 from megappo.config import ConfigError, HardwareConfig
 from megappo.recipe import config_from_dict, load_config
-from megappo.plan import CPU_RESERVE_GIB, GIB, RESERVE_GIB, make_plan, total_params
+from megappo.plan.planner import CPU_RESERVE_GIB, GIB, RESERVE_GIB, make_plan, total_params
 
 TINY = {"hf_config": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32,
                       "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

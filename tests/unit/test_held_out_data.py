@@ -1,5 +1,5 @@
 """Validation sets are held out: a built-in source's validation prompts are never training
-prompts (at the recipes' sizes, as megappo.run builds them); for your own files, validation
+prompts (at the recipes' sizes, as megappo.trainer.setup builds them); for your own files, validation
 rows that repeat a training prompt (with an environment: all an episode receives of the row)
 are reported at start-up."""
 
@@ -10,9 +10,9 @@ import os
 import pytest
 
 from megappo.recipe import load_config
-from megappo.data import NOT_HELD_OUT, DataError, builtin_rows, builtin_splits, load_rows, prompt_identity
-from megappo.datacheck import shared_prompts, warn_shared_prompts
-from megappo.preflight import _prompt_rows
+from megappo.data.prompts import NOT_HELD_OUT, DataError, builtin_rows, builtin_splits, load_rows, prompt_identity
+from megappo.trainer.data_check import shared_prompts, warn_shared_prompts
+from megappo.trainer.preflight import _prompt_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))
@@ -39,7 +39,7 @@ def builtin_data():
 
 @pytest.mark.parametrize("name,d", builtin_data(), ids=lambda x: x if isinstance(x, str) else "")
 def test_builtin_validation_prompts_are_not_training_prompts(name, d):
-    train, val = _prompt_rows(d)  # what megappo.run trains and validates on (megappo.preflight.load_prompts)
+    train, val = _prompt_rows(d)  # what megappo.trainer.setup trains and validates on (megappo.trainer.preflight.load_prompts)
     assert len(train) == d.builtin_size and len(val) == d.builtin_val_size
     assert train == builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args)  # training rows as before
     if d.builtin in NOT_HELD_OUT:
@@ -135,11 +135,11 @@ def test_with_an_environment_a_row_repeats_only_when_its_whole_episode_input_doe
 
 
 def test_the_start_up_check_compares_what_the_recipes_environment_receives(tmp_path, capsys):
-    """megappo.preflight.load_prompts on the multi-turn demo (rollout.env=lookup) with your files: the lookup
+    """megappo.trainer.preflight.load_prompts on the multi-turn demo (rollout.env=lookup) with your files: the lookup
     prompts '0?'..'9?' repeat, the values behind them (the ground truths) differ; only a true copy is reported."""
-    from megappo.data import lookup_rows
-    from megappo.preflight import load_prompts
-    from megappo.tokenizer import load_tokenizer
+    from megappo.data.prompts import lookup_rows
+    from megappo.trainer.preflight import load_prompts
+    from megappo.data.tokenizer import load_tokenizer
 
     train = lookup_rows(32, seed=1)
     other_value = [{**r, "reward_model": {"style": "env", "ground_truth": str((int(r["reward_model"]["ground_truth"]) + 1)

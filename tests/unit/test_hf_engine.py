@@ -10,7 +10,7 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.engine import iter_buckets, tensor_fingerprint, tensor_fingerprint_reference
-from megappo.rollout.hf_engine import HFEngine, cache_keyword, filter_logits, sample_tokens, sampling_uniforms
+from megappo.rollout.hf.engine import HFEngine, cache_keyword, filter_logits, sample_tokens, sampling_uniforms
 from megappo.types import SamplingParams
 
 PAD = 0
@@ -358,7 +358,7 @@ def test_static_kv_cache_equals_the_dynamic_one(model, greedy):
 def test_engine_dtype_and_cache_choice():
     """`dtype` casts the engine's model (the model dtype on a GPU, megappo.models.precision); the
     static cache is the default on CUDA only; a GPU trainer puts the engine on its device."""
-    from megappo.rollout.hf_engine import gpu_placement
+    from megappo.rollout.hf.engine import gpu_placement
 
     engine = HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=3), pad_token_id=PAD, dtype="bfloat16")
     assert engine.dtype == torch.bfloat16 and not engine.static_cache
@@ -389,7 +389,7 @@ def test_static_kv_cache_on_cuda_equals_the_dynamic_one():
 def test_the_orchestrator_frees_the_kv_cache_after_each_generation(model):
     """orchestrator.generate (the step's gen stage) leaves no KV-cache buffers on the engine for
     the trainer's passes."""
-    from megappo.orchestrator import generate
+    from megappo.trainer.step import generate
     from megappo.ppo.specs import ESTIMATOR_SPECS
 
     engine = HFEngine(model, pad_token_id=PAD, kv_cache="static")

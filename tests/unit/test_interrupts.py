@@ -1,4 +1,4 @@
-"""megappo.interrupts in one process (a child Python, so that its handlers and its exit are
+"""megappo.parallel.interrupts in one process (a child Python, so that its handlers and its exit are
 its own): the first SIGINT / SIGTERM is only recorded, a repeat within REPEAT_WINDOW_S counts
 once, a later one ends the process at once with 128 + the first signal and one line, even
 while the main thread is busy. The whole run: tests/e2e/test_interrupts.py."""
@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = """
 import os, signal, sys, time
-from megappo import interrupts
+from megappo.parallel import interrupts
 
 interrupts.install(announce=True)
 assert interrupts.requested() == 0
@@ -44,7 +44,7 @@ def test_first_signal_recorded_repeat_counted_once_second_stops_at_once():
 
 
 def test_uninstall_restores_the_default_handlers():
-    script = ("import signal; from megappo import interrupts; interrupts.install(announce=False); "
+    script = ("import signal; from megappo.parallel import interrupts; interrupts.install(announce=False); "
               "interrupts.uninstall(); assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL; "
               "assert signal.set_wakeup_fd(-1) == -1; print('ok')")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
@@ -56,7 +56,7 @@ def test_sigint_during_start_up_is_raised_after_the_block():
     """A Ctrl-C while start-up imports C++ extensions is held, then raised in Python code, and the
     handler from before the block is back. Python's default handler is installed for the test: a
     test process started in the background by a non-interactive shell inherits SIGINT ignored."""
-    from megappo import interrupts
+    from megappo.parallel import interrupts
 
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

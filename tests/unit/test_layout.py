@@ -1,6 +1,7 @@
 """The package's layout: docs/layout.md names every module of megappo/ and only modules that
-exist, and no modules import each other (counting imports inside functions, which hide a cycle
-until one side is refactored). Read from the source files: nothing is imported."""
+exist; its layer table puts every module in one layer, and every import (counting imports inside
+functions, which hide a dependency until one side is refactored) goes to the module's own layer or
+one below it; no modules import each other. Read from the source files: nothing is imported."""
 
 import ast
 import os
@@ -60,13 +61,67 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+#: a line of docs/layout.md's layer table: `L<n>  megappo/<package>/ megappo/<module>.py ...  what it holds`
+LAYER_LINE = re.compile(r"^L(\d+)\s+((?:megappo/[\w/]*(?:\.py)?\s+)+)", re.M)
+
+
+def layers() -> list[tuple[int, list[str]]]:
+    """docs/layout.md's layer table, top to bottom: (layer number, the dotted prefixes it holds)."""
+    text = open(os.path.join(REPO, "docs", "layout.md")).read()
+    return [(int(n), [p.removesuffix(".py").rstrip("/").replace("/", ".") for p in paths.split()])
+            for n, paths in LAYER_LINE.findall(text)]
+
+
+def layer_of(module: str, table: list[tuple[int, list[str]]]) -> int | None:
+    """The layer of `module`: the one naming the longest prefix of it (`megappo` itself: the package)."""
+    best = None
+    for number, prefixes in table:
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (number, len(prefix))
+    return best and best[0]
+
+
+def upward_imports(graph: dict[str, set[str]], table: list[tuple[int, list[str]]]) -> list[str]:
+    """Every import of `graph` that goes to a higher layer than its module's."""
+    return [f"{name} (L{layer_of(name, table)}) imports {imp} (L{layer_of(imp, table)})"
+            for name in sorted(graph) for imp in sorted(graph[name])
+            if layer_of(imp, table) > layer_of(name, table)]
+
+
+def test_layer_table_is_drawn_in_order_and_holds_every_module():
+    table = layers()
+    assert [n for n, _ in table] == list(range(len(table) - 1, -1, -1)), \
+        "docs/layout.md's layer table must list L<top> down to L0, one line each"
+    loose = sorted(m for m in modules() if m != "megappo" and layer_of(m, table) is None)
+    assert not loose, f"docs/layout.md's layer table holds no layer for {loose}: add the package or module to one"
+
+
+def test_imports_go_down_the_layers():
+    table, known = layers(), set(modules())
+    graph = {name: imports(path, known) - {name, "megappo"} for name, path in modules().items() if name != "megappo"}
+    wrong = upward_imports(graph, table)
+    assert not wrong, ("imports against docs/layout.md's layer order (a module imports its own layer and the "
+                       "ones below):\n  " + "\n  ".join(wrong))
+
+
+def test_the_layer_check_finds_an_upward_import():
+    table = [(2, ["megappo.trainer"]), (1, ["megappo.rollout"]), (0, ["megappo.errors", "megappo.rollout.engine"])]
+    assert layer_of("megappo.rollout.engine", table) == 0 and layer_of("megappo.rollout.bridge", table) == 1
+    assert upward_imports({"megappo.rollout.bridge": {"megappo.errors", "megappo.rollout.engine"},
+                           "megappo.trainer.step": {"megappo.rollout.bridge"}}, table) == []
+    assert upward_imports({"megappo.rollout.engine": {"megappo.rollout.bridge"}}, table) == [
+        "megappo.rollout.engine (L0) imports megappo.rollout.bridge (L1)"]
+
+
 def test_layout_doc_names_every_module_and_only_existing_ones():
     text = open(os.path.join(REPO, "docs", "layout.md")).read()
     named = set(re.findall(r"\bmegappo/[\w/]+\.py\b", text))
     files = {os.path.relpath(p, REPO).replace(os.sep, "/") for p in modules().values()
              if not p.endswith("__init__.py")}
     assert not files - named, f"docs/layout.md does not name {sorted(files - named)}: add a line for each"
-    assert not named - files, f"docs/layout.md names {sorted(named - files)}, which do not exist: remove them"
+    every = {os.path.relpath(p, REPO).replace(os.sep, "/") for p in modules().values()}
+    assert not named - every, f"docs/layout.md names {sorted(named - every)}, which do not exist: remove them"
 
 
 def test_no_import_cycles():

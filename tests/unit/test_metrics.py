@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megappo.metrics import BudgetWatch, MetricLogger, Progress, plot_run, read_metrics
+from megappo.metrics.sinks import BudgetWatch, MetricLogger, Progress, plot_run, read_metrics
 
 
 def test_jsonl_console_and_resume(tmp_path, capsys):
@@ -164,7 +164,7 @@ class _Stream:
 
 
 def test_progress_on_a_terminal_is_one_line_rewritten(tmp_path, capsys):
-    from megappo.metrics import console
+    from megappo.metrics.sinks import console
 
     stream = _Stream(tty=True)
     bar = Progress(total=4, stream=stream)
@@ -242,7 +242,7 @@ def test_compact_line_has_step_score_losses_rate_and_eta(tmp_path, capsys, tty):
 
 def test_compact_and_full_lines_show_what_they_say(tmp_path, capsys):
     """The compact line is shorter and its values are the full line's metrics; each mode is chosen by name."""
-    from megappo.metrics import COMPACT_FIELDS, CONSOLE_KEYS, compact_line, full_line
+    from megappo.metrics.sinks import COMPACT_FIELDS, CONSOLE_KEYS, compact_line, full_line
 
     bar = Progress(total=100, enabled=False)
     bar.update(1, 1.0)
@@ -274,7 +274,7 @@ def test_a_steps_data_metrics_are_verls_with_max_and_min():
 
     import torch
 
-    from megappo.orchestrator import rollout_metrics, spread
+    from megappo.trainer.step import rollout_metrics, spread
     from megappo.types import RolloutBatch
 
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -303,7 +303,7 @@ def test_a_logger_that_keeps_every_record(tmp_path):
 
 
 def test_the_reward_curves_show_each_data_source_when_there_are_several():
-    from megappo.metrics import PLOT_PANELS, plot_panels
+    from megappo.metrics.sinks import PLOT_PANELS, plot_panels
 
     one = [{"step": 0, "val-core/openai/gsm8k/acc/mean@4": 0.5, "val-core/openai/gsm8k/acc/best@4/mean": 0.7}]
     assert plot_panels(one) == PLOT_PANELS  # one source: val/score/mean says it
@@ -325,7 +325,7 @@ def _dapo_rows(steps=4):
 
 
 def test_the_default_plot_has_a_dynamic_sampling_panel_when_the_run_sampled_dynamically():
-    from megappo.metrics import DYNAMIC_SAMPLING_PANEL, PLOT_PANELS, plot_panels
+    from megappo.metrics.sinks import DYNAMIC_SAMPLING_PANEL, PLOT_PANELS, plot_panels
 
     assert plot_panels(_dapo_rows()) == PLOT_PANELS + (DYNAMIC_SAMPLING_PANEL,)
     assert all(k in _dapo_rows()[1] for k in DYNAMIC_SAMPLING_PANEL[1])  # metrics dynamic sampling logs
@@ -335,7 +335,7 @@ def test_the_default_plot_has_a_dynamic_sampling_panel_when_the_run_sampled_dyna
 
 def test_plot_metrics_globs_choose_one_panel_per_metric_in_the_order_given():
     from megappo.errors import ConfigError
-    from megappo.metrics import plot_panels
+    from megappo.metrics.sinks import plot_panels
 
     rows = _dapo_rows()
     assert [t for t, _ in plot_panels(rows, ["filter_groups/*"])] == [

@@ -4,7 +4,7 @@ name MLflow allows, read back through MLflow's own client."""
 
 import pytest
 
-from megappo.metrics import MetricLogger, mlflow_key
+from megappo.metrics.sinks import MetricLogger, mlflow_key
 
 mlflow = pytest.importorskip("mlflow", reason="the mlflow sink needs the mlflow package (mlflow-skinny, in .[test])")
 

@@ -59,7 +59,7 @@ def test_a_lora_actor_checkpoint_names_where_its_peft_base_is(tmp_path, monkeypa
     saved config): a run from model.path names that directory, by its absolute path when it exists
     from the working directory, else as saved (and the note says to pass the base yourself); a run
     from model.hf_config gets its base written (its starting values: tests/e2e/test_lora.py)."""
-    from megappo.checkpointing import STATE_FILE
+    from megappo.trainer.checkpointing import STATE_FILE
     from megappo.cli import adapter_base_of, peft_note
 
     step = tmp_path / "step_00000002"

@@ -13,16 +13,16 @@ import torch
 
 from megappo.config import ConfigError
 from megappo.recipe import load_config
-from megappo.data import RowOrigin, build_prompts, builtin_rows
+from megappo.data.prompts import RowOrigin, build_prompts, builtin_rows
 from megappo.envs.base import Action, Environment, StepResult
 from megappo.envs.loading import check_env, env_class
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.orchestrator import last_action_token, rollout, to_seqs
+from megappo.trainer.step import last_action_token, rollout, to_seqs
 from megappo.parallel.packing import MicroBatching, micro_batch_tensors
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.multiturn import (ObservationEncoder, ObservationError, observation_encoder,
                                        random_policy_episode_score, run_episodes, turn_seed)
-from megappo.tokenizer import load_tokenizer
+from megappo.data.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch, SamplingParams
 from megappo.user_code import UserCodeError
 
@@ -361,7 +361,7 @@ def test_env_loading_and_start_up_errors(tmp_path, monkeypatch):
 
 
 def test_bad_env_is_refused_before_any_model_is_built():
-    from megappo.preflight import check_inputs
+    from megappo.trainer.preflight import check_inputs
 
     cfg = load_config(DEMO, ["rollout.env=megappo.envs.lookup:Nope"])
     with pytest.raises(ConfigError, match="has no 'Nope'.*Fix:"):

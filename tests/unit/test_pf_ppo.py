@@ -8,7 +8,7 @@ import torch
 from megappo.config import ConfigError
 from megappo.ppo.pf_ppo import resample_indices, weights
 from megappo.recipe import read_config
-from megappo.workers import Experience, SeqBatch
+from megappo.trainer.roles import Experience, SeqBatch
 
 SCORES = torch.tensor([1.0, -2.0, 0.0, 0.5])
 

@@ -1,4 +1,4 @@
-"""megappo.plan: layout checks that name the fix, and memory numbers worked out by hand."""
+"""megappo.plan.planner: layout checks that name the fix, and memory numbers worked out by hand."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from megappo.cli import main
 from megappo.config import ConfigError
 from megappo.recipe import config_from_dict
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
-from megappo.plan import (CPU_RESERVE_GIB, ENGINE_RESERVE_GIB, GIB, KNOWN_MODELS, RESERVE_GIB, chunks_in_flight,
+from megappo.plan.planner import (CPU_RESERVE_GIB, ENGINE_RESERVE_GIB, GIB, KNOWN_MODELS, RESERVE_GIB, chunks_in_flight,
                           format_plan, layer_activation_bytes,
                           layers_in_flight,
                           make_plan, total_params)
@@ -277,7 +277,7 @@ def test_plan_imports_neither_torch_nor_megatron():
 
 def test_moe_parameters_split_over_expert_parallel_ranks():
     from megappo.models.hf_config import dims_from_hf
-    from megappo.plan import KNOWN_MODELS, stage_params, total_params
+    from megappo.plan.planner import KNOWN_MODELS, stage_params, total_params
 
     d = dims_from_hf(KNOWN_MODELS["Qwen3-30B-A3B"])
     assert 30.0e9 < total_params(d) < 31.0e9  # "30B"
@@ -347,7 +347,7 @@ SGLANG_2X2 = {"engine": "sglang", "max_new_tokens": 1024, "replicas": 2,
 
 def test_replica_leaders_are_the_runs():
     """The planner places replica i where megappo.rollout.replicas starts it: rank i * world // replicas."""
-    from megappo.plan import replica_leaders
+    from megappo.plan.planner import replica_leaders
     from megappo.rollout.replicas import leaders
 
     for world, replicas in [(8, 1), (8, 2), (8, 3), (8, 8), (64, 8), (16, 5)]:
@@ -386,7 +386,7 @@ def test_a_replica_on_the_last_pipeline_stage_carries_its_engine_there():
     """tp 4 x pp 2 on 8 GPUs, sglang tp 4: stage 0 is ranks 0-3, stage 1 ranks 4-7. One replica leaves the
     last stage without an engine; a second (led by rank 4) puts one there, planned with that stage's roles:
     its pool is 0.4 of what the last stage's trainer leaves free."""
-    from megappo.plan import _roles_at
+    from megappo.plan.planner import _roles_at
 
     par = {"tp": 4, "pp": 2, "sequence_parallel": True, "use_distributed_optimizer": True}
     rollout = {**SGLANG_2X2, "sglang": {"tp_size": 4, "mem_fraction_static": 0.4}}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megappo.orchestrator import last_action_token
+from megappo.trainer.step import last_action_token
 from megappo.ppo.advantages import (
     ESTIMATORS, compute_advantage, compute_grpo_outcome_advantage, compute_rloo_outcome_advantage, estimator_inputs,
 )

@@ -1,5 +1,5 @@
 """Every optional package a configured integration needs is checked before any rank starts
-(megappo.preflight.check_packages): `megappo train` in this process returns 2 after one
+(megappo.trainer.preflight.check_packages): `megappo train` in this process returns 2 after one
 `megappo: error:` line naming the setting and its pip command, and writes nothing (no output
 directory, no lock). A package that is installed here is made "missing" by pointing its PACKAGES
 entry at a module that does not exist; the check itself (find_spec) is the real one."""
@@ -9,7 +9,9 @@ import pathlib
 
 import pytest
 
-from megappo import cli, preflight
+from megappo import cli
+
+from megappo.trainer import preflight
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes" / "demo-cpu.yaml")

@@ -14,7 +14,7 @@ import yaml
 
 from megappo import cli
 from megappo.recipe import load_config
-from megappo.plan import make_plan
+from megappo.plan.planner import make_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml")))

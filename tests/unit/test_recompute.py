@@ -8,7 +8,7 @@ from megappo.recipe import config_from_dict, load_config
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
-from megappo.run import recompute_of
+from megappo.trainer.setup import recompute_of
 
 LLAMA = dims_from_hf(TINY_CONFIGS["llama"])  # 4 layers
 MOE = dims_from_hf(TINY_CONFIGS["qwen3_moe"])
@@ -89,7 +89,7 @@ def test_config_section_and_roles():
 
 
 def test_preflight_checks_layers_before_training():
-    from megappo.preflight import check_models
+    from megappo.trainer.preflight import check_models
 
     cfg = config_from_dict({"model": {"hf_config": TINY_CONFIGS["llama"]}, "parallel": {"pp": 2},
                             "actor": {"recompute": {"granularity": "full", "num_layers": 3}}})

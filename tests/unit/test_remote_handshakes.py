@@ -1,10 +1,10 @@
 """A rollout engine child that dies mid-handshake leaves no stray traceback: multiprocessing's
-resource_sharer thread reports a lost fd handshake through sys.excepthook, which megappo.rollout.remote
+resource_sharer thread reports a lost fd handshake through sys.excepthook, which megappo.rollout.hf.remote
 silences for that thread's connection errors only (the death is reported by EngineCrashed)."""
 
 import sys
 
-from megappo.rollout import remote
+from megappo.rollout.hf import remote
 
 
 def _raise_in(filename: str, exc: BaseException):

@@ -9,7 +9,7 @@ import pytest
 
 from megappo import rewards
 from megappo.config import ConfigError, RewardConfig
-from megappo.data import RowOrigin, numbered
+from megappo.data.prompts import RowOrigin, numbered
 from megappo.rewards import score_batch
 from megappo.user_code import UserCodeError
 

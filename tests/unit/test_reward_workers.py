@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from megappo.cli import _user_traceback
-from megappo.data import RowOrigin
+from megappo.data.prompts import RowOrigin
 from megappo.rewards.workers import RewardWorkers
 from megappo.rewards import RewardChecks, score_records
 from megappo.user_code import UserCodeError

@@ -10,7 +10,7 @@ import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.batches import concat
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.types import RolloutBatch
 from tests.unit.test_hf_engine import MIXED, PAD, SPLIT_LOG_PROB_ATOL, mixed_length_params, split_generate
 

@@ -452,7 +452,7 @@ def test_masked_nan_and_inf_do_not_leak():
 # -- megappo's actor.old_logprob=is_correct --------------------------------------------------------
 
 def test_is_correct_weights_are_token_tis_within_the_safety_bound():
-    """megappo/orchestrator.py make_experience forms exp((old - rollout) * mask).clamp(max=is_truncate) * mask.
+    """megappo/trainer/step.py make_experience forms exp((old - rollout) * mask).clamp(max=is_truncate) * mask.
     rollout_correction(rollout_is="token", rollout_is_threshold=is_truncate) gives bitwise the same
     weights for log ratios in [-20, 20]; below -20 it gives exp(-20) (the safety bound) where
     is_correct gives the exact exp(log ratio): both under 2.1e-9. Above 20 both truncate."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.routes import UNKNOWN, RouteRecorder, decode_sglang_routes, fill_unknown
 from megappo.types import SamplingParams
 

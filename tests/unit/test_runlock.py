@@ -1,4 +1,4 @@
-"""One run per directory (megappo.runlock): a held lock refuses a second run with its holder's
+"""One run per directory (megappo.trainer.runlock): a held lock refuses a second run with its holder's
 PID, host and start time; a lock left by a killed process is stale and taken; an exception
 releases it; the ranks a launcher starts accept their launcher's lock."""
 
@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from megappo.runlock import LOCK_FILE, TOKEN_ENV, RunLocked, acquire
+from megappo.trainer.runlock import LOCK_FILE, TOKEN_ENV, RunLocked, acquire
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from megappo.runlock import acquire
+    from megappo.trainer.runlock import acquire
     lock = acquire(sys.argv[1:])
     print("held", flush=True)
     time.sleep(600)
@@ -100,11 +100,11 @@ def test_released_when_the_run_raises(tmp_path):
 def test_ranks_of_the_launcher_that_holds_it_go_on(tmp_path):
     """A launcher holds the lock and exports its token; the rank it starts (and restarts) accepts it."""
     with acquire([tmp_path]):
-        child = subprocess.run([sys.executable, "-c", "import sys; from megappo.runlock import acquire; "
+        child = subprocess.run([sys.executable, "-c", "import sys; from megappo.trainer.runlock import acquire; "
                                 "acquire(sys.argv[1:]); print('ok')", str(tmp_path)], cwd=REPO, text=True,
                                capture_output=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
         assert child.stdout.strip() == "ok", child.stderr
-        stranger = subprocess.run([sys.executable, "-c", "import sys; from megappo.runlock import acquire; "
+        stranger = subprocess.run([sys.executable, "-c", "import sys; from megappo.trainer.runlock import acquire; "
                                    "acquire(sys.argv[1:])", str(tmp_path)], cwd=REPO, text=True, capture_output=True,
                                   env={k: v for k, v in dict(os.environ, PYTHONPATH=REPO).items() if k != TOKEN_ENV},
                                   timeout=60)
@@ -114,7 +114,7 @@ def test_ranks_of_the_launcher_that_holds_it_go_on(tmp_path):
 
 def test_directories_made_for_the_lock_are_removed_when_empty(tmp_path):
     """A run refused before it wrote anything (e.g. bad data found by the rank) leaves no directory."""
-    from megappo.runlock import acquire
+    from megappo.trainer.runlock import acquire
 
     with acquire([str(tmp_path / "a" / "run")]):
         assert (tmp_path / "a" / "run" / "megappo.lock").exists()

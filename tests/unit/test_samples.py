@@ -6,10 +6,10 @@ import os
 
 import torch
 
-from megappo.data import PromptExample
-from megappo.metrics import MetricLogger, format_sample
-from megappo.samples import pick_samples, write_generations
-from megappo.tokenizer import load_tokenizer
+from megappo.data.prompts import PromptExample
+from megappo.metrics.sinks import MetricLogger, format_sample
+from megappo.metrics.sample_log import pick_samples, write_generations
+from megappo.data.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch
 
 TOK = load_tokenizer("builtin:digits")

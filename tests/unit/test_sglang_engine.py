@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.rollout.engines import build_engine
+from megappo.rollout.registry import build_engine
 from megappo.types import SamplingParams
 
 

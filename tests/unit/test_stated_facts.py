@@ -1,6 +1,6 @@
 """Numbers the docs state about the code, checked against the code.
 
-The demo's random-policy score: `megappo.data.random_policy_score` works it out exactly from
+The demo's random-policy score: `megappo.data.prompts.random_policy_score` works it out exactly from
 the demo recipe's tokenizer, vocabulary, response length and reward functions; every "random
 policy" in README.md, docs/, recipes/ and benchmarks/RESULTS.md must quote that number."""
 
@@ -12,9 +12,9 @@ import re
 import yaml
 
 from megappo.recipe import load_config
-from megappo.data import builtin_rows, random_policy_score
+from megappo.data.prompts import builtin_rows, random_policy_score
 from megappo.rewards import score_batch
-from megappo.tokenizer import load_tokenizer
+from megappo.data.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "recipes", "demo-cpu.yaml")

@@ -1,4 +1,4 @@
-"""The hf engine's fixed-shape decode paths (megappo.rollout.static_decode) against today's dynamic one.
+"""The hf engine's fixed-shape decode paths (megappo.rollout.hf.static_decode) against today's dynamic one.
 
 CPU, fp32: the static path without capture samples the same tokens as the dynamic path (greedy and
 seeded sampling, n > 1, EOS and stop tokens mid-response, different prompt lengths, top-k / top-p,
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
-from megappo.rollout.hf_engine import HFEngine, cache_keyword
-from megappo.rollout.decode_paths import DECODE_PATHS, choose_decode
-from megappo.rollout import decode_kernels
-from megappo.rollout.decode_kernels import grouped_decode_attention
-from megappo.rollout.static_decode import StaticDecoder, decode_buckets, window_step
+from megappo.rollout.hf.engine import HFEngine, cache_keyword
+from megappo.rollout.hf.decode_paths import DECODE_PATHS, choose_decode
+from megappo.rollout.hf import decode_kernels
+from megappo.rollout.hf.decode_kernels import grouped_decode_attention
+from megappo.rollout.hf.static_decode import StaticDecoder, decode_buckets, window_step
 from megappo.types import SamplingParams
 from tests.unit.test_hf_engine import MIXED, PAD, PROMPTS, mixed_length_params
 
@@ -281,7 +281,7 @@ def test_config_reaches_the_engine(tmp_path):
     a static path asked for where the trainer's hf engine does not run is refused with the fix."""
     from megappo.config import ConfigError
     from megappo.recipe import config_from_dict
-    from megappo.rollout.engines import engine_for
+    from megappo.rollout.registry import engine_for
     from tests.unit.test_config import MIN
 
     cfg = config_from_dict({**MIN, "rollout": {"hf_decode": "static", "hf_eos_check_every": 3, "max_new_tokens": 7},

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megappo.tokenizer import check_vocab, load_tokenizer
+from megappo.data.tokenizer import check_vocab, load_tokenizer
 
 
 def test_builtin_digits_round_trip():
@@ -26,7 +26,7 @@ def test_builtin_tokenizer_files_load_in_plain_transformers(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from megappo.tokenizer import BUILTIN_ALPHABETS, builtin_tokenizer_files, special_token_ids
+    from megappo.data.tokenizer import BUILTIN_ALPHABETS, builtin_tokenizer_files, special_token_ids
 
     tok = load_tokenizer("builtin:digits")
     for name, data in builtin_tokenizer_files(tok).items():
@@ -52,7 +52,7 @@ def test_export_carries_the_tokenizer_from_where_the_run_took_it(tmp_path):
     tokenizer files; a model directory's files come along, a separate tokenizer's win."""
     from types import SimpleNamespace
 
-    from megappo.run import export_files
+    from megappo.trainer.setup import export_files
 
     tok_dir, model_dir = tmp_path / "tok", tmp_path / "model"
     tok_dir.mkdir()

@@ -1,4 +1,4 @@
-"""Validation statistics per data source (megappo.val_metrics) against a reference written the way verl
+"""Validation statistics per data source (megappo.metrics.validation) against a reference written the way verl
 0.9.1's process_validation_metrics computes them: a Python loop per prompt, per bootstrap draw, with
 numpy's global generator reseeded for every call. Equal exactly (the same draws, the same reductions).
 Also megappo's unbiased pass@k, and validation's own sampling parameters."""
@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from megappo.val_metrics import by_data_source
+from megappo.metrics.validation import by_data_source
 
 
 def reference(data_sources, prompts, variables, seed=42, n_bootstrap=1000):
@@ -116,7 +116,7 @@ def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_response(n, correct)
 def test_validation_samples_with_its_own_top_p_and_top_k_or_the_trainings():
     """rollout.val_top_p / val_top_k (verl's val_kwargs.top_p / top_k; DAPO validates at top_p 0.7)."""
     from megappo.config import RolloutConfig
-    from megappo.orchestrator import validation_params
+    from megappo.trainer.loop import validation_params
 
     own = validation_params(RolloutConfig(top_p=0.9, top_k=50, val_top_p=0.7, val_top_k=-1, val_temperature=1.0,
                                           val_n=4, seed=3), (2,))
@@ -134,14 +134,14 @@ def reference_validation_steps(total_steps, test_freq):
 def test_validation_steps_are_verls_every_val_every_and_the_last(total, every):
     """A 30-step run with val_every=20 validates after steps 20 and 30; the last step once, when it is a multiple
     too; val_every=0: never during training."""
-    from megappo.orchestrator import validates_at
+    from megappo.trainer.loop import validates_at
 
     got = [s for s in range(1, total + 1) if validates_at(s, total, every)]
     assert got == reference_validation_steps(total, every)
 
 
 def test_validation_at_the_last_step_in_numbers():
-    from megappo.orchestrator import validates_at
+    from megappo.trainer.loop import validates_at
 
     assert [s for s in range(1, 31) if validates_at(s, 30, 20)] == [20, 30]
     assert [s for s in range(1, 41) if validates_at(s, 40, 20)] == [20, 40]

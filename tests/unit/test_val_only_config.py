@@ -1,7 +1,7 @@
-"""run.val_only's config (megappo.checkpointing.val_only_config): the checkpoint's saved settings for what the
+"""run.val_only's config (megappo.trainer.checkpointing.val_only_config): the checkpoint's saved settings for what the
 model is and how it was trained, the command line's for validation, the machine, the run and logging."""
 
-from megappo.checkpointing import VAL_ONLY_FROM_CHECKPOINT, val_only_config
+from megappo.trainer.checkpointing import VAL_ONLY_FROM_CHECKPOINT, val_only_config
 from megappo.recipe import load_config
 
 DEMO = "recipes/demo-cpu.yaml"

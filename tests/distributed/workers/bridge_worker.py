@@ -25,7 +25,7 @@ from megappo.models.weights import iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import init_parallel
 from megappo.rollout.bridge import WeightBridge, logprob_mismatch
 from megappo.rollout.engine import WeightSyncError
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.types import SamplingParams
 
 

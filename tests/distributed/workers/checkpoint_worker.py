@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.models.builders import build_model
-from megappo.convert import megatron_to_hf
+from megappo.trainer.convert import megatron_to_hf
 from megappo.models.checkpoint import load_model, load_trainable, save_model, save_trainable
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
 from megappo.models.hf_experts import checkpoint_state

@@ -30,8 +30,8 @@ from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import init_parallel
-from megappo import workers as workers_module
-from megappo.workers import Experience, PolicyWorker
+from megappo.trainer import roles as workers_module
+from megappo.trainer.roles import Experience, PolicyWorker
 from tests.distributed.workers.packing_worker import N, R, TEMP, VANILLA, make_seqs, reference_log_probs
 
 TOL = 1e-5

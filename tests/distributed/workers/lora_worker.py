@@ -45,7 +45,7 @@ from megappo.models.training import OptimSettings, make_trainable, train_step
 from megappo.models.weights import iter_adapter_tensors, iter_hf_tensors, load_hf_weights
 from megappo.parallel.state import init_parallel
 from megappo.rollout.bridge import WeightBridge
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.types import SamplingParams
 from training_worker import reference_steps, token_weights  # the same loss, weights and AdamW reference
 

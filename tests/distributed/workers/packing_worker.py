@@ -36,7 +36,7 @@ from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import init_parallel
 from megappo.ppo.losses import AGG_MODES, LossInputs, global_counts
 from megappo.ppo.policy_losses import compute_policy_loss
-from megappo.workers import Experience, PolicyWorker, SeqBatch, ValueWorker
+from megappo.trainer.roles import Experience, PolicyWorker, SeqBatch, ValueWorker
 
 TOL = 1e-5
 VANILLA = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)

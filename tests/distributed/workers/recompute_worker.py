@@ -28,7 +28,7 @@ from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import init_parallel
-from megappo.workers import Experience, PolicyWorker, ValueWorker
+from megappo.trainer.roles import Experience, PolicyWorker, ValueWorker
 from packing_worker import N, R, make_seqs  # the same 8 sequences of mixed prompt and response lengths
 
 SETTINGS = {

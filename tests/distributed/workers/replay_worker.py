@@ -30,9 +30,9 @@ from megappo.models.weights import load_hf_weights
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import init_parallel
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.types import SamplingParams
-from megappo.workers import Experience, PolicyWorker, SeqBatch, pass_metrics
+from megappo.trainer.roles import Experience, PolicyWorker, SeqBatch, pass_metrics
 
 TOL = 1e-5
 CONFIG = {

@@ -25,7 +25,7 @@ from megappo.parallel.state import init_parallel
 from megappo.rollout import replicas
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.engine import WeightSyncError
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.types import SamplingParams
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -11,7 +11,7 @@ earlier attempt stopped before its first checkpoint), so every step is in the fi
 `resume_step=None` keeps every record (run.val_only's log of one validation per start).
 `read_metrics` keeps the last record of a step should a file still hold repeats (one written
 before that rule). A step's generation samples (`add_samples`, records from
-megappo.samples) are printed under its console line (`console="compact"`: those of step 1 and of
+megappo.metrics.sample_log) are printed under its console line (`console="compact"`: those of step 1 and of
 every COMPACT_SAMPLES_EVERY-th step) and written to `run_dir/samples.jsonl` (with the jsonl sink),
 cut back on resume like metrics.jsonl. The console's step line is `compact_line` (the default: step,
 score, the main losses, s/step and ETA) or `full_line` (CONSOLE_KEYS; logging.console=full).
@@ -118,7 +118,7 @@ class MetricLogger:
         self._log_samples(step)
 
     def add_samples(self, step: int, records: list[dict]) -> None:
-        """Generation samples of `step` (megappo.samples.pick_samples), logged with its metrics."""
+        """Generation samples of `step` (megappo.metrics.sample_log.pick_samples), logged with its metrics."""
         self._samples = [dict(step=step, **r) for r in records]
 
     def _log_samples(self, step: int) -> None:
@@ -440,7 +440,7 @@ Panels = tuple[tuple[str, tuple[str, ...]], ...]  # (title, metric names) per pa
 
 def plot_panels(rows: list[dict], patterns: Sequence[str] = ()) -> Panels:
     """The panels of `megappo plot`. Without `patterns`: PLOT_PANELS, the reward panel with each data source's
-    core validation metric where the validation set has several (megappo.val_metrics:
+    core validation metric where the validation set has several (megappo.metrics.validation:
     `val-core/<source>/<var>/mean@N`, ...), and DYNAMIC_SAMPLING_PANEL when the rows have filter_groups/*
     metrics. With `patterns` (shell globs of metric names, `--metrics 'filter_groups/*'`): one panel per metric
     they match, in the order of the patterns, names sorted within one; a pattern that matches none raises

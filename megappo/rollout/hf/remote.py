@@ -242,7 +242,7 @@ def _quiet_lost_handshakes() -> None:
 
 def _serve(conn, model_source, pad_token_id: int, cores: tuple[int, ...]) -> None:
     """The child: build the HFEngine, then serve requests in order until `shutdown` or EOF."""
-    from megappo.rollout.hf_engine import HFEngine
+    from megappo.rollout.hf.engine import HFEngine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it shuts us down
     if cores:

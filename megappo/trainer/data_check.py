@@ -7,14 +7,14 @@ tokenized) and counts three problems:
   or it is neither text nor a list of {"role", "content"} messages;
 - unknown characters: characters of a prompt (or of a ground truth) that the tokenizer has no
   token for and encodes as its unknown token (the built-in character tokenizers: <pad>), so the
-  model sees padding, or can never write the answer (megappo.tokenizer.unknown_characters);
+  model sees padding, or can never write the answer (megappo.data.tokenizer.unknown_characters);
 - missing reward fields: a field a configured reward function reads (megappo.rewards.reads,
   e.g. `reward_model.ground_truth`) is absent or null, so every response scores 0; a close
   spelling in the row (`reward_model.groundtruth`) is named;
 - answers over the budget: a ground truth whose tokens plus EOS do not fit in
   `rollout.max_new_tokens`, so no response can write it and stop (given `max_new_tokens`).
 
-Each example row is named where the user finds it (megappo.data.RowOrigin: `train.jsonl:121`, the
+Each example row is named where the user finds it (megappo.data.prompts.RowOrigin: `train.jsonl:121`, the
 file's line as editors show it; `train.parquet row 121`; a built-in source's row, which has no file).
 
 `apply_policy(report, policy)` then, per `data.bad_row_policy`: `error` (the default) raises a
@@ -24,7 +24,7 @@ generate from); `skip` prints it and drops every row with a problem. A clean dat
 nothing.
 
 `shared_prompts(train_rows, val_rows, ...)` finds the validation rows whose prompt is exactly a
-training prompt (megappo.data.prompt_identity); with an environment (`env`, rollout.env other than
+training prompt (megappo.data.prompts.prompt_identity); with an environment (`env`, rollout.env other than
 single_turn) a row counts only when all an episode receives of it is a training row's
 (`episode_input`: prompt, ground truth, extra_info, data_source), since the same prompt with other
 extra_info is another task. `warn_shared_prompts` prints them as one warning line with the count,
@@ -41,9 +41,9 @@ import difflib
 import json
 from typing import Any, Sequence
 
-from megappo.data import DataError, RowOrigin, numbered, prompt_identity
+from megappo.data.prompts import DataError, RowOrigin, numbered, prompt_identity
 from megappo.rewards import reads
-from megappo.tokenizer import unknown_characters, unknown_token
+from megappo.data.tokenizer import unknown_characters, unknown_token
 
 POLICIES = ("error", "warn", "skip")
 EXAMPLES = 3  # rows quoted per problem
@@ -247,7 +247,7 @@ def check_data(rows: Sequence[dict], tokenizer, *, policy: str, prompt_key: str,
 
 def episode_input(row: dict, prompt_key: str = "prompt") -> str:
     """All an environment's episode receives of a row (megappo.envs.base.Episode, built by
-    megappo.data.build_prompts: the prompt, reward_model.ground_truth, extra_info, data_source), as
+    megappo.data.prompts.build_prompts: the prompt, reward_model.ground_truth, extra_info, data_source), as
     one string that is equal for two rows exactly when their episodes start alike."""
     return json.dumps([prompt_identity(row[prompt_key]), (row.get("reward_model") or {}).get("ground_truth"),
                        dict(row.get("extra_info") or {}), row.get("data_source", "unknown")], sort_keys=True,

@@ -19,7 +19,7 @@ just works, and nothing is deleted; a rename on the same filesystem copies nothi
 
 Only what megappo writes is moved (`OUTPUT_ENTRIES`, `is_checkpoint_entry`): a file of yours in
 run.output_dir stays where it is. Called by the one process that holds the run's lock
-(megappo.runlock), after `checkpointing.find_resume` said there is nothing to resume.
+(megappo.trainer.runlock), after `checkpointing.find_resume` said there is nothing to resume.
 
 This module does not know how a run is trained, resumed or launched.
 """
@@ -30,9 +30,9 @@ import os
 import re
 import time
 
-from megappo.checkpointing import ERROR_LOG, LATEST, SUPERSEDED
+from megappo.trainer.checkpointing import ERROR_LOG, LATEST, SUPERSEDED
 from megappo.config import Config
-from megappo.runlock import LOCK_FILE
+from megappo.trainer.runlock import LOCK_FILE
 
 #: what a run writes into run.output_dir (its default checkpoint.dir, `checkpoints`, included)
 OUTPUT_ENTRIES = ("metrics.jsonl", "samples.jsonl", "config.json", "curves.png", "verl_keys.log",

@@ -3,7 +3,7 @@
 Process groups, the tokenizer, the actor / reference / critic / reward models (HF weights,
 or a Megatron dist checkpoint's, loaded into the shards, Megatron optimizers for the trained
 ones), the rollout engine and the bridge on rank 0, prompts and sampler, the KL controller, the metric logger, and the
-step bookkeeping the loop needs; when a checkpoint is there to resume from (megappo.checkpointing),
+step bookkeeping the loop needs; when a checkpoint is there to resume from (megappo.trainer.checkpointing),
 the models, optimizers, data cursor, KL coefficient and RNG continue from it.
 
 `create_run` calls one named phase after another, each taking what the earlier ones built:
@@ -14,7 +14,7 @@ schedule, bridge), `resume_state`, `announce` (config.json, logger, start-up lin
 capability enters as a phase's argument (a field of the plan), not as a branch inside one.
 `write_initial_model` writes `model_source`'s weights as an HF directory (`megappo export --init`).
 
-This module does not know the order of a PPO step (see megappo.orchestrator).
+This module does not know the order of a PPO step (see megappo.trainer.step).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
-from megappo import checkpointing, interrupts
+from megappo.trainer import checkpointing
+
+from megappo.parallel import interrupts
 from megappo.config import Config, lora_saved_modules, lora_targets
-from megappo.data import ClassOrder, PromptSampler
+from megappo.data.prompts import ClassOrder, PromptSampler
 from megappo.rollout.dynamic_sampling import LimitCount
-from megappo.metrics import MetricLogger, Progress, console
-from megappo.convert import read_aux_files
+from megappo.metrics.sinks import MetricLogger, Progress, console
+from megappo.trainer.convert import read_aux_files
 from megappo.models.builders import MegatronModel, build_model
 from megappo.models.checkpoint import load_dist_weights
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf, load_hf_config
@@ -45,18 +47,18 @@ from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import load_hf_weights
 from megappo.parallel.comm import broadcast_from_rank0
 from megappo.parallel.state import ParallelState, add_layout, init_parallel
-from megappo.preflight import check_inputs
-from megappo.preflight import load_prompts as read_prompts
+from megappo.trainer.preflight import check_inputs
+from megappo.trainer.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
 from megappo.rewards.scoring import Scorer
 from megappo.rollout.bridge import WeightBridge
-from megappo.rollout.engines import engine_for, write_engine_init
+from megappo.rollout.registry import engine_for, write_engine_init
 from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders, node_slot
 from megappo.rollout.schedule import SCHEDULES
-from megappo.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
+from megappo.data.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
-from megappo.perf import device_peak_tflops
-from megappo.workers import PolicyWorker, ValueWorker
+from megappo.metrics.perf import device_peak_tflops
+from megappo.trainer.roles import PolicyWorker, ValueWorker
 
 
 @dataclasses.dataclass
@@ -83,7 +85,7 @@ class Run:
     start_step: int = 0  # the step a resumed run continues after
     nan_skips: int = 0  # steps skipped for non-finite losses so far (carried across resumes)
     last_saved_step: int | None = None
-    branch: dict | None = None  # the branch a checkpoint.resume_from run continues (megappo.checkpointing)
+    branch: dict | None = None  # the branch a checkpoint.resume_from run continues (megappo.trainer.checkpointing)
     rollouts: Any = None  # rank 0: when batches are generated (megappo.rollout.schedule), None elsewhere
     scorer: Scorer | None = None  # rank 0: the rewards' scoring of batches, with its checks and reward workers
     # rank 0, algorithm.filter_groups: the steps that hit max_num_gen_batches (warned once, counted at the end)
@@ -123,7 +125,7 @@ class Run:
             self.save_checkpoint(step)
 
     def save_checkpoint(self, step: int) -> str:
-        """Collective: a trainer checkpoint of `step` (megappo.checkpointing)."""
+        """Collective: a trainer checkpoint of `step` (megappo.trainer.checkpointing)."""
         trainer = buffered = None
         if self.ps.is_rank0:
             buffered = self.rollouts.settle()  # the batches generated ahead, waited for
@@ -140,7 +142,7 @@ class Run:
         return path
 
     def stop_if_interrupted(self, step: int) -> None:
-        """Collective, at a step boundary: when a rank got SIGINT / SIGTERM (megappo.interrupts),
+        """Collective, at a step boundary: when a rank got SIGINT / SIGTERM (megappo.parallel.interrupts),
         every rank saves a checkpoint of `step`, the last completed step (unless it is saved
         already), closes the logger and raises Interrupted, whose message says how to resume."""
         signum = interrupts.agree(self.ps.device)
@@ -188,7 +190,7 @@ class Run:
 
     def export_hf(self, path: str) -> None:
         """Collective: the trained actor (and critic) as HF directories `path`/actor, `path`/critic."""
-        from megappo.convert import export_hf
+        from megappo.trainer.convert import export_hf
 
         hf_files = self._hf_files()
         base = adapter_base(self.cfg.to_dict()["model"]) if self.actor.model.lora.enabled else None
@@ -220,14 +222,14 @@ def export_files(model_cfg, tokenizer) -> dict[str, bytes]:
 
 
 def adapter_base(model_section: dict):
-    """Where a LoRA actor's exported peft adapter finds its base model (megappo.convert.AdapterBase),
+    """Where a LoRA actor's exported peft adapter finds its base model (megappo.trainer.convert.AdapterBase),
     from the run's `model` section as plain data (a trainer checkpoint's saved config): model.path,
     by its absolute path when it is a directory from here (a relative path is the training's working
     directory's: export from there); a model built from model.hf_config is written next to the
     adapter, its fully trained modules (modules_to_save) at the random init the run started from
     (the same build as _hf_source's)."""
     from megappo.config import SAVED_MODULES, ModelConfig
-    from megappo.convert import AdapterBase
+    from megappo.trainer.convert import AdapterBase
 
     path = model_section.get("path")
     if path:
@@ -286,7 +288,7 @@ def _hf_source(cfg: Config):
 
 
 def _optim(section, total_steps: int, use_dist_opt: bool) -> OptimSettings:
-    """A role's optimizer settings; its LR schedule advances once per training step (megappo.workers)."""
+    """A role's optimizer settings; its LR schedule advances once per training step (megappo.trainer.roles)."""
     o = section.optim
     return OptimSettings(lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay, betas=tuple(o.betas),
                          eps=o.eps, clip_grad=section.grad_clip, warmup_steps=o.warmup_for(total_steps),
@@ -393,7 +395,7 @@ def write_initial_model(cfg: Config, out_dir: str, overwrite: bool = False) -> M
     """`megappo export --init`: the actor's starting weights of a recipe that builds its model from
     model.hf_config (the same tensors `model_source` gives a run, seeded by model.seed_init) as an HF directory
     with the tokenizer's files, for another trainer's model path (verl's actor_rollout_ref.model.path)."""
-    from megappo.convert import check_output_dir
+    from megappo.trainer.convert import check_output_dir
     from megappo.models.hf_reference import save_hf_dir
 
     if cfg.model.path:
@@ -513,7 +515,7 @@ def _batching(cfg: Config, role: str) -> MicroBatching:
 def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, actor_model: MegatronModel,
                        total_steps: int, *, routing_replay: bool) -> tuple[Any, Any, WeightBridge]:
     """Collective: (engine, rollout schedule, bridge). Every replica's leader (megappo.rollout.replicas: rank 0
-    alone with rollout.replicas=1) builds an engine (megappo.rollout.engines); rank 0 holds them all as one (a
+    alone with rollout.replicas=1) builds an engine (megappo.rollout.registry); rank 0 holds them all as one (a
     ReplicaSet when there are several) behind the schedule of rollout.mode, the other leaders serve theirs to it,
     and every rank sends through the bridge; ranks other than 0 hold None for engine and schedule."""
     leader_ranks = replica_leaders(ps.world_size, cfg.rollout.replicas)

@@ -22,8 +22,8 @@ import torch
 
 from megappo.config import Config
 from megappo.rollout.engine import RolloutEngine
-from megappo.rollout.hf_engine import HFEngine
-from megappo.rollout.remote import HFModelSource, RemoteEngine
+from megappo.rollout.hf.engine import HFEngine
+from megappo.rollout.hf.remote import HFModelSource, RemoteEngine
 from megappo.rollout.sglang_engine import SGLangEngine
 
 #: rollout.engine -> engine class (SGLang itself is imported only when an SGLangEngine starts)
@@ -66,7 +66,7 @@ def engine_for(cfg: Config, hf_model, tokenizer, *, return_routes: bool, device:
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, use_safetensors=True)
-        from megappo.rollout.hf_engine import gpu_placement
+        from megappo.rollout.hf.engine import gpu_placement
 
         return build_engine("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id,
                             decode=cfg.rollout.hf_decode, eos_check_every=cfg.rollout.hf_eos_check_every,

@@ -33,7 +33,7 @@ newest intact checkpoint before it (`find_resume`). `check_model_dir` does the s
 
 Resume (`checkpoint.resume`): `auto` continues from `latest` when there is one, `must`
 refuses to start without one, `off` starts fresh. A fresh run first moves an earlier run's
-checkpoints and logs into `superseded/` (megappo.earlier_runs), so nothing is overwritten. The checkpoint may be
+checkpoints and logs into `superseded/` (megappo.trainer.earlier_runs), so nothing is overwritten. The checkpoint may be
 loaded at another TP/PP/DP layout. What a changed recipe may change is `check_resumable`; run.val_only
 validates a checkpoint with its own saved settings and the command line's validation keys (`val_only_config`).
 
@@ -70,8 +70,8 @@ import torch.distributed as dist
 
 from megappo.config import Config
 from megappo.errors import CheckpointError, CheckpointWarning, ConfigError
-from megappo.data import PromptExample, RowOrigin
-from megappo.samples import plain_data
+from megappo.data.prompts import PromptExample, RowOrigin
+from megappo.metrics.sample_log import plain_data
 from megappo.types import RolloutBatch
 
 LATEST = "latest"
@@ -150,7 +150,7 @@ def find_resume(cfg: Config, verify: str = "sizes") -> dict | None:
         raise ConfigError(f"checkpoint.resume=must, but {root} has no complete checkpoint. Fix: set checkpoint.dir "
                           "to the run's checkpoint directory, or checkpoint.resume=auto to start fresh when there "
                           "is none.")
-    if mode == "off":  # a fresh run: the checkpoints there are moved aside first (megappo.earlier_runs)
+    if mode == "off":  # a fresh run: the checkpoints there are moved aside first (megappo.trainer.earlier_runs)
         return None
     state = None
     if path is not None:

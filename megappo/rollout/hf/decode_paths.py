@@ -2,7 +2,7 @@
 fixed-shape step supports, and `choose_decode`, the one place the choice is made. Imports no torch,
 so that `megappo plan` can ask whether a recipe's engine keeps its KV cache (the CUDA-graph decode).
 
-This module does not know how any path decodes (megappo.rollout.hf_engine, .static_decode).
+This module does not know how any path decodes (megappo.rollout.hf.engine, .static_decode).
 """
 
 from __future__ import annotations

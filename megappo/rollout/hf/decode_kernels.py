@@ -1,4 +1,4 @@
-"""What a fixed-shape decode step (megappo.rollout.static_decode) runs in place of transformers' eager
+"""What a fixed-shape decode step (megappo.rollout.hf.static_decode) runs in place of transformers' eager
 pieces: a CUDA graph replays every kernel of the step, a few microseconds each at a decode step's sizes,
 and transformers' eager Llama layer runs about 40, so the step's time follows its kernel count as much as
 its bytes (benchmarks/RESULTS.md, "Issue 39 on one H200, second run").
@@ -21,7 +21,7 @@ step keep transformers' own):
   written as roll(x) * (sign * sin) ((-a) * b and a * (-b) are the same number).
 
 This module does not know about caches, buckets, graphs or sampling (static_decode), nor which models
-may run the step (megappo.rollout.decode_paths).
+may run the step (megappo.rollout.hf.decode_paths).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import random
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
 from megappo.errors import ConfigError
-from megappo.tokenizer import chat_template_ids
+from megappo.data.tokenizer import chat_template_ids
 from megappo.user_code import load_spec, short_text
 
 
@@ -346,12 +346,6 @@ def _reasoning_gym_stream(task: str, size: int, seed: int, task_args: dict) -> I
             "reward_model": {"style": "rule", "ground_truth": entry["answer"]},
             "extra_info": {"task": task, "entry": entry},
         }
-
-
-def reasoning_gym_scorer(task: str):
-    import reasoning_gym
-
-    return reasoning_gym.get_score_answer_fn(task)
 
 
 def builtin_rows(spec: str, size: int, seed: int, args: dict | None = None) -> list[dict]:

@@ -3,7 +3,7 @@
 `check_inputs(cfg, world_size, launcher=None)` first checks that every optional package the run is configured
 to use is installed (`check_packages`: the logging sinks, the rollout engine, `--launcher ray`; one table,
 PACKAGES, found with importlib's find_spec, nothing imported; peft is not among them: a LoRA export
-writes peft's adapter files itself, megappo.convert), then the world against the layout and the batch sizes
+writes peft's adapter files itself, megappo.trainer.convert), then the world against the layout and the batch sizes
 (`Config.validate_world`), that there are prompts and a reward (`Config.require_training_data`),
 every model's config.json against its role's tp / pp / vpp (heads, query groups, FFN, layers; the
 trained roles' activation recomputation against their layers per pipeline chunk), each role's Megatron
@@ -18,7 +18,7 @@ tokenizer or the rows (the vocabulary size, a row without a prompt, prompts over
 limit) is checked by `create_run` before any model is built.
 
 `load_prompts(cfg, tokenizer)` reads the rows (data.train_files / val_files, through the user's
-dataset class with data.custom_cls, or a built-in source), runs the data check on them (megappo.datacheck, per data.bad_row_policy) and tokenizes
+dataset class with data.custom_cls, or a built-in source), runs the data check on them (megappo.trainer.data_check, per data.bad_row_policy) and tokenizes
 the prompts: rank 0 of `create_run` uses its examples; the CLI also runs it, with the tokenizer
 check against the model's vocabulary (`check_prompts`), in the process that launches the ranks
 (megappo's launcher, Ray), so a bad row, broken JSON or an over-long prompt is refused before any
@@ -38,16 +38,16 @@ import dataclasses
 import io
 
 from megappo.config import Config
-from megappo.data import (RowOrigin, build_prompts, builtin_rows, builtin_splits, check_files, dataset_class,
+from megappo.data.prompts import (RowOrigin, build_prompts, builtin_rows, builtin_splits, check_files, dataset_class,
                           numbered, read_rows, sampler_class)
-from megappo.datacheck import check_data, warn_shared_prompts
+from megappo.trainer.data_check import check_data, warn_shared_prompts
 from megappo.envs.loading import check_env
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError, dims_from_hf, load_hf_config
 from megappo.models.recompute import Recompute
 from megappo.rollout.routes import is_moe_arch
 from megappo.rewards import get_reward_fn
-from megappo.tokenizer import check_tokenizer_spec
+from megappo.data.tokenizer import check_tokenizer_spec
 
 
 #: (setting, value) -> (the module it imports, the pip command that installs it, what else the user can do):
@@ -217,7 +217,7 @@ def check_prompts(cfg: Config) -> None:
     """What `create_run` refuses on rank 0 before any model is built, checked here without ranks:
     the tokenizer against the model's vocabulary, then every row (`load_prompts`). Prints nothing:
     rank 0 prints the data check's warnings once the run starts."""
-    from megappo.tokenizer import check_vocab, load_tokenizer
+    from megappo.data.tokenizer import check_vocab, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     check_vocab(tokenizer, dims_from_hf(cfg.model.hf_config or _prepared_hf_config(cfg), cfg.model.arch).vocab_size)

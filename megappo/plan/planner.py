@@ -7,7 +7,7 @@ the heads, the rollout replicas' GPUs against the nodes) and estimates the memor
 pipeline stage's, with or without an engine or a staged update), role by role; the plan is the worst
 GPU's, with every kind's total beside it; `format_plan(plan)` prints it.
 Layout errors raise ConfigError / ModelConfigError naming the fix (the CLI exits 2); a plan that
-does not fit exits 1, with the changes that megappo.plan_fixes finds by planning them.
+does not fit exits 1, with the changes that megappo.plan.fixes finds by planning them.
 
 The hardware comes from the recipe's `hardware` section (world size = nodes x gpus_per_node, memory
 = gpu_memory_gib) unless `world_size` / `gpu_mem_gib` are given (--world-size, --gpu-mem). With
@@ -104,7 +104,7 @@ from megappo.config import Config, lora_saved_modules, lora_targets
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError, ModelDims, dims_from_hf
 from megappo.models.recompute import Recompute
-from megappo.rollout.decode_paths import static_unsupported
+from megappo.rollout.hf.decode_paths import static_unsupported
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0  # per GPU: CUDA context, NCCL buffers, allocator slack
@@ -772,7 +772,7 @@ def _gpu_plan(cfg: Config, actor: ModelDims, hf: dict, roles: list[RoleMemory],
     host_engine = gpu_engine = gpu_engine_kv = 0.0
     if r.engine == "hf" and holds and hw.device == "cpu":  # the leader runs the transformers model
         host_engine = total_params(actor) * db
-    elif r.engine == "hf" and holds:  # megappo.rollout.hf_engine.gpu_placement: the model dtype on the leader's GPU
+    elif r.engine == "hf" and holds:  # megappo.rollout.hf.engine.gpu_placement: the model dtype on the leader's GPU
         gpu_engine = total_params(actor) * db
         rows = -(-cfg.data.train_batch_size // placement.replicas) * r.n  # its chunk: whole prompts
         gpu_engine_kv = rows * common["seq"] * 2 * actor.num_layers * actor.num_query_groups * actor.head_dim * db

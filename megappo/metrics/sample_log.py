@@ -8,7 +8,7 @@ response as the reward functions saw it (special tokens dropped), and returns pl
 {"prompt", "response", "score", "ground_truth", "data_source", "finish_reason",
 "response_tokens", "group"} (`group`: the batch's number of the prompt; the n samples of one prompt
 share it), with "fields" (what the reward functions returned besides the score, e.g. "acc", "pred")
-where the batch was scored with them. The metric logger (megappo.metrics) prints a few, one compact
+where the batch was scored with them. The metric logger (megappo.metrics.sinks) prints a few, one compact
 line each, and appends them to `samples.jsonl`; `write_generations` writes all of a step's to
 `<dir>/<step>.jsonl`, replacing the file a run stopped before its checkpoint wrote.
 

@@ -68,7 +68,7 @@ def check_output_dir(out_dir: str, overwrite: bool) -> None:
 class _StagedOutput:
     """A temp directory beside `out_dir`, renamed into place on success, removed on failure.
     `digests`: each rank records the size and digest of the files it wrote (digests/rank_R.json,
-    megappo.checkpointing) before the rename, so readers can check them (check_model_dir)."""
+    megappo.trainer.checkpointing) before the rename, so readers can check them (check_model_dir)."""
 
     def __init__(self, out_dir: str, ps: ParallelState, overwrite: bool, *, digests: bool = False):
         self.out_dir, self.ps, self.overwrite, self.digests = os.path.abspath(out_dir), ps, overwrite, digests
@@ -84,7 +84,7 @@ class _StagedOutput:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None and self.digests:
-            from megappo.checkpointing import write_digests
+            from megappo.trainer.checkpointing import write_digests
 
             dist.barrier()  # every rank's files are written
             write_digests(self.tmp, dist.get_rank(), dist.get_world_size())

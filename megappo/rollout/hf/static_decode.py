@@ -3,7 +3,7 @@ a few batch-size buckets, sampling inside the step, the EOS check every k steps,
 bucket's step captured once as a CUDA graph and replayed (`rollout.hf_decode`, docs/engines.md).
 
 What it owns:
-- (which path runs, and for which models, is megappo.rollout.decode_paths's `choose_decode`)
+- (which path runs, and for which models, is megappo.rollout.hf.decode_paths's `choose_decode`)
 - `StaticDecoder`: the decode loop after the engine's prefill. Its state lives in buffers allocated once for
   [N_max samples, C positions] and reused by every call while they are large enough: the KV cache `kv`
   [L, 2, N_max, H_kv, C, d] (all layers in one tensor, so compaction is one copy), the attention mask
@@ -29,7 +29,7 @@ What it owns:
   (warm-up, a real step), then is captured into a graph that later steps replay; all graphs share one memory
   pool. Graphs read the model's parameters where they are: weight syncs must copy into them in place (the hf
   engine's `update_weights` does). The cache and the graphs stay until `free()`.
-- The step's kernels (megappo.rollout.decode_kernels.StepKernels, around each step's forward): attention
+- The step's kernels (megappo.rollout.hf.decode_kernels.StepKernels, around each step's forward): attention
   with the query heads grouped by their KV head, RMSNorm as torch's rms_norm, RoPE in fewer kernels; and the
   attention mask made additive once a step (SDPA would convert a boolean one at every layer).
 
@@ -42,7 +42,7 @@ Shape legend: N samples (N_max the buffers' rows), b rows of the current bucket,
 V vocab, L layers, H_kv KV heads, d head dim.
 
 This module does not know about Megatron, the bridge, configs, LoRA or MoE routing; it runs the
-model the hf engine hands it and samples with megappo.rollout.sampling, as the dynamic path does.
+model the hf engine hands it and samples with megappo.rollout.hf.sampling, as the dynamic path does.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from megappo.rollout.decode_kernels import StepKernels
-from megappo.rollout.sampling import sample_tokens
+from megappo.rollout.hf.decode_kernels import StepKernels
+from megappo.rollout.hf.sampling import sample_tokens
 from megappo.types import SamplingParams
 
 

@@ -32,7 +32,7 @@ default. One device sync per decode step remains (the EOS check).
 
 Decode paths (`decode`, rollout.hf_decode; chosen once, in `decode_paths.choose_decode`, and printed
 in one line): `dynamic` is the loop above; `static` and `graphs` run the prefill the same way, then
-`megappo.rollout.static_decode.StaticDecoder`: fixed-shape steps at a few batch-size buckets over a
+`megappo.rollout.hf.static_decode.StaticDecoder`: fixed-shape steps at a few batch-size buckets over a
 fixed-capacity cache kept across calls, sampling inside the step with the same per-row uniforms
 (so the same tokens), the EOS check every `eos_check_every` steps, and with `graphs` each bucket's
 step a CUDA graph. `auto` is graphs on CUDA for a supported model, dynamic elsewhere. A call asking
@@ -59,9 +59,9 @@ from megappo.models.hf_experts import checkpoint_views
 from megappo.models.precision import precision_of
 from megappo.rollout.engine import Bucket, left_pad, tensor_fingerprint
 from megappo.rollout.routes import UNKNOWN, RouteRecorder
-from megappo.rollout.sampling import filter_logits, sample_tokens, sampling_uniforms  # noqa: F401 (re-exported)
-from megappo.rollout.decode_paths import choose_decode
-from megappo.rollout.static_decode import StaticDecoder
+from megappo.rollout.hf.sampling import filter_logits, sample_tokens, sampling_uniforms  # noqa: F401 (re-exported)
+from megappo.rollout.hf.decode_paths import choose_decode
+from megappo.rollout.hf.static_decode import StaticDecoder
 from megappo.types import RolloutBatch, SamplingParams
 
 

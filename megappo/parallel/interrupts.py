@@ -4,7 +4,7 @@ this process's handlers for the two signals, the stop they request, and its exit
 A rank (`install()`): the first signal only records a request; the training loop asks the
 ranks whether any of them has one (`agree`, a collective all of them reach once per step,
 so no rank is left waiting in another collective) and stops at that step boundary with a
-checkpoint (megappo.run). Signals within `REPEAT_WINDOW_S` of the first count as the same
+checkpoint (megappo.trainer.setup). Signals within `REPEAT_WINDOW_S` of the first count as the same
 request: SLURM signals every process of a job step and the launcher forwards its own copy. A
 later signal ends the process at once with one line at most (rank 0's), from a watcher thread
 woken by the signal's wakeup byte, so that it works even while the main thread is blocked in

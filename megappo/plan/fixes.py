@@ -20,7 +20,7 @@ batches, sequence lengths, model and algorithm) and can lower one GPU's memory, 
   replicas        rollout.replicas, fewer (engines on fewer GPUs)
   hf engine       rollout.hf_decode=dynamic, rollout.placement=separate (generation on the host)
 
-Every change is applied to the config and planned again by `megappo.plan.make_plan` at the same world
+Every change is applied to the config and planned again by `megappo.plan.planner.make_plan` at the same world
 size and GPU memory; one that the config or layout checks refuse (a tp that does not divide the
 heads, a value already at its limit) is never offered, nor one alone that does not fit (so none
 that saves nothing). The answer (`Fixes`):
@@ -37,7 +37,7 @@ that saves nothing). The answer (`Fixes`):
 - `more_gpus`, when nothing fits on this world size: the same search on 1, 2, ... MAX_MORE_NODES
   more nodes of the same GPUs (or 2, 3, ... times a --world-size); the first that fits, with its layout.
 
-It does not count memory (megappo.plan does) and ranks by GiB saved and number of changes, not by
+It does not count memory (megappo.plan.planner does) and ranks by GiB saved and number of changes, not by
 what a change costs in speed (docs/planner.md says that per knob).
 """
 
@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 from megappo.config import Config
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError
-from megappo.plan import GIB, Plan, make_plan, replica_counts
+from megappo.plan.planner import GIB, Plan, make_plan, replica_counts
 from megappo.recipe import apply_override, config_from_dict, read_config
 
 MIN_SAVING_GIB = 0.05  # a layout that saves less takes no part in the combinations
@@ -216,7 +216,7 @@ def _knobs(cfg: Config, plan: Plan, world: int, per_node: int) -> list[_Knob]:
         sizes = [t for t in range(now + 1, min(world, per_node) + 1)
                  if d.num_heads % t == 0 and (g % t == 0 if t <= g else t % g == 0)]
         values = []
-        for t in sizes:  # wider replicas: as many as still fit beside each other (megappo.plan.Placement)
+        for t in sizes:  # wider replicas: as many as still fit beside each other (megappo.plan.planner.Placement)
             fewer = max(replica_counts(world, per_node, t, most=r.replicas))
             values.append({"rollout.sglang.tp_size": str(t), **({"rollout.replicas": str(fewer)}
                                                                  if fewer != r.replicas else {})})
