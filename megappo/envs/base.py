@@ -1,4 +1,4 @@
-"""The environment interface for multi-turn rollouts (layer L3, beside rollout/: torch-free).
+"""The environment interface for multi-turn rollouts (below rollout/, which runs episodes: torch-free).
 
 A user writes a subclass of `Environment` in their own module and names it in a recipe
 (`rollout.env: my_pkg.my_env:MyEnv`, its keyword arguments in `rollout.env_args`). The

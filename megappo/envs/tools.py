@@ -433,8 +433,8 @@ class ToolEnv(Environment):
         self.episode: Episode | None = None
         self.answer_reward = None
         if answer_reward is not None:
-            # the one reference upward (envs sit below rewards): the registry of scoring functions,
-            # pure and torch-free, looked up by the name the user gave, as reward.functions does
+            # the registry of scoring functions (rewards/ sits below envs/), looked up by the name the
+            # user gave, as reward.functions does; imported here, when an environment scores answers
             from megappo.rewards import get_reward_fn, score_batch
 
             if not isinstance(answer_reward, str):
