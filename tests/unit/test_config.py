@@ -3,12 +3,13 @@
 import dataclasses
 import pathlib
 import re
+import sys
 
 import pytest
 
 from megappo import config as config_module
-from megappo.config import ActorConfig, Config, ConfigError, OptimConfig, ParallelConfig
-from megappo.recipe import config_from_dict, dump_config, load_config
+from megappo.config import (ActorConfig, Config, ConfigError, OptimConfig, ParallelConfig, config_from_dict, dump_config,
+                            load_config)
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -428,3 +429,12 @@ def test_policy_losses_rollout_correction_and_estimators_and_their_refusals():
     ]:
         with pytest.raises(ConfigError, match=message):
             build(**sections)
+
+
+def test_the_old_recipe_module_still_imports_with_a_deprecation_warning(monkeypatch):
+    monkeypatch.delitem(sys.modules, "megappo.recipe", raising=False)
+    with pytest.warns(DeprecationWarning, match="import load_config, .* from megappo.config"):
+        import megappo.recipe as old
+    assert (old.load_config, old.config_from_dict, old.dump_config, old.apply_override) == (
+        config_module.load_config, config_module.config_from_dict, config_module.dump_config,
+        config_module.apply_override)

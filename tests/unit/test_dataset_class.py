@@ -5,10 +5,9 @@ import json
 
 import pytest
 
-from megappo.config import ConfigError
+from megappo.config import ConfigError, load_config
 from megappo.data import DataError, class_rows, read_rows
 from megappo.preflight import check_inputs, load_prompts
-from megappo.recipe import load_config
 from megappo.tokenizer import load_tokenizer
 
 ROWS_CLASS = '''
