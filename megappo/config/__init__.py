@@ -13,11 +13,13 @@
   loading      recipes: YAML, dotted overrides, variants, verl keys -> Config; dump_config
   verl_keys    verl's keys and how megappo reads them (plain data)
   key_synonyms other trainers' key names -> megappo's (plain data)
+  field_docs   each field's docstring, and docs/config.md's field tables written from them
 
 Each section is a frozen dataclass that converts and checks its fields on construction; the rules
 across sections are named functions beside the sections they relate, run by `Config.check` in
 `root.RULES`' order. Every error is a `ConfigError` (megappo.errors) naming the dotted key and the
-fix. Each field's documentation is its docstring, written once.
+fix. Each field's documentation is its docstring, written once; docs/config.md's field tables are
+generated from them (`python -m megappo.config.field_docs`).
 
 This package imports nothing from megappo but megappo.errors and the estimator and policy-loss
 names of megappo.ppo.specs: recipes can be checked anywhere, without torch. Everything other code
