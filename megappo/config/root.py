@@ -114,6 +114,16 @@ class Config(_Section):
         return self.needs_ref and self.actor.lora.enabled
 
     @property
+    def routing_replay(self) -> bool:
+        """MoE: the actor's and reference's passes replay the experts the engine chose per token."""
+        return self.actor.moe_routing == "replay"
+
+    @property
+    def lora_roles(self) -> tuple[str, ...]:
+        """The trained roles with LoRA adapters."""
+        return tuple(role for role in ("actor", "critic") if getattr(self, role).lora.enabled)
+
+    @property
     def roles(self) -> tuple[str, ...]:
         """The Megatron models this run builds (the reward model aside)."""
         return ("actor",) + (("critic",) if self.use_critic else ()) + (("ref",) if self.needs_ref else ())

@@ -461,3 +461,10 @@ def test_the_old_recipe_module_still_imports_with_a_deprecation_warning(monkeypa
     assert (old.load_config, old.config_from_dict, old.dump_config, old.apply_override) == (
         config_module.load_config, config_module.config_from_dict, config_module.dump_config,
         config_module.apply_override)
+
+
+def test_routing_replay_and_lora_roles_are_derived_values():
+    """megappo.run's RolePlan reads these rather than deciding them again."""
+    cfg = build(actor={"moe_routing": "replay", "lora": {"rank": 8}}, critic={"lora": {"rank": 4}})
+    assert cfg.routing_replay and cfg.lora_roles == ("actor", "critic")
+    assert not build().routing_replay and build().lora_roles == ()
