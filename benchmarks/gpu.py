@@ -745,7 +745,7 @@ def run_until(argv: list[str], env: dict[str, str], timeout: float, cwd: str | N
 
 
 def e2e_row(b: Bench, name: str, out_dir: str) -> Row:
-    from megappo.recipe import load_config
+    from megappo.config import load_config
     from megappo.plan.planner import GIB, make_plan
 
     s = b.settings

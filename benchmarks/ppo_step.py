@@ -282,7 +282,7 @@ def profile_worker(recipe: str, trace: str, steps: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import megappo.trainer.step as orch
-    from megappo.recipe import load_config
+    from megappo.config import load_config
     from megappo.trainer.setup import create_run
 
     plain_timed = orch.timed

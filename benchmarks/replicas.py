@@ -65,7 +65,7 @@ def summary(rows: list[dict], samples: int) -> dict:
 
 def samples_per_step(recipe: str, extra: list[str]) -> int:
     sys.path.insert(0, REPO)
-    from megappo.recipe import load_config
+    from megappo.config import load_config
 
     cfg = load_config(os.path.join(REPO, recipe), extra)
     return cfg.data.train_batch_size * cfg.rollout.n

@@ -91,7 +91,7 @@ def _train_start_up(args):
     every check that can refuse the run before any rank starts."""
     from megappo.trainer.checkpointing import find_resume
     from megappo.errors import ConfigError
-    from megappo.recipe import read_config
+    from megappo.config import read_config
     from megappo.trainer.preflight import check_inputs
 
     _hydra_recipe(args)  # verl's --config-path / --config-name: the recipe they name
@@ -211,7 +211,7 @@ VERL_KEYS_LOG = "verl_keys.log"
 
 def _say_verl_lines(lines: list[str], run_dir: str) -> None:
     """The start-up lines saying what the command line's verl keys were read as, and which megappo does
-    not use (megappo.recipe.VerlReading), on the console and in run_dir/verl_keys.log."""
+    not use (megappo.config.loading.VerlReading), on the console and in run_dir/verl_keys.log."""
     if not lines:
         return
     for line in lines:
@@ -379,7 +379,7 @@ def _record_restart(run_dir: str, restart) -> None:
 
 
 def cmd_plan(args) -> int:
-    from megappo.recipe import read_config
+    from megappo.config import read_config
     from megappo.plan.planner import format_plan, make_plan
 
     _hydra_recipe(args)
@@ -405,7 +405,7 @@ def cmd_plan(args) -> int:
 
 def cmd_hardware(args) -> int:
     """The recipe's hardware as shell assignments, for tools/launch/ (`eval "$(megappo hardware ...)"`)."""
-    from megappo.recipe import load_config
+    from megappo.config import load_config
 
     cfg = load_config(args.recipe, args.overrides, args.variant)
     hw, world = cfg.hardware, cfg.hardware_world_size
@@ -453,7 +453,7 @@ def export_initial_model(args) -> int:
     """`megappo export --init RECIPE OUT [key=value ...]`: the recipe's initial actor (built from model.hf_config)
     as an HF directory (megappo.trainer.setup.write_initial_model)."""
     from megappo.errors import ConfigError
-    from megappo.recipe import load_config
+    from megappo.config import load_config
     from megappo.trainer.setup import write_initial_model
 
     if args.role != "actor" or args.tp != 1 or args.pp != 1:
@@ -510,7 +510,7 @@ def cmd_plot(args) -> int:
 
 
 def _hydra_flags(parser) -> None:
-    """verl's Hydra flags, which every verl script passes (megappo.recipe.verl_config_recipe reads them)."""
+    """verl's Hydra flags, which every verl script passes (megappo.config.loading.verl_config_recipe reads them)."""
     parser.add_argument("--config-path", default=None,
                         help="verl's: the directory of --config-name's YAML (a megappo recipe there is used)")
     parser.add_argument("--config-name", default=None,
@@ -522,7 +522,7 @@ def _hydra_recipe(args) -> None:
     """args.recipe from verl's --config-path / --config-name, and args.recipe_lines saying what it is (a recipe
     and the flags both: refused)."""
     from megappo.errors import ConfigError
-    from megappo.recipe import verl_config_recipe
+    from megappo.config.loading import verl_config_recipe
 
     args.recipe_lines = []
     if not getattr(args, "config_name", None):

@@ -10,11 +10,11 @@ in order (`X=${X:-default}`, `A=(...)`, `A+=(...)`, `export`) and expanded where
 (`$X`, `${X:-d}`, `"${A[@]}"`, `$((...))`); an unset variable expands to nothing, as in bash, and is
 named. Each command whose words hold the entry (`-m verl.trainer.main_ppo`, `main_ppo.py`) is one
 command line; the words after it, less Hydra's `--config-path` / `--config-name` flags, are read by
-megappo.recipe.read_config as `megappo train` reads them: on the recipe `--config-name` names (verl
+megappo.config.loading.read_config as `megappo train` reads them: on the recipe `--config-name` names (verl
 0.9.1's defaults, recipes/verl/, for verl's own trainer configs), else on megappo's defaults (no recipe).
 Printed: the count read and refused, each refused line with the error's lines (each names the feature
 and its fix), what the refused lines need and the refused keys by how often they come; --keys adds
-every key's reading by count (the keys to add to megappo/verl_keys.py's tables next).
+every key's reading by count (the keys to add to megappo/config/verl_keys.py's tables next).
 
 This tool knows bash's quoting and expansion, not verl: it asks megappo what a key means. It runs
 no code of the scripts (a command substitution `$(...)` expands to nothing but `$(pwd)`).
@@ -419,7 +419,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
 
     from megappo.errors import ConfigError
-    from megappo.recipe import _key_value, read_config, read_overrides, verl_config_recipe
+    from megappo.config.loading import _key_value, read_config, read_overrides, verl_config_recipe
 
     lines = [cl for path, text in scripts(args.verl_dir, args.rev, args.under)
              for cl in command_lines(text, path, args.entry)]

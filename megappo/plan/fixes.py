@@ -49,11 +49,10 @@ import itertools
 import math
 from typing import Optional, Sequence
 
-from megappo.config import Config
+from megappo.config import Config, apply_override, config_from_dict, read_config
 from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError
 from megappo.plan.planner import GIB, Plan, make_plan, replica_counts
-from megappo.recipe import apply_override, config_from_dict, read_config
 
 MIN_SAVING_GIB = 0.05  # a layout that saves less takes no part in the combinations
 MAX_COMBINATION = 3  # changes per combination searched exhaustively
@@ -376,7 +375,7 @@ def _hardware_nodes(cfg: Config, plan: Plan) -> Optional[tuple[int, int]]:
 def find_fixes(cfg: Config, plan: Plan, *, hf_config: Optional[str] = None, recipe: Optional[str] = None,
                overrides: Sequence[str] = (), variant: Optional[str] = None) -> Fixes:
     """What makes `plan` (make_plan of `cfg`) fit, each change planned. `recipe`, `overrides`, `variant`:
-    how `cfg` was read (megappo.recipe.read_config), to plan the recipe's other variants with the same
+    how `cfg` was read (megappo.config.loading.read_config), to plan the recipe's other variants with the same
     overrides and name the command; without `recipe` the variants are `cfg.variants` applied to `cfg`."""
     gpu_mem_gib = plan.gpu_mem / GIB
     world = cfg.hardware.describe(plan.world_size, gpu_mem_gib)

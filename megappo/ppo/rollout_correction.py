@@ -4,7 +4,7 @@ Owns: the importance-sampling (IS) weights and the rejection-sampling (RS) mask 
 for the gap between the rollout engine's log-probs and the trainer's, their metrics (verl's
 names under "rollout_corr/"), verl's presets and the two bypass-mode policy losses
 (`reinforce_loss`, `bypass_mode_loss`). The grammar of the settings and their checks are
-megappo.correction_spec's.
+megappo.ppo.correction_spec's.
 Does not know about configs, process groups, the policy-loss registry or the trainer; the
 caller chooses the mode, gives whole-batch tensors (decoupled) or a micro-batch with the
 mini-batch's global counts (bypass), and averages the "rollout_corr/" metrics of parts.
@@ -69,7 +69,7 @@ import math
 
 import torch
 
-from megappo.correction_spec import (_IS_FIX, _KEY, IS_LEVELS, parse_is_threshold, parse_rs_options,
+from megappo.ppo.correction_spec import (_IS_FIX, _KEY, IS_LEVELS, parse_is_threshold, parse_rs_options,
                                      parse_rs_thresholds, validate)
 from megappo.ppo.losses import LossInputs, policy_loss
 from megappo.ppo.stats import masked_mean, masked_sum

@@ -536,7 +536,7 @@ def val_only_config(saved: dict, given: Config) -> tuple[Config, list[str]]:
     which come from `given` (the recipe and command line), as do the other sections (run, logging, checkpoint,
     hardware, parallel). Returns the config and `given`'s settings that differ from the checkpoint's and are not
     used ('rollout.n=8 (the checkpoint's: 4)'), for the start-up line."""
-    from megappo.recipe import config_from_dict
+    from megappo.config import config_from_dict
 
     def under(key: str, sections) -> bool:
         return any(key == s or key.startswith(s + ".") for s in sections)

@@ -331,9 +331,9 @@ class RolePlan:
 
     @classmethod
     def of(cls, cfg: Config) -> RolePlan:
-        return cls(roles=cfg.model_roles, routing_replay=cfg.actor.moe_routing == "replay",
+        return cls(roles=cfg.model_roles, routing_replay=cfg.routing_replay,
                    recompute={role: recompute_of(cfg, role) for role in cfg.model_roles},
-                   lora={role: lora for role in ("actor", "critic") for lora in [lora_of(cfg, role)] if lora.enabled},
+                   lora={role: lora_of(cfg, role) for role in cfg.lora_roles},
                    ref_is_actor_base=cfg.ref_is_actor_base)
 
 

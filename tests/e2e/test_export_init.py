@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megappo.models.weights import HFWeights
-from megappo.recipe import load_config
+from megappo.config import load_config
 from megappo.trainer.setup import model_source
 from tests import prefork
 

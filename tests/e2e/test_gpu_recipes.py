@@ -64,7 +64,7 @@ import time
 import pytest
 import torch
 
-from megappo.recipe import load_config
+from megappo.config import load_config
 from megappo.plan.planner import resolve_hf_config
 from megappo.rewards import get_reward_fn
 from tests import prefork

@@ -83,7 +83,7 @@ def test_demo_learns_with_lora_and_exports_a_peft_adapter(tmp_path):
     from safetensors.torch import load_file
 
     from megappo.models.hf_reference import build_hf_model
-    from megappo.recipe import load_config
+    from megappo.config import load_config
 
     recipe = load_config(os.path.join(REPO, "recipes", "demo-cpu.yaml"))
     start = build_hf_model(recipe.model.hf_config, seed=recipe.model.seed_init).state_dict()

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from megappo.trainer import checkpointing
-from megappo.config import ConfigError
+from megappo.config import ConfigError, config_from_dict
 from megappo.errors import CheckpointError
-from megappo.recipe import config_from_dict
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}
 

@@ -3,12 +3,14 @@
 import dataclasses
 import pathlib
 import re
+import sys
 
 import pytest
 
 from megappo import config as config_module
-from megappo.config import ActorConfig, Config, ConfigError, OptimConfig, ParallelConfig
-from megappo.recipe import config_from_dict, dump_config, load_config
+from megappo.config import field_docs
+from megappo.config import (ActorConfig, Config, ConfigError, OptimConfig, ParallelConfig, config_from_dict, dump_config,
+                            load_config)
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -283,24 +285,46 @@ def test_consistent_variants_pass():
     assert build(parallel={"tp": 2, "pp": 2, "vpp": 2, "sequence_parallel": True}).parallel.vpp == 2
 
 
-def test_docs_cover_every_field():
-    """docs/config.md is the field reference: every section and field is listed there."""
-    text = (REPO / "docs/config.md").read_text()
-    seen, missing = set(), []
+def _sections(cls=Config):
+    """Every section class reachable from `cls`, `cls` included."""
+    found = [cls]
+    for f in dataclasses.fields(cls):
+        hint = config_module._options(config_module._hints(cls)[f.name])[0]
+        if dataclasses.is_dataclass(hint):
+            found += [c for c in _sections(hint) if c not in found]
+    return found
 
-    def walk(cls, prefix):
-        for f in dataclasses.fields(cls):
-            hint = config_module._hints(cls)[f.name]
-            if dataclasses.is_dataclass(hint) and hint not in seen:
-                seen.add(hint)
-                walk(hint, f"{prefix}{f.name}.")
-            elif not re.search(rf"[`.]{f.name}`", text):  # `name` or `section.name`
-                missing.append(prefix + f.name)
 
-    walk(Config, "")
-    assert not missing, f"docs/config.md does not document {missing}"
-    assert not [s for s in ("model", "parallel", "actor", "critic", "ref", "reward", "algorithm", "rollout", "data",
-                            "checkpoint", "logging", "run") if f"`{s}`" not in text]
+def test_every_field_has_a_docstring():
+    """A field's documentation is the docstring under it, written once (docs/config.md's rows come from it)."""
+    missing = [f"{cls.__name__}.{f.name}" for cls in _sections() for f in dataclasses.fields(cls)
+               if not field_docs.field_docs(cls).get(f.name, "").strip()]
+    assert not missing, f"fields without a docstring: {missing}. Fix: write one under each field"
+
+
+def test_docs_field_tables_are_the_docstrings():
+    """docs/config.md is the field reference: a table for every section (its class's, for the shared
+    <role>.optim, .parallel, .recompute, .lora), each written from the fields' docstrings and defaults."""
+    page = (REPO / "docs/config.md").read_text()
+    assert field_docs.render(page) == page, (f"docs/config.md's field tables differ from the fields' docstrings in "
+                                             f"megappo/config/. Fix: run {field_docs.COMMAND}")
+    with_tables = {field_docs.section_at(path) for path in field_docs.tables(page)}
+    sections = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(
+        config_module._options(config_module._hints(Config)[f.name])[0])]
+    assert not [s for s in sections if field_docs.section_at(s) not in with_tables], "a section has no table"
+    rows = re.findall(r"^\| `([\w.]+)` \|", page, flags=re.M)
+    for cls in _sections():  # every field of every section is a row (`name`, or `section.name` when flattened)
+        missing = [f.name for f in dataclasses.fields(cls) if not any(r.split(".")[-1] == f.name for r in rows)]
+        assert cls is Config or not missing, f"docs/config.md has no row for {cls.__name__}'s {missing}"
+
+
+def test_field_docs_command_reports_a_stale_page(tmp_path, capsys):
+    page = (REPO / "docs/config.md").read_text()
+    stale = tmp_path / "config.md"
+    stale.write_text(page.replace("| `tp` | `1` |", "| `tp` | `2` |", 1))
+    assert field_docs.main(["--check", "--page", str(stale)]) == 1
+    assert field_docs.COMMAND in capsys.readouterr().out
+    assert field_docs.main(["--page", str(stale)]) == 0 and stale.read_text() == page
 
 
 def test_expert_parallel_per_role():
@@ -428,3 +452,19 @@ def test_policy_losses_rollout_correction_and_estimators_and_their_refusals():
     ]:
         with pytest.raises(ConfigError, match=message):
             build(**sections)
+
+
+def test_the_old_recipe_module_still_imports_with_a_deprecation_warning(monkeypatch):
+    monkeypatch.delitem(sys.modules, "megappo.recipe", raising=False)
+    with pytest.warns(DeprecationWarning, match="import load_config, .* from megappo.config"):
+        import megappo.recipe as old
+    assert (old.load_config, old.config_from_dict, old.dump_config, old.apply_override) == (
+        config_module.load_config, config_module.config_from_dict, config_module.dump_config,
+        config_module.apply_override)
+
+
+def test_routing_replay_and_lora_roles_are_derived_values():
+    """megappo.trainer.setup's RolePlan reads these rather than deciding them again."""
+    cfg = build(actor={"moe_routing": "replay", "lora": {"rank": 8}}, critic={"lora": {"rank": 4}})
+    assert cfg.routing_replay and cfg.lora_roles == ("actor", "critic")
+    assert not build().routing_replay and build().lora_roles == ()

@@ -9,7 +9,7 @@ import torch
 
 from megappo.trainer import step as trainer_step
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
-from megappo.recipe import load_config
+from megappo.config import load_config
 from megappo.rewards.scoring import Scorer
 from megappo.types import RolloutBatch
 

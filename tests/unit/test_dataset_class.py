@@ -5,10 +5,9 @@ import json
 
 import pytest
 
-from megappo.config import ConfigError
+from megappo.config import ConfigError, load_config
 from megappo.data.prompts import DataError, class_rows, read_rows
 from megappo.trainer.preflight import check_inputs, load_prompts
-from megappo.recipe import load_config
 from megappo.data.tokenizer import load_tokenizer
 
 ROWS_CLASS = '''

@@ -8,7 +8,7 @@ import pytest
 
 from megappo.models.hf_config import ModelConfigError
 from megappo.trainer.preflight import check_dist_checkpoints
-from megappo.recipe import load_config
+from megappo.config import load_config
 
 DEMO = str(pathlib.Path(__file__).resolve().parents[2] / "recipes/demo-cpu.yaml")
 

@@ -175,7 +175,7 @@ def test_at_the_limit_stop_raises_the_fix():
 
 
 def test_the_config_draws_gen_batch_size_prompts_and_refuses_a_bound_that_cannot_fill_a_step():
-    from megappo.recipe import load_config
+    from megappo.config import load_config
 
     demo = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "recipes/demo-cpu.yaml")
     on = ["algorithm.filter_groups.enable=true", "rollout.n=4", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",

@@ -4,7 +4,7 @@ import os
 
 from megappo.trainer import checkpointing
 from megappo.trainer.earlier_runs import earlier_files, set_aside_earlier
-from megappo.recipe import config_from_dict
+from megappo.config import config_from_dict
 from megappo.trainer.runlock import LOCK_FILE
 
 MIN = {"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}}}

@@ -15,11 +15,10 @@ import pytest
 import torch
 import yaml
 
-from megappo.config import ConfigError
+from megappo.config import ConfigError, load_config
 from megappo.envs.loading import env_class
 from megappo.trainer.step import rollout
 from megappo.trainer.preflight import check_inputs, check_prompts, load_prompts
-from megappo.recipe import load_config
 from megappo.data.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch, SamplingParams
 from tests.e2e._tiny_models import byte_level_tokenizer

@@ -5,8 +5,7 @@ and the progress line's ETA from step times only."""
 import pytest
 import torch
 
-from megappo.config import ConfigError
-from megappo.recipe import load_config
+from megappo.config import ConfigError, load_config
 from megappo.data.prompts import builtin_rows
 from megappo.metrics.sinks import Progress
 from megappo.rewards.scoring import score_metrics

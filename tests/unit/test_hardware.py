@@ -5,8 +5,7 @@ mismatch warning `megappo train` prints."""
 
 import pytest
 
-from megappo.config import ConfigError, HardwareConfig
-from megappo.recipe import config_from_dict, load_config
+from megappo.config import ConfigError, HardwareConfig, config_from_dict, load_config
 from megappo.plan.planner import CPU_RESERVE_GIB, GIB, RESERVE_GIB, make_plan, total_params
 
 TINY = {"hf_config": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32,

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megappo.recipe import load_config
+from megappo.config import load_config
 from megappo.data.prompts import NOT_HELD_OUT, DataError, builtin_rows, builtin_splits, load_rows, prompt_identity
 from megappo.trainer.data_check import shared_prompts, warn_shared_prompts
 from megappo.trainer.preflight import _prompt_rows

@@ -1,5 +1,5 @@
 """Key names from other trainers (learning_rate, max_steps, num_generations, ...) get one line naming
-megappo's key and the fix, through the real config path (megappo.key_synonyms, megappo.recipe)."""
+megappo's key and the fix, through the real config path (megappo.config.key_synonyms, megappo.config.loading)."""
 
 import pathlib
 
@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from megappo.config import ConfigError
-from megappo.key_synonyms import SYNONYMS
-from megappo.recipe import _is_key, config_from_dict, load_config
+from megappo.config.key_synonyms import SYNONYMS
+from megappo.config.loading import _is_key, config_from_dict, load_config
 
 DEMO = str(pathlib.Path(__file__).resolve().parents[2] / "recipes/demo-cpu.yaml")
 

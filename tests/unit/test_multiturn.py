@@ -11,8 +11,7 @@ import types
 import pytest
 import torch
 
-from megappo.config import ConfigError
-from megappo.recipe import load_config
+from megappo.config import ConfigError, load_config
 from megappo.data.prompts import RowOrigin, build_prompts, builtin_rows
 from megappo.envs.base import Action, Environment, StepResult
 from megappo.envs.loading import check_env, env_class
@@ -374,7 +373,7 @@ def demo_score(capsys):
     """docs/environments.md's snippet that computes the demo's random-policy score, run as is from the
     repository root: (its config, tokenizer, examples, environment class, score)."""
     page = open(os.path.join(REPO, "docs", "environments.md")).read()
-    code = re.search(r"```python\n(from megappo.recipe import load_config.*?random_policy_episode_score.*?)```",
+    code = re.search(r"```python\n(from megappo.config import load_config.*?random_policy_episode_score.*?)```",
                      page, re.S).group(1)
     cwd, names = os.getcwd(), {}
     os.chdir(REPO)

@@ -5,9 +5,8 @@ experience resampled row by row, and the config read from verl's keys (GAE only,
 import pytest
 import torch
 
-from megappo.config import ConfigError
+from megappo.config import ConfigError, read_config
 from megappo.ppo.pf_ppo import resample_indices, weights
-from megappo.recipe import read_config
 from megappo.trainer.roles import Experience, SeqBatch
 
 SCORES = torch.tensor([1.0, -2.0, 0.0, 0.5])

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from megappo.cli import main
-from megappo.config import ConfigError
-from megappo.recipe import config_from_dict
+from megappo.config import ConfigError, config_from_dict
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
 from megappo.plan.planner import (CPU_RESERVE_GIB, ENGINE_RESERVE_GIB, GIB, KNOWN_MODELS, RESERVE_GIB, chunks_in_flight,
                           format_plan, layer_activation_bytes,

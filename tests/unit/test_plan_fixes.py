@@ -1,6 +1,6 @@
 """megappo.plan.fixes: what `megappo plan` offers when a recipe does not fit, on the shipped recipes.
 
-Every offered change is planned again here from the recipe with its overrides (megappo.recipe +
+Every offered change is planned again here from the recipe with its overrides (megappo.config.loading +
 megappo.plan.planner, as a user who types them would get), and the claims "nothing fits on these GPUs" are
 checked against a brute force over layouts and SGLang memory fractions with every other memory
 saving on.
@@ -16,7 +16,7 @@ from megappo.errors import ConfigError
 from megappo.models.hf_config import ModelConfigError
 from megappo.plan.planner import GIB, RESERVE_GIB, format_plan, make_plan
 from megappo.plan.fixes import MAX_SHOWN, find_fixes, format_fixes
-from megappo.recipe import apply_override, config_from_dict, load_config, read_config
+from megappo.config import apply_override, config_from_dict, load_config, read_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QWEN_PPO = os.path.join(REPO, "recipes", "qwen2.5-7b-ppo-8gpu.yaml")

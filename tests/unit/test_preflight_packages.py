@@ -65,7 +65,7 @@ def test_sglang_engine(tmp_path, capsys, monkeypatch):
 
 def test_installed_packages_pass_and_unused_ones_are_not_asked_for(monkeypatch):
     """A sink that is not configured is not checked; one whose package is installed passes."""
-    from megappo.recipe import load_config
+    from megappo.config import load_config
 
     cfg = load_config(DEMO, ["logging.sinks=[console,jsonl]"])
     for key in list(preflight.PACKAGES):

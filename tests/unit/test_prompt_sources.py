@@ -4,8 +4,7 @@ import pathlib
 
 import pytest
 
-from megappo.config import ConfigError
-from megappo.recipe import config_from_dict, load_config
+from megappo.config import ConfigError, config_from_dict, load_config
 
 DEMO = str(pathlib.Path(__file__).resolve().parents[2] / "recipes/demo-cpu.yaml")
 

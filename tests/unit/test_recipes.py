@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from megappo import cli
-from megappo.recipe import load_config
+from megappo.config import load_config
 from megappo.plan.planner import make_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -3,8 +3,7 @@ model and layout, and the config section that feeds it (no processes, no torch m
 
 import pytest
 
-from megappo.config import ConfigError
-from megappo.recipe import config_from_dict, load_config
+from megappo.config import ConfigError, config_from_dict, load_config
 from megappo.models.hf_config import ModelConfigError, dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS
 from megappo.models.recompute import NO_RECOMPUTE, Recompute

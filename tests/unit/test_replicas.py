@@ -70,7 +70,7 @@ def test_replicas_take_weights_by_tensor_or_distributed_not_disk():
     """rollout.replicas works with sync_mode=tensor (colocated) and distributed (each replica on GPUs of its own);
     the disk fallback is for one engine, refused with the fix named."""
     from megappo.config import ConfigError
-    from megappo.recipe import load_config
+    from megappo.config import load_config
 
     demo = str(pathlib.Path(__file__).parents[2] / "recipes" / "demo-cpu.yaml")
     for mode in ("tensor", "distributed"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megappo.ppo.losses import AGG_MODES, LossInputs, agg_loss, global_counts, policy_loss, policy_loss_reference
-from megappo.correction_spec import (
+from megappo.ppo.correction_spec import (
     RS_OPTIONS, RsBounds, parse_is_threshold, parse_rs_options, parse_rs_thresholds, validate,
 )
 from megappo.ppo.rollout_correction import (

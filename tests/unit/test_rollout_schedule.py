@@ -11,8 +11,7 @@ import time
 import pytest
 import torch
 
-from megappo.config import ConfigError
-from megappo.recipe import load_config
+from megappo.config import ConfigError, load_config
 from megappo.rollout.engine import WeightSyncError
 from megappo.rollout.schedule import SCHEDULES, Async, OneStepOff, Synchronous
 from megappo.types import RolloutBatch

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from megappo.data.prompts import DataError
-from megappo.config import RewardConfig
+from megappo.config import RewardConfig, load_config
 from megappo.rewards.scoring import Scorer
 from megappo.trainer.preflight import load_prompts
-from megappo.recipe import load_config
 from megappo.data.tokenizer import load_tokenizer
 from megappo.types import RolloutBatch
 from megappo.user_code import UserCodeError

@@ -4,10 +4,9 @@ epochs replayed), and a class megappo cannot use is an error naming the fix, bef
 
 import pytest
 
-from megappo.config import ConfigError
+from megappo.config import ConfigError, load_config
 from megappo.data.prompts import ClassOrder, DataError, PromptSampler
 from megappo.trainer.preflight import check_inputs
-from megappo.recipe import load_config
 
 SAMPLERS = '''
 import random

@@ -11,7 +11,7 @@ import re
 
 import yaml
 
-from megappo.recipe import load_config
+from megappo.config import load_config
 from megappo.data.prompts import builtin_rows, random_policy_score
 from megappo.rewards import score_batch
 from megappo.data.tokenizer import load_tokenizer

@@ -280,7 +280,7 @@ def test_config_reaches_the_engine(tmp_path):
     """rollout.hf_decode / hf_eos_check_every / the cache capacity go from the recipe to the hf engine;
     a static path asked for where the trainer's hf engine does not run is refused with the fix."""
     from megappo.config import ConfigError
-    from megappo.recipe import config_from_dict
+    from megappo.config import config_from_dict
     from megappo.rollout.registry import engine_for
     from tests.unit.test_config import MIN
 

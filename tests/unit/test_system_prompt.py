@@ -6,8 +6,7 @@ import pathlib
 
 import pytest
 
-from megappo.config import ConfigError
-from megappo.recipe import load_config
+from megappo.config import ConfigError, load_config
 from megappo.data.prompts import build_prompts
 
 # SmolLM2-Instruct's chat template: a default system prompt when the first message is not a system one

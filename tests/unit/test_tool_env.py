@@ -333,7 +333,7 @@ def test_the_calculator_recipe_shows_the_model_what_the_environment_does():
     exactly what ToolEnv answers; the final answers are what the reward function wants."""
     import pathlib
 
-    from megappo.recipe import load_config
+    from megappo.config import load_config
     from megappo.envs.loading import check_env
 
     cfg = load_config(str(pathlib.Path(__file__).resolve().parents[2] / "recipes" / "smollm2-calculator-cpu.yaml"))

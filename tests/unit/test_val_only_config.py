@@ -2,7 +2,7 @@
 model is and how it was trained, the command line's for validation, the machine, the run and logging."""
 
 from megappo.trainer.checkpointing import VAL_ONLY_FROM_CHECKPOINT, val_only_config
-from megappo.recipe import load_config
+from megappo.config import load_config
 
 DEMO = "recipes/demo-cpu.yaml"
 

@@ -6,9 +6,8 @@ import pathlib
 import pytest
 import yaml
 
-from megappo import verl_keys
-from megappo.config import ConfigError
-from megappo.recipe import _is_key, config_from_dict, load_config, read_config
+from megappo.config import ConfigError, verl_keys
+from megappo.config.loading import _is_key, config_from_dict, load_config, read_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes/demo-cpu.yaml")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from megappo.cli import main
-from megappo.recipe import _is_key, _key_value, _yaml, read_config
+from megappo.config.loading import _is_key, _key_value, _yaml, read_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "recipes/demo-cpu.yaml")

@@ -3,7 +3,7 @@ grammar of the threshold strings and the checks of one setting, in plain Python.
 
 Owns: `IS_LEVELS`, `RS_OPTIONS`, `LOSS_TYPES`, `RsBounds`, `parse_is_threshold`, `parse_rs_options`,
 `parse_rs_thresholds`, `validate` (errors name the `algorithm.rollout_correction.*` key and the fix).
-Does not know about tensors or the trainer: the config checks a recipe with it (L0, no torch), and
+Does not know about tensors or the trainer: the config checks a recipe with it (no torch), and
 megappo.ppo.rollout_correction reads the parsed bounds from it.
 """
 

@@ -17,7 +17,7 @@ recipe file or `apply_override` gets. The tables cover verl's own example script
 `main_ppo` command line of a verl checkout's examples: tools/verl_examples.py counts those read).
 
 This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
-from megappo.recipe, says whether megappo has a key). megappo.recipe applies the readings, checks two
+from megappo.config.loading, says whether megappo has a key). megappo.config.loading applies the readings, checks two
 spellings of one setting against each other and words the start-up lines; docs/config.md, 'Coming from
 verl', lists every table (tests/unit/test_verl_keys.py keeps it in sync).
 """

@@ -7,12 +7,12 @@ order: a relative one (`lr`, `optim.lr`) under each section of the written key, 
 (`critic.optim.learning_rate` -> `critic.optim.lr`); the last candidate is always a full key
 (`actor.optim.lr`), used when no section of the written key has a relative one.
 `synonym_of(path, is_key)` finds megappo's key; `synonym_hint` words the one-line error, the way
-megappo.verl_keys words a verl name. Only keys megappo does not have reach it: a synonym never
-shadows a megappo key, nor a verl name megappo reads (megappo.recipe asks megappo.verl_keys first; under
+megappo.config.verl_keys words a verl name. Only keys megappo does not have reach it: a synonym never
+shadows a megappo key, nor a verl name megappo reads (megappo.config.loading asks megappo.config.verl_keys first; under
 a verl section megappo has no such key for, `trainer.max_steps`, it names the synonym instead).
 
 This module is data and lookups: it imports nothing and does not know the config schema (`is_key`,
-from megappo.recipe, says whether megappo has a key). verl's own names are megappo.verl_keys'.
+from megappo.config.loading, says whether megappo has a key). verl's own names are megappo.config.verl_keys'.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""Scoring: `reward` (rule-based functions, their weights, limits and workers; a reward model and
+its passes) and DAPO's overlong shaping `reward.overlong_buffer`.
+
+Cross-section rule beside these sections: `check_overlong_buffer` (the buffer fits the response
+budget), which reads the root `Config` (megappo.config.root, which imports this module).
+
+Owns: these sections, their defaults and checks. Does not know the reward functions
+(megappo.rewards): they are names here, resolved at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from megappo.config.model import RoleParallelConfig
+from megappo.config.schema import _at_least, _default, _require, _Section
+from megappo.errors import P
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongBufferConfig(_Section):
+    """DAPO's overlong reward shaping (verl's dapo reward manager, `overlong_buffer_cfg`)."""
+
+    enable: bool = False
+    """DAPO's overlong shaping ([dapo.md](dapo.md)): a response of L tokens gets `min(0, -(L -
+    (rollout.max_new_tokens - len)) / len * penalty_factor)`."""
+    len: int = 0
+    """Tokens before `rollout.max_new_tokens` over which the penalty grows (> 0 when enabled)."""
+    penalty_factor: float = 1.0
+    """The penalty of a response that reaches `rollout.max_new_tokens` (linear from 0 at the buffer's start)."""
+    log: bool = False
+    """Also log `reward/overlong_reward` and `reward/overlong` (fraction penalised)."""
+
+    def check(self) -> None:
+        _require(not self.enable or self.len > 0, f"{P}len={self.len} must be > 0 when {P}enable=true. Fix: e.g. "
+                 f"{P}len=128 (tokens), or {P}enable=false.")
+        _require(self.penalty_factor >= 0, f"{P}penalty_factor={self.penalty_factor} must be >= 0. Fix: e.g. "
+                 f"{P}penalty_factor=1.0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(_Section):
+    #: keys a reader may expect here, and why this section does not take them
+    REFUSED_KEYS = {
+        "recompute": "the reward model only runs forward passes, which keep no activations for backward, so there "
+                     "is nothing to recompute. Fix: remove it (recomputation is for the trained roles: "
+                     "actor.recompute, critic.recompute).",
+        "lora": "the reward model is not trained, so it has no adapters. Fix: remove it (adapters are for the "
+                "trained roles: actor.lora, critic.lora).",
+    }
+
+    functions: list[str] = dataclasses.field(default_factory=list)
+    """Built-in rule rewards (`gsm8k`, `math_boxed`, `exact_match`, `reasoning_gym` (partial credit),
+    `reasoning_gym_exact`, `digit_successor`) or your own `path/to/file.py:function` / `package.module:function`:
+    `fn(response, ground_truth, extra)` or verl's `compute_score(data_source, solution_str, ground_truth,
+    extra_info)`, returning a number or a dict with a `score` ([own-data.md](own-data.md))."""
+    function_weights: Optional[list[float]] = None
+    """One weight per function; `null`: all 1.0."""
+    metric_functions: list[str] = dataclasses.field(default_factory=list)
+    """Rule functions logged only, as `critic/score/<name>` and `val/score/<name>`, e.g. `[reasoning_gym_exact]`
+    ([training.md](training.md#data-and-rewards))."""
+    bad_value_policy: Literal["error", "warn"] = "error"
+    """Your function returned NaN or inf: `error` ends the run (exit 4); `warn` scores it 0, warns once, counts
+    `reward/bad_values` ([bad-inputs.md](bad-inputs.md#your-reward-functions-values))."""
+    timeout_s: float = 60.0
+    """Your function's time limit per call; past it the run ends (exit 4) naming function and row; `0`: none."""
+    num_workers: int = 0
+    """Processes that call `reward.functions` on a step's responses, in parallel and while the step's old-log-prob,
+    reference and value passes run (verl's `reward.num_workers`, default 8 there). Same scores, checks and errors as
+    `0`, where rank 0 calls them one response after another after the passes
+    ([training.md](training.md#reward-workers))."""
+    model_path: Optional[str] = None
+    """A reward model: HF directory with a scalar score head."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score."""
+    micro_batch_size: int = 4
+    """Reward-model sequences per forward on one replica (without packing)."""
+    packing: bool = True
+    """As `actor.packing`."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """As the actor's, with this role's `micro_batch_size`."""
+    parallel: RoleParallelConfig = _default(RoleParallelConfig)
+    """This role's own `tp` / `pp` / `vpp` (see `reward.parallel` above)."""
+    overlong_buffer: OverlongBufferConfig = _default(OverlongBufferConfig)
+    """DAPO's length penalty near `rollout.max_new_tokens`:"""
+
+    def check(self) -> None:
+        _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1, num_workers=0)
+        _require(self.timeout_s >= 0, f"{P}timeout_s={self.timeout_s} must be >= 0. Fix: e.g. {P}timeout_s=60 "
+                 f"(0: no limit).")
+        n_w, n_f = len(self.function_weights or ()), len(self.functions)
+        _require(self.function_weights is None or n_w == n_f,
+                 f"{P}function_weights has {n_w} entries for {n_f} {P}functions. Fix: give one weight per function "
+                 f"or set {P}function_weights=null.")
+
+
+# -- rules across sections ----------------------------------------------------------------------
+
+def check_overlong_buffer(cfg: "Config") -> None:
+    """The overlong buffer lies within the response budget."""
+    ob = cfg.reward.overlong_buffer
+    _require(not ob.enable or ob.len <= cfg.rollout.max_new_tokens,
+             f"reward.overlong_buffer.len={ob.len} is longer than rollout.max_new_tokens="
+             f"{cfg.rollout.max_new_tokens}. Fix: set reward.overlong_buffer.len <= {cfg.rollout.max_new_tokens} "
+             "(DAPO: a quarter of it or less).")
