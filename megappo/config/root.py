@@ -6,7 +6,7 @@ Derived values are properties and methods, never fields filled in later: which m
 builds (`roles`, `model_roles`, `needs_ref`, `use_critic`, `ref_is_actor_base`), each role's layout
 and micro-batches (`layout`, `expert_parallel`, `packs`, `max_tokens_per_micro_batch`), the world
 sizes (`min_world_size`, `hardware_world_size`, `launch_world_size`, `dp_size`), the correction
-and policy loss the actor trains with, and the sampler's draw. megappo.trainer.setup's `RolePlan` reads
+and policy loss the actor trains with, and the sampler's draw. megappo.trainer.setup's `RoleBuild` reads
 them from here rather than deciding them again. A value of one section alone is that section's
 property (`actor.clip_low`, `algorithm.grouped`, `rollout.staleness_limit`).
 

@@ -8,10 +8,10 @@ the models, optimizers, data cursor, KL coefficient and RNG continue from it.
 
 `create_run` calls one named phase after another, each taking what the earlier ones built:
 `model_source` (HF config, weights, tokenizer), `load_prompts`, `role_layouts` (process groups
-per role), `build_roles` (the models and workers a `RolePlan` asks for: the decisions made once
+per role), `build_roles` (the models and workers a `RoleBuild` asks for: the decisions made once
 from the config, such as routing replay and recomputation), `build_rollout_side` (engine,
 schedule, bridge), `resume_state`, `announce` (config.json, logger, start-up lines). A new
-capability enters as a phase's argument (a field of the plan), not as a branch inside one.
+capability enters as a phase's argument (a field of the `RoleBuild`), not as a branch inside one.
 `write_initial_model` writes `model_source`'s weights as an HF directory (`megappo export --init`).
 
 This module does not know the order of a PPO step (see megappo.trainer.step).
@@ -65,7 +65,7 @@ from megappo.trainer.roles import PolicyWorker, ValueWorker
 class Run:
     cfg: Config
     ps: ParallelState
-    plan: RolePlan  # what was built, decided once (routing replay, recomputation, roles)
+    build: RoleBuild  # what was built, decided once (routing replay, recomputation, roles)
     tokenizer: Any
     actor: PolicyWorker
     ref: PolicyWorker | None
@@ -319,7 +319,7 @@ class Prompts:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolePlan:
+class RoleBuild:
     """What the roles phase builds, decided once from the config and handed down: the models, the
     engine and the step read these decisions here, never from the config again."""
 
@@ -330,7 +330,7 @@ class RolePlan:
     ref_is_actor_base: bool  # the reference is the actor with its adapters off, not a model of its own
 
     @classmethod
-    def of(cls, cfg: Config) -> RolePlan:
+    def of(cls, cfg: Config) -> RoleBuild:
         return cls(roles=cfg.model_roles, routing_replay=cfg.routing_replay,
                    recompute={role: recompute_of(cfg, role) for role in cfg.model_roles},
                    lora={role: lora_of(cfg, role) for role in cfg.lora_roles},
@@ -339,7 +339,7 @@ class RolePlan:
 
 @dataclasses.dataclass
 class Roles:
-    """The role workers the plan asked for (None: not in this run)."""
+    """The role workers the build asked for (None: not in this run)."""
 
     actor: PolicyWorker
     ref: PolicyWorker | None
@@ -358,16 +358,16 @@ def create_run(cfg: Config) -> Run:
     source = model_source(cfg)
     prompts = load_prompts(cfg, ps, source.tokenizer)
     layouts = role_layouts(cfg, ps)
-    plan = RolePlan.of(cfg)
-    roles = build_roles(cfg, layouts, source, plan, prompts.total_steps)
+    build = RoleBuild.of(cfg)
+    roles = build_roles(cfg, layouts, source, build, prompts.total_steps)
     engine, rollouts, bridge = build_rollout_side(cfg, ps, source, roles.actor.model, prompts.total_steps,
-                                                  routing_replay=plan.routing_replay)
+                                                  routing_replay=build.routing_replay)
     kl = cfg.algorithm.kl_ctrl
     kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
     start_step, nan_skips = resume_state(resume, ps, roles, kl_ctrl, prompts.sampler, rollouts)
     logger, progress = announce(cfg, ps, prompts, roles, layouts, resume=resume, start_step=start_step)
     critic_hf_config = load_hf_config(cfg.critic.path) if cfg.critic.path else source.hf_config
-    return Run(cfg=cfg, ps=ps, plan=plan, tokenizer=source.tokenizer, actor=roles.actor, ref=roles.ref,
+    return Run(cfg=cfg, ps=ps, build=build, tokenizer=source.tokenizer, actor=roles.actor, ref=roles.ref,
                critic=roles.critic, reward_model=roles.reward_model, hf_config=source.hf_config,
                critic_hf_config=critic_hf_config, engine=engine, bridge=bridge, train_examples=prompts.train,
                val_examples=prompts.val, sampler=prompts.sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress,
@@ -452,9 +452,9 @@ def role_layouts(cfg: Config, ps: ParallelState) -> dict[str, ParallelState]:
     return {role: states[layout_of(role)] for role in cfg.model_roles}
 
 
-def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSource, plan: RolePlan,
+def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSource, build: RoleBuild,
                 total_steps: int) -> Roles:
-    """Collective: the role models `plan` asks for, loaded with their HF weights (a critic or reward
+    """Collective: the role models `build` asks for, loaded with their HF weights (a critic or reward
     model from its own directory) or from a Megatron dist checkpoint (`<role>.dist_checkpoint`; the
     reference follows the actor's), wrapped in their workers, with optimizers for the trained ones."""
     def model(role: str, weights=source.weights, dist_checkpoint: str | None = None) -> MegatronModel:
@@ -467,7 +467,7 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
                         layer_spec=cfg.model.layer_spec,
                         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                         sequence_parallel=cfg.parallel.sequence_parallel, value_head_seed=cfg.model.seed_init,
-                        recompute=plan.recompute[role], lora=plan.lora.get(role, NO_LORA),
+                        recompute=build.recompute[role], lora=build.lora.get(role, NO_LORA),
                         **({"moe_enable_routing_replay": True} if replays(role) else {}))
         if dist_checkpoint:  # verl's dist_checkpointing_path: the HF config still comes from `weights`
             load_dist_weights(m, dist_checkpoint, named_by=f"{role}.dist_checkpoint")
@@ -476,7 +476,7 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
         return m
 
     def replays(role: str) -> bool:
-        return plan.routing_replay and role in ("actor", "ref")
+        return build.routing_replay and role in ("actor", "ref")
 
     def trainable(role: str, m: MegatronModel):
         return make_trainable(m, _optim(getattr(cfg, role), total_steps, cfg.parallel.use_distributed_optimizer))
@@ -488,17 +488,17 @@ def build_roles(cfg: Config, layouts: dict[str, ParallelState], source: ModelSou
                          routing=RouteReplay() if replays("actor") else None, lm_head_chunk_tokens=head_chunk,
                          trainable=trainable("actor", actor_model))
     ref = critic = reward_model = None
-    if "ref" in plan.roles:
+    if "ref" in build.roles:
         # with actor.lora: the actor's own weights with the adapters off, no second copy
-        ref_model = base_view(actor.model) if plan.ref_is_actor_base else \
+        ref_model = base_view(actor.model) if build.ref_is_actor_base else \
             model("ref", dist_checkpoint=cfg.ref.dist_checkpoint or cfg.actor.dist_checkpoint)
         ref = PolicyWorker(ref_model, batching=_batching(cfg, "ref"), temperature=temperature,
                            routing=RouteReplay() if replays("ref") else None, lm_head_chunk_tokens=head_chunk)
-    if "critic" in plan.roles:
+    if "critic" in build.roles:
         critic_model = model("critic", cfg.critic.path or source.weights, cfg.critic.dist_checkpoint)
         critic = ValueWorker(critic_model, batching=_batching(cfg, "critic"),
                              trainable=trainable("critic", critic_model))
-    if "reward" in plan.roles:
+    if "reward" in build.roles:
         reward_model = ValueWorker(model("reward", cfg.reward.model_path), batching=_batching(cfg, "reward"))
     return Roles(actor=actor, ref=ref, critic=critic, reward_model=reward_model)
 

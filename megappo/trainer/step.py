@@ -135,7 +135,7 @@ def generate(run: Run, step: int) -> RolloutBatch:
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
-                            logprob_mode=cfg.logprob_mode, return_routes=run.plan.routing_replay)
+                            logprob_mode=cfg.logprob_mode, return_routes=run.build.routing_replay)
     if run.cfg.algorithm.filter_groups.enable:  # DAPO: scored rounds until the batch holds informative groups
         batch = sample_dynamically(run, step, params)
         prompts = group_prompts(batch)

@@ -464,7 +464,7 @@ def test_the_old_recipe_module_still_imports_with_a_deprecation_warning(monkeypa
 
 
 def test_routing_replay_and_lora_roles_are_derived_values():
-    """megappo.trainer.setup's RolePlan reads these rather than deciding them again."""
+    """megappo.trainer.setup's RoleBuild reads these rather than deciding them again."""
     cfg = build(actor={"moe_routing": "replay", "lora": {"rank": 8}}, critic={"lora": {"rank": 4}})
     assert cfg.routing_replay and cfg.lora_roles == ("actor", "critic")
     assert not build().routing_replay and build().lora_roles == ()
