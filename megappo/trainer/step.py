@@ -67,22 +67,10 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
         values = run.critic.values(seqs) if run.critic else None
     with timed(m, "reward_model"):
         rm_scores = run.reward_model.scores(seqs) if run.reward_model else None
-    exp = None
     with timed(m, "adv"):  # rank 0 scores and computes advantages while the others wait for them
-        if run.ps.is_rank0:
-            with timed(m, "reward"):
-                scored = run.scorer.score_step(batch, pending, reward_model=rm_scores)
-                m.update(scored.metrics)
-                m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; one_step_off, async)
-            scores = scored.scores
-            exp, exp_metrics = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values,
-                                               sum_pi_squared=old.sum_pi_squared,
-                                               components=reward_components(run, batch))
-            m.update(exp_metrics)
-            m.update(rollout_metrics(batch, scores, exp, old.entropy, run.cfg.data.max_prompt_length))
-            log_generations(run, step, batch, scores)
-            if run.cfg.algorithm.use_pf_ppo:
-                exp, m["pf_ppo/unique_fraction"] = pf_ppo(run, step, exp, scores)
+        exp, adv_metrics = (experience(run, step, batch, seqs, pending, old, ref_lp, values, rm_scores)
+                            if run.ps.is_rank0 else (None, {}))
+        m.update(adv_metrics)
         exp = broadcast_from_rank0(exp)
     if run.critic:
         with timed(m, "update_critic"):
@@ -96,6 +84,27 @@ def ppo_step(run: Run, step: int) -> dict[str, float]:
     m.update(flop_metrics(run, m))
     return m
 
+
+
+def experience(run: Run, step: int, batch: RolloutBatch, seqs: SeqBatch, pending, old: TokenStats, ref_lp, values,
+               rm_scores) -> tuple[Experience, dict[str, float]]:
+    """Rank 0: the batch scored (the reward workers' `pending` results, the reward model's `rm_scores`), the
+    experience made from it (KL in the reward, advantages, returns), the rollout's metrics and logged samples;
+    resampled by score under PF-PPO. The experience and the metrics of all that."""
+    m = {}
+    with timed(m, "reward"):
+        scored = run.scorer.score_step(batch, pending, reward_model=rm_scores)
+        m.update(scored.metrics)
+        m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; one_step_off, async)
+    scores = scored.scores
+    exp, exp_metrics = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values,
+                                       sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
+    m.update(exp_metrics)
+    m.update(rollout_metrics(batch, scores, exp, old.entropy, run.cfg.data.max_prompt_length))
+    log_generations(run, step, batch, scores)
+    if run.cfg.algorithm.use_pf_ppo:
+        exp, m["pf_ppo/unique_fraction"] = pf_ppo(run, step, exp, scores)
+    return exp, m
 
 #: (role, pass) -> (the timed stage those passes run in, the name of their perf/tflops and perf/mfu metrics)
 FLOP_STAGES = {("actor", "forward"): ("old_log_prob", "old_log_prob"), ("ref", "forward"): ("ref", "ref"),
