@@ -84,6 +84,10 @@ class RolloutBatch:
     #: turn's budget alone is not counted. None: finish_reasons == "length" (single-turn responses)
     clipped: torch.Tensor | None = None
     policy_version: int = 0  # optimizer steps behind the weights that generated it (megappo.rollout.schedule)
+    #: [N, R] long: the policy version that generated each response token (partial rollouts, megappo.rollout.partial:
+    #: a resumed sample's earlier tokens are older; -1 until the schedule stamps this generation's version, 0 on
+    #: padding); None: every token is `policy_version`'s
+    token_versions: torch.Tensor | None = None
     #: [N] float32 sequence scores given at generation (environment + rule functions, no reward model):
     #: set by dynamic sampling (megappo.rollout.dynamic_sampling), so the trainer does not call the functions
     #: again; None: scored by the trainer

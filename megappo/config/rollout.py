@@ -14,8 +14,37 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional
 
-from megappo.config.schema import _at_least, _require, _Section
+from megappo.config.schema import _at_least, _default, _require, _Section
 from megappo.errors import P
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialRolloutConfig(_Section):
+    """Partial rollouts (verl's async_training.partial_rollout, slime's --partial-rollout): docs/partial-rollouts.md."""
+
+    enable: bool = False
+    """Generate more groups than a step trains on, stop once `data.train_batch_size` groups are complete, and keep
+    the unfinished samples (tokens, engine log-probs, each token's policy version) to resume in a later step under
+    the weights of then ([partial-rollouts.md](partial-rollouts.md)). Single-turn episodes."""
+    over_sample: float = 2.0
+    """Groups in generation per step, as a multiple of `data.train_batch_size` (unfinished ones carried over count;
+    slime's `--over-sampling-batch-size` over the batch size); >= 1."""
+    chunk_tokens: Optional[int] = None
+    """Tokens each sample generates between two checks for complete groups (one engine call each); must divide
+    `rollout.max_new_tokens`. `null`: a quarter of it (or all of it when it is not divisible by 4)."""
+    max_token_staleness: int = 2
+    """A sample whose oldest token is more policy versions behind the trainer than this (AReaL's eta) is handled by
+    `on_stale` before it generates again."""
+    on_stale: Literal["restart", "drop"] = "restart"
+    """A stale sample: `restart` generates it again from its prompt; `drop` drops its whole group."""
+
+    def check(self) -> None:
+        _at_least(self, max_token_staleness=0)
+        _require(self.over_sample >= 1, f"{P}over_sample={self.over_sample} must be >= 1 (groups in generation per "
+                 "step over data.train_batch_size). Fix: set it to 1.5 or 2.")
+        _require(self.chunk_tokens is None or self.chunk_tokens >= 1,
+                 f"{P}chunk_tokens={self.chunk_tokens} must be >= 1. Fix: set it to null (a quarter of "
+                 "rollout.max_new_tokens).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +126,15 @@ class RolloutConfig(_Section):
     need `actor.old_logprob` `is_correct` or `recompute` ([async.md](async.md))."""
     max_staleness: Optional[int] = None
     """`mode=async` only: policy versions behind at most; `null`: 2."""
+    partial: PartialRolloutConfig = _default(PartialRolloutConfig)
+    """Partial rollouts: long generations stopped when the batch is full and resumed later."""
+
+    @property
+    def partial_chunk_tokens(self) -> int:
+        """Tokens per sample between checks for complete groups (rollout.partial.chunk_tokens)."""
+        if self.partial.chunk_tokens is not None:
+            return self.partial.chunk_tokens
+        return self.max_new_tokens // 4 if self.max_new_tokens % 4 == 0 else self.max_new_tokens
 
     @property
     def staleness_limit(self) -> int:
@@ -154,6 +192,28 @@ def check_rollout_mode(cfg: "Config") -> None:
              f"actor.old_logprob={cfg.actor.old_logprob} would take the stale engine's log-probs as the "
              "old policy's. Fix: set actor.old_logprob=is_correct (recommended: recomputes them and weights "
              "each token by the truncated importance ratio) or actor.old_logprob=recompute.")
+
+
+def check_partial_rollouts(cfg: "Config") -> None:
+    """Partial rollouts resume single-turn samples of whole groups from the rule functions' scores."""
+    part, r = cfg.rollout.partial, cfg.rollout
+    if not part.enable:
+        return
+    _require(r.max_new_tokens % r.partial_chunk_tokens == 0,
+             f"rollout.partial.chunk_tokens={r.partial_chunk_tokens} does not divide rollout.max_new_tokens="
+             f"{r.max_new_tokens}: a resumed sample must stop at a chunk's end. Fix: set rollout.partial.chunk_tokens "
+             f"to a divisor of {r.max_new_tokens}, or null.")
+    unsupported = [(r.env != "single_turn", f"rollout.env={r.env}", "rollout.env=single_turn"),
+                   (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true",
+                    "algorithm.filter_groups.enable=false"),
+                   (cfg.algorithm.estimator.greedy_baseline, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}",
+                    "another estimator (grpo, rloo, ...)"),
+                   (cfg.routing_replay, "actor.moe_routing=replay", "actor.moe_routing=recompute"),
+                   (r.placement != "colocated", f"rollout.placement={r.placement}", "rollout.placement=colocated")]
+    for bad, what, fix in unsupported:
+        _require(not bad, f"rollout.partial.enable=true does not yet resume samples with {what}: megappo's partial "
+                 f"rollouts carry single-turn samples of the colocated engine(s) without routes. Fix: set {fix}, or "
+                 "rollout.partial.enable=false.")
 
 
 def check_lora_sync(cfg: "Config") -> None:

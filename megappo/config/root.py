@@ -27,7 +27,7 @@ from megappo.config.model import ModelConfig, ParallelConfig, check_lora_dropout
 from megappo.config.reward import RewardConfig, check_overlong_buffer
 from megappo.config.roles import (ActorConfig, CriticConfig, RefConfig, check_mini_batches, check_model_roles,
                                   check_reference_of_lora_actor, check_routing_replay)
-from megappo.config.rollout import RolloutConfig, check_lora_sync, check_rollout_mode
+from megappo.config.rollout import RolloutConfig, check_lora_sync, check_partial_rollouts, check_rollout_mode
 from megappo.config.schema import _default, _plain, _Section
 from megappo.config.trainer import (CheckpointConfig, HardwareConfig, LoggingConfig, RunConfig, check_critic_warmup,
                                     check_restarts, check_variants)
@@ -35,7 +35,8 @@ from megappo.config.trainer import (CheckpointConfig, HardwareConfig, LoggingCon
 #: the rules across sections, in the order they run (the first that fails is the error)
 RULES = (check_variants, check_restarts, check_estimator_needs, check_routing_replay, check_reference_of_lora_actor,
          check_model_roles, check_gdpo_components, check_filter_groups, check_overlong_buffer, check_critic_warmup,
-         check_rollout_correction, check_rollout_mode, check_lora_sync, check_lora_dropout, check_mini_batches)
+         check_rollout_correction, check_rollout_mode, check_partial_rollouts, check_lora_sync, check_lora_dropout,
+         check_mini_batches)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 #: verl key -> megappo key, where the name differs beyond the section prefix
 RENAMED: dict[str, str] = {
+    "async_training.partial_rollout": "rollout.partial.enable",  # verl-recipe's fully-async trainer
     "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor.optim.warmup_steps_ratio",
     "actor_rollout_ref.actor.optim.warmup_style": "actor.optim.lr_decay_style",
@@ -675,7 +676,8 @@ REFUSED_PATTERNS: dict[str, str] = {
                    "*.optim.override_optimizer_config.fp8_recipe")},
     # verl-recipe's (48ea0a7) fully-async trainer and agent loops
     "async_training.*": "megappo's off-policy generation is rollout.mode=one_step_off or async (docs/async.md); "
-                        "verl's fully-async trainer's settings are not read: remove them",
+                        "verl's fully-async trainer's other settings are not read (its partial_rollout is "
+                        "rollout.partial.enable): remove them",
     "actor_rollout_ref.rollout.agent.*": "verl's agent loops are environments in megappo: write rollout.env=tools or "
                                          "rollout.env=my_env.py:MyEnv (docs/environments.md)",
     # Megatron fields of verl's current scripts that change the model or its loss
@@ -813,7 +815,7 @@ def verl_reading(path: str, raw: str, value: Any, is_key: Callable[[str], bool])
         return "read", f"{key}={max(value + shift, 0)}"
     if path in BY_VALUE or path in OTHERWISE:
         return "refused", OTHERWISE.get(path) or f"its values megappo reads are {sorted(BY_VALUE[path])}"
-    how = _pattern(path, REFUSED_PATTERNS)
+    how = None if path in RENAMED else _pattern(path, REFUSED_PATTERNS)
     if how:
         return "refused", how
     key = verl_equivalent(path, is_key)

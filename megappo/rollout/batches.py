@@ -26,7 +26,8 @@ from megappo.rollout.multiturn import merge_episode_metrics
 from megappo.types import RolloutBatch
 
 _LEFT = {"prompt_ids": None, "prompt_mask": 0}  # left-padded [N, P]; None: the pad token
-_RIGHT = {"response_ids": None, "response_mask": 0, "rollout_log_probs": 0, "response_attention_mask": 0}
+_RIGHT = {"response_ids": None, "response_mask": 0, "rollout_log_probs": 0, "response_attention_mask": 0,
+          "token_versions": 0}
 _ROWS = ("reward_baselines", "env_scores", "clipped", "scores", "score_components")  # [N, ...]
 _LISTS = ("finish_reasons", "examples", "score_fields")
 _SAME = ("logprob_mode", "policy_version")
@@ -46,9 +47,10 @@ def concat(batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
                                for b in batches])
     for name, pad in _RIGHT.items():
         parts = [getattr(b, name) for b in batches]
-        if name == "response_attention_mask" and all(p is None for p in parts):
+        if name in ("response_attention_mask", "token_versions") and all(p is None for p in parts):
             out[name] = None
             continue
+        assert name != "token_versions" or all(p is not None for p in parts), name
         parts = [b.real_response_mask if name == "response_attention_mask" else p for b, p in zip(batches, parts)]
         out[name] = torch.cat([_pad(p, width_r, pad_token_id if pad is None else pad, left=False) for p in parts])
     for name in _ROWS:

@@ -406,7 +406,11 @@ class _StagingEngine:
 
 
 def _stamped(batch: RolloutBatch, version: int) -> RolloutBatch:
+    """The batch with the policy version that generated it (and its tokens generated now: partial rollouts'
+    `token_versions`, megappo.rollout.partial, where earlier tokens keep their own)."""
     batch.policy_version = version
+    if batch.token_versions is not None:
+        batch.token_versions[batch.token_versions < 0] = version
     return batch
 
 

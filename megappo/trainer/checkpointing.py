@@ -15,6 +15,8 @@ Layout under `checkpoint.dir` (default `<run.output_dir>/checkpoints`):
       rollout_buffer.pt    rollout.mode=one_step_off / async: the batches already generated for
                            later steps (waited for at save time), with their steps and policy
                            versions; a resume trains on them
+      partial_rollouts.pt  rollout.partial: the samples carried to later steps (tokens, engine
+                           log-probs, each token's policy version; prompts by index), plain data
     step_00000020.partial/ a save in progress (or killed): never read, removed by the next save of
                            that step; a resume says that it skips it (and from which step it starts)
     latest                 the name of the newest complete checkpoint
@@ -77,6 +79,7 @@ from megappo.types import RolloutBatch
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 ROLLOUT_BUFFER = "rollout_buffer.pt"
+PARTIAL_ROLLOUTS = "partial_rollouts.pt"
 FORMAT = "megappo-trainer-v1"
 DIGESTS = "digests"
 DIGEST_FORMAT = "megappo-digests-v1"
@@ -581,15 +584,16 @@ class TrainerState:
 
 def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg: Config, *, hf_config: dict,
          hf_files: dict | None, critic_hf_config: dict | None, rank: int, keep_last: int,
-         rollout_buffer: list | None = None) -> str:
+         rollout_buffer: list | None = None, partial_rollouts: dict | None = None) -> str:
     """Collective: one complete checkpoint of `step`; returns its directory. `rollout_buffer`
-    (rank 0): [(step, RolloutBatch)] generated ahead of the training. A full disk: CheckpointError
+    (rank 0): [(step, RolloutBatch)] generated ahead of the training; `partial_rollouts` (rank 0): the
+    carried samples' state (megappo.rollout.partial, plain data). A full disk: CheckpointError
     (one line; `latest` still names the previous checkpoint)."""
     try:
         with _library_errors_to(cfg.run.output_dir):
             return _save(path_root, step, trainables, trainer, cfg, hf_config=hf_config, hf_files=hf_files,
                          critic_hf_config=critic_hf_config, rank=rank, keep_last=keep_last,
-                         rollout_buffer=rollout_buffer)
+                         rollout_buffer=rollout_buffer, partial_rollouts=partial_rollouts)
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -611,7 +615,7 @@ def save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg
 
 def _save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cfg: Config, *, hf_config: dict,
           hf_files: dict | None, critic_hf_config: dict | None, rank: int, keep_last: int,
-          rollout_buffer: list | None) -> str:
+          rollout_buffer: list | None, partial_rollouts: dict | None) -> str:
     from megappo.models.checkpoint import save_trainable
 
     final = os.path.join(path_root, step_dir_name(step))
@@ -632,6 +636,8 @@ def _save(path_root: str, step: int, trainables: dict, trainer: TrainerState, cf
         if rollout_buffer:
             torch.save({"batches": [{"step": buffered_step, "batch": _plain_batch(batch)}
                                     for buffered_step, batch in rollout_buffer]}, os.path.join(partial, ROLLOUT_BUFFER))
+        if partial_rollouts is not None:
+            torch.save(partial_rollouts, os.path.join(partial, PARTIAL_ROLLOUTS))
         state = {"format": FORMAT, **dataclasses.asdict(trainer), "roles": sorted(trainables),
                  "world_size": world, "config": cfg.to_dict()}
         _write_atomic(os.path.join(partial, STATE_FILE), json.dumps(state, indent=2))
@@ -687,6 +693,12 @@ def load_rollout_buffer(path: str) -> list[tuple[int, RolloutBatch]]:
     saved = torch.load(file, weights_only=True)  # tensors and plain data only: a file cannot run code
     entries = saved["batches"] if "batches" in saved else [saved]  # one batch: saved by megappo before async mode
     return [(entry["step"], _batch_from_plain(entry["batch"])) for entry in entries]
+
+
+def load_partial_rollouts(path: str) -> dict | None:
+    """The carried samples' state a checkpoint saved (megappo.rollout.partial); None: it has none."""
+    file = os.path.join(path, PARTIAL_ROLLOUTS)
+    return torch.load(file, weights_only=True) if os.path.isfile(file) else None  # plain data: runs no code
 
 
 def _plain_batch(batch: RolloutBatch) -> dict:

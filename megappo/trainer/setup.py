@@ -54,6 +54,7 @@ from megappo.rewards.scoring import Scorer
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.registry import engine_for, write_engine_init
 from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders, node_slot
+from megappo.rollout.partial import PartialRollouts
 from megappo.rollout.schedule import SCHEDULES
 from megappo.data.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
@@ -90,6 +91,7 @@ class Run:
     scorer: Scorer | None = None  # rank 0: the rewards' scoring of batches, with its checks and reward workers
     # rank 0, algorithm.filter_groups: the steps that hit max_num_gen_batches (warned once, counted at the end)
     filter_limits: LimitCount = dataclasses.field(default_factory=LimitCount)
+    partial: PartialRollouts | None = None  # rank 0, rollout.partial: the samples carried between steps
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -126,16 +128,18 @@ class Run:
 
     def save_checkpoint(self, step: int) -> str:
         """Collective: a trainer checkpoint of `step` (megappo.trainer.checkpointing)."""
-        trainer = buffered = None
+        trainer = buffered = carried = None
         if self.ps.is_rank0:
             buffered = self.rollouts.settle()  # the batches generated ahead, waited for
+            carried = self.partial.state_dict() if self.partial else None  # after settle: no generation runs
             trainer = checkpointing.TrainerState(step=step, sampler=self.sampler.state_dict(),
                                                  kl_coef=float(self.kl_ctrl.value), nan_skips=self.nan_skips,
                                                  branch=self.branch)
         path = checkpointing.save(self.cfg.checkpoint_dir, step, self.trainables, trainer, self.cfg,
                                   hf_config=self.hf_config, hf_files=self._hf_files(),
                                   critic_hf_config=self.critic_hf_config, rank=self.ps.rank,
-                                  keep_last=self.cfg.checkpoint.keep_last, rollout_buffer=buffered)
+                                  keep_last=self.cfg.checkpoint.keep_last, rollout_buffer=buffered,
+                                  partial_rollouts=carried)
         self.last_saved_step = step
         if self.ps.is_rank0:
             console(f"saved checkpoint {path}")  # above the progress bar
@@ -364,7 +368,8 @@ def create_run(cfg: Config) -> Run:
                                                   routing_replay=build.routing_replay)
     kl = cfg.algorithm.kl_ctrl
     kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-    start_step, nan_skips = resume_state(resume, ps, roles, kl_ctrl, prompts.sampler, rollouts)
+    partial = partial_rollouts(cfg, source.tokenizer.pad_token_id) if ps.is_rank0 else None
+    start_step, nan_skips = resume_state(resume, ps, roles, kl_ctrl, prompts, rollouts, partial)
     logger, progress = announce(cfg, ps, prompts, roles, layouts, resume=resume, start_step=start_step)
     critic_hf_config = load_hf_config(cfg.critic.path) if cfg.critic.path else source.hf_config
     return Run(cfg=cfg, ps=ps, build=build, tokenizer=source.tokenizer, actor=roles.actor, ref=roles.ref,
@@ -372,7 +377,7 @@ def create_run(cfg: Config) -> Run:
                critic_hf_config=critic_hf_config, engine=engine, bridge=bridge, train_examples=prompts.train,
                val_examples=prompts.val, sampler=prompts.sampler, kl_ctrl=kl_ctrl, logger=logger, progress=progress,
                total_steps=prompts.total_steps, start_step=start_step, nan_skips=nan_skips,
-               last_saved_step=start_step if resume else None, rollouts=rollouts,
+               last_saved_step=start_step if resume else None, rollouts=rollouts, partial=partial,
                branch=resume["branch"] if resume else None,
                scorer=Scorer(cfg.reward, source.tokenizer, cfg.rollout.max_new_tokens) if ps.is_rank0 else None)
 
@@ -537,17 +542,32 @@ def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, acto
     return engine, rollouts, bridge
 
 
-def resume_state(resume: dict | None, ps: ParallelState, roles: Roles, kl_ctrl, sampler: PromptSampler | None,
-                 rollouts) -> tuple[int, int]:
+def partial_rollouts(cfg: Config, pad_token_id: int) -> PartialRollouts | None:
+    """rollout.partial's carried samples and their rule (megappo.rollout.partial); None when off."""
+    part, r = cfg.rollout.partial, cfg.rollout
+    if not part.enable:
+        return None
+    return PartialRollouts(batch_size=cfg.data.train_batch_size, n=r.n, over_sample=part.over_sample,
+                           chunk_tokens=r.partial_chunk_tokens, max_new_tokens=r.max_new_tokens,
+                           max_token_staleness=part.max_token_staleness, on_stale=part.on_stale,
+                           pad_token_id=pad_token_id)
+
+
+def resume_state(resume: dict | None, ps: ParallelState, roles: Roles, kl_ctrl, prompts: Prompts, rollouts,
+                 partial: PartialRollouts | None) -> tuple[int, int]:
     """Collective: when resuming, load the trained roles' models and optimizers, and on rank 0 the KL
-    coefficient, the data cursor and the rollout buffer from the checkpoint. (start step, NaN skips)."""
+    coefficient, the data cursor, the rollout buffer and the carried partial samples from the checkpoint.
+    (start step, NaN skips)."""
     if not resume:
         return 0, 0
     checkpointing.load(resume["path"], _trained(roles.actor, roles.critic), ps.rank)
     kl_ctrl.value = resume["kl_coef"]
-    if sampler:
-        sampler.load_state_dict(resume["sampler"])
+    if prompts.sampler:
+        prompts.sampler.load_state_dict(resume["sampler"])
         rollouts.restore(checkpointing.load_rollout_buffer(resume["path"]))
+        carried = checkpointing.load_partial_rollouts(resume["path"])
+        if partial and carried:
+            partial.load_state_dict(carried, prompts.train)
     return resume["step"], resume["nan_skips"]
 
 

@@ -34,6 +34,7 @@ from megappo.ppo.pf_ppo import resample_indices
 from megappo.ppo.rollout_correction import rollout_correction
 from megappo.rollout.bridge import logprob_mismatch
 from megappo.rollout.multiturn import observation_encoder, run_episodes
+from megappo.rollout.partial import token_age_metrics
 from megappo.trainer.setup import Run
 from megappo.metrics.sample_log import pick_samples, write_generations
 from megappo.types import RolloutBatch, SamplingParams
@@ -101,6 +102,7 @@ def experience(run: Run, step: int, batch: RolloutBatch, seqs: SeqBatch, pending
                                        sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
     m.update(exp_metrics)
     m.update(rollout_metrics(batch, scores, exp, old.entropy, run.cfg.data.max_prompt_length))
+    m.update(token_age_metrics(batch, step - 1))  # partial rollouts: tokens of earlier policy versions
     log_generations(run, step, batch, scores)
     if run.cfg.algorithm.use_pf_ppo:
         exp, m["pf_ppo/unique_fraction"] = pf_ppo(run, step, exp, scores)
@@ -147,6 +149,11 @@ def generate(run: Run, step: int) -> RolloutBatch:
                             logprob_mode=cfg.logprob_mode, return_routes=run.build.routing_replay)
     if run.cfg.algorithm.filter_groups.enable:  # DAPO: scored rounds until the batch holds informative groups
         batch = sample_dynamically(run, step, params)
+        prompts = group_prompts(batch)
+    elif run.partial:  # the first groups to finish; unfinished samples carried to later steps, resumed first
+        batch = run.partial.next_batch(step, params,
+                                       draw=lambda: [run.train_examples[i] for i in run.sampler.next_batch()],
+                                       generate=lambda prompt_ids, call: engine_generate(run, prompt_ids, call))
         prompts = group_prompts(batch)
     else:
         prompts = [run.train_examples[i] for i in run.sampler.next_batch()]

@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Partial rollouts against whole-batch generation on a task with a long tail of response lengths, in one run.
+
+    python benchmarks/partial_rollouts.py [--steps 30] [--seeds 0 1]
+
+The task: the CPU demo (digit successor, GRPO, 16 prompts x 4 samples, 2 gloo ranks) with responses of up to
+128 tokens that also end at any of 5 digits, so most samples stop within a few tokens and a few run to the
+budget: generation waits for its longest sample. For each seed, `megappo train` runs the task twice from the
+same start: `rollout.partial.enable=false` (every step generates its 16 groups to the end) and `true`
+(32 groups in generation, the first 16 complete train, the rest are carried: chunks of 8 tokens). Per run:
+
+  gen s / sample    the steps' generation time (timing_s/gen) over the samples trained
+  resp len          the trained responses' mean length (response_length/mean)
+  token age         the trained tokens' mean policy-version age (rollout/token_age/mean; 0 without)
+  score 1-5, last 5 the mean score (critic/score/mean) over the first and the last 5 steps: equal learning
+                    means the two runs of a seed end alike
+  ratio             partial's gen s / sample over whole-batch generation's (the issue's bar: <= 0.6)
+
+Run it on an idle machine. Nothing here is a timed test; compare the table with benchmarks/RESULTS.md.
+
+This script does not know how partial rollouts work: it runs the CLI and reads metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASK = ["algorithm.adv_estimator=grpo", "rollout.n=4", "rollout.max_new_tokens=128",
+        "rollout.stop_token_ids=[3,4,5,6,7]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
+        "actor.micro_batch_size=16", "run.val_before_train=false", "run.val_every=0", "checkpoint.save_every=-1",
+        "logging.progress_bar=false"]
+PARTIAL = ["rollout.partial.enable=true", "rollout.partial.chunk_tokens=8", "rollout.partial.over_sample=2"]
+
+
+def train(steps: int, seed: int, extra: list[str]) -> list[dict]:
+    out = tempfile.mkdtemp(prefix="partial_bench_")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", "recipes/demo-cpu.yaml",
+           f"run.output_dir={out}", f"run.total_steps={steps}", f"rollout.seed={seed}", f"run.seed={seed}",
+           f"data.seed={seed}", *TASK, *extra]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "critic/score/mean" in r]
+
+
+def summary(rows: list[dict]) -> dict:
+    samples = 16 * 4 * len(rows)
+    gen = sum(r["timing_s/gen"] for r in rows)
+    mean = lambda key, part: sum(r.get(key, 0.0) for r in part) / len(part)
+    return {"gen s / sample": gen / samples, "resp len": mean("response_length/mean", rows),
+            "token age": mean("rollout/token_age/mean", rows),
+            "score 1-5": mean("critic/score/mean", rows[:5]), "last 5": mean("critic/score/mean", rows[-5:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    args = parser.parse_args()
+    print("| seed | generation | gen s / sample | resp len | token age | score 1-5 | last 5 | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seed in args.seeds:
+        whole = summary(train(args.steps, seed, []))
+        part = summary(train(args.steps, seed, PARTIAL))
+        for name, s in (("whole batch", whole), ("partial", part)):
+            ratio = s["gen s / sample"] / whole["gen s / sample"]
+            print(f"| {seed} | {name} | {s['gen s / sample'] * 1e3:.2f} ms | {s['resp len']:.1f} | "
+                  f"{s['token age']:.2f} | {s['score 1-5']:.3f} | {s['last 5']:.3f} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Partial rollouts (rollout.partial), a stage of the rollout side: a step's batch is the first
+`data.train_batch_size` groups to finish among more groups in generation; the unfinished samples
+keep what they generated and resume in a later step.
+
+A step (`PartialRollouts.next_batch`):
+
+  1. the carried groups are checked for age: a sample whose oldest token is more than
+     `max_token_staleness` policy versions behind the trainer is generated again from its prompt
+     (`on_stale=restart`) or its whole group is dropped (`drop`);
+  2. new prompts are drawn (`draw()`, one sampler batch at a time) until `over_sample` x the batch
+     size groups are in generation, the carried ones (oldest first) before the new;
+  3. every unfinished sample generates `chunk_tokens` more tokens from its prompt + its tokens so
+     far, all of them in one engine call (`generate(prompt_ids, params)`, one sample per prompt:
+     a resumed sample is a prompt of its own), under the weights the engine holds now; after each
+     call, once the batch size's worth of groups is complete, the rest is stopped (aborted);
+  4. the batch is the complete groups, oldest first; the other groups, complete or not, are
+     carried to the next step.
+
+Every token keeps the engine's log-prob and the policy version that generated it (`token_versions`:
+-1 for this step's tokens until the schedule stamps the batch with its version, which this module
+then reads back for the tokens it carries). The trainer's rollout correction weighs each token by
+its own behaviour log-prob, so a sample generated under two versions is corrected token by token.
+
+Sampling is seeded per step and per call (`params.seed`, the call's index), so a resumed run that
+restores the carried groups (`state_dict` / `load_state_dict`, in the checkpoint) generates what
+the straight run generates.
+
+Shape legend: N samples, P prompt length, R response length (megappo.types).
+
+This module does not know the engines, the trainer, the schedule's threads, nor how prompts are
+drawn or scored; it needs single-turn samples without MoE routes (the config says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megappo.rollout.engine import left_pad
+from megappo.types import RolloutBatch, SamplingParams
+
+PENDING = -1  # the version of a token generated in the step being generated, until the batch is stamped
+
+
+@dataclasses.dataclass
+class Sample:
+    """One response in the making: its tokens, their engine log-probs and policy versions."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None  # "stop" / "length"; None: unfinished
+    segments: int = 0  # engine calls that generated its tokens
+
+
+@dataclasses.dataclass
+class Group:
+    """The `n` samples of one prompt; `key` orders groups oldest first."""
+
+    key: int
+    example: Any  # the prompt record (megappo.data.prompts.PromptExample)
+    samples: list[Sample]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+
+class PartialRollouts:
+    """The carried groups and the rule that fills a step's batch from them (module docstring)."""
+
+    def __init__(self, *, batch_size: int, n: int, over_sample: float, chunk_tokens: int, max_new_tokens: int,
+                 max_token_staleness: int, on_stale: str, pad_token_id: int):
+        assert max_new_tokens % chunk_tokens == 0, (max_new_tokens, chunk_tokens)
+        self.batch_size, self.n, self.pad_token_id = batch_size, n, pad_token_id
+        self.in_flight = max(batch_size, math.ceil(over_sample * batch_size))
+        self.chunk_tokens, self.max_new_tokens = chunk_tokens, max_new_tokens
+        self.max_token_staleness, self.on_stale = max_token_staleness, on_stale
+        self.groups: list[Group] = []  # carried to the next step, oldest first
+        self.next_key = 0
+        self._last: RolloutBatch | None = None  # the last batch returned: its version stamps the carried tokens
+
+    # ---- one step -------------------------------------------------------------------------------
+    def next_batch(self, step: int, params: SamplingParams, *, draw: Callable[[], list],
+                   generate: Callable[[list[list[int]], SamplingParams], RolloutBatch]) -> RolloutBatch:
+        """Step `step`'s batch of `batch_size` complete groups (its `gen_metrics` count what happened)."""
+        self._stamp_carried()
+        m = {"partial/restarted": 0.0, "partial/dropped_groups": 0.0}
+        for group in list(self.groups):
+            stale = [s for s in group.samples if s.versions and (step - 1) - min(s.versions) > self.max_token_staleness]
+            if stale and self.on_stale == "drop":
+                self.groups.remove(group)
+                m["partial/dropped_groups"] += 1
+                continue
+            for s in stale:
+                s.tokens, s.log_probs, s.versions, s.finish, s.segments = [], [], [], None, 0
+                m["partial/restarted"] += 1
+        resumed = sum(1 for g in self.groups for s in g.samples if s.finish is None and s.tokens)
+        while len(self.groups) < self.in_flight:
+            for example in draw():
+                self.groups.append(Group(self.next_key, example, [Sample() for _ in range(params.n)]))
+                self.next_key += 1
+        calls = 0
+        while sum(g.complete for g in self.groups) < self.batch_size:
+            running = [(g, s) for g in self.groups for s in g.samples if s.finish is None]
+            assert running, "every group complete but fewer than the batch size"
+            part = generate([list(g.example.prompt_ids) + s.tokens for g, s in running],
+                            dataclasses.replace(params, n=1, max_new_tokens=self.chunk_tokens,
+                                                seed=None if params.seed is None else params.seed * 1009 + calls,
+                                                sample_window=None))
+            calls += 1
+            lengths = part.response_mask.sum(-1).tolist()
+            for row, ((g, s), length) in enumerate(zip(running, lengths)):
+                s.tokens += part.response_ids[row, :length].tolist()
+                s.log_probs += part.rollout_log_probs[row, :length].tolist()
+                s.versions += [PENDING] * length
+                s.segments += 1
+                if part.finish_reasons[row] == "stop":
+                    s.finish = "stop"
+                elif len(s.tokens) >= self.max_new_tokens:
+                    s.finish = "length"
+        done = [g for g in self.groups if g.complete][:self.batch_size]
+        self.groups = [g for g in self.groups if g not in done]
+        batch = self._batch(done)
+        aborted = sum(1 for g in self.groups for s in g.samples if s.finish is None and s.tokens)
+        batch.gen_metrics = {**m, "partial/resumed": float(resumed), "partial/aborted": float(aborted),
+                             "partial/carried_groups": float(len(self.groups)), "partial/engine_calls": float(calls),
+                             "partial/segments_mean": sum(s.segments for g in done for s in g.samples)
+                             / max(1, sum(len(g.samples) for g in done))}
+        self._last = batch
+        return batch
+
+    def _batch(self, groups: Sequence[Group]) -> RolloutBatch:
+        """The groups' samples, prompt-major ([N, P] left-padded prompts, [N, R] right-padded responses)."""
+        samples = [(i, g, s) for i, g in enumerate(groups) for s in g.samples]
+        prompt_ids, prompt_mask = left_pad([list(g.example.prompt_ids) for _, g, _ in samples], self.pad_token_id)
+        width = max(1, max(len(s.tokens) for _, _, s in samples))
+        response_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((len(samples), width), dtype=torch.long)
+        log_probs = torch.zeros((len(samples), width), dtype=torch.float32)
+        versions = torch.zeros((len(samples), width), dtype=torch.long)
+        for row, (_, _, s) in enumerate(samples):
+            k = len(s.tokens)
+            response_ids[row, :k] = torch.tensor(s.tokens, dtype=torch.long)
+            response_mask[row, :k] = 1
+            log_probs[row, :k] = torch.tensor(s.log_probs, dtype=torch.float32)
+            versions[row, :k] = torch.tensor(s.versions, dtype=torch.long)
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                            response_mask=response_mask, rollout_log_probs=log_probs,
+                            finish_reasons=[s.finish for _, _, s in samples],
+                            prompt_index=torch.tensor([i for i, _, _ in samples], dtype=torch.long),
+                            examples=[g.example for _, g, _ in samples], token_versions=versions)
+
+    def _stamp_carried(self) -> None:
+        """The carried tokens of the last generation take the version the schedule stamped its batch with."""
+        if self._last is None:
+            return
+        version = self._last.policy_version
+        for g in self.groups:
+            for s in g.samples:
+                s.versions = [version if v == PENDING else v for v in s.versions]
+        self._last = None
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain data (what torch.load(weights_only=True) reads): the carried groups, their prompts by index."""
+        self._stamp_carried()
+        return {"next_key": self.next_key, "groups": [
+            {"key": g.key, "example": g.example.index,
+             "samples": [dataclasses.asdict(s) for s in g.samples]} for g in self.groups]}
+
+    def load_state_dict(self, state: dict, examples: Sequence) -> None:
+        """A checkpoint's carried groups; `examples`: the run's training prompts, by index."""
+        self.next_key = state["next_key"]
+        self.groups = [Group(g["key"], examples[g["example"]], [Sample(**s) for s in g["samples"]])
+                       for g in state["groups"]]
+        self._last = None
+
+
+def token_age_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
+    """`rollout/token_age/{mean,max}`: policy versions each response token is behind the trainer's
+    `trainer_version` ({} without per-token versions)."""
+    if batch.token_versions is None:
+        return {}
+    mask = batch.response_mask.bool()
+    if not mask.any():
+        return {}
+    ages = (trainer_version - batch.token_versions)[mask].float()
+    return {"rollout/token_age/mean": ages.mean().item(), "rollout/token_age/max": ages.max().item()}

@@ -1,0 +1,198 @@
+"""Partial rollouts (megappo.rollout.partial) on the real hf engine (a tiny random Llama whose
+responses end at any of 15 stop tokens: lengths spread from 1 to the budget, a long tail): a step's
+batch is complete groups only; unfinished samples carry their tokens, engine log-probs and per-token
+policy versions to a later step and resume from prompt + tokens so far; their state survives a
+checkpoint round trip bit for bit; stale samples restart or their groups drop; the length budget and
+the stop tokens hold after every resume. The whole run (kill and resume): tests/e2e/test_resume.py."""
+
+import dataclasses
+import io
+import types
+
+import pytest
+import torch
+
+from megappo.config import load_config
+from megappo.errors import ConfigError
+from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.rollout.batches import concat
+from megappo.rollout.hf.engine import HFEngine
+from megappo.rollout.partial import PENDING, PartialRollouts, token_age_metrics
+from megappo.rollout.schedule import _stamped
+from megappo.types import SamplingParams
+
+STOP = tuple(range(10, 25))  # 15 of 300 tokens: a sample stops with about 5% a token
+MAX_NEW, CHUNK, GROUPS, N = 32, 4, 4, 2
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HFEngine(build_hf_model(TINY_CONFIGS["llama"], seed=3), pad_token_id=0)
+
+
+def prompts():
+    """draw(): 4 new prompt records a call, numbered (index) in order; draw.calls counts the calls."""
+    count = iter(range(10**6))
+
+    def draw():
+        draw.calls += 1
+        return [types.SimpleNamespace(prompt_ids=[5 + k % 50, 17, 42], index=k) for k in
+                [next(count) for _ in range(GROUPS)]]
+
+    draw.calls = 0
+    return draw
+
+
+def partial(**kw) -> PartialRollouts:
+    args = dict(batch_size=GROUPS, n=N, over_sample=2, chunk_tokens=CHUNK, max_new_tokens=MAX_NEW,
+                max_token_staleness=2, on_stale="restart", pad_token_id=0)
+    return PartialRollouts(**{**args, **kw})
+
+
+def params(step: int) -> SamplingParams:
+    return SamplingParams(n=N, temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=STOP, seed=100 + step)
+
+
+def step_of(p: PartialRollouts, step: int, draw, engine):
+    """Step `step`'s batch, stamped with the version that generated it (step - 1, as the sync schedule does)."""
+    return _stamped(p.next_batch(step, params(step), draw=draw, generate=engine.generate), step - 1)
+
+
+def carried(p: PartialRollouts) -> dict:
+    """(group key, sample i) -> (tokens, log-probs) of the carried samples with tokens."""
+    return {(g.key, i): (list(s.tokens), list(s.log_probs)) for g in p.groups for i, s in enumerate(g.samples)
+            if s.tokens}
+
+
+def check_invariants(batch) -> None:
+    """Every sample finished; its length within the budget; a stop token only at its end, where 'stop'
+    says one is; 'length' exactly at the budget."""
+    lengths = batch.response_mask.sum(-1).tolist()
+    for row, (length, reason) in enumerate(zip(lengths, batch.finish_reasons)):
+        tokens = batch.response_ids[row, :length].tolist()
+        assert 1 <= length <= MAX_NEW and reason in ("stop", "length")
+        assert not any(t in STOP for t in tokens[:-1]), tokens
+        assert (tokens[-1] in STOP) == (reason == "stop")
+        assert reason == "stop" or length == MAX_NEW
+        assert (batch.token_versions[row, :length] >= 0).all() and (batch.token_versions[row, length:] == 0).all()
+    counts = torch.bincount(batch.prompt_index)
+    assert (counts == N).all() and len(counts) == GROUPS  # whole groups, prompt-major
+
+
+def test_a_step_trains_complete_groups_and_resumes_the_rest_from_their_tokens(engine):
+    p, draw = partial(), prompts()
+    resumed_any = False
+    for step in range(1, 6):
+        before = carried(p)
+        keys = {id(e): g.key for g in p.groups for e in [g.example]}
+        batch = step_of(p, step, draw, engine)
+        check_invariants(batch)
+        m = batch.gen_metrics
+        assert m["partial/carried_groups"] == len(p.groups) and m["partial/engine_calls"] >= 0
+        assert m["partial/aborted"] == sum(1 for g in p.groups for s in g.samples if s.finish is None and s.tokens)
+        # a carried sample continues its own tokens and log-probs; its earlier tokens keep their version
+        for row, example in enumerate(batch.examples):
+            i = int((batch.prompt_index[:row] == batch.prompt_index[row]).sum())
+            old = before.get((keys.get(id(example)), i))
+            if old:
+                length = int(batch.response_mask[row].sum())
+                assert batch.response_ids[row, :len(old[0])].tolist() == old[0]
+                assert batch.rollout_log_probs[row, :len(old[1])].tolist() == old[1]
+                assert (batch.token_versions[row, :len(old[0])] < step - 1).all()
+                assert (batch.token_versions[row, len(old[0]):length] == step - 1).all()
+                resumed_any |= length > len(old[0])
+                # the continuation was sampled from prompt + its own earlier tokens: every token's engine
+                # log-prob is the model's on that whole sequence (one weights version here)
+                ids = torch.cat([torch.tensor(example.prompt_ids), batch.response_ids[row, :length]])[None]
+                with torch.no_grad():
+                    logits = engine.model(input_ids=ids).logits[0, len(example.prompt_ids) - 1:-1].float()
+                want = torch.log_softmax(logits, -1).gather(-1, ids[0, len(example.prompt_ids):, None])[:, 0]
+                torch.testing.assert_close(batch.rollout_log_probs[row, :length], want, rtol=0, atol=1e-4)
+        for g in p.groups:  # what is carried: unfinished samples stopped at a chunk's end, or finished ones
+            for s in g.samples:
+                assert s.finish is not None or len(s.tokens) % CHUNK == 0 and len(s.tokens) < MAX_NEW
+                assert len(s.tokens) == len(s.log_probs) == len(s.versions)
+    assert resumed_any, "no sample was resumed: the test's lengths no longer have a tail"
+
+
+def test_the_carried_state_survives_a_checkpoint_bit_for_bit(engine):
+    a, b, draw_a, draw_b = partial(), partial(), prompts(), prompts()
+    examples = {}
+    for step in (1, 2):
+        batch = step_of(a, step, draw_a, engine)
+        examples.update({e.index: e for e in batch.examples})
+        examples.update({g.example.index: g.example for g in a.groups})
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)  # plain data only
+    b.load_state_dict(state, [examples.get(i) for i in range(max(examples) + 1)])
+    for _ in range(draw_a.calls):  # b's sampler at a's cursor
+        draw_b()
+    assert any(s.finish is None and s.tokens for g in b.groups for s in g.samples), "nothing carried unfinished"
+    for step in (3, 4):
+        x, y = step_of(a, step, draw_a, engine), step_of(b, step, draw_b, engine)
+        for f in ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "token_versions", "prompt_index"):
+            assert torch.equal(getattr(x, f), getattr(y, f)), f
+        assert x.finish_reasons == y.finish_reasons and x.gen_metrics == y.gen_metrics
+
+
+@pytest.mark.parametrize("on_stale", ["restart", "drop"])
+def test_a_sample_past_the_token_staleness_bound_restarts_or_drops_its_group(engine, on_stale):
+    p, draw = partial(max_token_staleness=0, on_stale=on_stale), prompts()
+    step_of(p, 1, draw, engine)  # its tokens: version 0
+    with_tokens = [(g.key, s) for g in p.groups for s in g.samples if s.tokens]
+    stale_groups = {k for k, _ in with_tokens}
+    assert with_tokens
+    keys_before = [g.key for g in p.groups]
+    batch = step_of(p, 3, draw, engine)  # the trainer at version 2: every carried token is 2 behind
+    m = batch.gen_metrics
+    if on_stale == "restart":
+        assert m["partial/restarted"] == len(with_tokens) and m["partial/dropped_groups"] == 0
+    else:
+        assert m["partial/dropped_groups"] == len(stale_groups) and m["partial/restarted"] == 0
+        assert not stale_groups & {g.key for g in p.groups}
+    assert (batch.token_versions == 2).logical_or(batch.response_mask == 0).all()  # nothing older than 0 steps
+    assert keys_before  # (the groups existed)
+
+
+def test_a_chunk_of_the_whole_budget_carries_no_unfinished_sample(engine):
+    p, draw = partial(chunk_tokens=MAX_NEW), prompts()
+    batch = step_of(p, 1, draw, engine)
+    check_invariants(batch)
+    assert batch.gen_metrics["partial/engine_calls"] == 1 and batch.gen_metrics["partial/aborted"] == 0
+    assert all(s.finish is not None for g in p.groups for s in g.samples)
+
+
+def test_token_ages():
+    versions = torch.tensor([[3, 4, 0], [4, 0, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    batch = types.SimpleNamespace(token_versions=versions, response_mask=mask)
+    assert token_age_metrics(batch, 4) == {"rollout/token_age/mean": pytest.approx(1 / 3), "rollout/token_age/max": 1.0}
+    assert token_age_metrics(types.SimpleNamespace(token_versions=None), 4) == {}
+    assert PENDING < 0
+
+
+def test_token_versions_join_with_the_responses(engine):
+    a, b = step_of(partial(), 1, prompts(), engine), step_of(partial(chunk_tokens=MAX_NEW), 1, prompts(), engine)
+    joined = concat([a, b], pad_token_id=0)
+    width = joined.response_ids.shape[1]
+    assert joined.token_versions.shape == joined.response_ids.shape
+    assert torch.equal(joined.token_versions[:a.num_samples, :a.response_ids.shape[1]], a.token_versions)
+    assert (joined.token_versions[:a.num_samples, a.response_ids.shape[1]:width] == 0).all()
+
+
+def test_config_refuses_what_partial_rollouts_cannot_carry_yet():
+    on = ["rollout.partial.enable=true", "algorithm.adv_estimator=grpo", "rollout.n=4"]
+    cfg = load_config("recipes/demo-cpu.yaml", on + ["rollout.max_new_tokens=16"])
+    assert cfg.rollout.partial_chunk_tokens == 4
+    assert load_config("recipes/demo-cpu.yaml", on + ["rollout.max_new_tokens=6"]).rollout.partial_chunk_tokens == 6
+    for extra, named in [(["rollout.partial.chunk_tokens=3", "rollout.max_new_tokens=16"], "does not divide"),
+                         (["rollout.env=lookup"], "rollout.env=lookup"),
+                         (["algorithm.filter_groups.enable=true"], "filter_groups"),
+                         (["rollout.partial.over_sample=0.5"], "over_sample"),
+                         (["rollout.placement=separate"], "rollout.placement=separate")]:
+        with pytest.raises(ConfigError, match=named) as e:
+            load_config("recipes/demo-cpu.yaml", on + extra)
+        assert "Fix:" in str(e.value)
+    assert dataclasses.asdict(load_config("recipes/demo-cpu.yaml").rollout.partial)["enable"] is False
