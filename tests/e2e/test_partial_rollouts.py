@@ -6,6 +6,7 @@ included, bit-identical to the run that went straight through (metrics and train
 The stage itself, on the hf engine: tests/unit/test_partial_rollouts.py."""
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -47,4 +48,12 @@ def test_killed_and_resumed_equals_straight_with_samples_carried(mode, tmp_path)
     assert metrics(killed) == metrics(straight)  # steps 3-4 regenerated from the carried samples: same numbers
     a, b = hf_weights(os.path.join(straight, "hf", "actor")), hf_weights(os.path.join(killed, "hf", "actor"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if mode == "sync":  # the carried samples are rank 0's, whatever the layout: a resume at DP=2 continues them
+        other = str(tmp_path / "dp2")
+        shutil.copytree(killed, other)
+        log = run(command(other, mode) + ["parallel.tp=1", "run.total_steps=3", "checkpoint.resume_from=2"])
+        assert "resumed from" in log and "step 2" in log
+        step3 = [r for r in metrics(other) if r["step"] == 3 and "partial/resumed" in r][-1]
+        carried = [r for r in got if r["step"] == 3][0]
+        assert step3["partial/resumed"] == carried["partial/resumed"] > 0
 
