@@ -134,3 +134,33 @@ def test_seed_is_not_honoured_and_says_so_once(engine):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.generate(PROMPTS, params)
+
+
+def test_partial_rollouts_resume_samples_through_sglang(engine, hf_model):
+    """megappo.rollout.partial on SGLang: chunks of 4 tokens, 4 of 8 groups trained per step, the rest carried
+    and resumed from prompt + tokens so far; every trained token's engine log-prob (earlier chunks included)
+    is transformers' on the whole sequence, so a continuation is conditioned on its own earlier tokens."""
+    import types
+
+    from megappo.rollout.partial import PartialRollouts
+    from megappo.rollout.schedule import _stamped
+
+    stop = tuple(range(10, 25))  # about 5% a token: lengths from 1 to the budget
+    count = iter(range(10**6))
+    draw = lambda: [types.SimpleNamespace(prompt_ids=[5 + k % 50, 17, 42], index=k) for k in
+                    [next(count) for _ in range(4)]]
+    partial = PartialRollouts(batch_size=4, n=2, over_sample=2, chunk_tokens=4, max_new_tokens=24,
+                              max_token_staleness=2, on_stale="restart", pad_token_id=0)
+    resumed = 0
+    for step in (1, 2, 3):
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, stop_token_ids=stop, seed=step)
+        batch = _stamped(partial.next_batch(step, params, draw=draw, generate=engine.generate), step - 1)
+        resumed += batch.gen_metrics["partial/resumed"]
+        lengths = batch.response_mask.sum(-1).tolist()
+        for row, (length, reason) in enumerate(zip(lengths, batch.finish_reasons)):
+            tokens = batch.response_ids[row, :length].tolist()
+            assert 1 <= length <= 24 and not any(t in stop for t in tokens[:-1])
+            assert (tokens[-1] in stop) == (reason == "stop") and (reason == "stop" or length == 24)
+        assert (torch.bincount(batch.prompt_index) == 2).all()
+        assert_close_logprobs(batch, hf_model, 1.0)
+    assert resumed > 0, "no sample was resumed"
