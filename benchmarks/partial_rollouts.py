@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Partial rollouts against whole-batch generation on a task with a long tail of response lengths, in one run.
 
-    python benchmarks/partial_rollouts.py [--steps 30] [--seeds 0 1]
+    python benchmarks/partial_rollouts.py [--steps 30] [--seeds 0 1] [--stop 3,4] [--chunk 8] [--over 2]
 
 The task: the CPU demo (digit successor, GRPO, 16 prompts x 4 samples, 2 gloo ranks) with responses of up to
-128 tokens that also end at any of 5 digits, so most samples stop within a few tokens and a few run to the
-budget: generation waits for its longest sample. For each seed, `megappo train` runs the task twice from the
-same start: `rollout.partial.enable=false` (every step generates its 16 groups to the end) and `true`
-(32 groups in generation, the first 16 complete train, the rest are carried: chunks of 8 tokens). Per run:
+128 tokens that also end at the tokens `--stop` (ids 3, 4: the digits 0 and 1), besides EOS. The untrained
+policy stops with a small chance at each token, so response lengths are geometric: most samples stop
+within a few tokens, a few run long, and whole-batch generation waits for the longest (`--stop 3`: a
+heavier tail). For each seed, `megappo train` runs the task twice from the same start:
+`rollout.partial.enable=false` (every step generates its 16 groups to the end) and `true` (`--over` x 16
+groups in generation, the first 16 complete train, the rest are carried; `--chunk` tokens a call). Per run:
 
   gen s / sample    the steps' generation time (timing_s/gen) over the samples trained
   resp len          the trained responses' mean length (response_length/mean)
@@ -31,11 +33,10 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASK = ["algorithm.adv_estimator=grpo", "rollout.n=4", "rollout.max_new_tokens=128",
-        "rollout.stop_token_ids=[3,4,5,6,7]", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
+TASK = ["algorithm.adv_estimator=grpo", "rollout.n=4", "rollout.max_new_tokens=128", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
         "actor.micro_batch_size=16", "run.val_before_train=false", "run.val_every=0", "checkpoint.save_every=-1",
         "logging.progress_bar=false"]
-PARTIAL = ["rollout.partial.enable=true", "rollout.partial.chunk_tokens=8", "rollout.partial.over_sample=2"]
+PARTIAL = ["rollout.partial.enable=true"]
 
 
 def train(steps: int, seed: int, extra: list[str]) -> list[dict]:
@@ -62,12 +63,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--stop", default="3,4", help="token ids that also end a response (digits 0, 1: ids 3, 4)")
+    parser.add_argument("--chunk", type=int, default=8, help="rollout.partial.chunk_tokens")
+    parser.add_argument("--over", type=float, default=2.0, help="rollout.partial.over_sample")
     args = parser.parse_args()
+    task = [f"rollout.stop_token_ids=[{args.stop}]"]
     print("| seed | generation | gen s / sample | resp len | token age | score 1-5 | last 5 | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for seed in args.seeds:
-        whole = summary(train(args.steps, seed, []))
-        part = summary(train(args.steps, seed, PARTIAL))
+        whole = summary(train(args.steps, seed, task))
+        part = summary(train(args.steps, seed, task + PARTIAL + [f"rollout.partial.chunk_tokens={args.chunk}",
+                                                             f"rollout.partial.over_sample={args.over}"]))
         for name, s in (("whole batch", whole), ("partial", part)):
             ratio = s["gen s / sample"] / whole["gen s / sample"]
             print(f"| {seed} | {name} | {s['gen s / sample'] * 1e3:.2f} ms | {s['resp len']:.1f} | "
