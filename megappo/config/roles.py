@@ -16,7 +16,7 @@ from megappo.ppo.specs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from megappo.config.model import LoRAConfig, RecomputeConfig, RoleParallelConfig
 from megappo.config.schema import _at_least, _default, _require, _Section
