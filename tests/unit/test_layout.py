@@ -142,3 +142,22 @@ def test_errors_keep_their_old_import_paths():
     from megappo.models import hf_config
 
     assert config.ConfigError is errors.ConfigError and hf_config.ModelConfigError is errors.ModelConfigError
+
+
+def test_the_imports_docs_named_before_the_packages_still_work(monkeypatch):
+    """docs/environments.md's snippet imported load_tokenizer from megappo.tokenizer and build_prompts from
+    megappo.data: the first warns once and names the new place, the second is the data package's own name."""
+    import sys
+
+    import pytest
+
+    from megappo.data import prompts, tokenizer
+
+    monkeypatch.delitem(sys.modules, "megappo.tokenizer", raising=False)
+    with pytest.warns(DeprecationWarning, match="from megappo.data.tokenizer"):
+        import megappo.tokenizer as old
+    assert old.load_tokenizer is tokenizer.load_tokenizer and old.chat_template_ids is tokenizer.chat_template_ids
+    import megappo.data as data
+
+    assert (data.build_prompts, data.builtin_rows, data.load_rows, data.random_policy_score) == (
+        prompts.build_prompts, prompts.builtin_rows, prompts.load_rows, prompts.random_policy_score)
