@@ -400,7 +400,8 @@ def test_the_orchestrator_frees_the_kv_cache_after_each_generation(model):
                                                                 filter_groups=types.SimpleNamespace(enable=False)))
     examples = [types.SimpleNamespace(prompt_ids=p) for p in PROMPTS]
     run = types.SimpleNamespace(cfg=cfg, build=types.SimpleNamespace(routing_replay=False), engine=engine,
-                                train_examples=examples, eos_ids=(), sampler=types.SimpleNamespace(next_batch=lambda: [0, 2]))
+                                partial=None, train_examples=examples, eos_ids=(),
+                                sampler=types.SimpleNamespace(next_batch=lambda: [0, 2]))
     calls = []
     real_generate = engine.generate
 
