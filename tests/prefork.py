@@ -74,15 +74,31 @@ def run(cmd, *, input=None, timeout=None, check=False, capture_output=False, **k
         try:
             stdout, stderr = process.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired as e:
-            process.kill()
+            kill_tree(process.pid)
             e.output, e.stderr = process.communicate()
             raise
         except BaseException:
-            process.kill()
+            kill_tree(process.pid)
             raise
     if check and process.returncode:
         raise subprocess.CalledProcessError(process.returncode, cmd, stdout, stderr)
     return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process it started. A timed-out torchrun's ranks lead sessions of their own and
+    outlive their agent, holding the pipes its output is read from: killing the agent alone would leave the
+    read waiting for them."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def popen(cmd, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False, start_new_session=False,

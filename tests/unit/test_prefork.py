@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -103,6 +104,28 @@ def test_timeouts_and_signals_as_subprocess(tmp_path):
     assert proc.wait(timeout=30) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
     with pytest.raises(ProcessLookupError):
         os.kill(proc.pid, 0)  # reaped by the server
+
+
+def test_a_timeout_kills_what_the_command_started(tmp_path):
+    """A child in a session of its own holds the command's output pipe (as torchrun's ranks do): the timeout
+    kills it too, so reading the output ends."""
+    import psutil
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        "print(child.pid, flush=True)\ntime.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        prefork.run([sys.executable, str(tmp_path / "parent.py")], env=env, cwd=tmp_path, capture_output=True,
+                    text=True, timeout=10)
+    assert time.monotonic() - start < 60
+    child = int(timed_out.value.output.split()[0])
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the command's child outlived the timeout"
+        time.sleep(0.1)
 
 
 def test_the_server_is_outside_this_process_tree():
