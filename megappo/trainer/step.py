@@ -152,11 +152,11 @@ def generate(run: Run, step: int) -> RolloutBatch:
         prompts = group_prompts(batch)
     elif run.partial:  # the first groups to finish; unfinished samples carried to later steps, resumed first
         batch = run.partial.next_batch(step, params,
-                                       draw=lambda: [run.train_examples[i] for i in run.sampler.next_batch()],
+                                       draw=lambda: draw_prompts(run),
                                        generate=lambda prompt_ids, call: engine_generate(run, prompt_ids, call))
         prompts = group_prompts(batch)
     else:
-        prompts = [run.train_examples[i] for i in run.sampler.next_batch()]
+        prompts = draw_prompts(run)
         batch = rollout(run, prompts, params)
     if run.cfg.algorithm.estimator.greedy_baseline:  # ReMax: the greedy response's reward is the baseline
         greedy = rollout(run, prompts, dataclasses.replace(params, n=1, temperature=0.0, return_routes=False))
@@ -166,12 +166,17 @@ def generate(run: Run, step: int) -> RolloutBatch:
     return batch
 
 
+def draw_prompts(run: Run) -> list:
+    """The sampler's next batch of training prompts (their records)."""
+    return [run.train_examples[i] for i in run.sampler.next_batch()]
+
+
 def sample_dynamically(run: Run, step: int, params: SamplingParams) -> RolloutBatch:
     """algorithm.filter_groups (megappo.rollout.dynamic_sampling): generation batches of data.gen_batch_size prompts,
     scored here, until data.train_batch_size groups whose samples differ are kept."""
     bad_before = run.scorer.checks.bad_values
     batch = fill_batch(GroupFilter.of(run.cfg), step=step, seed=params.seed,
-                       draw=lambda: [run.train_examples[i] for i in run.sampler.next_batch()],
+                       draw=lambda: draw_prompts(run),
                        generate=lambda prompts, seed: rollout(run, prompts, dataclasses.replace(params, seed=seed)),
                        score=run.scorer.generation_scores, pad_token_id=run.tokenizer.pad_token_id,
                        limits=run.filter_limits)
