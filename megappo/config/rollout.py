@@ -204,10 +204,6 @@ def check_partial_rollouts(cfg: "Config") -> None:
              f"{r.max_new_tokens}: a resumed sample must stop at a chunk's end. Fix: set rollout.partial.chunk_tokens "
              f"to a divisor of {r.max_new_tokens}, or null.")
     unsupported = [(r.env != "single_turn", f"rollout.env={r.env}", "rollout.env=single_turn"),
-                   (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true",
-                    "algorithm.filter_groups.enable=false"),
-                   (cfg.algorithm.estimator.greedy_baseline, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}",
-                    "another estimator (grpo, rloo, ...)"),
                    (cfg.routing_replay, "actor.moe_routing=replay", "actor.moe_routing=recompute"),
                    (r.placement != "colocated", f"rollout.placement={r.placement}", "rollout.placement=colocated")]
     for bad, what, fix in unsupported:

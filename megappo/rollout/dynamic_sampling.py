@@ -144,6 +144,70 @@ def metric_values(metric: str, scores: torch.Tensor, fields: Sequence[dict[str, 
 Scores = tuple[torch.Tensor, "torch.Tensor | None", list]  # [N] scores, [N, K] per function or None, [N] fields
 
 
+def at_limit(f: GroupFilter, step: int, kept: int, generated: int, gen_batches: int, limits: LimitCount | None) -> None:
+    """A step's end: with fewer than `f.groups` groups `kept` (of `generated`), on_limit=stop raises and
+    fill warns (the batch is topped up by the caller); `limits` counts the steps (None: this step's alone)."""
+    said = fix = ""
+    hit_limit = kept < f.groups
+    if hit_limit:
+        said = (f"step {step}: algorithm.filter_groups kept {kept} of {generated} groups (prompts) "
+                f"in {gen_batches} generation batches (max_num_gen_batches={f.max_gen_batches}), fewer than "
+                f"data.train_batch_size={f.groups}")
+        fix = (f"Fix: raise algorithm.filter_groups.max_num_gen_batches (0: no bound) or data.gen_batch_size "
+               f"(now {f.gen_batch_size}), or check that the data is not too easy or too hard for the model (every "
+               f"sample of a dropped group has the same {f.metric}).")
+        if f.on_limit == "stop":
+            raise FilterLimitError(f"{said}: generated too many batches (on_limit=stop, verl's behaviour). {fix}")
+        said = f"{said}; topped up with {f.groups - kept} dropped groups (on_limit=fill, filter_groups/hit_limit)"
+    (LimitCount() if limits is None else limits).note(step, hit_limit, said, fix)
+
+
+@dataclasses.dataclass
+class DynamicSampling:
+    """Dynamic sampling inside partial rollouts (megappo.rollout.partial): each group is scored and judged
+    as it completes, a uniform one leaves the pool and new prompts take its place, `f.max_gen_batches`
+    bounding the generation batches drawn in a step. `score`: as `fill_batch`'s."""
+
+    f: GroupFilter
+    score: Callable[[RolloutBatch], "Scores"]
+    limits: LimitCount | None = None
+    score_time: float = 0.0  # this step's, so far
+    hit_limit: bool = False  # this step's
+
+    def may_draw(self, draws: int) -> bool:
+        """Whether a step that drew `draws` generation batches may draw another."""
+        return not self.f.max_gen_batches or draws < self.f.max_gen_batches
+
+    def judge(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None, list, list[bool]]:
+        """The complete groups of `batch` (prompt-major): their scores, components and fields, and per group
+        whether its samples differ (kept)."""
+        t = time.perf_counter()
+        scores, components, fields = self.score(batch)
+        values = metric_values(self.f.metric, scores, fields, self.f.functions)
+        uniform = uniform_groups(values, batch.prompt_index, int(batch.prompt_index.max()) + 1)
+        self.score_time += time.perf_counter() - t
+        return scores, components, fields, [not u for u in uniform.tolist()]
+
+    def top_up(self, step: int, kept: Sequence, judged: Sequence[tuple[Any, bool]], size: int,
+               draws: int) -> list:
+        """At the step's end with fewer than `size` groups `kept`: the most recently dropped of the step's
+        `judged` (group, kept) fill the batch (on_limit=fill) or FilterLimitError (stop)."""
+        at_limit(self.f, step, len(kept), len(judged), draws, self.limits)
+        self.hit_limit = len(kept) < size
+        dropped = [g for g, ok in judged if not ok]
+        return dropped[::-1][:max(0, size - len(kept))]
+
+    def metrics(self, judged: Sequence[tuple[Any, bool]], draws: int) -> dict[str, float]:
+        """The step's filter_groups/... metrics (`judged`: the groups completed this step, `draws` its
+        generation batches)."""
+        kept = sum(ok for _, ok in judged)
+        out = {"train/num_gen_batches": float(draws), "filter_groups/generated_groups": float(len(judged)),
+               "filter_groups/kept_groups": float(kept), "filter_groups/kept_fraction": kept / max(1, len(judged)),
+               "filter_groups/hit_limit": float(self.hit_limit), "timing_s/gen_reward": self.score_time}
+        self.score_time = 0.0
+        return out
+
+
 def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[], list],
                generate: Callable[[list, int | None], RolloutBatch], score: Callable[[RolloutBatch], Scores],
                pad_token_id: int, limits: LimitCount | None = None) -> RolloutBatch:
@@ -168,18 +232,7 @@ def fill_batch(f: GroupFilter, *, step: int, seed: int | None, draw: Callable[[]
         rounds.append(batch)
         gen_batches += k
     hit_limit = len(kept) < f.groups
-    said = fix = ""
-    if hit_limit:
-        said = (f"step {step}: algorithm.filter_groups kept {len(kept)} of {len(kept) + len(dropped)} groups (prompts) "
-                f"in {gen_batches} generation batches (max_num_gen_batches={f.max_gen_batches}), fewer than "
-                f"data.train_batch_size={f.groups}")
-        fix = (f"Fix: raise algorithm.filter_groups.max_num_gen_batches (0: no bound) or data.gen_batch_size "
-               f"(now {f.gen_batch_size}), or check that the data is not too easy or too hard for the model (every "
-               f"sample of a dropped group has the same {f.metric}).")
-        if f.on_limit == "stop":
-            raise FilterLimitError(f"{said}: generated too many batches (on_limit=stop, verl's behaviour). {fix}")
-        said = f"{said}; topped up with {f.groups - len(kept)} dropped groups (on_limit=fill, filter_groups/hit_limit)"
-    (LimitCount() if limits is None else limits).note(step, hit_limit, said, fix)
+    at_limit(f, step, len(kept), len(kept) + len(dropped), gen_batches, limits)
     chosen = kept[:f.groups] + dropped[::-1][:max(0, f.groups - len(kept))]  # the most recently dropped fill the rest
     out = take_groups(rounds, chosen, pad_token_id)
     n_samples = [torch.bincount(b.prompt_index) for b in rounds]

@@ -16,6 +16,10 @@ A step (`PartialRollouts.next_batch`):
   4. the batch is the complete groups, oldest first; the other groups, complete or not, are
      carried to the next step.
 
+With dynamic sampling (`DynamicSampling`, megappo.rollout.dynamic_sampling) each group is scored as it
+completes: a group whose samples do not differ leaves the pool and new prompts take its place (step 2
+again), and only groups that passed count towards the batch, which carries their scores.
+
 Every token keeps the engine's log-prob and the policy version that generated it (`token_versions`:
 -1 for this step's tokens until the schedule stamps the batch with its version, which this module
 then reads back for the tokens it carries). The trainer's rollout correction weighs each token by
@@ -39,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megappo.rollout.dynamic_sampling import DynamicSampling
 from megappo.rollout.engine import left_pad
 from megappo.types import RolloutBatch, SamplingParams
 
@@ -63,6 +68,9 @@ class Group:
     key: int
     example: Any  # the prompt record (megappo.data.prompts.PromptExample)
     samples: list[Sample]
+    #: dynamic sampling: once complete, its samples' scores {"scores": [n], "components": [n, K] or None,
+    #: "fields": n dicts} (the trainer does not score them again); None: not judged
+    scored: dict | None = None
 
     @property
     def complete(self) -> bool:
@@ -85,8 +93,10 @@ class PartialRollouts:
 
     # ---- one step -------------------------------------------------------------------------------
     def next_batch(self, step: int, params: SamplingParams, *, draw: Callable[[], list],
-                   generate: Callable[[list[list[int]], SamplingParams], RolloutBatch]) -> RolloutBatch:
-        """Step `step`'s batch of `batch_size` complete groups (its `gen_metrics` count what happened)."""
+                   generate: Callable[[list[list[int]], SamplingParams], RolloutBatch],
+                   dynamic: DynamicSampling | None = None) -> RolloutBatch:
+        """Step `step`'s batch of `batch_size` complete groups (its `gen_metrics` count what happened).
+        `dynamic`: algorithm.filter_groups, each group judged as it completes (`DynamicSampling`)."""
         self._stamp_carried()
         m = {"partial/restarted": 0.0, "partial/dropped_groups": 0.0}
         for group in list(self.groups):
@@ -99,14 +109,18 @@ class PartialRollouts:
                 s.tokens, s.log_probs, s.versions, s.finish, s.segments = [], [], [], None, 0
                 m["partial/restarted"] += 1
         resumed = sum(1 for g in self.groups for s in g.samples if s.finish is None and s.tokens)
-        while len(self.groups) < self.in_flight:
-            for example in draw():
-                self.groups.append(Group(self.next_key, example, [Sample() for _ in range(params.n)]))
-                self.next_key += 1
-        calls = 0
-        while sum(g.complete for g in self.groups) < self.batch_size:
+        calls, draws, judged = 0, 0, []
+        kept = lambda: [g for g in self.groups if g.complete and (dynamic is None or g.scored)]  # noqa: E731
+        while len(kept()) < self.batch_size:
+            while len(self.groups) < self.in_flight and (dynamic is None or dynamic.may_draw(draws)):
+                for example in draw():
+                    self.groups.append(Group(self.next_key, example, [Sample() for _ in range(params.n)]))
+                    self.next_key += 1
+                draws += 1
             running = [(g, s) for g in self.groups for s in g.samples if s.finish is None]
-            assert running, "every group complete but fewer than the batch size"
+            if not running:
+                assert dynamic is not None, "every group complete but fewer than the batch size"
+                break  # dynamic sampling at max_num_gen_batches: too few groups kept
             part = generate([list(g.example.prompt_ids) + s.tokens for g, s in running],
                             dataclasses.replace(params, n=1, max_new_tokens=self.chunk_tokens,
                                                 seed=None if params.seed is None else params.seed * 1009 + calls,
@@ -122,7 +136,11 @@ class PartialRollouts:
                     s.finish = "stop"
                 elif len(s.tokens) >= self.max_new_tokens:
                     s.finish = "length"
-        done = [g for g in self.groups if g.complete][:self.batch_size]
+            if dynamic is not None:
+                judged += self._judge(dynamic, [g for g in self.groups if g.complete and not g.scored])
+        done = kept()[:self.batch_size]
+        if dynamic is not None:
+            done += dynamic.top_up(step, done, judged, self.batch_size, draws)
         self.groups = [g for g in self.groups if g not in done]
         batch = self._batch(done)
         aborted = sum(1 for g in self.groups for s in g.samples if s.finish is None and s.tokens)
@@ -130,8 +148,31 @@ class PartialRollouts:
                              "partial/carried_groups": float(len(self.groups)), "partial/engine_calls": float(calls),
                              "partial/segments_mean": sum(s.segments for g in done for s in g.samples)
                              / max(1, sum(len(g.samples) for g in done))}
+        if dynamic is not None:
+            batch.scores = torch.cat([g.scored["scores"] for g in done])
+            components = [g.scored["components"] for g in done]
+            batch.score_components = None if components[0] is None else torch.cat(components)
+            batch.score_fields = [f for g in done for f in g.scored["fields"]]
+            batch.gen_metrics.update(dynamic.metrics(judged, draws))
         self._last = batch
         return batch
+
+    def _judge(self, dynamic: DynamicSampling, groups: list[Group]) -> list[tuple[Group, bool]]:
+        """Score the newly complete `groups`; a group whose samples all have the same metric value leaves
+        the pool (it is not trained on, unless the batch is topped up with it); -> (group, kept) each."""
+        if not groups:
+            return []
+        scores, components, fields, keep = dynamic.judge(self._batch(groups))
+        n = self.n
+        out = []
+        for i, (g, ok) in enumerate(zip(groups, keep)):
+            g.scored = {"scores": scores[i * n:(i + 1) * n].clone(),
+                        "components": None if components is None else components[i * n:(i + 1) * n].clone(),
+                        "fields": list(fields[i * n:(i + 1) * n])}
+            if not ok:
+                self.groups.remove(g)
+            out.append((g, ok))
+        return out
 
     def _batch(self, groups: Sequence[Group]) -> RolloutBatch:
         """The groups' samples, prompt-major ([N, P] left-padded prompts, [N, R] right-padded responses)."""
@@ -169,13 +210,13 @@ class PartialRollouts:
         """Plain data (what torch.load(weights_only=True) reads): the carried groups, their prompts by index."""
         self._stamp_carried()
         return {"next_key": self.next_key, "groups": [
-            {"key": g.key, "example": g.example.index,
+            {"key": g.key, "example": g.example.index, "scored": g.scored,
              "samples": [dataclasses.asdict(s) for s in g.samples]} for g in self.groups]}
 
     def load_state_dict(self, state: dict, examples: Sequence) -> None:
         """A checkpoint's carried groups; `examples`: the run's training prompts, by index."""
         self.next_key = state["next_key"]
-        self.groups = [Group(g["key"], examples[g["example"]], [Sample(**s) for s in g["samples"]])
+        self.groups = [Group(g["key"], examples[g["example"]], [Sample(**s) for s in g["samples"]], g.get("scored"))
                        for g in state["groups"]]
         self._last = None
 

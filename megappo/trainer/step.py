@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from megappo.rollout.dynamic_sampling import GroupFilter, fill_batch
+from megappo.rollout.dynamic_sampling import DynamicSampling, GroupFilter, fill_batch
 from megappo.envs.loading import env_class
 from megappo.parallel import cpu_compat
 from megappo.parallel.comm import broadcast_from_rank0
@@ -147,13 +147,17 @@ def generate(run: Run, step: int) -> RolloutBatch:
                             max_new_tokens=cfg.max_new_tokens, eos_token_ids=run.eos_ids,
                             stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed + step,
                             logprob_mode=cfg.logprob_mode, return_routes=run.build.routing_replay)
-    if run.cfg.algorithm.filter_groups.enable:  # DAPO: scored rounds until the batch holds informative groups
-        batch = sample_dynamically(run, step, params)
-        prompts = group_prompts(batch)
-    elif run.partial:  # the first groups to finish; unfinished samples carried to later steps, resumed first
+    if run.partial:  # the first groups to finish; unfinished samples carried to later steps, resumed first
+        bad_before, dynamic = run.scorer.checks.bad_values, dynamic_sampling(run)
         batch = run.partial.next_batch(step, params,
                                        draw=lambda: draw_prompts(run),
-                                       generate=lambda prompt_ids, call: engine_generate(run, prompt_ids, call))
+                                       generate=lambda prompt_ids, call: engine_generate(run, prompt_ids, call),
+                                       dynamic=dynamic)
+        if dynamic:
+            batch.gen_metrics["reward/bad_values"] = float(run.scorer.checks.bad_values - bad_before)
+        prompts = group_prompts(batch)
+    elif run.cfg.algorithm.filter_groups.enable:  # DAPO: scored rounds until the batch holds informative groups
+        batch = sample_dynamically(run, step, params)
         prompts = group_prompts(batch)
     else:
         prompts = draw_prompts(run)
@@ -182,6 +186,13 @@ def sample_dynamically(run: Run, step: int, params: SamplingParams) -> RolloutBa
                        limits=run.filter_limits)
     batch.gen_metrics["reward/bad_values"] = float(run.scorer.checks.bad_values - bad_before)
     return batch
+
+
+def dynamic_sampling(run: Run) -> DynamicSampling | None:
+    """algorithm.filter_groups inside partial rollouts: each group scored and judged as it completes."""
+    if not run.cfg.algorithm.filter_groups.enable:
+        return None
+    return DynamicSampling(GroupFilter.of(run.cfg), run.scorer.generation_scores, run.filter_limits)
 
 
 def group_prompts(batch: RolloutBatch) -> list:

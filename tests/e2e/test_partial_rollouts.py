@@ -19,8 +19,14 @@ LONG_TAIL = ["rollout.partial.enable=true", "algorithm.adv_estimator=grpo", "rol
              "rollout.partial.chunk_tokens=4", "rollout.stop_token_ids=[3,4,5,6,7]", "data.train_batch_size=16",
              "actor.ppo_mini_batch_size=16", "actor.micro_batch_size=16", "run.total_steps=4",
              "checkpoint.save_every=2", "checkpoint.save_hf_at_end=true", "logging.progress_bar=false"]
-MODES = {"sync": [], "one_step_off": ["rollout.mode=one_step_off", "actor.old_logprob=is_correct"],
-         "async": ["rollout.mode=async", "rollout.max_staleness=2", "actor.old_logprob=is_correct"]}
+# one_step_off also filters groups (DAPO's dynamic sampling: each group judged as it completes) and async
+# takes ReMax's greedy baselines, so each mode's run also carries one of what partial rollouts combine with
+MODES = {"sync": [],
+         "one_step_off": ["rollout.mode=one_step_off", "actor.old_logprob=is_correct",
+                          "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                          "data.gen_batch_size=8"],
+         "async": ["rollout.mode=async", "rollout.max_staleness=2", "actor.old_logprob=is_correct",
+                   "algorithm.adv_estimator=remax"]}
 
 
 def command(out, mode):
@@ -38,6 +44,11 @@ def test_killed_and_resumed_equals_straight_with_samples_carried(mode, tmp_path)
     assert max(r["rollout/token_age/max"] for r in got) >= 1  # trained on tokens of earlier weights
     limit = {"sync": 0, "one_step_off": 1, "async": 2}[mode] + 2  # the mode's staleness + max_token_staleness
     assert max(r["rollout/token_age/max"] for r in got) <= limit
+    if mode == "one_step_off":  # uniform groups were judged out and new prompts took their places
+        kept, judged = (sum(r[f"filter_groups/{k}"] for r in got) for k in ("kept_groups", "generated_groups"))
+        assert judged > kept >= 4 * 16 and sum(r["train/num_gen_batches"] for r in got) * 8 >= judged
+    if mode == "async":
+        assert all("critic/remax_baseline/mean" in r for r in got)
 
     ckpts = os.path.join(killed, "checkpoints")
     kill_during_save(command(killed, mode), os.path.join(ckpts, "step_00000004.partial"))

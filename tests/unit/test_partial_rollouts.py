@@ -16,6 +16,7 @@ from megappo.config import load_config
 from megappo.errors import ConfigError
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.batches import concat
+from megappo.rollout.dynamic_sampling import DynamicSampling, FilterLimitError, GroupFilter, uniform_groups
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.partial import PENDING, PartialRollouts, token_age_metrics
 from megappo.rollout.schedule import _stamped
@@ -189,10 +190,80 @@ def test_config_refuses_what_partial_rollouts_cannot_carry_yet():
     assert load_config("recipes/demo-cpu.yaml", on + ["rollout.max_new_tokens=6"]).rollout.partial_chunk_tokens == 6
     for extra, named in [(["rollout.partial.chunk_tokens=3", "rollout.max_new_tokens=16"], "does not divide"),
                          (["rollout.env=lookup"], "rollout.env=lookup"),
-                         (["algorithm.filter_groups.enable=true"], "filter_groups"),
                          (["rollout.partial.over_sample=0.5"], "over_sample"),
                          (["rollout.placement=separate"], "rollout.placement=separate")]:
         with pytest.raises(ConfigError, match=named) as e:
             load_config("recipes/demo-cpu.yaml", on + extra)
         assert "Fix:" in str(e.value)
     assert dataclasses.asdict(load_config("recipes/demo-cpu.yaml").rollout.partial)["enable"] is False
+
+
+def parity_scores(batch):
+    """A rule score: 1 for an odd response length, else 0 (about half the groups of 2 differ)."""
+    scores = (batch.response_mask.sum(-1) % 2).float()
+    return scores, scores[:, None].clone(), [{"acc": float(s)} for s in scores.tolist()]
+
+
+def dynamic(max_gen_batches=0, on_limit="fill"):
+    f = GroupFilter(groups=GROUPS, metric="acc", max_gen_batches=max_gen_batches, inflight=1, on_limit=on_limit,
+                    gen_batch_size=GROUPS)
+    return DynamicSampling(f, parity_scores)
+
+
+def test_dynamic_sampling_judges_each_group_as_it_completes_and_refills_the_pool(engine):
+    p, draw = partial(), prompts()
+    d = dynamic()
+    for step in range(1, 5):
+        calls_before, judged_before = draw.calls, sum(g.scored is not None for g in p.groups)
+        batch = _stamped(p.next_batch(step, params(step), draw=draw, generate=engine.generate, dynamic=d), step - 1)
+        check_invariants(batch)
+        m = batch.gen_metrics
+        scores, components, fields = parity_scores(batch)
+        assert torch.equal(batch.scores, scores) and torch.equal(batch.score_components, components)
+        assert batch.score_fields == fields  # the judged scores travel with the batch, row by row
+        assert not uniform_groups(scores, batch.prompt_index, GROUPS).any()  # only informative groups trained
+        assert m["filter_groups/hit_limit"] == 0 and m["train/num_gen_batches"] == draw.calls - calls_before
+        # kept groups: trained now or carried with their scores, none lost and none judged twice
+        assert m["filter_groups/kept_groups"] + judged_before == GROUPS + sum(g.scored is not None for g in p.groups)
+        assert 0 < m["filter_groups/kept_fraction"] <= 1
+        # the pool holds no judged uniform group; a judged group kept beyond the batch is carried with its scores
+        for g in p.groups:
+            assert g.scored is None or not uniform_groups(g.scored["scores"], torch.arange(N) * 0, 1).item()
+    assert draw.calls > 2 + 3, "no uniform group was replaced by a new prompt"  # 2 draws fill the pool at step 1
+
+
+@pytest.mark.parametrize("on_limit", ["fill", "stop"])
+def test_dynamic_sampling_at_its_bound_tops_up_or_stops(engine, on_limit):
+    p, draw = partial(over_sample=1), prompts()
+    d = dynamic(max_gen_batches=1, on_limit=on_limit)
+    d.score = lambda batch: (torch.zeros(batch.num_samples), None, [{} for _ in range(batch.num_samples)])  # all uniform
+    if on_limit == "stop":
+        with pytest.raises(FilterLimitError, match="Fix:"):
+            p.next_batch(1, params(1), draw=draw, generate=engine.generate, dynamic=d)
+        return
+    batch = p.next_batch(1, params(1), draw=draw, generate=engine.generate, dynamic=d)
+    assert draw.calls == 1 and batch.gen_metrics["filter_groups/hit_limit"] == 1
+    assert batch.gen_metrics["filter_groups/kept_groups"] == 0 and len(torch.bincount(batch.prompt_index)) == GROUPS
+    assert torch.equal(batch.scores, torch.zeros(GROUPS * N)) and batch.score_components is None
+
+
+def test_judged_groups_survive_a_checkpoint(engine):
+    a, b, draw_a, draw_b = partial(over_sample=3), partial(over_sample=3), prompts(), prompts()
+    examples = {}
+    for step in (1, 2):
+        batch = a.next_batch(step, params(step), draw=draw_a, generate=engine.generate, dynamic=dynamic())
+        examples.update({e.index: e for e in batch.examples})
+        examples.update({g.example.index: g.example for g in a.groups})
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    buffer.seek(0)
+    b.load_state_dict(torch.load(buffer, weights_only=True), [examples.get(i) for i in range(max(examples) + 1)])
+    for _ in range(draw_a.calls):
+        draw_b()
+    assert [g.scored is not None for g in a.groups] == [g.scored is not None for g in b.groups]
+    for step in (3, 4):
+        x = a.next_batch(step, params(step), draw=draw_a, generate=engine.generate, dynamic=dynamic())
+        y = b.next_batch(step, params(step), draw=draw_b, generate=engine.generate, dynamic=dynamic())
+        for f in ("response_ids", "rollout_log_probs", "scores", "prompt_index"):
+            assert torch.equal(getattr(x, f), getattr(y, f)), f
+        assert x.score_fields == y.score_fields and x.gen_metrics.keys() == y.gen_metrics.keys()
