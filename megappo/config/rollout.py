@@ -204,11 +204,10 @@ def check_partial_rollouts(cfg: "Config") -> None:
              f"{r.max_new_tokens}: a resumed sample must stop at a chunk's end. Fix: set rollout.partial.chunk_tokens "
              f"to a divisor of {r.max_new_tokens}, or null.")
     unsupported = [(r.env != "single_turn", f"rollout.env={r.env}", "rollout.env=single_turn"),
-                   (cfg.routing_replay, "actor.moe_routing=replay", "actor.moe_routing=recompute"),
                    (r.placement != "colocated", f"rollout.placement={r.placement}", "rollout.placement=colocated")]
     for bad, what, fix in unsupported:
         _require(not bad, f"rollout.partial.enable=true does not yet resume samples with {what}: megappo's partial "
-                 f"rollouts carry single-turn samples of the colocated engine(s) without routes. Fix: set {fix}, or "
+                 f"rollouts carry single-turn samples of the colocated engine(s). Fix: set {fix}, or "
                  "rollout.partial.enable=false.")
 
 

@@ -32,7 +32,9 @@ the straight run generates.
 Shape legend: N samples, P prompt length, R response length (megappo.types).
 
 This module does not know the engines, the trainer, the schedule's threads, nor how prompts are
-drawn or scored; it needs single-turn samples without MoE routes (the config says so).
+drawn or scored; it needs single-turn samples (the config says so). MoE routes (routing replay) are kept per
+position from the call that first fed it: a resumed sample's prompt and earlier tokens keep the routes of
+their first call, its last token before the abort takes the resuming call's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 
 from megappo.rollout.dynamic_sampling import DynamicSampling
 from megappo.rollout.engine import left_pad
+from megappo.rollout.routes import UNKNOWN
 from megappo.types import RolloutBatch, SamplingParams
 
 PENDING = -1  # the version of a token generated in the step being generated, until the batch is stamped
@@ -59,6 +62,9 @@ class Sample:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None  # "stop" / "length"; None: unfinished
     segments: int = 0  # engine calls that generated its tokens
+    #: routing replay: [prompt + tokens, L, k] int16 expert ids of each position, from the engine call that
+    #: first fed it (its last token's: UNKNOWN until a call feeds it); None without routes
+    routes: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -106,7 +112,7 @@ class PartialRollouts:
                 m["partial/dropped_groups"] += 1
                 continue
             for s in stale:
-                s.tokens, s.log_probs, s.versions, s.finish, s.segments = [], [], [], None, 0
+                s.tokens, s.log_probs, s.versions, s.finish, s.segments, s.routes = [], [], [], None, 0, None
                 m["partial/restarted"] += 1
         resumed = sum(1 for g in self.groups for s in g.samples if s.finish is None and s.tokens)
         calls, draws, judged = 0, 0, []
@@ -128,6 +134,9 @@ class PartialRollouts:
             calls += 1
             lengths = part.response_mask.sum(-1).tolist()
             for row, ((g, s), length) in enumerate(zip(running, lengths)):
+                if part.routes is not None:
+                    s.routes = _joined_routes(s.routes, part.routes[row], part.prompt_ids.shape[1],
+                                              len(g.example.prompt_ids) + len(s.tokens), length)
                 s.tokens += part.response_ids[row, :length].tolist()
                 s.log_probs += part.rollout_log_probs[row, :length].tolist()
                 s.versions += [PENDING] * length
@@ -193,7 +202,9 @@ class PartialRollouts:
                             response_mask=response_mask, rollout_log_probs=log_probs,
                             finish_reasons=[s.finish for _, _, s in samples],
                             prompt_index=torch.tensor([i for i, _, _ in samples], dtype=torch.long),
-                            examples=[g.example for _, g, _ in samples], token_versions=versions)
+                            examples=[g.example for _, g, _ in samples], token_versions=versions,
+                            routes=_batch_routes([(len(g.example.prompt_ids), s) for _, g, s in samples],
+                                                 prompt_ids.shape[1], width))
 
     def _stamp_carried(self) -> None:
         """The carried tokens of the last generation take the version the schedule stamped its batch with."""
@@ -219,6 +230,31 @@ class PartialRollouts:
         self.groups = [Group(g["key"], examples[g["example"]], [Sample(**s) for s in g["samples"]], g.get("scored"))
                        for g in state["groups"]]
         self._last = None
+
+
+def _joined_routes(kept: torch.Tensor | None, call: torch.Tensor, call_prompt: int, fed: int, new: int
+                  ) -> torch.Tensor:
+    """A sample's routes after an engine call: `kept` [fed, L, k] (its positions so far, the last one never
+    fed; None before its first call), `call` [P' + R', L, k] the call's row (left-padded to `call_prompt`
+    positions, then the response), `fed` the positions the call was given, `new` the tokens it generated.
+    -> [fed + new, L, k]: every position from the call that first fed it."""
+    start = call_prompt - fed
+    out = torch.cat([call[start:call_prompt], call[call_prompt:call_prompt + new]])
+    if kept is not None:
+        out[:len(kept) - 1] = kept[:-1]  # kept's last position (a token no call had fed) is this call's
+    return out.clone()
+
+
+def _batch_routes(samples: Sequence[tuple[int, Sample]], prompt_width: int, width: int) -> torch.Tensor | None:
+    """[N, P + R, L, k] from each (prompt length, sample)'s routes [prompt + tokens, L, k], its prompt
+    left-padded to `prompt_width` positions and its response right-padded to `width`; None without routes."""
+    if samples[0][1].routes is None:
+        return None
+    shape = tuple(samples[0][1].routes.shape[1:])
+    out = torch.full((len(samples), prompt_width + width) + shape, UNKNOWN, dtype=samples[0][1].routes.dtype)
+    for row, (prompt, s) in enumerate(samples):
+        out[row, prompt_width - prompt:prompt_width + len(s.tokens)] = s.routes
+    return out
 
 
 def token_age_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:

@@ -26,11 +26,14 @@ MODES = {"sync": [],
                           "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
                           "data.gen_batch_size=8"],
          "async": ["rollout.mode=async", "rollout.max_staleness=2", "actor.old_logprob=is_correct",
-                   "algorithm.adv_estimator=remax"]}
+                   "algorithm.adv_estimator=remax"],
+         # the MoE demo at EP=2 with routing replay: the carried samples keep their routes
+         "sync-moe-replay": ["actor.moe_routing=replay"]}
 
 
 def command(out, mode):
-    return [sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", "recipes/demo-cpu.yaml",
+    recipe = "recipes/demo-moe-cpu.yaml" if "moe" in mode else "recipes/demo-cpu.yaml"
+    return [sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", recipe,
             f"run.output_dir={out}", *LONG_TAIL, *MODES[mode]]
 
 
@@ -42,13 +45,15 @@ def test_killed_and_resumed_equals_straight_with_samples_carried(mode, tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert sum(r["partial/aborted"] for r in got) > 0 and sum(r["partial/resumed"] for r in got) > 0, got
     assert max(r["rollout/token_age/max"] for r in got) >= 1  # trained on tokens of earlier weights
-    limit = {"sync": 0, "one_step_off": 1, "async": 2}[mode] + 2  # the mode's staleness + max_token_staleness
+    limit = {"one_step_off": 1, "async": 2}.get(mode, 0) + 2  # the mode's staleness + max_token_staleness
     assert max(r["rollout/token_age/max"] for r in got) <= limit
     if mode == "one_step_off":  # uniform groups were judged out and new prompts took their places
         kept, judged = (sum(r[f"filter_groups/{k}"] for r in got) for k in ("kept_groups", "generated_groups"))
         assert judged > kept >= 4 * 16 and sum(r["train/num_gen_batches"] for r in got) * 8 >= judged
     if mode == "async":
         assert all("critic/remax_baseline/mean" in r for r in got)
+    if "moe" in mode:  # the engine's routes were replayed, the carried samples' from their first calls
+        assert all(0 <= r["rollout/moe_routes_differ_frac"] < 1 for r in got)
 
     ckpts = os.path.join(killed, "checkpoints")
     kill_during_save(command(killed, mode), os.path.join(ckpts, "step_00000004.partial"))

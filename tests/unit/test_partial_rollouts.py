@@ -19,6 +19,7 @@ from megappo.rollout.batches import concat
 from megappo.rollout.dynamic_sampling import DynamicSampling, FilterLimitError, GroupFilter, uniform_groups
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.partial import PENDING, PartialRollouts, token_age_metrics
+from megappo.rollout.routes import UNKNOWN, RouteRecorder
 from megappo.rollout.schedule import _stamped
 from megappo.types import SamplingParams
 
@@ -267,3 +268,37 @@ def test_judged_groups_survive_a_checkpoint(engine):
         for f in ("response_ids", "rollout_log_probs", "scores", "prompt_index"):
             assert torch.equal(getattr(x, f), getattr(y, f)), f
         assert x.score_fields == y.score_fields and x.gen_metrics.keys() == y.gen_metrics.keys()
+
+
+def test_routes_of_resumed_samples_are_a_teacher_forced_pass(engine):
+    """Routing replay: a resumed sample's routes hold every position's experts from the call that first
+    fed it; under one weights version that is a teacher-forced pass over the whole sequence (the engine's
+    own claim, tests/unit/test_routes.py), every position but the never-fed last token."""
+    from tests.unit.test_routes import tiny_moe
+
+    model = tiny_moe("Qwen3MoeForCausalLM")
+    moe = HFEngine(model, pad_token_id=0)
+    p, draw = partial(max_new_tokens=16), prompts()
+    stop = tuple(range(10, 14))  # 4 of 50 tokens: lengths spread over 16
+    recorder = RouteRecorder(model, "Qwen3MoeForCausalLM", 2)
+    resumed = 0
+    for step in (1, 2, 3):
+        args = dataclasses.replace(params(step), max_new_tokens=16, stop_token_ids=stop, return_routes=True)
+        batch = p.next_batch(step, args, draw=draw, generate=moe.generate)
+        resumed += batch.gen_metrics["partial/resumed"]
+        ids, mask = batch.sequences()
+        assert batch.routes.shape == ids.shape + (3, 2)
+        for i in range(len(ids)):
+            real = ids[i][mask[i].bool()]
+            with torch.no_grad(), recorder:
+                model(input_ids=real[None])
+            reference = recorder.take(1, real.numel())[0]
+            got = batch.routes[i][mask[i].bool()]
+            assert torch.equal(got[:-1], reference[:-1]) and (got[-1] == UNKNOWN).all()
+            assert (batch.routes[i][~mask[i].bool()] == UNKNOWN).all()
+    assert resumed > 0
+    buffer = io.BytesIO()  # the carried routes are plain tensors in the checkpoint
+    torch.save(p.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert any(s["routes"] is not None for g in state["groups"] for s in g["samples"])
