@@ -203,11 +203,10 @@ def check_partial_rollouts(cfg: "Config") -> None:
              f"rollout.partial.chunk_tokens={r.partial_chunk_tokens} does not divide rollout.max_new_tokens="
              f"{r.max_new_tokens}: a resumed sample must stop at a chunk's end. Fix: set rollout.partial.chunk_tokens "
              f"to a divisor of {r.max_new_tokens}, or null.")
-    unsupported = [(r.env != "single_turn", f"rollout.env={r.env}", "rollout.env=single_turn"),
-                   (r.placement != "colocated", f"rollout.placement={r.placement}", "rollout.placement=colocated")]
+    unsupported = [(r.env != "single_turn", f"rollout.env={r.env}", "rollout.env=single_turn")]
     for bad, what, fix in unsupported:
         _require(not bad, f"rollout.partial.enable=true does not yet resume samples with {what}: megappo's partial "
-                 f"rollouts carry single-turn samples of the colocated engine(s). Fix: set {fix}, or "
+                 f"rollouts carry single-turn samples. Fix: set {fix}, or "
                  "rollout.partial.enable=false.")
 
 

@@ -72,4 +72,8 @@ def test_killed_and_resumed_equals_straight_with_samples_carried(mode, tmp_path)
         step3 = [r for r in metrics(other) if r["step"] == 3 and "partial/resumed" in r][-1]
         carried = [r for r in got if r["step"] == 3][0]
         assert step3["partial/resumed"] == carried["partial/resumed"] > 0
+        # the engine in a process of its own (rollout.placement=separate) generates the same samples
+        separate = str(tmp_path / "separate")
+        run(command(separate, mode) + ["rollout.placement=separate"])
+        assert metrics(separate) == metrics(straight)
 

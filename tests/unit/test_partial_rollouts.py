@@ -191,8 +191,7 @@ def test_config_refuses_what_partial_rollouts_cannot_carry_yet():
     assert load_config("recipes/demo-cpu.yaml", on + ["rollout.max_new_tokens=6"]).rollout.partial_chunk_tokens == 6
     for extra, named in [(["rollout.partial.chunk_tokens=3", "rollout.max_new_tokens=16"], "does not divide"),
                          (["rollout.env=lookup"], "rollout.env=lookup"),
-                         (["rollout.partial.over_sample=0.5"], "over_sample"),
-                         (["rollout.placement=separate"], "rollout.placement=separate")]:
+                         (["rollout.partial.over_sample=0.5"], "over_sample")]:
         with pytest.raises(ConfigError, match=named) as e:
             load_config("recipes/demo-cpu.yaml", on + extra)
         assert "Fix:" in str(e.value)
