@@ -25,7 +25,7 @@ class PartialRolloutConfig(_Section):
     enable: bool = False
     """Generate more groups than a step trains on, stop once `data.train_batch_size` groups are complete, and keep
     the unfinished samples (tokens, engine log-probs, each token's policy version) to resume in a later step under
-    the weights of then ([partial-rollouts.md](partial-rollouts.md)). Single-turn episodes."""
+    the weights of then ([partial-rollouts.md](partial-rollouts.md)); multi-turn episodes keep their environments."""
     over_sample: float = 2.0
     """Groups in generation per step, as a multiple of `data.train_batch_size` (unfinished ones carried over count;
     slime's `--over-sampling-batch-size` over the batch size); >= 1."""
@@ -195,7 +195,7 @@ def check_rollout_mode(cfg: "Config") -> None:
 
 
 def check_partial_rollouts(cfg: "Config") -> None:
-    """Partial rollouts resume single-turn samples of whole groups from the rule functions' scores."""
+    """Partial rollouts: chunks that end at the response budget."""
     part, r = cfg.rollout.partial, cfg.rollout
     if not part.enable:
         return
@@ -203,11 +203,6 @@ def check_partial_rollouts(cfg: "Config") -> None:
              f"rollout.partial.chunk_tokens={r.partial_chunk_tokens} does not divide rollout.max_new_tokens="
              f"{r.max_new_tokens}: a resumed sample must stop at a chunk's end. Fix: set rollout.partial.chunk_tokens "
              f"to a divisor of {r.max_new_tokens}, or null.")
-    unsupported = [(r.env != "single_turn", f"rollout.env={r.env}", "rollout.env=single_turn")]
-    for bad, what, fix in unsupported:
-        _require(not bad, f"rollout.partial.enable=true does not yet resume samples with {what}: megappo's partial "
-                 f"rollouts carry single-turn samples. Fix: set {fix}, or "
-                 "rollout.partial.enable=false.")
 
 
 def check_lora_sync(cfg: "Config") -> None:

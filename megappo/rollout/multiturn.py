@@ -309,25 +309,35 @@ def _play_all(loop, generate, examples, plays: list[_Play], params, tokenizer, e
 
 def _record(p: _Play, action: Action, result: StepResult, encode_observation, max_turns: int, budget: int) -> None:
     """Add a step's reward and counters; end the episode or append its observation."""
+    obs = end_turn(p, action, result, encode_observation, max_turns, budget, used=len(p.response))
+    p.response += obs
+    p.action_mask += [0] * len(obs)
+    p.log_probs += [0.0] * len(obs)
+
+
+def end_turn(p, action: Action, result: StepResult, encode_observation, max_turns: int, budget: int, *,
+             used: int) -> list[int]:
+    """A finished action's step result on an episode's counters `p` (turns, actions_cut, clipped, score, metrics,
+    done, over, finish_reason, unknown_observations; its `env`), `used` response tokens so far (the action's
+    included) -> the observation ids to append ([] when the episode is over: `p.over`)."""
     p.turns += 1
     p.actions_cut += action.finish_reason == "length"
-    p.clipped = action.finish_reason == "length" and len(p.response) >= budget
+    p.clipped = action.finish_reason == "length" and used >= budget
     p.score += float(result.reward)
     p.metrics.update({k: float(v) for k, v in result.metrics.items()})
+    p.finish_reason = action.finish_reason
     if result.done:
         p.done = p.over = True
-        return
-    room = budget - len(p.response)
+        return []
+    room = budget - used
     obs, unknown = observation_ids(p.env, result, action, encode_observation)
     p.unknown_observations += unknown
     if p.turns >= max_turns or len(obs) >= room:
         p.over = True
         if len(obs) >= room:  # no action token fits after the observation: the token budget ran out
             p.finish_reason, p.clipped = "length", True
-        return
-    p.response += obs
-    p.action_mask += [0] * len(obs)
-    p.log_probs += [0.0] * len(obs)
+        return []
+    return obs
 
 
 def _batch(plays: list[_Play], pad_token_id: int, logprob_mode: str) -> RolloutBatch:
@@ -351,20 +361,22 @@ def _batch(plays: list[_Play], pad_token_id: int, logprob_mode: str) -> RolloutB
                         env_metrics=episode_metrics(plays), clipped=torch.tensor([p.clipped for p in plays]))
 
 
-def episode_metrics(plays: list[_Play]) -> dict[str, float]:
+def episode_metrics(plays: Sequence, metric_keys: Sequence[str] | None = None) -> dict[str, float]:
     """env/turns_mean, env/episode_length_mean (response tokens, observations included),
     env/truncated_frac (episodes the environment did not end: turn or token budget),
     env/action_clip_ratio (actions that ended at a token budget, of all actions),
     env/unknown_char_observations (observations with characters the tokenizer has no token for),
     and the sum over the episodes of every StepResult.metrics key as env/<key>: each key of the
-    environment's `metric_keys` always (0 when no episode reported it), any other when reported."""
+    environment's `metric_keys` always (0 when no episode reported it), any other when reported. `plays`: the
+    episodes (_Play, or anything with their counters and `response`); `metric_keys`: None, the first one's env's."""
     n = len(plays)
     out = {"env/turns_mean": sum(p.turns for p in plays) / n,
            "env/episode_length_mean": sum(len(p.response) for p in plays) / n,
            "env/truncated_frac": sum(not p.done for p in plays) / n,
            "env/action_clip_ratio": sum(p.actions_cut for p in plays) / max(1, sum(p.turns for p in plays)),
            "env/unknown_char_observations": float(sum(p.unknown_observations for p in plays))}
-    totals: Counter = Counter({k: 0.0 for k in type(plays[0].env).metric_keys})
+    keys = type(plays[0].env).metric_keys if metric_keys is None else metric_keys
+    totals: Counter = Counter({k: 0.0 for k in keys})
     for p in plays:
         totals.update(p.metrics)
     out.update({f"env/{k}": float(v) for k, v in sorted(totals.items())})

@@ -16,6 +16,9 @@ A step (`PartialRollouts.next_batch`):
   4. the batch is the complete groups, oldest first; the other groups, complete or not, are
      carried to the next step.
 
+A multi-turn episode generates in the same chunks; where an action ends, `episodes` steps its
+environment and appends the observation (masked) before the next call.
+
 With dynamic sampling (`DynamicSampling`, megappo.rollout.dynamic_sampling) each group is scored as it
 completes: a group whose samples do not differ leaves the pool and new prompts take its place (step 2
 again), and only groups that passed count towards the batch, which carries their scores.
@@ -32,7 +35,7 @@ the straight run generates.
 Shape legend: N samples, P prompt length, R response length (megappo.types).
 
 This module does not know the engines, the trainer, the schedule's threads, nor how prompts are
-drawn or scored; it needs single-turn samples (the config says so). MoE routes (routing replay) are kept per
+drawn or scored; a multi-turn sample's episode is `episodes`' (megappo.rollout.partial_episodes). MoE routes (routing replay) are kept per
 position from the call that first fed it: a resumed sample's prompt and earlier tokens keep the routes of
 their first call, its last token before the abort takes the resuming call's.
 """
@@ -47,6 +50,7 @@ import torch
 
 from megappo.rollout.dynamic_sampling import DynamicSampling
 from megappo.rollout.engine import left_pad
+from megappo.rollout.partial_episodes import EpisodeState, Episodes
 from megappo.rollout.routes import UNKNOWN
 from megappo.types import RolloutBatch, SamplingParams
 
@@ -62,9 +66,28 @@ class Sample:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None  # "stop" / "length"; None: unfinished
     segments: int = 0  # engine calls that generated its tokens
-    #: routing replay: [prompt + tokens, L, k] int16 expert ids of each position, from the engine call that
-    #: first fed it (its last token's: UNKNOWN until a call feeds it); None without routes
+    #: routing replay: [F, L, k] int16 expert ids of the first F positions of prompt + tokens, those an engine
+    #: call has fed, each from the call that first fed it; None without routes
     routes: torch.Tensor | None = None
+    mask: list[int] | None = None  # multi-turn: 1 on action tokens, 0 on observations; None: all actions
+    episode: EpisodeState | None = None  # multi-turn: the episode's counters (megappo.rollout.partial_episodes)
+
+    def restart(self) -> None:
+        """Back to no tokens (a stale sample generated again from its prompt)."""
+        self.tokens, self.log_probs, self.versions, self.finish, self.segments = [], [], [], None, 0
+        self.routes, self.mask, self.episode = None, None, None
+
+    def state(self) -> dict:
+        """Plain data for the checkpoint."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "tokens": list(self.tokens), "log_probs": list(self.log_probs),
+                "versions": list(self.versions), "mask": None if self.mask is None else list(self.mask),
+                "episode": None if self.episode is None else self.episode.state()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Sample:
+        episode = state.get("episode")
+        return cls(**{**state, "episode": None if episode is None else EpisodeState.from_state(episode)})
 
 
 @dataclasses.dataclass
@@ -87,8 +110,10 @@ class PartialRollouts:
     """The carried groups and the rule that fills a step's batch from them (module docstring)."""
 
     def __init__(self, *, batch_size: int, n: int, over_sample: float, chunk_tokens: int, max_new_tokens: int,
-                 max_token_staleness: int, on_stale: str, pad_token_id: int):
+                 max_token_staleness: int, on_stale: str, pad_token_id: int, episodes: Episodes | None = None):
         assert max_new_tokens % chunk_tokens == 0, (max_new_tokens, chunk_tokens)
+        self.episodes = episodes  # rollout.env's environments (megappo.rollout.partial_episodes); None: single-turn
+        self._replay = False  # resumed from a checkpoint: the unfinished episodes' environments to rebuild
         self.batch_size, self.n, self.pad_token_id = batch_size, n, pad_token_id
         self.in_flight = max(batch_size, math.ceil(over_sample * batch_size))
         self.chunk_tokens, self.max_new_tokens = chunk_tokens, max_new_tokens
@@ -105,14 +130,24 @@ class PartialRollouts:
         `dynamic`: algorithm.filter_groups, each group judged as it completes (`DynamicSampling`)."""
         self._stamp_carried()
         m = {"partial/restarted": 0.0, "partial/dropped_groups": 0.0}
+        eps = self.episodes
+        if eps and self._replay:  # after a resume: environments stepped through their recorded actions again
+            self._replay = False
+            for s in eps.replay([(g.example, s) for g in self.groups for s in g.samples if s.finish is None]):
+                s.restart()
+                m["partial/restarted"] += 1
         for group in list(self.groups):
             stale = [s for s in group.samples if s.versions and (step - 1) - min(s.versions) > self.max_token_staleness]
             if stale and self.on_stale == "drop":
                 self.groups.remove(group)
+                if eps:
+                    eps.close(group.samples)
                 m["partial/dropped_groups"] += 1
                 continue
+            if eps:
+                eps.close(stale)
             for s in stale:
-                s.tokens, s.log_probs, s.versions, s.finish, s.segments, s.routes = [], [], [], None, 0, None
+                s.restart()
                 m["partial/restarted"] += 1
         resumed = sum(1 for g in self.groups for s in g.samples if s.finish is None and s.tokens)
         calls, draws, judged = 0, 0, []
@@ -123,28 +158,40 @@ class PartialRollouts:
                     self.groups.append(Group(self.next_key, example, [Sample() for _ in range(params.n)]))
                     self.next_key += 1
                 draws += 1
+            if eps:  # new and restarted episodes: an environment each
+                eps.start([(g.example, s) for g in self.groups for s in g.samples if s.finish is None and not s.episode])
             running = [(g, s) for g in self.groups for s in g.samples if s.finish is None]
             if not running:
                 assert dynamic is not None, "every group complete but fewer than the batch size"
                 break  # dynamic sampling at max_num_gen_batches: too few groups kept
+            rooms = [eps.room(s) if eps else self.chunk_tokens for _, s in running]
             part = generate([list(g.example.prompt_ids) + s.tokens for g, s in running],
-                            dataclasses.replace(params, n=1, max_new_tokens=self.chunk_tokens,
+                            dataclasses.replace(params, n=1, max_new_tokens=min(self.chunk_tokens, max(rooms)),
                                                 seed=None if params.seed is None else params.seed * 1009 + calls,
                                                 sample_window=None))
             calls += 1
-            lengths = part.response_mask.sum(-1).tolist()
-            for row, ((g, s), length) in enumerate(zip(running, lengths)):
+            ended = []
+            for row, ((g, s), room) in enumerate(zip(running, rooms)):
+                generated = int(part.response_mask[row].sum())
+                length = min(generated, room)
                 if part.routes is not None:
-                    s.routes = _joined_routes(s.routes, part.routes[row], part.prompt_ids.shape[1],
-                                              len(g.example.prompt_ids) + len(s.tokens), length)
+                    s.routes = _fed_routes(s.routes, part.routes[row], part.prompt_ids.shape[1],
+                                           len(g.example.prompt_ids) + len(s.tokens), length)
                 s.tokens += part.response_ids[row, :length].tolist()
                 s.log_probs += part.rollout_log_probs[row, :length].tolist()
                 s.versions += [PENDING] * length
                 s.segments += 1
-                if part.finish_reasons[row] == "stop":
+                if eps:
+                    s.mask += [1] * length
+                    reason = eps.action_end(s, part.finish_reasons[row], cut=generated > room)
+                    if reason:
+                        ended.append((g.example, s, reason))
+                elif part.finish_reasons[row] == "stop":
                     s.finish = "stop"
                 elif len(s.tokens) >= self.max_new_tokens:
                     s.finish = "length"
+            if ended:
+                eps.end_actions(ended)
             if dynamic is not None:
                 judged += self._judge(dynamic, [g for g in self.groups if g.complete and not g.scored])
         done = kept()[:self.batch_size]
@@ -198,13 +245,15 @@ class PartialRollouts:
             response_mask[row, :k] = 1
             log_probs[row, :k] = torch.tensor(s.log_probs, dtype=torch.float32)
             versions[row, :k] = torch.tensor(s.versions, dtype=torch.long)
-        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                            response_mask=response_mask, rollout_log_probs=log_probs,
-                            finish_reasons=[s.finish for _, _, s in samples],
-                            prompt_index=torch.tensor([i for i, _, _ in samples], dtype=torch.long),
-                            examples=[g.example for _, g, _ in samples], token_versions=versions,
-                            routes=_batch_routes([(len(g.example.prompt_ids), s) for _, g, s in samples],
-                                                 prompt_ids.shape[1], width))
+        episodes = self.episodes.batch_fields([s for _, _, s in samples], width) if self.episodes else {}
+        return RolloutBatch(**{"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                               "response_mask": response_mask, "rollout_log_probs": log_probs,
+                               "finish_reasons": [s.finish for _, _, s in samples],
+                               "prompt_index": torch.tensor([i for i, _, _ in samples], dtype=torch.long),
+                               "examples": [g.example for _, g, _ in samples], "token_versions": versions,
+                               "routes": _batch_routes([(len(g.example.prompt_ids), s) for _, g, s in samples],
+                                                       prompt_ids.shape[1], width),
+                               **episodes})
 
     def _stamp_carried(self) -> None:
         """The carried tokens of the last generation take the version the schedule stamped its batch with."""
@@ -222,26 +271,27 @@ class PartialRollouts:
         self._stamp_carried()
         return {"next_key": self.next_key, "groups": [
             {"key": g.key, "example": g.example.index, "scored": g.scored,
-             "samples": [dataclasses.asdict(s) for s in g.samples]} for g in self.groups]}
+             "samples": [s.state() for s in g.samples]} for g in self.groups]}
 
     def load_state_dict(self, state: dict, examples: Sequence) -> None:
         """A checkpoint's carried groups; `examples`: the run's training prompts, by index."""
         self.next_key = state["next_key"]
-        self.groups = [Group(g["key"], examples[g["example"]], [Sample(**s) for s in g["samples"]], g.get("scored"))
-                       for g in state["groups"]]
+        self.groups = [Group(g["key"], examples[g["example"]], [Sample.from_state(s) for s in g["samples"]],
+                             g.get("scored")) for g in state["groups"]]
         self._last = None
+        self._replay = self.episodes is not None
 
 
-def _joined_routes(kept: torch.Tensor | None, call: torch.Tensor, call_prompt: int, fed: int, new: int
-                  ) -> torch.Tensor:
-    """A sample's routes after an engine call: `kept` [fed, L, k] (its positions so far, the last one never
-    fed; None before its first call), `call` [P' + R', L, k] the call's row (left-padded to `call_prompt`
-    positions, then the response), `fed` the positions the call was given, `new` the tokens it generated.
-    -> [fed + new, L, k]: every position from the call that first fed it."""
-    start = call_prompt - fed
-    out = torch.cat([call[start:call_prompt], call[call_prompt:call_prompt + new]])
+def _fed_routes(kept: torch.Tensor | None, call: torch.Tensor, call_prompt: int, context: int, new: int
+               ) -> torch.Tensor:
+    """A sample's routes after an engine call: `kept` [F, L, k] (the positions fed before; None: none), `call`
+    [P' + R', L, k] the call's row (its `context` positions left-padded to `call_prompt`, then the response),
+    `new` the tokens kept of the call. -> the routes of every position fed so far: the context's (those fed
+    before keep theirs) and the new tokens' but the last, which no call has fed."""
+    start = call_prompt - context
+    out = torch.cat([call[start:call_prompt], call[call_prompt:call_prompt + max(0, new - 1)]])
     if kept is not None:
-        out[:len(kept) - 1] = kept[:-1]  # kept's last position (a token no call had fed) is this call's
+        out[:len(kept)] = kept
     return out.clone()
 
 
@@ -253,7 +303,7 @@ def _batch_routes(samples: Sequence[tuple[int, Sample]], prompt_width: int, widt
     shape = tuple(samples[0][1].routes.shape[1:])
     out = torch.full((len(samples), prompt_width + width) + shape, UNKNOWN, dtype=samples[0][1].routes.dtype)
     for row, (prompt, s) in enumerate(samples):
-        out[row, prompt_width - prompt:prompt_width + len(s.tokens)] = s.routes
+        out[row, prompt_width - prompt:prompt_width - prompt + len(s.routes)] = s.routes
     return out
 
 

@@ -51,10 +51,13 @@ from megappo.trainer.preflight import check_inputs
 from megappo.trainer.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
 from megappo.rewards.scoring import Scorer
+from megappo.envs.loading import env_class
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.registry import engine_for, write_engine_init
 from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders, node_slot
+from megappo.rollout.multiturn import observation_encoder
 from megappo.rollout.partial import PartialRollouts
+from megappo.rollout.partial_episodes import Episodes
 from megappo.rollout.schedule import SCHEDULES
 from megappo.data.tokenizer import builtin_tokenizer_files, check_vocab, load_tokenizer, special_token_ids
 from megappo.parallel.packing import MicroBatching
@@ -368,7 +371,7 @@ def create_run(cfg: Config) -> Run:
                                                   routing_replay=build.routing_replay)
     kl = cfg.algorithm.kl_ctrl
     kl_ctrl = make_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
-    partial = partial_rollouts(cfg, source.tokenizer.pad_token_id) if ps.is_rank0 else None
+    partial = partial_rollouts(cfg, source.tokenizer) if ps.is_rank0 else None
     start_step, nan_skips = resume_state(resume, ps, roles, kl_ctrl, prompts, rollouts, partial)
     logger, progress = announce(cfg, ps, prompts, roles, layouts, resume=resume, start_step=start_step)
     critic_hf_config = load_hf_config(cfg.critic.path) if cfg.critic.path else source.hf_config
@@ -542,15 +545,24 @@ def build_rollout_side(cfg: Config, ps: ParallelState, source: ModelSource, acto
     return engine, rollouts, bridge
 
 
-def partial_rollouts(cfg: Config, pad_token_id: int) -> PartialRollouts | None:
-    """rollout.partial's carried samples and their rule (megappo.rollout.partial); None when off."""
+def partial_rollouts(cfg: Config, tokenizer) -> PartialRollouts | None:
+    """rollout.partial's carried samples and their rule (megappo.rollout.partial), with rollout.env's
+    environments for multi-turn episodes; None when off."""
     part, r = cfg.rollout.partial, cfg.rollout
     if not part.enable:
         return None
+    episodes = None
+    if r.env != "single_turn":
+        env = env_class(r.env)
+        episodes = Episodes(env, r.env_args, tokenizer=tokenizer, max_turns=r.max_turns,
+                            max_turn_tokens=r.max_turn_tokens, max_new_tokens=r.max_new_tokens,
+                            encode_observation=observation_encoder(
+                                tokenizer, env.observation_role, cfg.data.apply_chat_template,
+                                r.bad_observation_policy, cfg.data.apply_chat_template_kwargs))
     return PartialRollouts(batch_size=cfg.data.train_batch_size, n=r.n, over_sample=part.over_sample,
                            chunk_tokens=r.partial_chunk_tokens, max_new_tokens=r.max_new_tokens,
                            max_token_staleness=part.max_token_staleness, on_stale=part.on_stale,
-                           pad_token_id=pad_token_id)
+                           pad_token_id=tokenizer.pad_token_id, episodes=episodes)
 
 
 def resume_state(resume: dict | None, ps: ParallelState, roles: Roles, kl_ctrl, prompts: Prompts, rollouts,

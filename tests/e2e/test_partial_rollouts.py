@@ -28,11 +28,14 @@ MODES = {"sync": [],
          "async": ["rollout.mode=async", "rollout.max_staleness=2", "actor.old_logprob=is_correct",
                    "algorithm.adv_estimator=remax"],
          # the MoE demo at EP=2 with routing replay: the carried samples keep their routes
-         "sync-moe-replay": ["actor.moe_routing=replay"]}
+         "sync-moe-replay": ["actor.moe_routing=replay"],
+         # the multi-turn lookup demo: episodes carried between and inside actions (4-token turns, 2-token chunks)
+         "sync-multiturn": ["rollout.max_turn_tokens=4", "rollout.partial.chunk_tokens=2"]}
+RECIPES = {"sync-moe-replay": "recipes/demo-moe-cpu.yaml", "sync-multiturn": "recipes/demo-multiturn-cpu.yaml"}
 
 
 def command(out, mode):
-    recipe = "recipes/demo-moe-cpu.yaml" if "moe" in mode else "recipes/demo-cpu.yaml"
+    recipe = RECIPES.get(mode, "recipes/demo-cpu.yaml")
     return [sys.executable, "-m", "megappo.cli", "train", "--world-size", "2", recipe,
             f"run.output_dir={out}", *LONG_TAIL, *MODES[mode]]
 
@@ -52,6 +55,8 @@ def test_killed_and_resumed_equals_straight_with_samples_carried(mode, tmp_path)
         assert judged > kept >= 4 * 16 and sum(r["train/num_gen_batches"] for r in got) * 8 >= judged
     if mode == "async":
         assert all("critic/remax_baseline/mean" in r for r in got)
+    if mode == "sync-multiturn":  # the environments' episodes, carried and resumed
+        assert all(r["env/turns_mean"] >= 1 for r in got)
     if "moe" in mode:  # the engine's routes were replayed, the carried samples' from their first calls
         assert all(0 <= r["rollout/moe_routes_differ_frac"] < 1 for r in got)
 

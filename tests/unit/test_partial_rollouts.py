@@ -18,7 +18,9 @@ from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.batches import concat
 from megappo.rollout.dynamic_sampling import DynamicSampling, FilterLimitError, GroupFilter, uniform_groups
 from megappo.rollout.hf.engine import HFEngine
+from megappo.envs.base import Environment, StepResult
 from megappo.rollout.partial import PENDING, PartialRollouts, token_age_metrics
+from megappo.rollout.partial_episodes import Episodes
 from megappo.rollout.routes import UNKNOWN, RouteRecorder
 from megappo.rollout.schedule import _stamped
 from megappo.types import SamplingParams
@@ -38,8 +40,8 @@ def prompts():
 
     def draw():
         draw.calls += 1
-        return [types.SimpleNamespace(prompt_ids=[5 + k % 50, 17, 42], index=k) for k in
-                [next(count) for _ in range(GROUPS)]]
+        return [types.SimpleNamespace(prompt_ids=[5 + k % 50, 17, 42], index=k, ground_truth=None, extra={},
+                                      data_source="test", origin=None) for k in [next(count) for _ in range(GROUPS)]]
 
     draw.calls = 0
     return draw
@@ -190,7 +192,6 @@ def test_config_refuses_what_partial_rollouts_cannot_carry_yet():
     assert cfg.rollout.partial_chunk_tokens == 4
     assert load_config("recipes/demo-cpu.yaml", on + ["rollout.max_new_tokens=6"]).rollout.partial_chunk_tokens == 6
     for extra, named in [(["rollout.partial.chunk_tokens=3", "rollout.max_new_tokens=16"], "does not divide"),
-                         (["rollout.env=lookup"], "rollout.env=lookup"),
                          (["rollout.partial.over_sample=0.5"], "over_sample")]:
         with pytest.raises(ConfigError, match=named) as e:
             load_config("recipes/demo-cpu.yaml", on + extra)
@@ -301,3 +302,132 @@ def test_routes_of_resumed_samples_are_a_teacher_forced_pass(engine):
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     assert any(s["routes"] is not None for g in state["groups"] for s in g["samples"])
+
+
+class Tally(Environment):
+    """A stateful environment: each observation is its turn number and the running sum of the action tokens
+    (mod 7), as two tokens; the episode ends after 3 actions or at an action that holds token 99.
+    `flaky`: answers differently after a rebuild (a non-deterministic tool)."""
+
+    observation_role = "user"
+    made, closed = [], []
+
+    def __init__(self, flaky=False):
+        self.turn, self.total, self.flaky = 0, 0, flaky
+        Tally.made.append(self)
+
+    async def reset(self, episode):
+        self.turn, self.total = 0, sum(episode.prompt_ids)
+
+    async def step(self, action):
+        self.turn += 1
+        self.total += sum(action.token_ids)
+        jitter = 1 if self.flaky and Tally.made.index(self) >= Tally.flaky_after else 0
+        return StepResult(observation=f"{self.turn} {(self.total + jitter) % 7}", reward=0.25 * self.turn,
+                          done=self.turn >= 3 or 99 in action.token_ids, metrics={"tally": 1.0})
+
+    async def close(self):
+        Tally.closed.append(self)
+
+
+Tally.flaky_after = 10**9
+
+
+def tally_observation(text, action_ids):
+    return [200 + int(t) for t in text.split()]  # the turn and the sum, as tokens 200..
+
+
+def episodes(flaky=False, max_new=32):
+    return Episodes(Tally, {"flaky": flaky}, tokenizer=types.SimpleNamespace(decode=lambda ids, **kw: str(ids)),
+                    encode_observation=tally_observation, max_turns=3, max_turn_tokens=12, max_new_tokens=max_new)
+
+
+def replayed(example, tokens, mask):
+    """The slow reference: a fresh Tally stepped through the sample's actions (runs of mask 1) -> the
+    observations it answers, its score and whether it ended."""
+    import asyncio
+
+    env, obs, i, score, done = Tally(), [], 0, 0.0, False
+    asyncio.run(env.reset(types.SimpleNamespace(prompt_ids=example.prompt_ids)))
+    while i < len(tokens) and not done:
+        j = i
+        while j < len(tokens) and mask[j] == 1:
+            j += 1
+        result = asyncio.run(env.step(types.SimpleNamespace(token_ids=tuple(tokens[i:j]))))
+        score, done = score + result.reward, result.done
+        k = j
+        while k < len(tokens) and mask[k] == 0:
+            k += 1
+        obs.append((tokens[j:k], tally_observation(result.observation, ())))
+        i = k
+    return obs, score
+
+
+def test_multi_turn_episodes_abort_mid_turn_and_resume_with_their_environment(engine):
+    Tally.made, Tally.closed = [], []
+    p, draw = partial(episodes=episodes()), prompts()
+    stop = tuple(range(10, 25)) + (99,)
+    mid_turn = 0
+    for step in range(1, 6):
+        mid_turn += sum(1 for g in p.groups for s in g.samples
+                        if s.finish is None and s.episode and len(s.tokens) > s.episode.action_start)
+        args = dataclasses.replace(params(step), stop_token_ids=stop)
+        batch = _stamped(p.next_batch(step, args, draw=draw, generate=engine.generate), step - 1)
+        real = batch.response_attention_mask
+        for row, example in enumerate(batch.examples):
+            k = int(real[row].sum())
+            tokens, mask = batch.response_ids[row, :k].tolist(), batch.response_mask[row, :k].tolist()
+            assert k <= 32 and mask[0] == 1 and mask[-1] == 1 and (real[row, k:] == 0).all()
+            obs, score = replayed(example, tokens, mask)
+            assert all(got == want for got, want in obs[:-1]) and obs[-1][0] in ([], obs[-1][1])  # env's answers
+            assert batch.env_scores[row].item() == pytest.approx(score)
+            assert len(obs) <= 3 and all(len(a) <= 12 for a in _runs(tokens, mask))  # turn and token budgets
+            assert (batch.rollout_log_probs[row, :k] * (1 - batch.response_mask[row, :k])).abs().sum() == 0
+        assert batch.env_metrics["env/tally"] >= batch.num_samples and batch.clipped.dtype == torch.bool
+    assert mid_turn > 0, "no episode was carried in the middle of an action"
+    finished = [s for g in p.groups for s in g.samples if s.finish is not None]
+    assert len(Tally.closed) >= 5 * GROUPS * N and all(s.episode.env is None for s in finished)
+
+
+def _runs(tokens, mask):
+    out, cur = [], []
+    for t, m in zip(tokens, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("flaky", [False, True])
+def test_carried_episodes_survive_a_checkpoint_by_replaying_their_actions(engine, flaky):
+    """After a resume the environments are rebuilt by stepping new ones through the recorded actions; the
+    run continues as it would have (bitwise), or an environment that answers otherwise restarts its episode."""
+    Tally.made, Tally.flaky_after = [], 10**9
+    stop = tuple(range(10, 25)) + (99,)
+    a, b, draw_a, draw_b = partial(episodes=episodes()), partial(episodes=episodes(flaky)), prompts(), prompts()
+    examples = {}
+    for step in (1, 2):
+        batch = a.next_batch(step, dataclasses.replace(params(step), stop_token_ids=stop), draw=draw_a,
+                             generate=engine.generate)
+        examples.update({e.index: e for e in batch.examples} | {g.example.index: g.example for g in a.groups})
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    buffer.seek(0)
+    b.load_state_dict(torch.load(buffer, weights_only=True), [examples.get(i) for i in range(max(examples) + 1)])
+    for _ in range(draw_a.calls):
+        draw_b()
+    Tally.flaky_after = len(Tally.made)  # every environment made from now on (b's rebuilt ones) answers otherwise
+    mid = sum(1 for g in b.groups for s in g.samples if s.finish is None and s.episode.actions)
+    assert mid > 0, "no carried episode had finished an action"
+    args = dataclasses.replace(params(3), stop_token_ids=stop)
+    y = b.next_batch(3, args, draw=draw_b, generate=engine.generate)
+    if flaky:
+        assert y.gen_metrics["partial/restarted"] >= mid
+        return
+    Tally.flaky_after = 10**9
+    x = a.next_batch(3, args, draw=draw_a, generate=engine.generate)
+    for f in ("response_ids", "response_mask", "rollout_log_probs", "env_scores", "prompt_index"):
+        assert torch.equal(getattr(x, f), getattr(y, f)), f
+    assert x.gen_metrics == y.gen_metrics and x.env_metrics == y.env_metrics
