@@ -33,7 +33,7 @@ from megappo.config.loading import apply_override, config_from_dict, dump_config
 from megappo.config.model import (ALL_LINEAR, HF_TARGETS, RECOMPUTE_MODULES, RECOMPUTE_REFUSED, SAVED_MODULES,
                                   TARGETS, LoRAConfig, ModelConfig, ParallelConfig, RecomputeConfig,
                                   RoleParallelConfig, lora_saved_modules, lora_targets)
-from megappo.config.reward import OverlongBufferConfig, RewardConfig
+from megappo.config.reward import OverlongBufferConfig, RewardConfig, SandboxConfig
 from megappo.config.roles import (KL_ESTIMATORS, POLICY_LOSS_MODES, ActorConfig, CriticConfig, KLEstimator,
                                   LossAggMode, OptimConfig, PolicyLossConfig, RefConfig)
 from megappo.config.rollout import RolloutConfig

@@ -87,7 +87,7 @@ Status = Literal["ok", "error", "timeout", "output_limit"]
 class RunResult:
     """What one run did. `status`: `ok` (exit 0), `error` (another exit code or a signal), `timeout` (past
     the wall or CPU limit), `output_limit` (printed more than max_output_bytes). `value`: a `call`'s JSON
-    result from the harness (None when it returned none); `truncated`: stdout or stderr was cut."""
+    result from the harness (`has_value`: there was one); `truncated`: stdout or stderr was cut."""
 
     status: Status
     exit_code: int | None
@@ -97,6 +97,7 @@ class RunResult:
     value: Any = None
     has_value: bool = False
     truncated: bool = False
+    retries: int = 0  # requests to a sandbox service retried before this one ran
 
 
 # The harness runs inside the sandbox: argv = [limits as JSON, "run" | "call", result fd, function name].
@@ -225,7 +226,7 @@ class LocalExecutor:
         `call` is called with them and its JSON value comes back in `RunResult.value`."""
         limits = limits or self.limits
         workdir = tempfile.mkdtemp(prefix="megappo-sandbox-")
-        result_r = result_w = None
+        result_r = result_w = info_r = info_w = None
         try:
             with open(os.path.join(workdir, "solution.py"), "w") as f:
                 f.write(source)
@@ -234,16 +235,24 @@ class LocalExecutor:
             if call:
                 result_r, result_w = os.pipe()
                 args += [str(result_w), call]
-            cmd = (_isolated(self.isolation, workdir, cwd, tmpfs_bytes=limits.file_size_mb << 20)
-                   + [self.python, "-I", "-c", _HARNESS] + args)
+            prefix = _isolated(self.isolation, workdir, cwd, tmpfs_bytes=limits.file_size_mb << 20)
+            if self.isolation == "bwrap":  # bwrap says which process is its pid namespace's first
+                info_r, info_w = os.pipe()
+                prefix[1:1] = ["--info-fd", str(info_w)]
+            cmd = prefix + [self.python, "-I", "-c", _HARNESS] + args
             env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"}
             start = time.monotonic()
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(result_w,) if call else (), start_new_session=True, cwd=workdir,
-                                    env=env)
-            if result_w is not None:
-                os.close(result_w)
-                result_w = None
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        pass_fds=tuple(fd for fd in (result_w, info_w) if fd is not None),
+                                        start_new_session=True, cwd=workdir, env=env)
+            except OSError as e:  # no such binary, no processes or descriptors left on this machine
+                raise SandboxUnavailable(f"the code executor could not start a program: {e}. Fix: check that "
+                                         f"{cmd[0]} exists and that the machine has processes and files to spare.")
+            for fd in (result_w, info_w):
+                if fd is not None:
+                    os.close(fd)
+            result_w = info_w = None
             try:
                 outputs, ended = _communicate(proc, stdin.encode(), result_r, start + limits.wall_s,
                                               limits.max_output_bytes)
@@ -252,10 +261,12 @@ class LocalExecutor:
                 proc.wait()
                 for stream in (proc.stdin, proc.stdout, proc.stderr):
                     stream.close()
+                if info_r is not None:
+                    _wait_namespace_gone(info_r)
             wall = time.monotonic() - start
             return _result(proc.returncode, ended, outputs, wall, limits)
         finally:
-            for fd in (result_r, result_w):
+            for fd in (result_r, result_w, info_r, info_w):
                 if fd is not None:
                     os.close(fd)
             shutil.rmtree(workdir, ignore_errors=True)
@@ -268,6 +279,26 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_namespace_gone(info_fd: int, timeout_s: float = 5.0) -> None:
+    """Wait until bwrap's pid namespace has no processes: its first process (bwrap's `child-pid`, read from
+    `info_fd`) is gone or a zombie, which it becomes only after the kernel killed and reaped the rest. bwrap
+    itself may exit before that."""
+    os.set_blocking(info_fd, False)
+    try:
+        pid = json.loads(os.read(info_fd, 65536))["child-pid"]
+    except (OSError, ValueError, KeyError):  # bwrap failed before it started the namespace
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return
+        except OSError:
+            return
+        time.sleep(0.002)
 
 
 def _communicate(proc: subprocess.Popen, stdin: bytes, result_fd: int | None, deadline: float, cap: int
