@@ -49,7 +49,7 @@ __all__ = [
     "DataConfig", "FilterGroupsConfig", "HardwareConfig", "KLCtrlConfig", "KLEstimator", "LoRAConfig",
     "LoggingConfig", "LossAggMode", "ModelConfig", "OptimConfig", "OverlongBufferConfig", "ParallelConfig",
     "PfPpoConfig", "PolicyLossConfig", "RecomputeConfig", "RefConfig", "RewardConfig", "RoleParallelConfig",
-    "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SamplerConfig",
+    "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SamplerConfig", "SandboxConfig",
     "apply_override", "config_from_dict", "dump_config", "load_config", "lora_saved_modules", "lora_targets",
     "read_config",
     "_build", "_convert", "_hints", "_not_here", "_options", "_plain", "_type_name", "_unknown_key",
