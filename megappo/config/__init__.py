@@ -33,7 +33,7 @@ from megappo.config.loading import apply_override, config_from_dict, dump_config
 from megappo.config.model import (ALL_LINEAR, HF_TARGETS, RECOMPUTE_MODULES, RECOMPUTE_REFUSED, SAVED_MODULES,
                                   TARGETS, LoRAConfig, ModelConfig, ParallelConfig, RecomputeConfig,
                                   RoleParallelConfig, lora_saved_modules, lora_targets)
-from megappo.config.reward import OverlongBufferConfig, RewardConfig
+from megappo.config.reward import OverlongBufferConfig, RewardConfig, SandboxConfig
 from megappo.config.roles import (KL_ESTIMATORS, POLICY_LOSS_MODES, ActorConfig, CriticConfig, KLEstimator,
                                   LossAggMode, OptimConfig, PolicyLossConfig, RefConfig)
 from megappo.config.rollout import RolloutConfig
@@ -49,7 +49,7 @@ __all__ = [
     "DataConfig", "FilterGroupsConfig", "HardwareConfig", "KLCtrlConfig", "KLEstimator", "LoRAConfig",
     "LoggingConfig", "LossAggMode", "ModelConfig", "OptimConfig", "OverlongBufferConfig", "ParallelConfig",
     "PfPpoConfig", "PolicyLossConfig", "RecomputeConfig", "RefConfig", "RewardConfig", "RoleParallelConfig",
-    "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SamplerConfig",
+    "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SamplerConfig", "SandboxConfig",
     "apply_override", "config_from_dict", "dump_config", "load_config", "lora_saved_modules", "lora_targets",
     "read_config",
     "_build", "_convert", "_hints", "_not_here", "_options", "_plain", "_type_name", "_unknown_key",

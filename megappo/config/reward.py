@@ -1,5 +1,5 @@
 """Scoring: `reward` (rule-based functions, their weights, limits and workers; a reward model and
-its passes) and DAPO's overlong shaping `reward.overlong_buffer`.
+its passes), DAPO's overlong shaping `reward.overlong_buffer` and the code sandbox `reward.sandbox`.
 
 Cross-section rule beside these sections: `check_overlong_buffer` (the buffer fits the response
 budget), which reads the root `Config` (megappo.config.root, which imports this module).
@@ -40,6 +40,36 @@ class OverlongBufferConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class SandboxConfig(_Section):
+    """Where the `code` reward function runs generated programs (verl's `reward_model.sandbox_fusion`)."""
+
+    url: Optional[str] = None
+    """A SandboxFusion service (`http://host:port`, its `/run_code`; `python -m megappo.rewards.sandbox_server`
+    serves one); `null`: megappo's local executor ([rewards.md](rewards.md#the-code-reward))."""
+    max_concurrent: int = 64
+    """Programs run at once per process (local runs, or requests to the service), as verl's."""
+    memory_limit_mb: int = 1024
+    """Address space of one program (MiB), as verl's."""
+    run_timeout_s: float = 10.0
+    """Wall-clock limit of one test case's program; past it the case fails."""
+    isolation: Literal["bwrap", "unshare", "none"] = "bwrap"
+    """The local executor's sandbox: `bwrap` (bubblewrap: namespaces, a read-only view of /usr and Python
+    only), `unshare` (namespaces, the host's files visible), `none` (limits only; trusted programs only)."""
+    allow_weaker: bool = False
+    """Where `isolation` is unavailable, use the next weaker one with a warning instead of refusing to start."""
+    all_or_nothing: bool = False
+    """Score 1 only when every test case passes (else 0); `false`: the fraction passed, as verl."""
+
+    def check(self) -> None:
+        _at_least(self, max_concurrent=1, memory_limit_mb=64)
+        _require(self.run_timeout_s > 0, f"{P}run_timeout_s={self.run_timeout_s} must be > 0. Fix: e.g. "
+                 f"{P}run_timeout_s=10.")
+        _require(self.url is None or self.url.startswith(("http://", "https://")),
+                 f"{P}url={self.url!r} is not an http(s) URL. Fix: e.g. {P}url=http://localhost:8080, or null for "
+                 "the local executor.")
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig(_Section):
     #: keys a reader may expect here, and why this section does not take them
     REFUSED_KEYS = {
@@ -52,7 +82,7 @@ class RewardConfig(_Section):
 
     functions: list[str] = dataclasses.field(default_factory=list)
     """Built-in rule rewards (`gsm8k`, `math_boxed`, `exact_match`, `reasoning_gym` (partial credit),
-    `reasoning_gym_exact`, `digit_successor`) or your own `path/to/file.py:function` / `package.module:function`:
+    `reasoning_gym_exact`, `digit_successor`, `code` (test cases run in `reward.sandbox`)) or your own `path/to/file.py:function` / `package.module:function`:
     `fn(response, ground_truth, extra)` or verl's `compute_score(data_source, solution_str, ground_truth,
     extra_info)`, returning a number or a dict with a `score` ([own-data.md](own-data.md))."""
     function_weights: Optional[list[float]] = None
@@ -84,6 +114,8 @@ class RewardConfig(_Section):
     """This role's own `tp` / `pp` / `vpp` (see `reward.parallel` above)."""
     overlong_buffer: OverlongBufferConfig = _default(OverlongBufferConfig)
     """DAPO's length penalty near `rollout.max_new_tokens`:"""
+    sandbox: SandboxConfig = _default(SandboxConfig)
+    """Where the `code` function runs programs:"""
 
     def check(self) -> None:
         _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1, num_workers=0)

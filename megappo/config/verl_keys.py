@@ -121,6 +121,9 @@ RENAMED: dict[str, str] = {
     **{f"{section}.reward_kwargs.overlong_buffer_cfg.{field}": f"reward.overlong_buffer.{field}"
        for section in ("reward_model", "reward") for field in ("enable", "len", "penalty_factor", "log")},
     "reward_model.reward_kwargs.max_resp_len": "rollout.max_new_tokens",
+    # verl's SandboxFusion client (its code reward): <= 0.8 under reward_model, 0.9.1 under reward
+    **{f"{section}.sandbox_fusion.{field}": f"reward.sandbox.{field}"
+       for section in ("reward_model", "reward") for field in ("url", "max_concurrent", "memory_limit_mb")},
     "reward.reward_kwargs.max_resp_len": "rollout.max_new_tokens",
     # activation recomputation: verl >= 0.5 passes Megatron's fields through override_transformer_config,
     # verl 0.3-0.4 had them under model.gradient_checkpointing_kwargs (megappo.models.recompute)
@@ -669,8 +672,8 @@ def reward_file_reading(path: Any, name: Any) -> tuple[str, str]:
 REFUSED_PATTERNS: dict[str, str] = {
     "*.model.override_config.*": "megappo builds the model from model.path's config.json, which its rollout engine "
                                  "reads too: change the value there (or in model.hf_config)",
-    "*.sandbox_fusion.*": "megappo calls no code-execution service; score code answers with a reward function of "
-                          "your own, reward.functions=[path/to/file.py:function_name]",
+    "*.sandbox_fusion.*": "megappo's SandboxFusion settings are reward.sandbox.url, max_concurrent and memory_limit_mb "
+                          "(docs/rewards.md); score code answers with reward.functions=[code]",
     **{key: "megappo computes in model.dtype (bfloat16 or float32), not FP8 (docs/precision.md): remove it"
        for key in ("*.megatron.override_transformer_config.fp8", "*.megatron.override_transformer_config.fp8_recipe",
                    "*.optim.override_optimizer_config.fp8_recipe")},

@@ -7,6 +7,10 @@ the reward model, and the one entry the trainer scores a batch with.
   workers    reward.num_workers processes that call the functions while the step's model passes run
   scoring    `Scorer`: a batch's scores and their metrics, for a training step, dynamic sampling's
              rounds and validation (rank 0)
+  code_reward     the built-in `code` function: a response's program on its test cases, in the sandbox
+  sandbox         the local code executor: one sandboxed, limited process per program
+  sandbox_fusion  SandboxFusion's /run_code client (reward.sandbox.url) and its answers
+  sandbox_server  a /run_code service on the local executor (python -m megappo.rewards.sandbox_server)
 
 `megappo.rewards` also names what `functions` defines (`from megappo.rewards import score_batch`),
 as it did when it was one module.

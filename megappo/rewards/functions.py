@@ -14,6 +14,7 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `reasoning_gym` | reasoning-gym's own scorer for the task in `extra["task"]` (entry in `extra["entry"]`): partial credit, 1 for the bare answer, answer length / response length for a response that contains it |
 | `reasoning_gym_exact` | exact answer: 1 when the response's final number (or, for an answer that is not a number, its final expression) equals the ground truth, else 0 (`final_answer_matches`) |
 | `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
+| `code` | the fraction of the ground truth's test cases (stdin/stdout or function calls) the response's last ```python block passes, run in the sandbox (reward.sandbox; megappo.rewards.code_reward); it returns a dict whose fields `code_metrics` sums |
 
 Your own function is named `path/to/file.py:function` (or `package.module:function`, imported
 from the working directory and sys.path) in `reward.functions`, like verl's
@@ -29,8 +30,8 @@ Its value is checked (`RewardChecks`, built from the recipe's reward section and
 is refused the same way (`reward.bad_value_policy=error`) or scored 0, warned once per function
 and counted (`warn`; `RewardChecks.bad_values`); a magnitude above LARGE_REWARD is warned once per
 function; a call that takes longer than `reward.timeout_s` ends the run naming the function, the
-row and the limit (`call_with_timeout`). The built-in functions return 0, 0.5 or 1 and are not
-checked.
+row and the limit (`call_with_timeout`). The built-in functions return 0, 0.5 or 1 (`code`: a fraction, in a
+dict with its fields) and are not checked; `code` runs programs under its own time limits.
 
 `call_functions` calls the functions on one response and gives each one's outcome (its value, a
 timeout, what it raised); `score_records` turns the outcomes into checked scores, calling the
@@ -62,6 +63,7 @@ import threading
 from typing import Any, Callable, Iterable, Sequence
 
 from megappo.errors import ConfigError
+from megappo.rewards.code_reward import code
 from megappo.user_code import UserCodeError, load_spec
 
 RewardFn = Callable[[str, Any, dict], float]
@@ -185,6 +187,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "reasoning_gym": reasoning_gym_score,
     "reasoning_gym_exact": reasoning_gym_exact,
     "digit_successor": digit_successor,
+    "code": code,
 }
 
 
@@ -196,6 +199,7 @@ READS: dict[str, tuple[str, ...]] = {
     "reasoning_gym": ("extra_info.task", "extra_info.entry"),
     "reasoning_gym_exact": ("reward_model.ground_truth",),
     "digit_successor": ("reward_model.ground_truth",),
+    "code": ("reward_model.ground_truth",),
 }
 
 
@@ -373,6 +377,14 @@ def _custom_score(name: str, outcome: Outcome, row, checks: RewardChecks, fields
     return value
 
 
+def _builtin_score(value: float | dict, fields: dict) -> float:
+    """A built-in function's score; `code` returns a dict: its score, and fields that go into `fields`."""
+    if isinstance(value, dict):
+        fields.update((k, v) for k, v in value.items() if k != "score")
+        return value["score"]
+    return value
+
+
 #: a response is fully correct when its score reaches this (1.0: a correct response under every
 #: built-in rule function; the tolerance absorbs the rounding of weighted sums)
 CORRECT_SCORE = 1.0 - 1e-6
@@ -420,7 +432,8 @@ def score_records(names: Sequence[str], weights: Sequence[float] | None, respons
     for row, called in zip(rows, outcomes):
         total, values, fields = 0.0, [], {}
         for w, fn, name, outcome in zip(weights, fns, names, called, strict=True):
-            values.append(_custom_score(name, outcome, row, checks, fields) if hasattr(fn, "custom") else outcome[1])
+            values.append(_custom_score(name, outcome, row, checks, fields) if hasattr(fn, "custom")
+                          else _builtin_score(outcome[1], fields))
             total += w * values[-1]
         out.totals.append(total)
         out.values.append(values)

@@ -29,6 +29,8 @@ import dataclasses
 import torch
 
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
+from megappo.rewards import code_reward
+from megappo.rewards.code_reward import code_metrics
 from megappo.rewards.functions import CORRECT_SCORE, RewardChecks, score_batch, score_records
 from megappo.rewards.workers import RewardWorkers, Scoring
 from megappo.types import RolloutBatch
@@ -43,7 +45,8 @@ Read = tuple[list[str], list, list[dict], list[str], list]
 class BatchScores:
     """What the rewards say of a batch: [N] `scores` (the trained score, or validation's) and `metrics`:
     `<prefix>/frac_correct`, each reward.metric_functions' mean, and in a training step
-    `reward/bad_values` and the overlong penalty's metrics (reward.overlong_buffer.log)."""
+    `reward/bad_values`, the overlong penalty's metrics (reward.overlong_buffer.log) and the `code` function's
+    (`reward/code/format_failures`, `case_pass_rate`, `retries`)."""
 
     scores: torch.Tensor
     metrics: dict[str, float]
@@ -64,7 +67,11 @@ class Scorer:
     def __init__(self, reward_cfg, tokenizer, max_new_tokens: int):
         self.cfg, self.tokenizer, self.max_new_tokens = reward_cfg, tokenizer, max_new_tokens
         self.checks = RewardChecks.of(reward_cfg)
-        self.workers = (RewardWorkers(reward_cfg.functions, reward_cfg.num_workers, reward_cfg.timeout_s)
+        runs_code = "code" in (*reward_cfg.functions, *reward_cfg.metric_functions)
+        if runs_code:  # here, at start-up: a sandbox missing on this machine stops the run before any step
+            code_reward.configure(reward_cfg.sandbox)
+        self.workers = (RewardWorkers(reward_cfg.functions, reward_cfg.num_workers, reward_cfg.timeout_s,
+                                      sandbox=reward_cfg.sandbox if runs_code else None)
                         if reward_cfg.num_workers and reward_cfg.functions else None)
 
     def close(self) -> None:
@@ -96,6 +103,7 @@ class Scorer:
         with self.naming_prompts(batch):
             metrics.update(score_metrics("critic/score", scores, self.cfg.metric_functions, *read))
         metrics.update(self.overlong_metrics(batch))
+        metrics.update(code_metrics(batch.score_fields or []))
         return BatchScores(scores, metrics)
 
     def totals(self, batch: RolloutBatch, reward_model: torch.Tensor | None = None) -> torch.Tensor:

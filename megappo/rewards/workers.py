@@ -25,6 +25,7 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterator, Sequence
 
+from megappo.rewards import code_reward
 from megappo.rewards.functions import Outcome, call_functions
 from megappo.user_code import UserCodeError
 
@@ -32,11 +33,15 @@ CHUNKS_PER_WORKER = 4
 
 
 class RewardWorkers:
-    """`num_workers` spawned processes calling `names` (reward.functions) under `timeout_s`."""
+    """`num_workers` spawned processes calling `names` (reward.functions) under `timeout_s`; `sandbox`: the
+    recipe's reward.sandbox, where each worker's `code` function runs programs (None: not configured)."""
 
-    def __init__(self, names: Sequence[str], num_workers: int, timeout_s: float):
+    def __init__(self, names: Sequence[str], num_workers: int, timeout_s: float, sandbox=None):
         self.names, self.num_workers, self.timeout_s = tuple(names), num_workers, timeout_s
-        self._pool = concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            num_workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=code_reward.configure if sandbox is not None else None,
+            initargs=(sandbox,) if sandbox is not None else ())
 
     def start(self, responses: Sequence[str], ground_truths: Sequence[Any], extras: Sequence[dict],
               data_sources: Sequence[str] | None = None) -> "Scoring":

@@ -83,6 +83,10 @@ READ = {
     # verl's reward file (its function: verl's default compute_score), verl <= 0.8 and 0.9.1
     "custom_reward_function.path=my_reward.py": ("reward.functions", ["my_reward.py:compute_score"]),
     "reward.custom_reward_function.path=my_reward.py": ("reward.functions", ["my_reward.py:compute_score"]),
+    # verl's SandboxFusion client, verl <= 0.8 and 0.9.1
+    "reward_model.sandbox_fusion.url=http://localhost:8080": ("reward.sandbox.url", "http://localhost:8080"),
+    "reward_model.sandbox_fusion.max_concurrent=8": ("reward.sandbox.max_concurrent", 8),
+    "reward.sandbox_fusion.memory_limit_mb=512": ("reward.sandbox.memory_limit_mb", 512),
 }
 
 
@@ -190,7 +194,7 @@ REFUSED = {
     "actor_rollout_ref.model.override_config.rope_theta=1000000": "model.path's config.json",
     "critic.model.some_new_knob=1": "megappo has no such key; remove it",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml": "rollout.env_args.tools",
-    "reward_model.sandbox_fusion.url=http://sandbox": "a reward function of your own",
+    "reward_model.sandbox_fusion.some_new_knob=1": "reward.sandbox.url, max_concurrent and memory_limit_mb",
     "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True": "dist_checkpointing_path, which is not given",
     "critic.megatron.dist_checkpointing_prefix=module.": "save it again without the prefix",
     "actor_rollout_ref.rollout.over_sample_rate=0.1": "generates every sample to its end",
