@@ -129,69 +129,19 @@ class PartialRollouts:
         """Step `step`'s batch of `batch_size` complete groups (its `gen_metrics` count what happened).
         `dynamic`: algorithm.filter_groups, each group judged as it completes (`DynamicSampling`)."""
         self._stamp_carried()
-        m = {"partial/restarted": 0.0, "partial/dropped_groups": 0.0}
-        eps = self.episodes
-        if eps and self._replay:  # after a resume: environments stepped through their recorded actions again
-            self._replay = False
-            for s in eps.replay([(g.example, s) for g in self.groups for s in g.samples if s.finish is None]):
-                s.restart()
-                m["partial/restarted"] += 1
-        for group in list(self.groups):
-            stale = [s for s in group.samples if s.versions and (step - 1) - min(s.versions) > self.max_token_staleness]
-            if stale and self.on_stale == "drop":
-                self.groups.remove(group)
-                if eps:
-                    eps.close(group.samples)
-                m["partial/dropped_groups"] += 1
-                continue
-            if eps:
-                eps.close(stale)
-            for s in stale:
-                s.restart()
-                m["partial/restarted"] += 1
+        m = self._age_out(step)
         resumed = sum(1 for g in self.groups for s in g.samples if s.finish is None and s.tokens)
         calls, draws, judged = 0, 0, []
         kept = lambda: [g for g in self.groups if g.complete and (dynamic is None or g.scored)]  # noqa: E731
         while len(kept()) < self.batch_size:
-            while len(self.groups) < self.in_flight and (dynamic is None or dynamic.may_draw(draws)):
-                for example in draw():
-                    self.groups.append(Group(self.next_key, example, [Sample() for _ in range(params.n)]))
-                    self.next_key += 1
-                draws += 1
-            if eps:  # new and restarted episodes: an environment each
-                eps.start([(g.example, s) for g in self.groups for s in g.samples if s.finish is None and not s.episode])
+            draws = self._fill(params.n, draw, draws, dynamic)
             running = [(g, s) for g in self.groups for s in g.samples if s.finish is None]
             if not running:
                 assert dynamic is not None, "every group complete but fewer than the batch size"
                 break  # dynamic sampling at max_num_gen_batches: too few groups kept
-            rooms = [eps.room(s) if eps else self.chunk_tokens for _, s in running]
-            part = generate([list(g.example.prompt_ids) + s.tokens for g, s in running],
-                            dataclasses.replace(params, n=1, max_new_tokens=min(self.chunk_tokens, max(rooms)),
-                                                seed=None if params.seed is None else params.seed * 1009 + calls,
-                                                sample_window=None))
+            self._generate_chunk(running, dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed * 1009 + calls), generate)
             calls += 1
-            ended = []
-            for row, ((g, s), room) in enumerate(zip(running, rooms)):
-                generated = int(part.response_mask[row].sum())
-                length = min(generated, room)
-                if part.routes is not None:
-                    s.routes = _fed_routes(s.routes, part.routes[row], part.prompt_ids.shape[1],
-                                           len(g.example.prompt_ids) + len(s.tokens), length)
-                s.tokens += part.response_ids[row, :length].tolist()
-                s.log_probs += part.rollout_log_probs[row, :length].tolist()
-                s.versions += [PENDING] * length
-                s.segments += 1
-                if eps:
-                    s.mask += [1] * length
-                    reason = eps.action_end(s, part.finish_reasons[row], cut=generated > room)
-                    if reason:
-                        ended.append((g.example, s, reason))
-                elif part.finish_reasons[row] == "stop":
-                    s.finish = "stop"
-                elif len(s.tokens) >= self.max_new_tokens:
-                    s.finish = "length"
-            if ended:
-                eps.end_actions(ended)
             if dynamic is not None:
                 judged += self._judge(dynamic, [g for g in self.groups if g.complete and not g.scored])
         done = kept()[:self.batch_size]
@@ -212,6 +162,78 @@ class PartialRollouts:
             batch.gen_metrics.update(dynamic.metrics(judged, draws))
         self._last = batch
         return batch
+
+    def _age_out(self, step: int) -> dict[str, float]:
+        """Step 1 of the module docstring (and, after a resume, the episodes' environments rebuilt): the
+        counts of samples restarted and groups dropped."""
+        m = {"partial/restarted": 0.0, "partial/dropped_groups": 0.0}
+        eps = self.episodes
+        if eps and self._replay:  # after a resume: environments stepped through their recorded actions again
+            self._replay = False
+            for s in eps.replay([(g.example, s) for g in self.groups for s in g.samples if s.finish is None]):
+                s.restart()
+                m["partial/restarted"] += 1
+        for group in list(self.groups):
+            stale = [s for s in group.samples if s.versions and (step - 1) - min(s.versions) > self.max_token_staleness]
+            if stale and self.on_stale == "drop":
+                self.groups.remove(group)
+                if eps:
+                    eps.close(group.samples)
+                m["partial/dropped_groups"] += 1
+                continue
+            if eps:
+                eps.close(stale)
+            for s in stale:
+                s.restart()
+                m["partial/restarted"] += 1
+        return m
+
+    def _fill(self, n: int, draw: Callable[[], list], draws: int, dynamic: DynamicSampling | None) -> int:
+        """Step 2: new groups of `n` samples until `in_flight` are in generation (dynamic sampling: while its
+        bound allows another draw), and an environment for each new or restarted episode; -> the step's
+        draws so far (`draws` before)."""
+        while len(self.groups) < self.in_flight and (dynamic is None or dynamic.may_draw(draws)):
+            for example in draw():
+                self.groups.append(Group(self.next_key, example, [Sample() for _ in range(n)]))
+                self.next_key += 1
+            draws += 1
+        if self.episodes:
+            self.episodes.start([(g.example, s) for g in self.groups for s in g.samples
+                                 if s.finish is None and not s.episode])
+        return draws
+
+    def _generate_chunk(self, running: list[tuple[Group, Sample]], params: SamplingParams,
+                        generate: Callable[[list[list[int]], SamplingParams], RolloutBatch]) -> None:
+        """Step 3, one engine call: every running sample's next tokens (at most `chunk_tokens`, and what its
+        episode's budgets leave), appended; finished samples marked, ended actions stepped in their
+        environments."""
+        eps = self.episodes
+        rooms = [eps.room(s) if eps else self.chunk_tokens for _, s in running]
+        part = generate([list(g.example.prompt_ids) + s.tokens for g, s in running],
+                        dataclasses.replace(params, max_new_tokens=min(self.chunk_tokens, max(rooms)),
+                                            sample_window=None))
+        ended = []
+        for row, ((g, s), room) in enumerate(zip(running, rooms)):
+            generated = int(part.response_mask[row].sum())
+            length = min(generated, room)
+            if part.routes is not None:
+                s.routes = _fed_routes(s.routes, part.routes[row], part.prompt_ids.shape[1],
+                                       len(g.example.prompt_ids) + len(s.tokens), length)
+            s.tokens += part.response_ids[row, :length].tolist()
+            s.log_probs += part.rollout_log_probs[row, :length].tolist()
+            s.versions += [PENDING] * length
+            s.segments += 1
+            if eps:
+                s.mask += [1] * length
+                reason = eps.action_end(s, part.finish_reasons[row], cut=generated > room)
+                if reason:
+                    ended.append((g.example, s, reason))
+            elif part.finish_reasons[row] == "stop":
+                s.finish = "stop"
+            elif len(s.tokens) >= self.max_new_tokens:
+                s.finish = "length"
+        if ended:
+            eps.end_actions(ended)
 
     def _judge(self, dynamic: DynamicSampling, groups: list[Group]) -> list[tuple[Group, bool]]:
         """Score the newly complete `groups`; a group whose samples all have the same metric value leaves
