@@ -65,6 +65,10 @@ def test_demo_recipe_learns(demo_run):
                 "rollout/logprob_diff_max"):
         assert key in rows[-1], key
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # engine and Megatron agree after the first sync
+    # without partial rollouts no token of a sync step crosses a weight update: every step's engine log-probs
+    # are the trainer's weights' (a token one update old differs by far more), and no token has an age
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)
+    assert not any("rollout/token_age/max" in r for r in rows)
     assert val_rows[-1]["val/score/mean"] > val_rows[0]["val/score/mean"]  # greedy validation improves too
     assert (tmp_path / "curves.png").is_file()
     ckpts = tmp_path / "checkpoints"  # trainer checkpoints every 50 steps, the last two kept
