@@ -242,3 +242,32 @@ def test_parse_score_and_config_checks():
         JudgeConfig(template="{question}")
     with pytest.raises(ConfigError, match="above"):
         JudgeConfig(min_score=1, max_score=0)
+
+
+def test_the_step_masks_skipped_groups_before_the_advantages():
+    """make_experience with `skip`: the skipped group's rows of the loss mask are 0, and the other groups' GRPO
+    advantages are what they are without the skipped group in the batch."""
+    from megappo.config import config_from_dict
+    from megappo.trainer.roles import SeqBatch
+    from megappo.trainer.step import make_experience
+    from megappo.types import RolloutBatch
+
+    cfg = config_from_dict({"model": {"hf_config": {"architectures": ["LlamaForCausalLM"]}},
+                            "algorithm": {"adv_estimator": "grpo"}, "rollout": {"n": 2}})
+    run = types.SimpleNamespace(cfg=cfg)
+    n, r = 6, 3
+    mask = torch.ones(n, r, dtype=torch.long)
+    batch = RolloutBatch(prompt_ids=torch.ones(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.long),
+                         response_ids=torch.ones(n, r, dtype=torch.long), response_mask=mask,
+                         rollout_log_probs=torch.zeros(n, r), finish_reasons=["stop"] * n,
+                         prompt_index=torch.tensor([0, 0, 1, 1, 2, 2]))
+    seqs = SeqBatch(input_ids=torch.ones(n, 2 + r, dtype=torch.long), attention_mask=torch.ones(n, 2 + r),
+                    response_mask=mask, prompt_len=2)
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    skip = torch.tensor([False, False, True, True, False, False])
+    exp, _ = make_experience(run, batch, seqs, scores, torch.zeros(n, r), None, None, skip=skip)
+    assert exp.seqs.response_mask.sum(-1).tolist() == [3, 3, 0, 0, 3, 3]
+    full, _ = make_experience(run, batch, seqs, scores, torch.zeros(n, r), None, None)
+    kept = ~skip
+    assert torch.equal(exp.advantages[kept], full.advantages[kept])
+    assert (exp.advantages[skip] == 0).all()
