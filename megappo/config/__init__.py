@@ -33,7 +33,7 @@ from megappo.config.loading import apply_override, config_from_dict, dump_config
 from megappo.config.model import (ALL_LINEAR, HF_TARGETS, RECOMPUTE_MODULES, RECOMPUTE_REFUSED, SAVED_MODULES,
                                   TARGETS, LoRAConfig, ModelConfig, ParallelConfig, RecomputeConfig,
                                   RoleParallelConfig, lora_saved_modules, lora_targets)
-from megappo.config.reward import OverlongBufferConfig, RewardConfig, SandboxConfig
+from megappo.config.reward import JudgeConfig, OverlongBufferConfig, RewardConfig, SandboxConfig
 from megappo.config.roles import (KL_ESTIMATORS, POLICY_LOSS_MODES, ActorConfig, CriticConfig, KLEstimator,
                                   LossAggMode, OptimConfig, PolicyLossConfig, RefConfig)
 from megappo.config.rollout import RolloutConfig
@@ -46,7 +46,7 @@ __all__ = [
     "ADV_ESTIMATORS", "ALL_LINEAR", "HF_TARGETS", "KL_ESTIMATORS", "POLICY_LOSS_MODES", "RECOMPUTE_MODULES",
     "RECOMPUTE_REFUSED", "SAVED_MODULES", "TARGETS", "TEMPLATE_ARGUMENTS_SET_BY_MEGAPPO",
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "CustomClsConfig",
-    "DataConfig", "FilterGroupsConfig", "HardwareConfig", "KLCtrlConfig", "KLEstimator", "LoRAConfig",
+    "DataConfig", "FilterGroupsConfig", "HardwareConfig", "JudgeConfig", "KLCtrlConfig", "KLEstimator", "LoRAConfig",
     "LoggingConfig", "LossAggMode", "ModelConfig", "OptimConfig", "OverlongBufferConfig", "ParallelConfig",
     "PfPpoConfig", "PolicyLossConfig", "RecomputeConfig", "RefConfig", "RewardConfig", "RoleParallelConfig",
     "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SamplerConfig", "SandboxConfig",

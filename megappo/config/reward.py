@@ -1,5 +1,6 @@
 """Scoring: `reward` (rule-based functions, their weights, limits and workers; a reward model and
-its passes), DAPO's overlong shaping `reward.overlong_buffer` and the code sandbox `reward.sandbox`.
+its passes), DAPO's overlong shaping `reward.overlong_buffer`, the code sandbox `reward.sandbox` and the
+LLM judge `reward.judge`.
 
 Cross-section rule beside these sections: `check_overlong_buffer` (the buffer fits the response
 budget), which reads the root `Config` (megappo.config.root, which imports this module).
@@ -11,6 +12,7 @@ Owns: these sections, their defaults and checks. Does not know the reward functi
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal, Optional
 
 from megappo.config.model import RoleParallelConfig
@@ -69,6 +71,74 @@ class SandboxConfig(_Section):
                  "the local executor.")
 
 
+#: the judge's score: the last `Score: x` (or `score = x`) of its answer
+DEFAULT_SCORE_PATTERN = r"(?i)score\s*[:=]\s*\**\s*([-+]?\d*\.?\d+)"
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig(_Section):
+    """The `judge` reward function: an LLM asked over an OpenAI-compatible chat-completions endpoint."""
+
+    url: Optional[str] = None
+    """The endpoint's base (`http://host:port`; requests go to `{url}/v1/chat/completions`, a trailing `/v1`
+    is taken as given); `python -m megappo.rollout.judge_server` serves one ([rewards.md](rewards.md#llm-judge))."""
+    model: str = "judge"
+    """The request's `model` (the served model's name; megappo's judge server takes any)."""
+    api_key_env: Optional[str] = None
+    """The name of an environment variable holding the API key, sent as `Authorization: Bearer`; `null`: none."""
+    template: Optional[str] = None
+    """The user message, a Python format string with `{prompt}`, `{response}`, `{ground_truth}` (literal braces
+    doubled); `null`: megappo's, which asks for `Score: 1` (correct) or `Score: 0`."""
+    score_pattern: str = DEFAULT_SCORE_PATTERN
+    """A regex with one group: its last match in the answer is the score (a number); no match: unparseable."""
+    min_score: Optional[float] = None
+    """Scores below it are raised to it; `null`: no lower bound."""
+    max_score: Optional[float] = None
+    """Scores above it are lowered to it; `null`: no upper bound."""
+    max_concurrent: int = 8
+    """Requests in flight at once per process."""
+    timeout_s: float = 60.0
+    """One request's time limit; past it the judgement failed (counted, `on_failure`)."""
+    retries: int = 3
+    """Retries of a request the endpoint refused, or answered 429 or 5xx, with exponential backoff (counted)."""
+    backoff_s: float = 1.0
+    """The first retry's wait; each next one waits twice as long."""
+    requests_per_s: float = 0.0
+    """At most this many requests start per second per process (external APIs' rate limits); `0`: no limit."""
+    on_failure: Literal["error", "skip_group", "score"] = "error"
+    """A judgement that failed (no answer after the retries) or is unparseable: `error` stops the run; `skip_group`:
+    its group is not trained on this step; `score`: it scores `failure_score`. Each is counted."""
+    failure_score: float = 0.0
+    """The score of a failed or unparseable judgement under `on_failure=score`."""
+    temperature: float = 0.0
+    """The request's sampling temperature (0: greedy)."""
+    max_tokens: int = 512
+    """The request's `max_tokens`: the judge's answer budget."""
+
+    def check(self) -> None:
+        _at_least(self, max_concurrent=1, retries=0, max_tokens=1)
+        _require(self.url is None or self.url.startswith(("http://", "https://")),
+                 f"{P}url={self.url!r} is not an http(s) URL. Fix: e.g. {P}url=http://127.0.0.1:8000.")
+        _require(self.timeout_s > 0, f"{P}timeout_s={self.timeout_s} must be > 0. Fix: e.g. {P}timeout_s=60.")
+        _require(self.backoff_s >= 0 and self.requests_per_s >= 0,
+                 f"{P}backoff_s={self.backoff_s} and {P}requests_per_s={self.requests_per_s} must be >= 0. Fix: e.g. "
+                 f"{P}backoff_s=1, {P}requests_per_s=0 (no limit).")
+        _require(self.min_score is None or self.max_score is None or self.min_score <= self.max_score,
+                 f"{P}min_score={self.min_score} is above {P}max_score={self.max_score}. Fix: swap them.")
+        try:
+            groups = re.compile(self.score_pattern).groups
+        except re.error as e:
+            groups = f"an invalid regex ({e})"
+        _require(groups == 1, f"{P}score_pattern={self.score_pattern!r} has {groups} groups, not one. Fix: one group "
+                 r"around the number, e.g. 'Score: ([0-9.]+)'.")
+        if self.template is not None:
+            try:
+                self.template.format(prompt="", response="", ground_truth="")
+            except (KeyError, IndexError, ValueError) as e:
+                _require(False, f"{P}template does not format with {{prompt}}, {{response}}, {{ground_truth}}: "
+                         f"{type(e).__name__}: {e}. Fix: name only those fields, and double literal braces ({{{{ }}}}).")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig(_Section):
     #: keys a reader may expect here, and why this section does not take them
@@ -82,7 +152,8 @@ class RewardConfig(_Section):
 
     functions: list[str] = dataclasses.field(default_factory=list)
     """Built-in rule rewards (`gsm8k`, `math_boxed`, `exact_match`, `reasoning_gym` (partial credit),
-    `reasoning_gym_exact`, `digit_successor`, `code` (test cases run in `reward.sandbox`)) or your own `path/to/file.py:function` / `package.module:function`:
+    `reasoning_gym_exact`, `digit_successor`, `code` (test cases run in `reward.sandbox`), `judge` (an LLM asked,
+    `reward.judge`)) or your own `path/to/file.py:function` / `package.module:function`:
     `fn(response, ground_truth, extra)` or verl's `compute_score(data_source, solution_str, ground_truth,
     extra_info)`, returning a number or a dict with a `score` ([own-data.md](own-data.md))."""
     function_weights: Optional[list[float]] = None
@@ -116,6 +187,8 @@ class RewardConfig(_Section):
     """DAPO's length penalty near `rollout.max_new_tokens`:"""
     sandbox: SandboxConfig = _default(SandboxConfig)
     """Where the `code` function runs programs:"""
+    judge: JudgeConfig = _default(JudgeConfig)
+    """The `judge` function's endpoint, prompt, parsing and failure policy:"""
 
     def check(self) -> None:
         _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1, num_workers=0)
@@ -125,6 +198,10 @@ class RewardConfig(_Section):
         _require(self.function_weights is None or n_w == n_f,
                  f"{P}function_weights has {n_w} entries for {n_f} {P}functions. Fix: give one weight per function "
                  f"or set {P}function_weights=null.")
+        _require(self.judge.url is not None or "judge" not in (*self.functions, *self.metric_functions),
+                 f"{P}functions names `judge` but {P}judge.url is not set. Fix: set {P}judge.url to an OpenAI-compatible "
+                 "endpoint (python -m megappo.rollout.judge_server --model DIR --port 8000 serves one: "
+                 f"{P}judge.url=http://127.0.0.1:8000).")
 
 
 # -- rules across sections ----------------------------------------------------------------------

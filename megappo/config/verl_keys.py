@@ -244,7 +244,8 @@ _NO_REMOTE_CODE = "megappo builds its models and reads its data itself (docs/mod
                   "model or dataset directory ships"
 _EVEN_PP_SPLIT = "megappo splits the layers evenly over the pipeline stages (megappo plan shows each stage's memory)"
 _REWARD_SERVER = "verl serves its reward model with an inference engine; megappo runs it as a Megatron model on the " \
-                 "trainer's ranks (reward.model_path)"
+                 "trainer's ranks (reward.model_path), and asks a generative one (a judge) over HTTP " \
+                 "(reward.functions=[judge], reward.judge.url: docs/rewards.md)"
 _LORA_INIT = "megappo initialises A as peft does (Kaiming-uniform) and B at zero, so training starts from the " \
              "base model, as verl's does"
 _TEXT_ONLY = "megappo trains text-only language models and reads no images (a vision model is refused when it is " \

@@ -11,6 +11,8 @@ the reward model, and the one entry the trainer scores a batch with.
   sandbox         the local code executor: one sandboxed, limited process per program
   sandbox_fusion  SandboxFusion's /run_code client (reward.sandbox.url) and its answers
   sandbox_server  a /run_code service on the local executor (python -m megappo.rewards.sandbox_server)
+  judge           the built-in `judge` function: an LLM's score over chat completions (reward.judge), its client,
+                  failure policy and metrics (a local judge server: python -m megappo.rollout.judge_server)
 
 `megappo.rewards` also names what `functions` defines (`from megappo.rewards import score_batch`),
 as it did when it was one module.

@@ -15,6 +15,11 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `reasoning_gym_exact` | exact answer: 1 when the response's final number (or, for an answer that is not a number, its final expression) equals the ground truth, else 0 (`final_answer_matches`) |
 | `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 | `code` | the fraction of the ground truth's test cases (stdin/stdout or function calls) the response's last ```python block passes, run in the sandbox (reward.sandbox; megappo.rewards.code_reward); it returns a dict whose fields `code_metrics` sums |
+| `judge` | an LLM's score of the response over a chat-completions endpoint (reward.judge; megappo.rewards.judge); it returns a dict whose fields `judge_metrics` sums |
+
+A built-in function may carry a batch hook, `fn.prefetch(responses, ground_truths, extras)`, which
+`score_records` and the reward workers call with a batch's responses before calling the function on each
+(`judge` starts all the batch's requests at once there).
 
 Your own function is named `path/to/file.py:function` (or `package.module:function`, imported
 from the working directory and sys.path) in `reward.functions`, like verl's
@@ -64,6 +69,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from megappo.errors import ConfigError
 from megappo.rewards.code_reward import code
+from megappo.rewards.judge import judge
 from megappo.user_code import UserCodeError, load_spec
 
 RewardFn = Callable[[str, Any, dict], float]
@@ -188,6 +194,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "reasoning_gym_exact": reasoning_gym_exact,
     "digit_successor": digit_successor,
     "code": code,
+    "judge": judge,
 }
 
 
@@ -200,6 +207,7 @@ READS: dict[str, tuple[str, ...]] = {
     "reasoning_gym_exact": ("reward_model.ground_truth",),
     "digit_successor": ("reward_model.ground_truth",),
     "code": ("reward_model.ground_truth",),
+    "judge": (),  # the ground truth when the template names it; an open-ended prompt's judge needs none
 }
 
 
@@ -399,6 +407,14 @@ class Scored:
     fields: list[dict[str, Any]]  # [N] the other entries of the dicts your functions returned (verl's "acc", ...)
 
 
+def prefetch(fns: Sequence[RewardFn], responses: Sequence[str], ground_truths: Sequence[Any],
+             extras: Sequence[dict]) -> None:
+    """Start the batch work of the functions that have a batch hook (module docstring), before each is called."""
+    for fn in fns:
+        if hasattr(fn, "prefetch"):
+            fn.prefetch(responses, ground_truths, extras)
+
+
 def score_batch(names: Sequence[str], weights: Sequence[float] | None, responses: Sequence[str],
                 ground_truths: Sequence[Any], extras: Sequence[dict],
                 data_sources: Sequence[str] | None = None, rows: Sequence | None = None, *,
@@ -426,6 +442,7 @@ def score_records(names: Sequence[str], weights: Sequence[float] | None, respons
     sources = data_sources if data_sources is not None else [None] * len(responses)
     rows = rows if rows is not None else [None] * len(responses)
     if outcomes is None:  # called here, one response after another (a failing one stops the rest)
+        prefetch(fns, responses, ground_truths, extras)
         outcomes = (call_functions(names, r, gt, ex, src, checks.timeout_s)
                     for r, gt, ex, src in zip(responses, ground_truths, extras, sources))
     out = Scored([], [], [])

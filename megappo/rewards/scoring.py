@@ -7,6 +7,8 @@ A response's score is the sum of
     (megappo.rewards.workers, reward.num_workers), else here,
   - DAPO's overlong penalty (reward.overlong_buffer, megappo.ppo.overlong),
   - and, in a training step, the reward model's score times reward.model_weight.
+A group with a failed or unparseable judgement under reward.judge.on_failure=skip_group (megappo.rewards.judge)
+is marked in `BatchScores.skip`: the step masks its samples out of every loss.
 The first three are a batch's *generation scores*: dynamic sampling scores its rounds with them
 (`generation_scores`), and a batch scored so carries them (`RolloutBatch.scores`, `.score_components`,
 `.score_fields`) to the step that trains on it, which does not call the functions again.
@@ -29,9 +31,10 @@ import dataclasses
 import torch
 
 from megappo.ppo.overlong import overlong_metrics, overlong_penalty
-from megappo.rewards import code_reward
+from megappo.rewards import code_reward, judge
 from megappo.rewards.code_reward import code_metrics
 from megappo.rewards.functions import CORRECT_SCORE, RewardChecks, score_batch, score_records
+from megappo.rewards.judge import PROMPT_KEY, JudgeUnavailable, judge_metrics
 from megappo.rewards.workers import RewardWorkers, Scoring
 from megappo.types import RolloutBatch
 from megappo.user_code import UserCodeError
@@ -45,11 +48,15 @@ Read = tuple[list[str], list, list[dict], list[str], list]
 class BatchScores:
     """What the rewards say of a batch: [N] `scores` (the trained score, or validation's) and `metrics`:
     `<prefix>/frac_correct`, each reward.metric_functions' mean, and in a training step
-    `reward/bad_values`, the overlong penalty's metrics (reward.overlong_buffer.log) and the `code` function's
-    (`reward/code/format_failures`, `case_pass_rate`, `retries`)."""
+    `reward/bad_values`, the overlong penalty's metrics (reward.overlong_buffer.log), the `code` function's
+    (`reward/code/format_failures`, `case_pass_rate`, `retries`) and the `judge` function's (`reward/judge/failed`,
+    `unparseable`, `timeouts`, `retries`, `latency_s`, `skipped_groups`). `skip`: [N] bool, the samples of groups
+    that a failed judgement skips (reward.judge.on_failure=skip_group), which the step masks out of its losses;
+    None when none is."""
 
     scores: torch.Tensor
     metrics: dict[str, float]
+    skip: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -67,16 +74,22 @@ class Scorer:
     def __init__(self, reward_cfg, tokenizer, max_new_tokens: int):
         self.cfg, self.tokenizer, self.max_new_tokens = reward_cfg, tokenizer, max_new_tokens
         self.checks = RewardChecks.of(reward_cfg)
-        runs_code = "code" in (*reward_cfg.functions, *reward_cfg.metric_functions)
+        named = (*reward_cfg.functions, *reward_cfg.metric_functions)
+        runs_code, self.asks_judge = "code" in named, "judge" in named
         if runs_code:  # here, at start-up: a sandbox missing on this machine stops the run before any step
             code_reward.configure(reward_cfg.sandbox)
+        if self.asks_judge:
+            judge.configure(reward_cfg.judge)
         self.workers = (RewardWorkers(reward_cfg.functions, reward_cfg.num_workers, reward_cfg.timeout_s,
-                                      sandbox=reward_cfg.sandbox if runs_code else None)
+                                      sandbox=reward_cfg.sandbox if runs_code else None,
+                                      judge_cfg=reward_cfg.judge if self.asks_judge else None)
                         if reward_cfg.num_workers and reward_cfg.functions else None)
 
     def close(self) -> None:
         if self.workers:
             self.workers.close()
+        if self.asks_judge:
+            judge.close()
 
     # -- a training step ------------------------------------------------------------------------
 
@@ -104,7 +117,11 @@ class Scorer:
             metrics.update(score_metrics("critic/score", scores, self.cfg.metric_functions, *read))
         metrics.update(self.overlong_metrics(batch))
         metrics.update(code_metrics(batch.score_fields or []))
-        return BatchScores(scores, metrics)
+        metrics.update(judge_metrics(batch.score_fields or []))
+        skip = skipped_groups(batch)
+        if skip is not None:
+            metrics["reward/judge/skipped_groups"] = float(batch.prompt_index[skip].unique().numel())
+        return BatchScores(scores, metrics, skip)
 
     def totals(self, batch: RolloutBatch, reward_model: torch.Tensor | None = None) -> torch.Tensor:
         """[N] a batch's generation scores (those it carries, else computed now) plus the reward model's."""
@@ -121,7 +138,9 @@ class Scorer:
         read = self.responses(batch)
         scores, _, batch.score_fields = self.generation_scores(batch, read)
         with self.naming_prompts(batch):
-            return BatchScores(scores, score_metrics("val/score", scores, self.cfg.metric_functions, *read)), read
+            metrics = score_metrics("val/score", scores, self.cfg.metric_functions, *read)
+        metrics.update(judge_metrics(batch.score_fields, prefix="val/judge"))  # skip_group: nothing to skip here
+        return BatchScores(scores, metrics), read
 
     # -- the parts ------------------------------------------------------------------------------
 
@@ -169,6 +188,10 @@ class Scorer:
         each example's RowOrigin)."""
         texts = self.tokenizer.batch_decode(batch.response_ids * batch.real_response_mask, skip_special_tokens=True)
         extras = [dict(e.extra, finish_reason=why) for e, why in zip(batch.examples, batch.finish_reasons)]
+        if self.asks_judge:  # the judge's template shows the prompt
+            prompts = self.tokenizer.batch_decode([list(e.prompt_ids) for e in batch.examples], skip_special_tokens=True)
+            for extra, prompt in zip(extras, prompts):
+                extra[PROMPT_KEY] = prompt
         return (texts, [e.ground_truth for e in batch.examples], extras, [e.data_source for e in batch.examples],
                 [e.origin for e in batch.examples])
 
@@ -184,6 +207,21 @@ class Scorer:
                 raise
             prompt = self.tokenizer.decode(list(example.prompt_ids), skip_special_tokens=True)
             raise e.at(prompt=prompt) from e.__cause__
+
+
+def skipped_groups(batch: RolloutBatch) -> torch.Tensor | None:
+    """[N] bool: the samples of the groups (prompt_index) in which a judgement was skipped
+    (reward.judge.on_failure=skip_group); None when none was. A step whose every group is skipped has nothing to
+    train on: JudgeUnavailable."""
+    marked = torch.tensor([bool(f.get("judge_skip")) for f in batch.score_fields or ()], dtype=torch.bool)
+    if not marked.any():
+        return None
+    skip = torch.isin(batch.prompt_index, batch.prompt_index[marked])
+    if skip.all():
+        raise JudgeUnavailable("the judge failed on (or gave no score for) a response of every group of this step, "
+                               "which reward.judge.on_failure=skip_group leaves nothing to train on. Fix: check the "
+                               "judge (reward/judge/failed, unparseable), reward.judge.url, template and score_pattern.")
+    return skip
 
 
 def score_metrics(prefix: str, scores: torch.Tensor, metric_functions, texts, ground_truths, extras,

@@ -25,8 +25,8 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterator, Sequence
 
-from megappo.rewards import code_reward
-from megappo.rewards.functions import Outcome, call_functions
+from megappo.rewards import code_reward, judge
+from megappo.rewards.functions import Outcome, call_functions, get_reward_fn, prefetch
 from megappo.user_code import UserCodeError
 
 CHUNKS_PER_WORKER = 4
@@ -34,14 +34,14 @@ CHUNKS_PER_WORKER = 4
 
 class RewardWorkers:
     """`num_workers` spawned processes calling `names` (reward.functions) under `timeout_s`; `sandbox`: the
-    recipe's reward.sandbox, where each worker's `code` function runs programs (None: not configured)."""
+    recipe's reward.sandbox, where each worker's `code` function runs programs, `judge_cfg`: its reward.judge,
+    which each worker's `judge` function asks (None: not configured)."""
 
-    def __init__(self, names: Sequence[str], num_workers: int, timeout_s: float, sandbox=None):
+    def __init__(self, names: Sequence[str], num_workers: int, timeout_s: float, sandbox=None, judge_cfg=None):
         self.names, self.num_workers, self.timeout_s = tuple(names), num_workers, timeout_s
         self._pool = concurrent.futures.ProcessPoolExecutor(
-            num_workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=code_reward.configure if sandbox is not None else None,
-            initargs=(sandbox,) if sandbox is not None else ())
+            num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_configure,
+            initargs=(sandbox, judge_cfg))
 
     def start(self, responses: Sequence[str], ground_truths: Sequence[Any], extras: Sequence[dict],
               data_sources: Sequence[str] | None = None) -> "Scoring":
@@ -74,8 +74,19 @@ class Scoring:
                                         "process") from None
 
 
+def _configure(sandbox, judge_cfg) -> None:
+    """A worker's start: where its `code` function runs programs, which judge its `judge` function asks."""
+    if sandbox is not None:
+        code_reward.configure(sandbox)
+    if judge_cfg is not None:
+        judge.configure(judge_cfg)
+
+
 def _call_chunk(names: tuple[str, ...], timeout_s: float, items: list[tuple]) -> list[list[Outcome]]:
-    """In a worker: the outcomes of each item; what a function raised travels back with its frames."""
+    """In a worker: the outcomes of each item (the functions' batch hooks called first with the chunk); what a
+    function raised travels back with its frames."""
+    responses, ground_truths, extras, _ = zip(*items) if items else ((), (), (), ())
+    prefetch([get_reward_fn(n) for n in names], responses, ground_truths, extras)
     return [[_portable(o) for o in call_functions(names, *item, timeout_s)] for item in items]
 
 

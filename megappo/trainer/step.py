@@ -99,7 +99,8 @@ def experience(run: Run, step: int, batch: RolloutBatch, seqs: SeqBatch, pending
         m.update(batch.gen_metrics or {})  # the generation's own (dynamic sampling; one_step_off, async)
     scores = scored.scores
     exp, exp_metrics = make_experience(run, batch, seqs, scores, old.log_probs, ref_lp, values,
-                                       sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch))
+                                       sum_pi_squared=old.sum_pi_squared, components=reward_components(run, batch),
+                                       skip=scored.skip)
     m.update(exp_metrics)
     m.update(rollout_metrics(batch, scores, exp, old.entropy, run.cfg.data.max_prompt_length))
     m.update(token_age_metrics(batch, step - 1))  # partial rollouts: tokens of earlier policy versions
@@ -243,12 +244,14 @@ def reward_components(run: Run, batch: RolloutBatch) -> torch.Tensor | None:
 
 
 def make_experience(run: Run, batch: RolloutBatch, seqs: SeqBatch, scores, old_lp, ref_lp, values, *,
-                    sum_pi_squared=None, components=None) -> tuple[Experience, dict[str, float]]:
+                    sum_pi_squared=None, components=None, skip=None) -> tuple[Experience, dict[str, float]]:
     """Rank 0: the batch's training record (old log-probs, in-reward KL, rollout correction, advantages and
-    returns, the loss mask) from its [N] `scores` and the step's passes, and what it logs of them."""
+    returns, the loss mask) from its [N] `scores` and the step's passes, and what it logs of them. `skip`: [N]
+    bool, samples of groups the judge skipped (reward.judge.on_failure=skip_group): their rows of the mask are 0
+    from the start, so they count in no advantage, baseline, whitening or loss."""
     cfg, m = run.cfg, {}
-    mask = batch.response_mask
-    last = last_action_token(mask)
+    last = last_action_token(batch.response_mask)
+    mask = batch.response_mask if skip is None else batch.response_mask * ~skip[:, None]
     token_scores = torch.zeros_like(mask, dtype=torch.float32)
     token_scores[torch.arange(len(last)), last] = scores  # the sequence score sits on its last action token
     rollout_lp = batch.rollout_log_probs
