@@ -15,6 +15,7 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `reasoning_gym_exact` | exact answer: 1 when the response's final number (or, for an answer that is not a number, its final expression) equals the ground truth, else 0 (`final_answer_matches`) |
 | `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 | `code` | the fraction of the ground truth's test cases (stdin/stdout or function calls) the response's last ```python block passes, run in the sandbox (reward.sandbox; megappo.rewards.code_reward); it returns a dict whose fields `code_metrics` sums |
+| `code_expression` | the code demo's task: the response is a Python expression; `print(<it>)` runs in the sandbox and 1 when it prints the ground truth then EOS, 0.5 without EOS (a dict, like `code`) |
 
 Your own function is named `path/to/file.py:function` (or `package.module:function`, imported
 from the working directory and sys.path) in `reward.functions`, like verl's
@@ -31,7 +32,8 @@ is refused the same way (`reward.bad_value_policy=error`) or scored 0, warned on
 and counted (`warn`; `RewardChecks.bad_values`); a magnitude above LARGE_REWARD is warned once per
 function; a call that takes longer than `reward.timeout_s` ends the run naming the function, the
 row and the limit (`call_with_timeout`). The built-in functions return 0, 0.5 or 1 (`code`: a fraction, in a
-dict with its fields) and are not checked; `code` runs programs under its own time limits.
+dict with its fields; `code_expression`: in a dict) and are not checked; `code` and `code_expression` run
+programs under the sandbox's own time limits.
 
 `call_functions` calls the functions on one response and gives each one's outcome (its value, a
 timeout, what it raised); `score_records` turns the outcomes into checked scores, calling the
@@ -63,7 +65,7 @@ import threading
 from typing import Any, Callable, Iterable, Sequence
 
 from megappo.errors import ConfigError
-from megappo.rewards.code_reward import code
+from megappo.rewards.code_reward import code, code_expression
 from megappo.user_code import UserCodeError, load_spec
 
 RewardFn = Callable[[str, Any, dict], float]
@@ -188,6 +190,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "reasoning_gym_exact": reasoning_gym_exact,
     "digit_successor": digit_successor,
     "code": code,
+    "code_expression": code_expression,
 }
 
 
@@ -200,6 +203,7 @@ READS: dict[str, tuple[str, ...]] = {
     "reasoning_gym_exact": ("reward_model.ground_truth",),
     "digit_successor": ("reward_model.ground_truth",),
     "code": ("reward_model.ground_truth",),
+    "code_expression": ("reward_model.ground_truth",),
 }
 
 
