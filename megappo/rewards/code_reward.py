@@ -26,8 +26,9 @@ run programs raises SandboxUnavailable: the run stops; it is never a score.
 The built-in reward function `code_expression` (the code demo's, recipes/demo-code-cpu.yaml): the response
 is a Python expression; the executor runs the program `print(<expression>)` and its stdout is compared with
 the ground truth here. 1 when it prints the ground truth and the response ended with EOS, 0.5 when it prints
-it but was cut by the token budget, 0.1 for an expression that ran and printed something else (a format score:
-random tokens seldom hit the value, but often write an expression), else 0. Only a response that is one expression (one line that parses as
+it but was cut by the token budget, 0.1 for an expression that ran, printed something else and ended with EOS
+(a format score: random tokens seldom hit the value, but a short expression then EOS is a step towards it),
+else 0. Only a response that is one expression (one line that parses as
 a Python expression, at most EXPRESSION_MAX_CHARS characters; parsing runs nothing) becomes a program: any
 other text scores 0 as a format failure, and no statement of its own can reach the program. A process runs
 each distinct expression once (an LRU of EXPRESSION_CACHE programs): its value is taken to be a function of
@@ -223,7 +224,7 @@ EXPRESSION_MAX_CHARS = 200
 EXPRESSION_CACHE = 4096
 #: the score of an expression that prints the ground truth but was cut by the token budget (no EOS)
 EXPRESSION_NOT_STOPPED = 0.5
-#: the score of an expression that ran and printed something else than the ground truth
+#: the score of an expression that ran and printed something else than the ground truth, then EOS
 EXPRESSION_RAN = 0.1
 
 _expression_runs: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()  # text -> (status, stdout)
@@ -243,7 +244,8 @@ def as_expression(response: str) -> str | None:
 
 def code_expression(response: str, ground_truth: Any, extra: dict) -> dict:
     """1 when the program `print(<response>)`, run in the sandbox, prints the ground truth and the response
-    ended with EOS; 0.5 without the EOS; 0.1 when it ran and printed something else; else 0 (module docstring)."""
+    ended with EOS; 0.5 without the EOS; 0.1 when it ran, printed something else and ended with EOS; else 0
+    (module docstring)."""
     fields = {"expr_format_error": 0.0, "expr_runs": 0.0, "expr_cached": 0.0, "expr_timeouts": 0.0,
               "expr_errors": 0.0}
     expression = as_expression(response)
@@ -266,11 +268,12 @@ def code_expression(response: str, ground_truth: Any, extra: dict) -> dict:
     status, stdout = known
     fields["expr_timeouts"] = float(status == "timeout")
     fields["expr_errors"] = float(status in ("error", "output_limit"))
+    stopped = extra.get("finish_reason", "stop") == "stop"
     if status != "ok":
         return {"score": 0.0, **fields}
     if stdout.strip() != str(ground_truth).strip():
-        return {"score": EXPRESSION_RAN, **fields}
-    return {"score": 1.0 if extra.get("finish_reason", "stop") == "stop" else EXPRESSION_NOT_STOPPED, **fields}
+        return {"score": EXPRESSION_RAN if stopped else 0.0, **fields}
+    return {"score": 1.0 if stopped else EXPRESSION_NOT_STOPPED, **fields}
 
 
 def code_metrics(fields: list[dict]) -> dict[str, float]:

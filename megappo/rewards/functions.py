@@ -15,7 +15,7 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `reasoning_gym_exact` | exact answer: 1 when the response's final number (or, for an answer that is not a number, its final expression) equals the ground truth, else 0 (`final_answer_matches`) |
 | `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 | `code` | the fraction of the ground truth's test cases (stdin/stdout or function calls) the response's last ```python block passes, run in the sandbox (reward.sandbox; megappo.rewards.code_reward); it returns a dict whose fields `code_metrics` sums |
-| `code_expression` | the code demo's task: the response is a Python expression; `print(<it>)` runs in the sandbox and 1 when it prints the ground truth then EOS, 0.5 without EOS (a dict, like `code`) |
+| `code_expression` | the code demo's task: the response is a Python expression; `print(<it>)` runs in the sandbox and 1 when it prints the ground truth then EOS, 0.5 without EOS, 0.1 for another value then EOS (a dict, like `code`) |
 
 Your own function is named `path/to/file.py:function` (or `package.module:function`, imported
 from the working directory and sys.path) in `reward.functions`, like verl's

@@ -87,13 +87,13 @@ def test_the_code_reward_scores_a_batch_and_its_metrics_land_in_the_step(num_wor
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_the_expression_reward_runs_each_program_in_the_sandbox(num_workers):
-    texts = ["7", "3+4", "3+4", "9-1", "7?", "7", "1>0"]
-    batch = batch_of(texts, ["7"] * 7, ["stop", "stop", "stop", "stop", "stop", "length", "stop"])
+    texts = ["7", "3+4", "3+4", "9-1", "7?", "7", "1>0", "8"]
+    batch = batch_of(texts, ["7"] * 8, ["stop", "stop", "stop", "stop", "stop", "length", "stop", "length"])
     out = score("code_expression", num_workers, batch)
-    assert out.scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 0.1, 0.0, 0.5, 0.1])
+    assert out.scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 0.1, 0.0, 0.5, 0.1, 0.0])
     m = {k.split("/")[-1]: v for k, v in out.metrics.items() if k.startswith("reward/code_expression/")}
-    # 7, 3+4, 9-1, 1>0 ran; the second 3+4 and the second 7 were scored from their first run
-    assert m == {"format_failures": 1.0, "sandbox_runs": 4.0, "cached": 2.0, "timeouts": 0.0, "errors": 0.0}
+    # 7, 3+4, 9-1, 1>0, 8 ran; the second 3+4 and the second 7 were scored from their first run
+    assert m == {"format_failures": 1.0, "sandbox_runs": 5.0, "cached": 2.0, "timeouts": 0.0, "errors": 0.0}
 
 
 def test_the_expression_reward_by_hand():
