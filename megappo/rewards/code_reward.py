@@ -187,6 +187,17 @@ def configure(sandbox) -> None:
         _expression_runs.clear()  # another executor may answer otherwise (its limits)
 
 
+def close() -> None:
+    """End this process's runner and its pool threads (the Scorer's close, at the end of a run): a forked rank
+    ends by joining its non-daemon threads, which idle pool threads would otherwise keep waiting. A later
+    call runs on a fresh runner."""
+    global _runs
+    with _lock:
+        runs, _runs = _runs, None
+    if runs is not None:
+        runs.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _current() -> _Runs:
     global _runs
     with _lock:

@@ -82,6 +82,7 @@ class Scorer:
     def close(self) -> None:
         if self.workers:
             self.workers.close()
+        code_reward.close()  # its pool's threads would keep a forked rank from ending
 
     # -- a training step ------------------------------------------------------------------------
 

@@ -118,3 +118,12 @@ def test_the_code_expression_task():
     assert all(r["reward_model"]["ground_truth"] == r["prompt"][0] for r in rows)
     train, val = builtin_splits("code_expression", 50, 8, seed=0)  # 10 prompts: validation repeats them
     assert train == rows and len(val) == 8
+
+
+def test_closing_the_scorer_ends_the_executors_threads():
+    """A forked rank ends by joining its non-daemon threads: the executor's idle pool threads must be gone
+    after Scorer.close (else the rank never exits after `done`)."""
+    batch = batch_of(["7"], ["7"])
+    score("code_expression", 0, batch)  # score() closes the Scorer
+    import threading
+    assert not [t for t in threading.enumerate() if t.name.startswith("megappo-code") and not t.daemon]
