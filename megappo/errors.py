@@ -1,6 +1,7 @@
 """The errors megappo raises for input it cannot run: `ConfigError` (a recipe or an override)
 and `ModelConfigError` (an HF config megappo cannot build, or a layout it cannot be split into),
-`CheckpointError` (a checkpoint that cannot be read or written: damaged files, a full disk).
+`CheckpointError` (a checkpoint that cannot be read or written: damaged files, a full disk), and
+`InfrastructureError` (something the run needs cannot work: a sandbox, a service).
 
 Their messages name the setting and the fix. They live apart so that any layer can raise them
 without importing the config schema or the model code (`megappo.config.ConfigError` and
@@ -43,6 +44,12 @@ class CheckpointError(ConfigError):
     def __init__(self, message: str, *, every_rank: bool = False):
         super().__init__(message)
         self.every_rank = every_rank
+
+
+class InfrastructureError(RuntimeError):
+    """Something a run needs cannot work (the code executor's sandbox is missing, its service is down): the run
+    stops with it. Never a score, and never an environment's observation (a tool that raises it is not
+    answered with it: megappo.envs.tools.run_call lets it through)."""
 
 
 class CheckpointWarning(UserWarning):

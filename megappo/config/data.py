@@ -61,13 +61,13 @@ class DataConfig(_Section):
     val_files: list[str] = dataclasses.field(default_factory=list)
     """Validation files."""
     builtin: Optional[str] = None
-    """A generated dataset instead of files: `digit_successor`, `reasoning_gym:<task>`. Not together with
-    `train_files`."""
+    """A generated dataset instead of files: `digit_successor`, `lookup`, `code_expression`,
+    `reasoning_gym:<task>`. Not together with `train_files`."""
     builtin_size: int = 2048
     """Prompts generated for training (>= `train_batch_size`)."""
     builtin_val_size: int = 64
-    """Validation prompts generated when `val_files` is empty, none a training prompt (`digit_successor`
-    excepted)."""
+    """Validation prompts generated when `val_files` is empty, none a training prompt (`digit_successor`,
+    `lookup` and `code_expression` excepted: their 10 prompts are all in training)."""
     builtin_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Generator options, e.g. `{max_terms: 2, max_digits: 1}` for reasoning-gym's `basic_arithmetic`."""
     prompt_key: str = "prompt"

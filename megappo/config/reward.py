@@ -152,8 +152,9 @@ class RewardConfig(_Section):
 
     functions: list[str] = dataclasses.field(default_factory=list)
     """Built-in rule rewards (`gsm8k`, `math_boxed`, `exact_match`, `reasoning_gym` (partial credit),
-    `reasoning_gym_exact`, `digit_successor`, `code` (test cases run in `reward.sandbox`), `judge` (an LLM asked,
-    `reward.judge`)) or your own `path/to/file.py:function` / `package.module:function`:
+    `reasoning_gym_exact`, `digit_successor`, `code` (test cases run in `reward.sandbox`), `code_expression` (the
+    code demo's: an expression evaluated in `reward.sandbox`), `judge` (an LLM asked, `reward.judge`)) or your
+    own `path/to/file.py:function` / `package.module:function`:
     `fn(response, ground_truth, extra)` or verl's `compute_score(data_source, solution_str, ground_truth,
     extra_info)`, returning a number or a dict with a `score` ([own-data.md](own-data.md))."""
     function_weights: Optional[list[float]] = None

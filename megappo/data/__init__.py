@@ -11,7 +11,7 @@ functions is `megappo.trainer.data_check`'s. `megappo.data.prompts` also names w
 
 from megappo.data.prompts import (  # noqa: F401 - the package's names, as before the split
     NOT_HELD_OUT, VAL_DRAWS_PER_ROW, ClassOrder, DataError, PromptExample, PromptSampler, RowKind, RowOrigin,
-    build_prompts, builtin_rows, builtin_splits, check_files, class_rows, dataset_class, digit_successor_rows,
-    load_rows, lookup_rows, numbered, prompt_identity, random_policy_score, read_rows, reasoning_gym_rows,
-    render_prompt, sampler_class,
+    build_prompts, builtin_rows, builtin_splits, check_files, class_rows, code_expression_rows, dataset_class,
+    digit_successor_rows, load_rows, lookup_rows, numbered, prompt_identity, random_policy_score, read_rows,
+    reasoning_gym_rows, render_prompt, sampler_class,
 )

@@ -15,7 +15,8 @@ each row a dict in verl's layout), instead of from the files themselves;
 `build_prompts(rows, tokenizer, ...)` renders the chat template, tokenizes, and applies the
 long-prompt policy (skip / truncate from the left / error), counting what it did.
 Built-in sources need no files: `reasoning_gym:<task>` (procedural tasks from the
-reasoning-gym package with their own scorers) and `digit_successor` (the CPU demo task);
+reasoning-gym package with their own scorers), `digit_successor` (the CPU demo task), `lookup` (the
+multi-turn demo's) and `code_expression` (the code demo's);
 `builtin_splits` draws their training and validation rows, no validation prompt in training.
 
 `PromptSampler` yields global batches of example indices, reshuffled every epoch from
@@ -289,6 +290,18 @@ def lookup_rows(size: int, seed: int) -> list[dict]:
     return rows
 
 
+def code_expression_rows(size: int, seed: int) -> list[dict]:
+    """The code demo's task (reward `code_expression`): after '7=' the answer is a Python expression worth 7
+    ('7', '3+4', '9-2'), which the sandboxed executor evaluates; the ground truth is the value's text."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        value = rng.randrange(10)
+        rows.append({"data_source": "code_expression", "prompt": f"{value}=",
+                     "reward_model": {"style": "rule", "ground_truth": str(value)}})
+    return rows
+
+
 def random_policy_score(rows: Sequence[dict], reward_fn, tokenizer, max_new_tokens: int,
                         vocab_size: int | None = None) -> float:
     """The exact mean score of a policy that draws every response token uniformly from the
@@ -349,7 +362,8 @@ def _reasoning_gym_stream(task: str, size: int, seed: int, task_args: dict) -> I
 
 
 def builtin_rows(spec: str, size: int, seed: int, args: dict | None = None) -> list[dict]:
-    """data.builtin: 'digit_successor', 'lookup' or 'reasoning_gym:<task>' (options in data.builtin_args)."""
+    """data.builtin: 'digit_successor', 'lookup', 'code_expression' or 'reasoning_gym:<task>' (options in
+    data.builtin_args)."""
     return list(_builtin_stream(spec, size, seed, args))
 
 
@@ -358,9 +372,11 @@ def _builtin_stream(spec: str, size: int, seed: int, args: dict | None) -> Itera
         return iter(digit_successor_rows(size, seed))
     if spec == "lookup":
         return iter(lookup_rows(size, seed))
+    if spec == "code_expression":
+        return iter(code_expression_rows(size, seed))
     if spec.startswith("reasoning_gym:"):
         return _reasoning_gym_stream(spec.split(":", 1)[1], size, seed, dict(args or {}))
-    raise DataError(f"unknown data.builtin '{spec}'. Fix: set data.builtin=digit_successor, lookup or "
+    raise DataError(f"unknown data.builtin '{spec}'. Fix: set data.builtin=digit_successor, lookup, code_expression or "
                     "data.builtin=reasoning_gym:<task>.")
 
 
@@ -374,7 +390,8 @@ def prompt_identity(prompt: Any) -> str:
 #: built-in sources with no prompt to hold out: every one of them is in a training set of any
 #: useful size, so their validation set is drawn like the training set and measures the fit
 NOT_HELD_OUT = {"digit_successor": "its 10 prompts ('0>' to '9>') are all in the training set",
-                "lookup": "its 10 prompts ('0?' to '9?') are all in the training set (the values are drawn per row)"}
+                "lookup": "its 10 prompts ('0?' to '9?') are all in the training set (the values are drawn per row)",
+                "code_expression": "its 10 prompts ('0=' to '9=') are all in the training set"}
 
 #: candidates drawn for a held-out validation set, per validation row asked for
 VAL_DRAWS_PER_ROW = 64

@@ -10,8 +10,13 @@ Owns, in reading order:
     that Qwen/Hermes chat templates accept; `system_prompt(tools)` renders them as text for
     templates that have no `tools=` (SmolLM2);
   * `run_call`: one call under a timeout; whatever goes wrong (unknown tool, bad arguments, an
-    exception, the timeout) becomes an error result;
-  * `ToolEnv`: the Environment that ties them together, and the built-in `calculator`.
+    exception, the timeout) becomes an error result, except an InfrastructureError (a code executor
+    that cannot run programs), which stops the run;
+  * `ToolEnv`: the Environment that ties them together, and the built-in tools: `calculator`, and
+    `python`, which runs the model's program on the sandboxed code executor (reward.sandbox,
+    megappo.rewards.code_reward.run_program; never in this process) and answers with its stdout and
+    stderr, cut, and how it ended; a tool may return a `ToolOutput` whose counters become `env/...`
+    metrics (`python_runs`, `python_timeouts`, `python_errors`).
 
 Timeouts, honestly: an `async def` tool is cancelled at its next `await` when its time is up. A
 plain function runs in a daemon thread of its own; at the timeout the episode stops waiting and
@@ -41,7 +46,7 @@ import threading
 import typing
 from typing import Any, Callable, Sequence
 
-from megappo.errors import ConfigError
+from megappo.errors import ConfigError, InfrastructureError
 from megappo.user_code import load_spec
 from megappo.envs.base import Action, Environment, Episode, StepResult
 
@@ -247,7 +252,7 @@ def tool(fn: Callable | None = None, *, name: str | None = None, description: st
 
 
 #: tools named by a short name in `rollout.env_args.tools`
-BUILTIN: dict[str, str] = {"calculator": "megappo.envs.tools:calculator"}
+BUILTIN: dict[str, str] = {"calculator": "megappo.envs.tools:calculator", "python": "megappo.envs.tools:python"}
 
 _FIX = ("Fix: name tools in rollout.env_args.tools as a built-in name (" + ", ".join(sorted(BUILTIN)) +
         "), package.module:function, or path/to/file.py:function.")
@@ -302,11 +307,21 @@ def system_prompt(tools: Sequence[Tool], preamble: str = "") -> str:
 # ------------------------------------------------------------------------------------ execution
 
 @dataclasses.dataclass(frozen=True)
+class ToolOutput:
+    """What a tool may return instead of a plain value: the `result` the model reads, and counters summed
+    into the step's metrics as `env/<key>` (the python tool's `python_timeouts`)."""
+
+    result: Any
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class CallResult:
     name: str
     result: Any = None  # the tool's return value (when ok)
     error: str | None = None  # why there is no result
     timed_out: bool = False
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # a ToolOutput's counters
 
     @property
     def ok(self) -> bool:
@@ -331,8 +346,12 @@ async def run_call(call: ToolCall | MalformedCall, tools: dict[str, Tool], timeo
             result = await asyncio.wait_for(_in_thread(t.fn, call.arguments), limit)
     except asyncio.TimeoutError:
         return CallResult(call.name, error=f"the call took longer than {limit:g} s and was stopped", timed_out=True)
+    except InfrastructureError:  # not the model's doing: the run stops (a sandbox missing, a service down)
+        raise
     except Exception as e:  # the tool's own failure is the model's observation
         return CallResult(call.name, error=f"{type(e).__name__}: {e}")
+    if isinstance(result, ToolOutput):
+        return CallResult(call.name, result=result.result, metrics=dict(result.metrics))
     return CallResult(call.name, result=result)
 
 
@@ -393,7 +412,9 @@ class ToolEnv(Environment):
 
     StepResult.metrics per action: tool_calls (blocks written, malformed included), tool_errors
     (calls without a result: malformed, unknown tool, bad arguments, raised, timed out, over the
-    limit), tool_timeouts. The reward is 0 unless call_penalty / error_penalty are set.
+    limit), tool_timeouts, and the counters of tools that return a ToolOutput (the python tool's
+    python_runs, python_timeouts, python_errors; logged in the steps where some episode called it).
+    The reward is 0 unless call_penalty / error_penalty are set.
     """
 
     observation_role = "tool"
@@ -471,10 +492,13 @@ class ToolEnv(Environment):
                     for c in calls[allowed:]]
         self.calls_made += len(calls)
         errors = sum(not r.ok for r in results)
+        metrics = {"tool_calls": len(calls), "tool_errors": errors, "tool_timeouts": sum(r.timed_out for r in results)}
+        for r in results:
+            for key, value in r.metrics.items():
+                metrics[key] = metrics.get(key, 0) + value
         return StepResult(
             observation="\n".join(self._block(r) for r in results),
-            reward=-(self.call_penalty * len(calls) + self.error_penalty * errors),
-            metrics={"tool_calls": len(calls), "tool_errors": errors, "tool_timeouts": sum(r.timed_out for r in results)})
+            reward=-(self.call_penalty * len(calls) + self.error_penalty * errors), metrics=metrics)
 
     def _block(self, r: CallResult) -> str:
         body: dict[str, Any] = {"name": r.name} if r.name else {}
@@ -494,6 +518,52 @@ def _jsonable(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+# --------------------------------------------------------------------------------------- python
+
+#: of stdout and of stderr each, in the python tool's answer (ToolEnv's max_result_chars cuts the whole block)
+PYTHON_MAX_CHARS = 1000
+#: the python tool's own bound, beyond the sandbox's wall limit (reward.sandbox.run_timeout_s, which kills the
+#: program and is reported); reached only when every executor slot stays busy
+PYTHON_TIMEOUT_S = 60.0
+
+
+def _cut(text: str, limit: int = PYTHON_MAX_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... [cut: {len(text)} characters]"
+
+
+@tool(name="python", timeout_s=PYTHON_TIMEOUT_S)
+def python(code: str) -> ToolOutput:
+    """Run a Python program and see what it prints: its stdout and stderr (cut), and whether it failed or timed out.
+
+    Args:
+        code: the program's source; print what you need to see. No network, no files of the host.
+    """
+    # rewards/ sits below envs/: the code executor of this process, as reward.sandbox configured it
+    from megappo.rewards.code_reward import run_program
+
+    if not isinstance(code, str):
+        raise ValueError("code must be a string holding a Python program")
+    result = run_program(code)
+    parts = [f"stdout:\n{_cut(result.stdout)}"] if result.stdout else []
+    if result.stderr:
+        parts.append(f"stderr:\n{_cut(result.stderr)}")
+    ended = {"ok": None, "error": f"exit code {result.exit_code}",
+             "timeout": f"stopped: past the time limit ({result.wall_s:.1f} s)",
+             "output_limit": "stopped: it printed more than the output limit"}[result.status]
+    if ended:
+        parts.append(ended)
+    return ToolOutput("\n".join(parts) or "(no output)",
+                      {"python_runs": 1.0, "python_timeouts": float(result.status == "timeout"),
+                       "python_errors": float(result.status in ("error", "output_limit"))})
+
+
+def runs_python(env: str, env_args: dict) -> bool:
+    """Whether rollout.env / env_args use the python tool (the trainer configures the code executor for it)."""
+    tools = env_args.get("tools", ("calculator",))
+    return env == "tools" and isinstance(tools, (list, tuple)) and any(
+        BUILTIN.get(t, t) == BUILTIN["python"] for t in tools if isinstance(t, str))
 
 
 # ----------------------------------------------------------------------------------- calculator

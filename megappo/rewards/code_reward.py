@@ -23,11 +23,28 @@ configured uses reward.sandbox's defaults (bwrap, refused where bubblewrap is mi
 run at once, at most reward.sandbox.max_concurrent programs per process. An executor or service that cannot
 run programs raises SandboxUnavailable: the run stops; it is never a score.
 
+The built-in reward function `code_expression` (the code demo's, recipes/demo-code-cpu.yaml): the response
+is a Python expression; the executor runs the program `print(<expression>)` and its stdout is compared with
+the ground truth here. 1 when it prints the ground truth and the response ended with EOS, 0.5 when it prints
+it but was cut by the token budget, 0.1 for an expression that ran, printed something else and ended with EOS
+(a format score: random tokens seldom hit the value, but a short expression then EOS is a step towards it),
+else 0. Only a response that is one expression (one line that parses as
+a Python expression, at most EXPRESSION_MAX_CHARS characters; parsing runs nothing) becomes a program: any
+other text scores 0 as a format failure, and no statement of its own can reach the program. A process runs
+each distinct expression once (an LRU of EXPRESSION_CACHE programs): its value is taken to be a function of
+its text, so one that draws random numbers keeps its first run's score. Its fields (`expr_*`) become
+`reward/code_expression/...` metrics.
+
+`run_program(source)` runs one program on the process's executor, within its bound on concurrent runs: the
+`python` tool of multi-turn environments (megappo.envs.tools) runs the model's code through it.
+
 This module does not know about tokenizers, batches, models or the reward registry around it.
 """
 
 from __future__ import annotations
 
+import ast
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -167,6 +184,18 @@ def configure(sandbox) -> None:
         if _runs is not None:
             _runs.pool.shutdown(wait=False)
         _runs = _Runs(sandbox)
+        _expression_runs.clear()  # another executor may answer otherwise (its limits)
+
+
+def close() -> None:
+    """End this process's runner and its pool threads (the Scorer's close, at the end of a run): a forked rank
+    ends by joining its non-daemon threads, which idle pool threads would otherwise keep waiting. A later
+    call runs on a fresh runner."""
+    global _runs
+    with _lock:
+        runs, _runs = _runs, None
+    if runs is not None:
+        runs.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _current() -> _Runs:
@@ -193,13 +222,88 @@ def code(response: str, ground_truth: Any, extra: dict) -> dict:
             "code_retries": sum(r.retries for r in results)}
 
 
+def run_program(source: str, stdin: str = "") -> RunResult:
+    """One program on this process's executor (reward.sandbox: local or a service), waiting for a free slot of
+    its reward.sandbox.max_concurrent; raises SandboxUnavailable when programs cannot run at all."""
+    runs = _current()
+    return runs.pool.submit(runs.runner.run, source, stdin).result()
+
+
+# -- code_expression: the code demo's reward ----------------------------------------------------------------
+
+EXPRESSION_MAX_CHARS = 200
+EXPRESSION_CACHE = 4096
+#: the score of an expression that prints the ground truth but was cut by the token budget (no EOS)
+EXPRESSION_NOT_STOPPED = 0.5
+#: the score of an expression that ran and printed something else than the ground truth, then EOS
+EXPRESSION_RAN = 0.1
+
+_expression_runs: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()  # text -> (status, stdout)
+
+
+def as_expression(response: str) -> str | None:
+    """The response as one Python expression (stripped), or None when it is not one (module docstring)."""
+    text = response.strip()
+    if not text or len(text) > EXPRESSION_MAX_CHARS or "\n" in text or "\r" in text:
+        return None
+    try:
+        ast.parse(text, mode="eval")  # parsing only: nothing of the text runs here
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    return text
+
+
+def code_expression(response: str, ground_truth: Any, extra: dict) -> dict:
+    """1 when the program `print(<response>)`, run in the sandbox, prints the ground truth and the response
+    ended with EOS; 0.5 without the EOS; 0.1 when it ran, printed something else and ended with EOS; else 0
+    (module docstring)."""
+    fields = {"expr_format_error": 0.0, "expr_runs": 0.0, "expr_cached": 0.0, "expr_timeouts": 0.0,
+              "expr_errors": 0.0}
+    expression = as_expression(response)
+    if expression is None:
+        return {"score": 0.0, **dict(fields, expr_format_error=1.0)}
+    with _lock:
+        known = _expression_runs.get(expression)
+        if known is not None:
+            _expression_runs.move_to_end(expression)
+    if known is None:
+        result = run_program(f"print({expression})\n")
+        known = (result.status, result.stdout)
+        with _lock:
+            _expression_runs[expression] = known
+            while len(_expression_runs) > EXPRESSION_CACHE:
+                _expression_runs.popitem(last=False)
+        fields["expr_runs"] = 1.0
+    else:
+        fields["expr_cached"] = 1.0
+    status, stdout = known
+    fields["expr_timeouts"] = float(status == "timeout")
+    fields["expr_errors"] = float(status in ("error", "output_limit"))
+    stopped = extra.get("finish_reason", "stop") == "stop"
+    if status != "ok":
+        return {"score": 0.0, **fields}
+    if stdout.strip() != str(ground_truth).strip():
+        return {"score": EXPRESSION_RAN if stopped else 0.0, **fields}
+    return {"score": 1.0 if stopped else EXPRESSION_NOT_STOPPED, **fields}
+
+
 def code_metrics(fields: list[dict]) -> dict[str, float]:
     """A step's `reward/code/...` metrics from the fields `code` returned: responses without a program
-    (`format_failures`), the fraction of test cases passed (`case_pass_rate`), service requests retried."""
+    (`format_failures`), the fraction of test cases passed (`case_pass_rate`), service requests retried; and
+    `reward/code_expression/...` from `code_expression`'s: responses that are no expression
+    (`format_failures`), programs run in the sandbox (`sandbox_runs`), expressions scored from an earlier run
+    (`cached`), runs past the time limit (`timeouts`) and runs that failed (`errors`: an exception, the output
+    cap)."""
+    out: dict[str, float] = {}
     mine = [f for f in fields if "code_cases" in f]
-    if not mine:
-        return {}
-    cases = sum(f["code_cases"] for f in mine)
-    return {"reward/code/format_failures": float(sum(f["code_format_error"] for f in mine)),
-            "reward/code/case_pass_rate": sum(f["code_passed"] for f in mine) / max(cases, 1),
-            "reward/code/retries": float(sum(f["code_retries"] for f in mine))}
+    if mine:
+        cases = sum(f["code_cases"] for f in mine)
+        out.update({"reward/code/format_failures": float(sum(f["code_format_error"] for f in mine)),
+                    "reward/code/case_pass_rate": sum(f["code_passed"] for f in mine) / max(cases, 1),
+                    "reward/code/retries": float(sum(f["code_retries"] for f in mine))})
+    expressions = [f for f in fields if "expr_runs" in f]
+    for field, name in (("expr_format_error", "format_failures"), ("expr_runs", "sandbox_runs"),
+                        ("expr_cached", "cached"), ("expr_timeouts", "timeouts"), ("expr_errors", "errors")):
+        if expressions:
+            out[f"reward/code_expression/{name}"] = float(sum(f[field] for f in expressions))
+    return out

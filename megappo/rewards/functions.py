@@ -16,6 +16,7 @@ several of them (weighted sum); the reward-model worker's scores are added by th
 | `digit_successor` | the CPU demo task: 1 for the digit (d + 1) mod 10 then EOS; 0.5 for that digit not followed by EOS |
 | `code` | the fraction of the ground truth's test cases (stdin/stdout or function calls) the response's last ```python block passes, run in the sandbox (reward.sandbox; megappo.rewards.code_reward); it returns a dict whose fields `code_metrics` sums |
 | `judge` | an LLM's score of the response over a chat-completions endpoint (reward.judge; megappo.rewards.judge); it returns a dict whose fields `judge_metrics` sums |
+| `code_expression` | the code demo's task: the response is a Python expression; `print(<it>)` runs in the sandbox and 1 when it prints the ground truth then EOS, 0.5 without EOS, 0.1 for another value then EOS (a dict, like `code`) |
 
 A built-in function may carry a batch hook, `fn.prefetch(responses, ground_truths, extras)`, which
 `score_records` and the reward workers call with a batch's responses before calling the function on each
@@ -36,7 +37,8 @@ is refused the same way (`reward.bad_value_policy=error`) or scored 0, warned on
 and counted (`warn`; `RewardChecks.bad_values`); a magnitude above LARGE_REWARD is warned once per
 function; a call that takes longer than `reward.timeout_s` ends the run naming the function, the
 row and the limit (`call_with_timeout`). The built-in functions return 0, 0.5 or 1 (`code`: a fraction, in a
-dict with its fields) and are not checked; `code` runs programs under its own time limits.
+dict with its fields; `code_expression`: in a dict) and are not checked; `code` and `code_expression` run
+programs under the sandbox's own time limits.
 
 `call_functions` calls the functions on one response and gives each one's outcome (its value, a
 timeout, what it raised); `score_records` turns the outcomes into checked scores, calling the
@@ -68,7 +70,7 @@ import threading
 from typing import Any, Callable, Iterable, Sequence
 
 from megappo.errors import ConfigError
-from megappo.rewards.code_reward import code
+from megappo.rewards.code_reward import code, code_expression
 from megappo.rewards.judge import judge
 from megappo.user_code import UserCodeError, load_spec
 
@@ -195,6 +197,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "digit_successor": digit_successor,
     "code": code,
     "judge": judge,
+    "code_expression": code_expression,
 }
 
 
@@ -208,6 +211,7 @@ READS: dict[str, tuple[str, ...]] = {
     "digit_successor": ("reward_model.ground_truth",),
     "code": ("reward_model.ground_truth",),
     "judge": (),  # the ground truth when the template names it; an open-ended prompt's judge needs none
+    "code_expression": ("reward_model.ground_truth",),
 }
 
 

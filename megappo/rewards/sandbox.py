@@ -51,12 +51,14 @@ import tempfile
 import time
 from typing import Any, Literal
 
+from megappo.errors import InfrastructureError
+
 ISOLATIONS = ("bwrap", "unshare", "none")
 #: weaker mechanisms tried, in order, when the chosen one is missing and fallback is allowed
 _WEAKER = {"bwrap": ("unshare", "none"), "unshare": ("none",), "none": ()}
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(InfrastructureError):
     """The executor or the sandbox service cannot run programs (a missing mechanism, a service that is
     down): an infrastructure failure, never a score."""
 

@@ -39,6 +39,9 @@ from megappo.rewards.workers import RewardWorkers, Scoring
 from megappo.types import RolloutBatch
 from megappo.user_code import UserCodeError
 
+#: the built-in reward functions that run programs on the code executor (reward.sandbox)
+RUNS_PROGRAMS = frozenset({"code", "code_expression"})
+
 #: what a reward function reads of each response: (texts, ground truths, extras, data sources, the dataset
 #: rows a failing function is named with)
 Read = tuple[list[str], list, list[dict], list[str], list]
@@ -49,7 +52,8 @@ class BatchScores:
     """What the rewards say of a batch: [N] `scores` (the trained score, or validation's) and `metrics`:
     `<prefix>/frac_correct`, each reward.metric_functions' mean, and in a training step
     `reward/bad_values`, the overlong penalty's metrics (reward.overlong_buffer.log), the `code` function's
-    (`reward/code/format_failures`, `case_pass_rate`, `retries`) and the `judge` function's (`reward/judge/failed`,
+    (`reward/code/format_failures`, `case_pass_rate`, `retries`), `code_expression`'s
+    (`reward/code_expression/sandbox_runs`, ...) and the `judge` function's (`reward/judge/failed`,
     `unparseable`, `timeouts`, `retries`, `latency_s`, `skipped_groups`). `skip`: [N] bool, the samples of groups
     that a failed judgement skips (reward.judge.on_failure=skip_group), which the step masks out of its losses;
     None when none is."""
@@ -69,14 +73,15 @@ class Pending:
 
 class Scorer:
     """Rank 0's scoring of batches (module docstring). `reward_cfg`: the recipe's reward section;
-    `max_new_tokens`: the response budget the overlong penalty counts against."""
+    `max_new_tokens`: the response budget the overlong penalty counts against; `python_tool`: the episodes'
+    python tool (megappo.envs.tools) runs programs on this process's code executor, configured here too."""
 
-    def __init__(self, reward_cfg, tokenizer, max_new_tokens: int):
+    def __init__(self, reward_cfg, tokenizer, max_new_tokens: int, *, python_tool: bool = False):
         self.cfg, self.tokenizer, self.max_new_tokens = reward_cfg, tokenizer, max_new_tokens
         self.checks = RewardChecks.of(reward_cfg)
-        named = (*reward_cfg.functions, *reward_cfg.metric_functions)
-        runs_code, self.asks_judge = "code" in named, "judge" in named
-        if runs_code:  # here, at start-up: a sandbox missing on this machine stops the run before any step
+        named = {*reward_cfg.functions, *reward_cfg.metric_functions}
+        runs_code, self.asks_judge = bool(RUNS_PROGRAMS & named), "judge" in named
+        if runs_code or python_tool:  # at start-up: a sandbox missing on this machine stops the run before any step
             code_reward.configure(reward_cfg.sandbox)
         if self.asks_judge:
             judge.configure(reward_cfg.judge)
@@ -90,6 +95,7 @@ class Scorer:
             self.workers.close()
         if self.asks_judge:
             judge.close()
+        code_reward.close()  # its pool's threads would keep a forked rank from ending
 
     # -- a training step ------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ from megappo.trainer.preflight import load_prompts as read_prompts
 from megappo.ppo.kl import make_kl_controller
 from megappo.rewards.scoring import Scorer
 from megappo.envs.loading import env_class
+from megappo.envs.tools import runs_python
 from megappo.rollout.bridge import WeightBridge
 from megappo.rollout.registry import engine_for, write_engine_init
 from megappo.rollout.replicas import connect as connect_replicas, leaders as replica_leaders, node_slot
@@ -382,7 +383,8 @@ def create_run(cfg: Config) -> Run:
                total_steps=prompts.total_steps, start_step=start_step, nan_skips=nan_skips,
                last_saved_step=start_step if resume else None, rollouts=rollouts, partial=partial,
                branch=resume["branch"] if resume else None,
-               scorer=Scorer(cfg.reward, source.tokenizer, cfg.rollout.max_new_tokens) if ps.is_rank0 else None)
+               scorer=Scorer(cfg.reward, source.tokenizer, cfg.rollout.max_new_tokens,
+                             python_tool=runs_python(cfg.rollout.env, cfg.rollout.env_args)) if ps.is_rank0 else None)
 
 
 def model_source(cfg: Config) -> ModelSource:

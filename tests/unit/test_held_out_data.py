@@ -43,8 +43,8 @@ def test_builtin_validation_prompts_are_not_training_prompts(name, d):
     assert len(train) == d.builtin_size and len(val) == d.builtin_val_size
     assert train == builtin_rows(d.builtin, d.builtin_size, d.seed, d.builtin_args)  # training rows as before
     if d.builtin in NOT_HELD_OUT:
-        # digit_successor, lookup: the task is its 10 prompts, all in training; nothing is left to hold out
-        form = {"digit_successor": "{}>", "lookup": "{}?"}[d.builtin]
+        # digit_successor, lookup, code_expression: the task is its 10 prompts, all in training; nothing is left to hold out
+        form = {"digit_successor": "{}>", "lookup": "{}?", "code_expression": "{}="}[d.builtin]
         assert prompts(train) == prompts(val) == {prompt_identity(form.format(i)) for i in range(10)}
         return
     assert prompts(train) & prompts(val) == set()

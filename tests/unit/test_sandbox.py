@@ -269,8 +269,23 @@ def test_a_service_that_is_down_is_an_error_not_a_score():
 
 # -- helpers -----------------------------------------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _earlier_children():
+    """The child processes this pytest process had before the test (another test's reward workers, say),
+    which `_children` does not count."""
+    _EARLIER[:] = _all_children()
+    yield
+
+
+_EARLIER: list[int] = []
+
+
 def _children() -> list[int]:
-    """This process's child processes that still exist (zombies included)."""
+    """The child processes this process started during the test that still exist (zombies included)."""
+    return [p for p in _all_children() if p not in _EARLIER]
+
+
+def _all_children() -> list[int]:
     out = []
     for task in os.listdir(f"/proc/{os.getpid()}/task"):
         try:

@@ -140,7 +140,7 @@ def test_tools_from_import_paths_with_schemas_from_signature_and_docstring(user_
 
 BAD_TOOLS = {
     "no colon": ("search", "unknown tool 'search' in rollout.env_args.tools. Fix: name tools in "
-                           "rollout.env_args.tools as a built-in name (calculator), package.module:function, or "
+                           "rollout.env_args.tools as a built-in name (calculator, python), package.module:function, or "
                            "path/to/file.py:function."),
     "no file": ("nope.py:f", "tool 'nope.py:f': file 'nope.py' does not exist (relative paths start at"),
     "no module": ("no_such_module_xyz:f", "tool 'no_such_module_xyz:f': cannot import 'no_such_module_xyz'"),
