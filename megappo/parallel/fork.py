@@ -251,13 +251,12 @@ def run_as_main(target: tuple[str, ...]) -> int:
 
 def exit_as_interpreter(code: int | None) -> None:
     """End this process as the interpreter ends a program, without its teardown (seconds of it, and nothing a
-    fork needs): non-daemon threads joined, output flushed, atexit handlers run (multiprocessing's among them:
-    a Manager's server process ends with its owner), then os._exit(code)."""
+    fork needs): threading's shutdown (its atexit calls first: a concurrent.futures pool left open ends its
+    workers there, then non-daemon threads joined), output flushed, atexit handlers run (multiprocessing's
+    among them: a Manager's server process ends with its owner), then os._exit(code)."""
     import atexit
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what the interpreter calls first at exit (Py_FinalizeEx -> wait_for_thread_shutdown)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     atexit._run_exitfuncs()

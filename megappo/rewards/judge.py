@@ -120,12 +120,13 @@ class RateLimit:
 
 
 def _retryable(error: BaseException) -> bool:
-    """A request that cannot have been answered: refused, or answered 429 / 5xx."""
+    """A request that was not answered: refused or reset before an answer (a judgement has no side effect, so
+    asking again is safe), or answered 429 / 5xx."""
     if isinstance(error, urllib.error.HTTPError):
         return error.code == 429 or error.code >= 500
     if isinstance(error, urllib.error.URLError):
-        return isinstance(error.reason, ConnectionRefusedError)
-    return isinstance(error, ConnectionRefusedError)
+        error = error.reason
+    return isinstance(error, (ConnectionRefusedError, ConnectionResetError))
 
 
 def _timed_out(error: BaseException) -> bool:

@@ -29,6 +29,7 @@ class SandboxServer(http.server.ThreadingHTTPServer):
     """The service: `executor` runs the programs, at most `max_concurrent` at once."""
 
     daemon_threads = True
+    request_queue_size = 1024  # listen()'s backlog: a trainer opens max_concurrent connections at once (default 5)
 
     def __init__(self, address: tuple[str, int], executor: LocalExecutor, max_concurrent: int = 64):
         super().__init__(address, _Handler)

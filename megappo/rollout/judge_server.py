@@ -113,6 +113,7 @@ class JudgeServer(http.server.ThreadingHTTPServer):
     """The service: `answer` writes each reply; `name` is the model name its answers carry."""
 
     daemon_threads = True
+    request_queue_size = 1024  # listen()'s backlog: a trainer opens max_concurrent connections at once (default 5)
 
     def __init__(self, address: tuple[str, int], answer: Answer, name: str = "judge"):
         super().__init__(address, _Handler)

@@ -71,6 +71,26 @@ print(codes)
     assert "fork.py" not in proc.stderr and "runpy" not in proc.stderr  # the script's own frames, as python shows them
 
 
+def test_a_forked_rank_ends_with_a_thread_pool_left_open_as_the_interpreter_does(tmp_path):
+    """A concurrent.futures pool that is never shut down (a reward client's) ends with the program: the
+    interpreter's exit runs threading's atexit calls before it joins the threads; a plain join would wait
+    for the pool's idle workers for ever."""
+    (tmp_path / "pool.py").write_text("import concurrent.futures, threading\n"
+                                      "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+                                      "concurrent.futures.kept = pool  # a module's global, as a client's\n"
+                                      "print(pool.submit(lambda: 6 * 7).result(), flush=True)\n"
+                                      "threading.Thread(target=lambda: print('joined', flush=True)).start()\n")
+    script = f"""
+import sys
+from megappo.parallel.fork import ForkedRank
+print(ForkedRank((sys.executable, "-u", {str(tmp_path / "pool.py")!r}), {{}}, ({str(tmp_path / "pool.py")!r},), 0).wait())
+"""
+    fresh = subprocess.run([sys.executable, "-u", str(tmp_path / "pool.py")], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=60)
+    assert fresh.stdout.split() == ["42", "joined"] and proc.stdout.split() == ["42", "joined", "0"], proc.stderr
+
+
 def test_the_launchers_preload_starts_no_thread():
     script = ("from megappo.cli import _import_rank_modules\n_import_rank_modules()\n"
               "from megappo.parallel.fork import fork_blocker\nprint(fork_blocker())")
