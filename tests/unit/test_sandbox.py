@@ -188,11 +188,13 @@ def test_killing_its_parent_kills_no_process_of_ours(isolation):
 
 @pytest.mark.parametrize("isolation", ISOLATED)
 def test_a_background_process_is_gone_after_the_check(isolation):
-    program = ("import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
-               " start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\nprint(p.pid)")
+    mark = f"{isolation}-{os.getpid()}"  # this run's sleeper only (the other parameter may run at once on xdist)
+    program = ("import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)',"
+               f" '{mark}'], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+               "print(p.pid)")
     result = executor(isolation).run(program)
     assert result.status == "ok" and result.stdout.strip().isdigit()
-    assert _children() == [] and not _sleepers()
+    assert _children() == [] and not _sleepers(mark)
 
 
 @BWRAP
@@ -295,12 +297,13 @@ def _all_children() -> list[int]:
     return out
 
 
-def _sleepers() -> list[str]:
-    """Processes on this machine running the background program of the test above."""
+def _sleepers(mark: str) -> list[str]:
+    """Processes on this machine running the background program of the test above, marked `mark`."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"time.sleep(60)" in open(f"/proc/{pid}/cmdline", "rb").read():
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            if b"time.sleep(60)" in cmdline and mark.encode() in cmdline:
                 found.append(pid)
         except OSError:
             pass
