@@ -68,6 +68,14 @@ def carried(p: PartialRollouts) -> dict:
             if s.tokens}
 
 
+def saved_and_loaded(p: PartialRollouts) -> dict:
+    """`p`'s state through torch.save and torch.load(weights_only=True), as a checkpoint holds it: plain data only."""
+    buffer = io.BytesIO()
+    torch.save(p.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def check_invariants(batch) -> None:
     """Every sample finished; its length within the budget; a stop token only at its end, where 'stop'
     says one is; 'length' exactly at the budget."""
@@ -126,11 +134,7 @@ def test_the_carried_state_survives_a_checkpoint_bit_for_bit(engine):
         batch = step_of(a, step, draw_a, engine)
         examples.update({e.index: e for e in batch.examples})
         examples.update({g.example.index: g.example for g in a.groups})
-    buffer = io.BytesIO()
-    torch.save(a.state_dict(), buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)  # plain data only
-    b.load_state_dict(state, [examples.get(i) for i in range(max(examples) + 1)])
+    b.load_state_dict(saved_and_loaded(a), [examples.get(i) for i in range(max(examples) + 1)])
     for _ in range(draw_a.calls):  # b's sampler at a's cursor
         draw_b()
     assert any(s.finish is None and s.tokens for g in b.groups for s in g.samples), "nothing carried unfinished"
@@ -255,10 +259,7 @@ def test_judged_groups_survive_a_checkpoint(engine):
         batch = a.next_batch(step, params(step), draw=draw_a, generate=engine.generate, dynamic=dynamic())
         examples.update({e.index: e for e in batch.examples})
         examples.update({g.example.index: g.example for g in a.groups})
-    buffer = io.BytesIO()
-    torch.save(a.state_dict(), buffer)
-    buffer.seek(0)
-    b.load_state_dict(torch.load(buffer, weights_only=True), [examples.get(i) for i in range(max(examples) + 1)])
+    b.load_state_dict(saved_and_loaded(a), [examples.get(i) for i in range(max(examples) + 1)])
     for _ in range(draw_a.calls):
         draw_b()
     assert [g.scored is not None for g in a.groups] == [g.scored is not None for g in b.groups]
@@ -297,10 +298,7 @@ def test_routes_of_resumed_samples_are_a_teacher_forced_pass(engine):
             assert torch.equal(got[:-1], reference[:-1]) and (got[-1] == UNKNOWN).all()
             assert (batch.routes[i][~mask[i].bool()] == UNKNOWN).all()
     assert resumed > 0
-    buffer = io.BytesIO()  # the carried routes are plain tensors in the checkpoint
-    torch.save(p.state_dict(), buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)
+    state = saved_and_loaded(p)  # the carried routes are plain tensors in the checkpoint
     assert any(s["routes"] is not None for g in state["groups"] for s in g["samples"])
 
 
@@ -412,10 +410,7 @@ def test_carried_episodes_survive_a_checkpoint_by_replaying_their_actions(engine
         batch = a.next_batch(step, dataclasses.replace(params(step), stop_token_ids=stop), draw=draw_a,
                              generate=engine.generate)
         examples.update({e.index: e for e in batch.examples} | {g.example.index: g.example for g in a.groups})
-    buffer = io.BytesIO()
-    torch.save(a.state_dict(), buffer)
-    buffer.seek(0)
-    b.load_state_dict(torch.load(buffer, weights_only=True), [examples.get(i) for i in range(max(examples) + 1)])
+    b.load_state_dict(saved_and_loaded(a), [examples.get(i) for i in range(max(examples) + 1)])
     for _ in range(draw_a.calls):
         draw_b()
     Tally.flaky_after = len(Tally.made)  # every environment made from now on (b's rebuilt ones) answers otherwise
