@@ -13,8 +13,9 @@ two shapes code-RL datasets use:
 
 The score is the fraction of cases passed (verl's convention), or with reward.sandbox.all_or_nothing 1 when
 all pass, else 0. The function returns a dict: `score`, and the fields `code_format_error` (1: no program),
-`code_passed`, `code_cases`, `code_retries` (service requests retried), which `code_metrics` sums into a
-step's metrics. Expected outputs stay in this process: the program gets only the inputs.
+`code_passed`, `code_cases`, `code_retries` (service requests retried) and the cases whose run ended
+otherwise (`code_timeouts`, `code_output_limits`, `code_errors`), which `code_metrics` sums into a step's
+metrics. Expected outputs stay in this process: the program gets only the inputs.
 
 Where programs run (`configure`, called once per process by the Scorer and by each reward worker with the
 recipe's reward.sandbox): the local executor (megappo.rewards.sandbox) under reward.sandbox.isolation, or a
@@ -208,18 +209,28 @@ def _current() -> _Runs:
         return _runs
 
 
+#: how a case's run ended, other than `ok`, counted per response (`code_<ending>s`) and in a step's metrics
+ENDINGS = ("timeout", "output_limit", "error")
+
+
 def code(response: str, ground_truth: Any, extra: dict) -> dict:
     """The fraction of the ground truth's test cases the response's program passes (module docstring)."""
     cases = parse_cases(ground_truth)
     program = extract_program(response)
+    ended = {f"code_{status}s": 0 for status in ENDINGS}
     if program is None:
-        return {"score": 0.0, "code_format_error": 1.0, "code_passed": 0, "code_cases": len(cases), "code_retries": 0}
+        return {"score": 0.0, "code_format_error": 1.0, "code_passed": 0, "code_cases": len(cases), "code_retries": 0,
+                **ended}
     runs = _current()
     results = list(runs.pool.map(lambda case: runs.run(program, case), cases))
     passed = sum(case_passed(case, result) for case, result in zip(cases, results))
     score = float(passed == len(cases)) if runs.settings.all_or_nothing else passed / len(cases)
+    for result in results:
+        if result.status in ENDINGS:
+            ended[f"code_{result.status}s"] += 1
     return {"score": score, "code_format_error": 0.0, "code_passed": passed, "code_cases": len(cases),
-            "code_retries": sum(r.retries for r in results)}
+            "code_retries": sum(r.retries for r in results), **ended}
+
 
 
 def run_program(source: str, stdin: str = "") -> RunResult:
@@ -289,7 +300,9 @@ def code_expression(response: str, ground_truth: Any, extra: dict) -> dict:
 
 def code_metrics(fields: list[dict]) -> dict[str, float]:
     """A step's `reward/code/...` metrics from the fields `code` returned: responses without a program
-    (`format_failures`), the fraction of test cases passed (`case_pass_rate`), service requests retried; and
+    (`format_failures`), the fraction of test cases passed (`case_pass_rate`), service requests retried, and the
+    cases whose run was stopped at the time limit (`timeouts`) or the output cap (`output_limits`) or ended
+    otherwise than exit 0 (`errors`: an exception, a signal, a memory limit hit); and
     `reward/code_expression/...` from `code_expression`'s: responses that are no expression
     (`format_failures`), programs run in the sandbox (`sandbox_runs`), expressions scored from an earlier run
     (`cached`), runs past the time limit (`timeouts`) and runs that failed (`errors`: an exception, the output
@@ -301,6 +314,8 @@ def code_metrics(fields: list[dict]) -> dict[str, float]:
         out.update({"reward/code/format_failures": float(sum(f["code_format_error"] for f in mine)),
                     "reward/code/case_pass_rate": sum(f["code_passed"] for f in mine) / max(cases, 1),
                     "reward/code/retries": float(sum(f["code_retries"] for f in mine))})
+        out.update({f"reward/code/{ending}s": float(sum(f.get(f"code_{ending}s", 0) for f in mine))
+                    for ending in ENDINGS})
     expressions = [f for f in fields if "expr_runs" in f]
     for field, name in (("expr_format_error", "format_failures"), ("expr_runs", "sandbox_runs"),
                         ("expr_cached", "cached"), ("expr_timeouts", "timeouts"), ("expr_errors", "errors")):

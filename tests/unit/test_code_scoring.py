@@ -81,6 +81,9 @@ def test_the_code_reward_scores_a_batch_and_its_metrics_land_in_the_step(num_wor
     assert out.metrics["reward/code/format_failures"] == 1.0
     assert out.metrics["reward/code/case_pass_rate"] == pytest.approx(3 / 12)  # of the 4 x 3 cases
     assert out.metrics["reward/code/retries"] == 0.0
+    # the infinite loop's 3 cases stopped at the time limit, counted, and the batch scored on
+    assert out.metrics["reward/code/timeouts"] == 3.0
+    assert out.metrics["reward/code/output_limits"] == out.metrics["reward/code/errors"] == 0.0
     assert out.metrics["critic/score/frac_correct"] == 0.25
     assert [f["code_passed"] for f in batch.score_fields] == [3, 0, 0, 0]
 
