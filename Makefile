@@ -36,16 +36,21 @@ SGLANG_LANE ?= test-sglang
 # compileall: the suite starts a few hundred Python processes; where the environment sets
 # PYTHONDONTWRITEBYTECODE (this project's machines do), each would compile megappo again (~0.5 s a process)
 # tools/system_packages.py: the Debian packages the SLURM tests need (apt-get, root; instant when installed)
-# Two pytest runs: the tests marked one_process (tests/unit, and e2e tests that start one process of one rank
-# and time nothing; tests/conftest.py) on TEST_WORKERS processes (pytest-xdist; auto: one per core), then the
-# rest one at a time (their ranks would compete for the cores); the second runs whatever the first says.
+# Three pytest runs (tests/conftest.py says which test is in which): the tests marked one_process (tests/unit,
+# and e2e tests that start one process of one rank and time nothing) on TEST_WORKERS processes (pytest-xdist;
+# auto: one per core); the other multi-process tests MULTI_WORKERS files at a time (their ranks share the cores
+# and wait on each other often enough that two files at once finish sooner than one); then those marked alone
+# (they time things or give ranks deadlines of seconds) one at a time. Each runs whatever the others say.
 TEST_WORKERS ?= auto
+MULTI_WORKERS ?= 2
 test: install-test
 	$(PYTHON) tools/system_packages.py
 	$(PYTHON) -m compileall -q megappo tests tools benchmarks > /dev/null
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m one_process --durations=25 tests/unit tests/e2e; \
-	one_process=$$?; $(PYTHON) -m pytest -q -m "not one_process" --durations=25 --ignore=tests/unit tests && \
-	exit $$one_process
+	one_process=$$?; \
+	$(PYTHON) -m pytest -q -n $(MULTI_WORKERS) --dist loadfile -m "not one_process and not alone" --durations=25 \
+		--ignore=tests/unit tests; multi=$$?; \
+	$(PYTHON) -m pytest -q -m alone --durations=25 --ignore=tests/unit tests && exit $$(( one_process || multi ))
 ifneq ($(SGLANG_LANE),)
 	$(MAKE) $(SGLANG_LANE)
 endif

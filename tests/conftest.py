@@ -9,10 +9,13 @@ inherits it (torchrun ranks, the CLI, engine children): 2-4 ranks on a 2-core ma
 pool of threads, would oversubscribe the cores. Tests that compare results between processes
 computing with different thread counts state their tolerance (tests/e2e/test_remote_engine.py).
 
-Two runs in `make test`: the tests marked `one_process` (every test of tests/unit, marked here, and the
+Three runs in `make test`: the tests marked `one_process` (every test of tests/unit, marked here, and the
 e2e tests that start at most one process of one rank at a time and time nothing, marked in their files) on
-every core (pytest-xdist, `-n auto`); then the rest, one at a time, because their ranks would compete for
-the cores. Tests that share one run (a module-scoped fixture) carry `xdist_group` so one worker runs it.
+every core (pytest-xdist, `-n auto`, test by test); then the multi-process tests two files at a time
+(`-n 2 --dist loadfile`: a file's module-scoped runs stay on one worker; their ranks share the cores, and
+each waits on the other's now and then); then the tests marked `alone`, one at a time: those that assert
+how long something took or give a rank a deadline of seconds, which a neighbour's load could miss. Tests
+that share one run (a module-scoped fixture) carry `xdist_group` so one worker runs it.
 """
 
 import importlib.util
@@ -61,8 +64,13 @@ ONE_PROCESS = ("one_process: starts at most one process of one rank at a time an
 UNIT = Path(__file__).parent / "unit"
 
 
+ALONE = ("alone: asserts how long something took, or gives a rank a deadline of seconds: `make test` runs these "
+         "one at a time, after the other multi-process tests (which run two files at a time)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", ONE_PROCESS)
+    config.addinivalue_line("markers", ALONE)
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -168,6 +168,7 @@ def test_weight_sync_mismatch_stops_at_the_first_sync(tmp_path):
     assert not (run / "checkpoints").exists()
 
 
+@pytest.mark.alone  # the healthy rank's deadline is 9 s (tests/conftest.py)
 def test_a_hung_rank_times_out_the_other_with_rank_and_stage(tmp_path):
     """Rank 0 hangs in generation; rank 1, waiting for the batch, gives up after
     parallel.timeout_minutes (9 s here) and says where; the launcher stops rank 0."""

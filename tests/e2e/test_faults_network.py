@@ -23,11 +23,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def listening(proc: psutil.Process) -> set[tuple[str, int, int]]:
     """(address, port, pid) of every listening TCP socket of `proc` and its descendants."""
     found = set()
-    for p in [proc, *proc.children(recursive=True)]:
+    try:
+        family = [proc, *proc.children(recursive=True)]
+    except psutil.Error:  # the launcher ended, or a child went while its children were listed
+        return found
+    for p in family:
         try:
             found |= {(c.laddr.ip, c.laddr.port, p.pid) for c in p.net_connections("inet")
                       if c.status == psutil.CONN_LISTEN}
-        except psutil.Error:
+        except psutil.Error:  # it ended meanwhile
             pass
     return found
 

@@ -11,9 +11,12 @@ import os
 import statistics
 import sys
 
+import pytest
 import torch
 
 from tests import prefork
+
+pytestmark = pytest.mark.alone  # gpu_check.py gives each part a time budget (tests/conftest.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

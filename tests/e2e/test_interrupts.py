@@ -21,6 +21,8 @@ import pytest
 
 from tests import prefork
 
+pytestmark = pytest.mark.alone  # an interrupted run must end within seconds (tests/conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULTS = os.path.join(REPO, "tests", "e2e", "_faults.py")
 STEPS = 8

@@ -29,6 +29,8 @@ import torch
 from tests import prefork
 from tests.e2e._runs import hf_weights, metrics
 
+pytestmark = pytest.mark.alone  # a run's processes are gone within seconds (tests/conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARK = "MEGAPPO_TEST_RUN"  # only this test reads it: a tag on every process of the run
 STEPS = 6

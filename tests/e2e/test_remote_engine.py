@@ -17,6 +17,8 @@ from megappo.rollout.hf.remote import HFModelSource, RemoteEngine
 from megappo.types import SamplingParams
 from tests import prefork
 
+pytestmark = pytest.mark.alone  # a crash is noticed within seconds (tests/conftest.py)
+
 PAD = 0
 PROMPTS = [[5, 17, 42, 9, 100], [7, 3], [250, 251, 252]]
 SOURCE = HFModelSource(hf_config=TINY_CONFIGS["llama"], seed=3)
