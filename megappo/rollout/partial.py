@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megappo.errors import CheckpointError
 from megappo.rollout.dynamic_sampling import DynamicSampling
 from megappo.rollout.engine import left_pad
 from megappo.rollout.partial_episodes import EpisodeState, Episodes
@@ -296,12 +297,55 @@ class PartialRollouts:
              "samples": [s.state() for s in g.samples]} for g in self.groups]}
 
     def load_state_dict(self, state: dict, examples: Sequence) -> None:
-        """A checkpoint's carried groups; `examples`: the run's training prompts, by index."""
+        """A checkpoint's carried groups; `examples`: the run's training prompts, by index. A state this run
+        cannot carry on (another dataset, rollout.n or multi-turn setting, or a file not written by
+        `state_dict`) raises CheckpointError naming what differs and the fix."""
+        problem = state_problem(state, len(examples), self.n, multi_turn=self.episodes is not None)
+        if problem:
+            raise CheckpointError(
+                f"the checkpoint's {STATE_FILE} (rollout.partial's carried samples) cannot be resumed: {problem}. "
+                f"Fix: resume with the settings it was saved with (data.train_files, rollout.n, rollout.env), or "
+                f"with rollout.partial.enable=false, which drops the carried samples (their prompts are then not "
+                f"trained on until the next epoch)")
         self.next_key = state["next_key"]
         self.groups = [Group(g["key"], examples[g["example"]], [Sample.from_state(s) for s in g["samples"]],
                              g.get("scored")) for g in state["groups"]]
         self._last = None
         self._replay = self.episodes is not None
+
+
+#: the file a checkpoint keeps `PartialRollouts.state_dict` in (megappo.trainer.checkpointing)
+STATE_FILE = "partial_rollouts.pt"
+
+
+def state_problem(state, num_examples: int, n: int, *, multi_turn: bool) -> str | None:
+    """What keeps a saved `state_dict` from being resumed by a run with `num_examples` training prompts,
+    `n` samples a prompt and multi-turn episodes or not; None: nothing."""
+    if not isinstance(state, dict) or not isinstance(state.get("next_key"), int) \
+            or not isinstance(state.get("groups"), list):
+        return "it is not a carried-samples state (a dict with an int next_key and a list of groups)"
+    fields = {f.name for f in dataclasses.fields(Sample)}
+    for g in state["groups"]:
+        if not isinstance(g, dict) or not {"key", "example", "samples"} <= set(g):
+            return "a group without its key, prompt index and samples"
+        if not isinstance(g["example"], int) or not 0 <= g["example"] < num_examples:
+            return (f"a carried group's prompt is row {g['example']} of the training data, which has "
+                    f"{num_examples} rows here")
+        if not isinstance(g["samples"], list) or len(g["samples"]) != n:
+            got = len(g["samples"]) if isinstance(g["samples"], list) else "no list of"
+            return f"a carried group has {got} samples, rollout.n is {n} here"
+        for sample in g["samples"]:
+            if not isinstance(sample, dict) or set(sample) != fields:
+                return f"a sample whose fields are not {sorted(fields)}"
+            length = len(sample["tokens"])
+            if any(len(sample[k]) != length for k in ("log_probs", "versions")) \
+                    or sample["mask"] is not None and len(sample["mask"]) != length:
+                return "a sample whose tokens, log-probs, versions and mask differ in length"
+            if sample["episode"] is not None and not multi_turn:
+                return "a sample of a multi-turn episode, and this run has no rollout.env"
+            if multi_turn and length and sample["episode"] is None:
+                return "a sample with tokens but no episode, and this run's rollout.env is multi-turn"
+    return None
 
 
 def _fed_routes(kept: torch.Tensor | None, call: torch.Tensor, call_prompt: int, context: int, new: int

@@ -74,12 +74,13 @@ from megappo.config import Config
 from megappo.errors import CheckpointError, CheckpointWarning, ConfigError
 from megappo.data.prompts import PromptExample, RowOrigin
 from megappo.metrics.sample_log import plain_data
+from megappo.rollout import partial as partial_rollouts
 from megappo.types import RolloutBatch
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 ROLLOUT_BUFFER = "rollout_buffer.pt"
-PARTIAL_ROLLOUTS = "partial_rollouts.pt"
+PARTIAL_ROLLOUTS = partial_rollouts.STATE_FILE
 FORMAT = "megappo-trainer-v1"
 DIGESTS = "digests"
 DIGEST_FORMAT = "megappo-digests-v1"

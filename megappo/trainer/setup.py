@@ -582,6 +582,10 @@ def resume_state(resume: dict | None, ps: ParallelState, roles: Roles, kl_ctrl, 
         carried = checkpointing.load_partial_rollouts(resume["path"])
         if partial and carried:
             partial.load_state_dict(carried, prompts.train)
+        elif carried and carried.get("groups"):
+            print(f"megappo: the checkpoint carries {len(carried['groups'])} unfinished groups of rollout.partial; "
+                  f"this run has rollout.partial.enable=false, so they are dropped (their prompts are not trained on "
+                  f"until the next epoch)", flush=True)
     return resume["step"], resume["nan_skips"]
 
 

@@ -5,6 +5,7 @@ policy versions to a later step and resume from prompt + tokens so far; their st
 checkpoint round trip bit for bit; stale samples restart or their groups drop; the length budget and
 the stop tokens hold after every resume. The whole run (kill and resume): tests/e2e/test_resume.py."""
 
+import copy
 import dataclasses
 import io
 import types
@@ -13,13 +14,13 @@ import pytest
 import torch
 
 from megappo.config import load_config
-from megappo.errors import ConfigError
+from megappo.errors import CheckpointError, ConfigError
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.rollout.batches import concat
 from megappo.rollout.dynamic_sampling import DynamicSampling, FilterLimitError, GroupFilter, uniform_groups
 from megappo.rollout.hf.engine import HFEngine
 from megappo.envs.base import Environment, StepResult
-from megappo.rollout.partial import PENDING, PartialRollouts, token_age_metrics
+from megappo.rollout.partial import PENDING, PartialRollouts, state_problem, token_age_metrics
 from megappo.rollout.partial_episodes import Episodes
 from megappo.rollout.routes import UNKNOWN, RouteRecorder
 from megappo.rollout.schedule import _stamped
@@ -143,6 +144,42 @@ def test_the_carried_state_survives_a_checkpoint_bit_for_bit(engine):
         for f in ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "token_versions", "prompt_index"):
             assert torch.equal(getattr(x, f), getattr(y, f)), f
         assert x.finish_reasons == y.finish_reasons and x.gen_metrics == y.gen_metrics
+
+
+def test_a_carried_state_this_run_cannot_resume_is_refused_with_the_fix(engine):
+    """Another dataset, rollout.n or multi-turn setting than the checkpoint's, or a file that is not a carried
+    state: one error naming partial_rollouts.pt, what differs and the fix; a matching state loads."""
+    a, draw = partial(), prompts()
+    step_of(a, 1, draw, engine)
+    state, rows = saved_and_loaded(a), 4 * draw.calls
+    examples = [types.SimpleNamespace(index=i) for i in range(rows)]
+    assert state["groups"] and any(s["tokens"] for g in state["groups"] for s in g["samples"])
+    assert state_problem(state, rows, N, multi_turn=False) is None
+    partial().load_state_dict(state, examples)
+    last = max(g["example"] for g in state["groups"])
+    with pytest.raises(CheckpointError) as refused:
+        partial().load_state_dict(state, examples[:last])
+    assert str(refused.value) == (
+        f"the checkpoint's partial_rollouts.pt (rollout.partial's carried samples) cannot be resumed: a carried "
+        f"group's prompt is row {last} of the training data, which has {last} rows here. Fix: resume with the "
+        f"settings it was saved with (data.train_files, rollout.n, rollout.env), or with "
+        f"rollout.partial.enable=false, which drops the carried samples (their prompts are then not trained on "
+        f"until the next epoch)")
+    with pytest.raises(CheckpointError, match=f"a carried group has {N} samples, rollout.n is {N + 1} here"):
+        partial(n=N + 1).load_state_dict(state, examples)
+    assert state_problem(state, rows, N, multi_turn=True) == (
+        "a sample with tokens but no episode, and this run's rollout.env is multi-turn")
+    with_episode = copy.deepcopy(state)
+    with_episode["groups"][0]["samples"][0]["episode"] = {"turns": 1}
+    assert state_problem(with_episode, rows, N, multi_turn=False) == (
+        "a sample of a multi-turn episode, and this run has no rollout.env")
+    uneven = copy.deepcopy(state)
+    sample = next(s for g in uneven["groups"] for s in g["samples"] if s["tokens"])
+    sample["log_probs"].pop()
+    assert "differ in length" in state_problem(uneven, rows, N, multi_turn=False)
+    for bad in ([], {"next_key": 1}, {"next_key": 1, "groups": [{"key": 0}]},
+                {"next_key": 1, "groups": [{**state["groups"][0], "samples": [{"tokens": []}] * N}]}):
+        assert state_problem(bad, rows, N, multi_turn=False), bad
 
 
 @pytest.mark.parametrize("on_stale", ["restart", "drop"])
