@@ -29,8 +29,9 @@ MODES = {"sync": [],
                    "algorithm.adv_estimator=remax"],
          # the MoE demo at EP=2 with routing replay: the carried samples keep their routes
          "sync-moe-replay": ["actor.moe_routing=replay"],
-         # the multi-turn lookup demo: episodes carried between and inside actions (4-token turns, 2-token chunks)
-         "sync-multiturn": ["rollout.max_turn_tokens=4", "rollout.partial.chunk_tokens=2"]}
+         # the multi-turn lookup demo: episodes carried between and inside actions (4-token turns, 2-token chunks),
+         # in bfloat16 (the GPU recipes' dtype): the carried state and its resume are bitwise in bf16 too
+         "sync-multiturn": ["rollout.max_turn_tokens=4", "rollout.partial.chunk_tokens=2", "model.dtype=bfloat16"]}
 RECIPES = {"sync-moe-replay": "recipes/demo-moe-cpu.yaml", "sync-multiturn": "recipes/demo-multiturn-cpu.yaml"}
 
 
@@ -69,6 +70,7 @@ def test_killed_and_resumed_equals_straight_with_samples_carried(mode, tmp_path)
     assert metrics(killed) == metrics(straight)  # steps 3-4 regenerated from the carried samples: same numbers
     a, b = hf_weights(os.path.join(straight, "hf", "actor")), hf_weights(os.path.join(killed, "hf", "actor"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {t.dtype for t in a.values()} == {torch.bfloat16 if "model.dtype=bfloat16" in MODES[mode] else torch.float32}
     if mode == "sync":  # the carried samples are rank 0's, whatever the layout: a resume at DP=2 continues them
         other = str(tmp_path / "dp2")
         shutil.copytree(killed, other)
