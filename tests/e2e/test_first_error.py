@@ -9,7 +9,6 @@ launcher, not the other rank's lost connection; nothing of the run is left runni
 """
 
 import os
-import sys
 
 import psutil
 

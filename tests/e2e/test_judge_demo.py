@@ -9,9 +9,7 @@ import socket
 import subprocess
 import sys
 
-from tests import prefork
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.e2e._runs import REPO, train
 STEPS = 30
 
 
@@ -29,11 +27,10 @@ def test_the_demo_learns_from_a_judge_over_http(tmp_path):
                                "--port", str(port)], env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert "megappo judge server: http://127.0.0.1" in server.stdout.readline()
-        proc = prefork.run([sys.executable, "-m", "megappo.cli", "train", "recipes/demo-cpu.yaml",
-                            f"run.output_dir={tmp_path}", "logging.progress_bar=false", f"run.total_steps={STEPS}",
-                            "run.val_every=0", "run.val_before_train=false", "reward.functions=[judge]",
-                            f"reward.judge.url=http://127.0.0.1:{port}", "reward.judge.max_concurrent=16"],
-                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+        proc = train("recipes/demo-cpu.yaml", f"run.output_dir={tmp_path}", "logging.progress_bar=false",
+                     f"run.total_steps={STEPS}", "run.val_every=0", "run.val_before_train=false",
+                     "reward.functions=[judge]", f"reward.judge.url=http://127.0.0.1:{port}",
+                     "reward.judge.max_concurrent=16")
     finally:
         server.terminate()
         server.wait(timeout=30)

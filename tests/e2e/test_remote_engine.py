@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
+from megappo.models.hf_reference import TINY_CONFIGS
 from megappo.rollout.engine import EngineCrashed, compare_fingerprints, tensor_fingerprint
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.hf.remote import HFModelSource, RemoteEngine

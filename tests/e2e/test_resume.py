@@ -225,7 +225,7 @@ def test_a_fresh_run_never_overwrites_an_earlier_runs_results(straight, tmp_path
     first, second = sorted(os.listdir(aside))
     assert files(aside / first) == earlier  # the finished run, every byte
     assert files(aside / second) == {k: v for k, v in killed.items() if not k.startswith("superseded")}  # killed run's
-    assert f"megappo: an earlier run's files (config.json, metrics.jsonl" in console
+    assert "megappo: an earlier run's files (config.json, metrics.jsonl" in console
     assert f"are now in {aside / second}: this run starts fresh (no checkpoint to resume); nothing was deleted." \
         in console
     assert [r["step"] for r in metrics(out)] == [0, 1]
