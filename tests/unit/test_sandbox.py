@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import socket
 import threading
 import time
@@ -133,15 +134,22 @@ def test_a_1gb_print_is_cut_at_the_output_cap_without_buffering_it(isolation):
     assert len(result.stdout) == FAST.max_output_bytes and time.monotonic() - start < 5
 
 
-@BWRAP
-def test_a_write_outside_its_directory_fails_and_its_own_directory_is_private(tmp_path):
+@pytest.mark.parametrize("isolation", ISOLATED)
+def test_a_write_outside_its_directory_fails_and_its_own_directory_is_private(isolation, tmp_path):
+    """bwrap: nothing of the host but a read-only /usr and Python; unshare: every file system read-only but the
+    program's own directory (a file the test's user may write, in pytest's tmp_path, stays unwritten)."""
     target = tmp_path / "owned.txt"
-    result = executor().run(f"open({str(target)!r}, 'w').write('x')")
+    result = executor(isolation).run(f"open({str(target)!r}, 'w').write('x')")
     assert result.status == "error" and not target.exists()
     for path in ("/usr/owned.txt", os.path.join(os.path.dirname(os.__file__), "owned.py")):
-        assert executor().run(f"open({path!r}, 'w').write('x')").status == "error"
+        assert executor(isolation).run(f"open({path!r}, 'w').write('x')").status == "error"
         assert not os.path.exists(path)
-    assert executor().run("open('mine.txt', 'w').write('x')\nprint(open('mine.txt').read())").stdout == "x\n"
+    for path in (os.path.join(tempfile.gettempdir(), f"owned-{os.getpid()}.txt"),
+                 os.path.expanduser(f"~/owned-{os.getpid()}.txt")):  # bwrap: on its own tmpfs, gone with it
+        status = executor(isolation).run(f"open({path!r}, 'w').write('x')").status
+        assert not os.path.exists(path) and (isolation == "bwrap" or status == "error"), status
+    mine = executor(isolation).run("open('mine.txt', 'w').write('x')\nprint(open('mine.txt').read())")
+    assert mine.stdout == "x\n", mine
 
 
 @pytest.mark.parametrize("isolation", ISOLATED)
