@@ -48,6 +48,9 @@ class SandboxConfig(_Section):
     url: Optional[str] = None
     """A SandboxFusion service (`http://host:port`, its `/run_code`; `python -m megappo.rewards.sandbox_server`
     serves one); `null`: megappo's local executor ([rewards.md](rewards.md#the-code-reward))."""
+    api_key_env: Optional[str] = None
+    """The name of an environment variable holding the service's key, sent as `Authorization: Bearer` (a
+    `sandbox_server --api-key-env` service); `null`: none."""
     max_concurrent: int = 64
     """Programs run at once per process (local runs, or requests to the service), as verl's."""
     memory_limit_mb: int = 1024

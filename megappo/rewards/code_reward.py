@@ -49,12 +49,13 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import os
 import math
 import re
 import threading
 from typing import Any
 
-from megappo.rewards.sandbox import Limits, LocalExecutor, RunResult, resolve_isolation
+from megappo.rewards.sandbox import Limits, LocalExecutor, RunResult, SandboxUnavailable, resolve_isolation
 from megappo.rewards.sandbox_fusion import SandboxFusionClient
 
 _FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL)
@@ -160,9 +161,15 @@ class _Runs:
     def __init__(self, sandbox):
         self.settings = sandbox
         if sandbox.url:
+            key = os.environ.get(sandbox.api_key_env) if sandbox.api_key_env else None
+            if sandbox.api_key_env and not key:
+                raise SandboxUnavailable(f"reward.sandbox.api_key_env={sandbox.api_key_env} names an environment "
+                                         f"variable that is not set. Fix: export {sandbox.api_key_env}=<the "
+                                         f"service's key>, or set reward.sandbox.api_key_env=null for a service "
+                                         f"without one.")
             self.runner = SandboxFusionClient(sandbox.url, max_concurrent=sandbox.max_concurrent,
                                               memory_limit_mb=sandbox.memory_limit_mb,
-                                              run_timeout_s=sandbox.run_timeout_s)
+                                              run_timeout_s=sandbox.run_timeout_s, api_key=key)
         else:
             isolation = resolve_isolation(sandbox.isolation, sandbox.allow_weaker)
             self.runner = LocalExecutor(isolation, Limits(wall_s=sandbox.run_timeout_s,

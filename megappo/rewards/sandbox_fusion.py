@@ -47,8 +47,10 @@ class SandboxFusionClient:
     """Runs programs on a SandboxFusion service at `url` (module docstring)."""
 
     def __init__(self, url: str, max_concurrent: int = 64, memory_limit_mb: int = 1024, run_timeout_s: float = 10.0,
-                 compile_timeout_s: float = 10.0, connect_retries: int = 3, backoff_s: float = 0.5):
+                 compile_timeout_s: float = 10.0, connect_retries: int = 3, backoff_s: float = 0.5,
+                 api_key: str | None = None):
         self.url = url.rstrip("/") + "/run_code"
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.memory_limit_mb, self.run_timeout_s, self.compile_timeout_s = memory_limit_mb, run_timeout_s, compile_timeout_s
         self.connect_retries, self.backoff_s = connect_retries, backoff_s
         self._slots = threading.BoundedSemaphore(max_concurrent)
@@ -78,7 +80,7 @@ class SandboxFusionClient:
         body = json.dumps(request).encode()
         timeout = self.run_timeout_s + self.compile_timeout_s + 30
         for attempt in range(self.connect_retries + 1):
-            req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(self.url, data=body, headers=self.headers)
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as response:
                     return json.loads(response.read()), attempt

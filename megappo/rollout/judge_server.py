@@ -2,6 +2,7 @@
 stand-in for tests and demos, started by one command:
 
     python -m megappo.rollout.judge_server --model HF_DIR [--port 8000] [--host 127.0.0.1] [--device cpu]
+                                           [--api-key-env NAME]
     python -m megappo.rollout.judge_server --model tiny:llama          # a tiny random model (answers garbage)
     python -m megappo.rollout.judge_server --stand-in exact            # no model: a rule
 
@@ -19,7 +20,9 @@ then `reward.judge.url=http://127.0.0.1:8000`. A request `{"model", "messages", 
               else "Score: 0"; a message without them is answered without a score. A rule, not a judge: a
               deterministic judge server for tests and demos, since a model small enough for them cannot judge
 
-It listens on 127.0.0.1 unless told otherwise: it has no authentication.
+It listens on 127.0.0.1 unless told otherwise; with `--api-key-env NAME` every request must carry that key
+(`reward.judge.api_key_env` on the trainer's side), and without one it listens on loopback only
+(megappo.parallel.http_service).
 
 This module does not know about reward functions, config sections or training.
 """
@@ -27,7 +30,6 @@ This module does not know about reward functions, config sections or training.
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import re
 import sys
@@ -37,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from megappo.parallel.http_service import JsonHandler, JsonService, ServiceError, api_key_from_env
 from megappo.rollout.hf.engine import HFEngine
 from megappo.types import SamplingParams
 
@@ -109,65 +112,52 @@ def load_judge(model: str, device: str = "cpu") -> EngineJudge:
     return EngineJudge(hf_model, load_tokenizer(model), device)
 
 
-class JudgeServer(http.server.ThreadingHTTPServer):
+class JudgeServer(JsonService):
     """The service: `answer` writes each reply; `name` is the model name its answers carry."""
 
-    daemon_threads = True
-    request_queue_size = 1024  # listen()'s backlog: a trainer opens max_concurrent connections at once (default 5)
-
-    def __init__(self, address: tuple[str, int], answer: Answer, name: str = "judge"):
-        super().__init__(address, _Handler)
+    def __init__(self, address: tuple[str, int], answer: Answer, name: str = "judge", *, api_key: str | None = None):
+        super().__init__(address, _Handler, api_key=api_key)
         self.answer, self.name = answer, name
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
 
-
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server: JudgeServer
 
+    def error_body(self, message: str) -> dict:
+        return _error(message)
+
     def do_POST(self) -> None:
+        if not self.authorized():
+            return
         if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
-            return self._send(404, _error(f"no such endpoint {self.path}"))
+            return self.send_json(404, _error(f"no such endpoint {self.path}"))
         size = int(self.headers.get("Content-Length") or 0)
         if not 0 < size <= MAX_REQUEST_BYTES:
-            return self._send(413, _error(f"a request of {size} bytes"))
+            return self.send_json(413, _error(f"a request of {size} bytes"))
         try:
             request = json.loads(self.rfile.read(size))
             messages = request["messages"]
             assert isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
         except (ValueError, KeyError, TypeError, AssertionError) as e:
-            return self._send(400, _error(f"not a chat-completions request: {type(e).__name__} {e}"))
+            return self.send_json(400, _error(f"not a chat-completions request: {type(e).__name__} {e}"))
         try:
             text, finish = self.server.answer(messages, int(request.get("max_tokens") or 512))
         except Exception as e:  # the client retries a 5xx
-            return self._send(500, _error(f"the judge failed: {type(e).__name__}: {e}"))
-        self._send(200, {"id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion",
-                         "created": int(time.time()), "model": request.get("model") or self.server.name,
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": finish}]})
-
-    def _send(self, code: int, answer: dict) -> None:
-        body = json.dumps(answer).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args) -> None:  # one line per request is noise at thousands a step
-        pass
+            return self.send_json(500, _error(f"the judge failed: {type(e).__name__}: {e}"))
+        self.send_json(200, {"id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion",
+                             "created": int(time.time()), "model": request.get("model") or self.server.name,
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                          "finish_reason": finish}]})
 
 
 def _error(message: str) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error"}}
 
 
-def serve(answer: Answer, port: int = 0, host: str = "127.0.0.1", name: str = "judge") -> JudgeServer:
-    """A started-up server (not yet serving: call serve_forever); port 0 picks a free one (`.url`)."""
-    return JudgeServer((host, port), answer, name)
+def serve(answer: Answer, port: int = 0, host: str = "127.0.0.1", name: str = "judge",
+          api_key: str | None = None) -> JudgeServer:
+    """A started-up server (not yet serving: call `run`); port 0 picks a free one (`.url`)."""
+    return JudgeServer((host, port), answer, name, api_key=api_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,18 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    p.add_argument("--api-key-env", help="the environment variable holding the key every request must carry")
     args = p.parse_args(argv)
-    answer = STAND_INS[args.stand_in] if args.stand_in else load_judge(args.model, args.device)
-    server = serve(answer, args.port, args.host, name=args.model or f"stand-in:{args.stand_in}")
+    try:
+        key = api_key_from_env(args.api_key_env)
+        answer = STAND_INS[args.stand_in] if args.stand_in else load_judge(args.model, args.device)
+        server = serve(answer, args.port, args.host, name=args.model or f"stand-in:{args.stand_in}", api_key=key)
+    except ServiceError as e:
+        print(f"megappo judge server: error: {e}", file=sys.stderr)
+        return 2
     print(f"megappo judge server: {server.url}/v1/chat/completions "
           f"({args.model or 'stand-in ' + args.stand_in})", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return server.run()
 
 
 if __name__ == "__main__":

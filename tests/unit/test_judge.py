@@ -22,7 +22,9 @@ from megappo.rewards.functions import score_records
 from megappo.rewards.judge import PROMPT_KEY, JudgeUnavailable, judge_metrics, parse_score
 from megappo.rewards.scoring import skipped_groups
 from megappo.rewards.workers import RewardWorkers
+from megappo.parallel.http_service import ServiceError
 from megappo.rollout.judge_server import load_judge, serve, stand_in_exact
+from megappo.rollout.judge_server import main as judge_server_main
 
 
 @contextlib.contextmanager
@@ -116,6 +118,28 @@ def test_stand_in_judge_server_scores_through_the_reward_function_and_combines_b
     metrics = judge_metrics(out.fields)
     assert metrics["reward/judge/failed"] == metrics["reward/judge/unparseable"] == metrics["reward/judge/retries"] == 0
     assert metrics["reward/judge/latency_s"] > 0
+
+
+def test_a_server_with_a_key_answers_only_requests_that_carry_it(monkeypatch):
+    """--api-key-env: a request without the key, or with another, is answered 401 (an error of the run, never a
+    score); the trainer's reward.judge.api_key_env sends it; without a key the server listens on loopback only."""
+    with running(serve(stand_in_exact, api_key="s3cret-judge")) as url:
+        configure(url)
+        with pytest.raises(JudgeUnavailable, match="HTTP 401"):
+            score(["4"], ["4"])
+        judge.close()
+        monkeypatch.setenv("JUDGE_KEY", "not-it")
+        configure(url, api_key_env="JUDGE_KEY")
+        with pytest.raises(JudgeUnavailable, match="HTTP 401"):
+            score(["4"], ["4"])
+        judge.close()
+        monkeypatch.setenv("JUDGE_KEY", "s3cret-judge")
+        configure(url, api_key_env="JUDGE_KEY")
+        assert [v[0] for v in score(["4", "5"], ["4", "4"]).values] == [1.0, 0.0]
+    with pytest.raises(ServiceError, match="without an API key.*Fix: export a key"):
+        serve(stand_in_exact, host="0.0.0.0")
+    monkeypatch.delenv("JUDGE_KEY")
+    assert judge_server_main(["--stand-in", "exact", "--api-key-env", "JUDGE_KEY"]) == 2  # unset: refused
 
 
 def test_the_request_carries_the_template_with_prompt_response_and_ground_truth():

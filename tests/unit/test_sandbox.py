@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import socket
+import tempfile
 import threading
 import time
 
@@ -22,6 +22,8 @@ from megappo.rewards.code_reward import code, code_metrics, extract_program, par
 from megappo.rewards.functions import score_records
 from megappo.rewards.sandbox import Limits, LocalExecutor, SandboxUnavailable, _works, resolve_isolation
 from megappo.rewards.sandbox_fusion import SandboxFusionClient
+from megappo.parallel.http_service import ServiceError
+from megappo.rewards.sandbox_server import main as sandbox_server_main
 from megappo.rewards.sandbox_server import serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -265,6 +267,33 @@ def test_the_run_code_server_and_client_round_trip_in_verls_shape():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@BWRAP
+def test_a_service_with_a_key_runs_only_requests_that_carry_it(monkeypatch):
+    """--api-key-env: the client's reward.sandbox.api_key_env sends the key; without it, or with another, the
+    service answers 401, which stops the run (never a score); without a key it listens on loopback only."""
+    server = serve(0, max_concurrent=2, api_key="s3cret-sandbox")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SandboxUnavailable, match="HTTP 401"):
+            SandboxFusionClient(server.url).run("print(1)")
+        with pytest.raises(SandboxUnavailable, match="HTTP 401"):
+            SandboxFusionClient(server.url, api_key="not-it").run("print(1)")
+        assert SandboxFusionClient(server.url, api_key="s3cret-sandbox").run("print(6 * 7)").stdout == "42\n"
+        monkeypatch.setenv("SANDBOX_KEY", "s3cret-sandbox")
+        code_reward.configure(SandboxConfig(url=server.url, run_timeout_s=3.0, api_key_env="SANDBOX_KEY"))
+        assert code(answer("print(2 * int(input()))"), DOUBLE, {})["score"] == 1.0
+        monkeypatch.delenv("SANDBOX_KEY")
+        with pytest.raises(SandboxUnavailable, match="SANDBOX_KEY names an environment variable that is not set"):
+            code_reward.configure(SandboxConfig(url=server.url, api_key_env="SANDBOX_KEY"))
+            code(answer("print(1)"), DOUBLE, {})
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ServiceError, match="without an API key"):
+        serve(0, host="0.0.0.0")
+    assert sandbox_server_main(["--port", "0", "--api-key-env", "SANDBOX_KEY"]) == 2  # unset: refused
 
 
 def test_a_service_that_is_down_is_an_error_not_a_score():
