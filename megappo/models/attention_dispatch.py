@@ -23,6 +23,11 @@ dtype, the head dim, the dropout and what this process can import (`available_ke
               mode). Every device and dtype. The reference the fused kernels are tested against
               (tests/unit/test_attention_dispatch.py) and the CPU path.
 
+Under context parallelism (megappo.parallel.context) a rank's queries are two chunks of each sequence
+and the keys the whole sequence: `causal_attention_at` runs SDPA per sequence with a boolean mask from
+the queries' positions (every device and dtype; no fused varlen kernel takes queries at arbitrary
+positions of their sequence yet).
+
 Transformer Engine's layer spec (`model.layer_spec=te`) does not come here: TE's own
 DotProductAttention reads the THD format (cu_seqlens) and picks its fused kernels itself.
 
@@ -178,3 +183,32 @@ def _sdpa_by_length(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     where = torch.empty_like(order)
     where[order] = torch.arange(order.numel())  # token position -> its row of the stacked outputs
     return torch.cat(outputs).index_select(0, where)
+
+
+def causal_attention_at(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_bounds: list[int],
+                        k_bounds: list[int], q_positions: torch.Tensor, *, scale: float | None,
+                        dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of queries at given positions of their sequences against the sequences' whole
+    keys: q [tq, hq, d] in sequences `q_bounds` [n+1], k/v [tk, hkv, d] in sequences `k_bounds` [n+1],
+    `q_positions` [tq] each query's position in its sequence (it sees the keys at positions <= its own).
+    -> [tq, hq, d]. One SDPA call per sequence, with the keys up to the latest query's position."""
+    gqa = query.shape[1] != key.shape[1]
+    batched = query.device.type == "cuda"
+    outputs = []
+    for i, (qs, qe) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
+        if qe == qs:
+            continue
+        pos = q_positions[qs:qe]
+        seen = int(pos.max()) + 1
+        ks = k_bounds[i]
+        q = query[qs:qe].transpose(0, 1)
+        k, v = (x[ks:ks + seen].transpose(0, 1) for x in (key, value))  # [h, len, d]
+        mask = pos[:, None] >= torch.arange(seen, device=pos.device)[None]  # [q, k] True: attend
+        if batched:
+            q, k, v, mask = q[None], k[None], v[None], mask[None, None]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                               dropout_p=dropout, enable_gqa=gqa)
+        outputs.append((out[0] if batched else out).transpose(0, 1))
+    if not outputs:
+        return query.new_empty((0, query.shape[1], value.shape[2]))
+    return torch.cat(outputs)

@@ -358,7 +358,7 @@ class Roles:
 def create_run(cfg: Config) -> Run:
     """Collective: every phase in turn, each taking what the earlier ones built."""
     p = cfg.parallel
-    ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
+    ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, cp=p.cp, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
         resume = checkpointing.find_resume(cfg, verify="full")  # refusals, damaged files: before any model is built
@@ -449,15 +449,16 @@ def load_prompts(cfg: Config, ps: ParallelState, tokenizer) -> Prompts:
 
 
 def role_layouts(cfg: Config, ps: ParallelState) -> dict[str, ParallelState]:
-    """Collective: each model role's ParallelState. A role with its own TP / PP / EP gets its own
+    """Collective: each model role's ParallelState. A role with its own TP / PP / EP / CP gets its own
     Megatron groups over the same ranks (built in the same order on every rank); the others share `ps`."""
     def layout_of(role: str) -> tuple:
-        return cfg.layout(role) + (cfg.expert_parallel(role),)
+        return cfg.layout(role) + (cfg.expert_parallel(role), cfg.context_parallel(role))
 
-    states = {ps.layout + (ps.ep,): ps}
+    states = {ps.layout + (ps.ep, ps.cp): ps}
     for role in cfg.model_roles:
         if layout_of(role) not in states:
             states[layout_of(role)] = add_layout(ps, *cfg.layout(role), ep=cfg.expert_parallel(role),
+                                                 cp=cfg.context_parallel(role),
                                                  seed=cfg.run.seed, timeout_minutes=cfg.parallel.timeout_minutes)
     return {role: states[layout_of(role)] for role in cfg.model_roles}
 
