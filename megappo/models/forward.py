@@ -109,7 +109,7 @@ def run_micro_batches(
         )
     device = model.ps.device
     value_head = model.has_value_head
-    if model.ps.cp > 1:
+    if model.ps.cp > 1:  # t: the padded length of the whole pack (Megatron's schedule divides it by cp)
         micro_batches, t = _split_over_context(model, micro_batches)
 
     def forward_step(data_iterator, chunk):
@@ -177,7 +177,7 @@ def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: 
 
 def _split_over_context(model: MegatronModel, micro_batches: list[dict]) -> tuple[list[dict], int]:
     """Each packed micro-batch with its ContextSplit ('context'; the caller's dicts are not changed),
-    and the tokens per rank, the same for every micro-batch of the call."""
+    and their padded length Lp, the same for every micro-batch of the call (each rank holds Lp / cp)."""
     ps = model.ps
     if any("cu_seqlens" not in mb or "select" not in mb for mb in micro_batches):
         raise ValueError(f"context parallelism (cp={ps.cp}) splits packed micro-batches only; pack the role's "
@@ -186,7 +186,7 @@ def _split_over_context(model: MegatronModel, micro_batches: list[dict]) -> tupl
     bounds = [mb["cu_seqlens"].tolist() for mb in micro_batches]
     length = context.pass_length(bounds, ps.cp, ps.tp if model.config.sequence_parallel else 1)
     split = [{**mb, "context": context.split(b, mb["select"][0], ps.cp, length)} for mb, b in zip(micro_batches, bounds)]
-    return split, length // ps.cp
+    return split, length
 
 
 def _context_inputs(model: MegatronModel, mb: dict, split: context.ContextSplit) -> tuple[torch.Tensor, dict, torch.Tensor]:

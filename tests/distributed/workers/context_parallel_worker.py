@@ -1,6 +1,6 @@
 """torchrun worker (4 ranks, gloo): context parallelism (CP=2) against CP=1 on the same packed batch.
 
-usage: torchrun --nproc_per_node 4 context_parallel_worker.py LAYOUT [LAYOUT ...] [--bf16]
+usage: torchrun --nproc_per_node 4 context_parallel_worker.py LAYOUT [LAYOUT ...] [--bf16] [--checkpoint=DIR]
 LAYOUT: dp2cp2 (tp1 pp1 cp2 dp2), tp2cp2, pp2cp2, vpp2cp2 (pp2 vpp2), cp4 (tp1 cp4 dp1).
 
 In one launch, the reference layout (tp1 pp1 cp1, dp4) and each LAYOUT, over the same ranks, build
@@ -14,6 +14,12 @@ rank 0:
      optimizer at dp2cp2) and of the critic: every loss metric and the gradient norm, then the
      log-probs / values after the updates (the weights the steps made);
   4. at dp2cp2 also a LoRA actor with full recomputation, against the same at CP=1.
+With --checkpoint=DIR (first, float32, distributed optimizer): weight sync and checkpoints across CP.
+  5. the HF tensors the bridge streams (iter_hf_tensors to receivers {0, 1, 3}: at dp2cp2 rank 1 is
+     cp rank 1 of replica 0) equal at CP=2 and CP=1 bit for bit, before and after an update at CP=2;
+  6. an actor trained at CP=2 and saved (save_trainable) loads at CP=1 with the same weights bit for
+     bit, takes an update there (within TOL of the CP=2 actor's own next update), is saved, and loads
+     back at CP=2 bit for bit.
 float32 within TOL; bfloat16 (--bf16) within BF16_TOL (values: absolute; metrics: relative to
 max(1, |value|)). Prints "OK <layout> <dtype> <what> <worst difference>" lines.
 """
@@ -25,12 +31,13 @@ import torch.distributed as dist
 
 from megappo.models import forward
 from megappo.models.builders import build_model
+from megappo.models.checkpoint import load_trainable, save_trainable
 from megappo.models.hf_config import dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.models.lora import NO_LORA, LoRA
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.models.training import OptimSettings, make_trainable
-from megappo.models.weights import load_hf_weights
+from megappo.models.weights import iter_hf_tensors, load_hf_weights
 from megappo.parallel.packing import MicroBatching
 from megappo.parallel.state import add_layout, init_parallel
 from megappo.trainer.roles import Experience, PolicyWorker, ValueWorker
@@ -77,8 +84,9 @@ def run_layout(ps, dims, hf, dtype, seqs, exp, *, with_lora: bool) -> dict:
     actor = policy(ps, dims, hf, dtype, train=True, dist_opt=dist_opt)
     stats = actor.token_stats(seqs, entropy=True, sum_pi_squared=True)
     out["token stats"] = (stats.log_probs, stats.entropy, stats.sum_pi_squared)
-    one = actor.token_stats(seqs.select(torch.tensor([4])), entropy=True)
-    out["one sequence"] = (one.log_probs, one.entropy)
+    if not ps.vpp:  # (the interleaved schedule needs pp micro-batches, one sequence makes one)
+        one = actor.token_stats(seqs.select(torch.tensor([4])), entropy=True)
+        out["one sequence"] = (one.log_probs, one.entropy)
     chunked = policy(ps, dims, hf, dtype, chunk=5, train=True, dist_opt=dist_opt)
     cstats = chunked.token_stats(seqs, entropy=True, sum_pi_squared=True)
     out["chunked head token stats"] = (cstats.log_probs, cstats.entropy, cstats.sum_pi_squared)
@@ -126,6 +134,46 @@ def counted(fn, calls):
     return wrapper
 
 
+def exported(worker) -> dict:
+    return {k: v.clone() for k, v in iter_hf_tensors(worker.model, dst={0, 1, 3})}
+
+
+def same_bits(a: dict, b: dict, what: str, rank: int) -> None:
+    assert a.keys() == b.keys(), what
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"{what}: {bad}"
+    print(f"OK rank {rank} {what} bit for bit ({len(a)} tensors)", flush=True)
+
+
+def check_checkpoints(ps, cp2, dims, hf, seqs, exp, out_dir: str) -> None:
+    kwargs = dict(mini_batch_size=N // 2, epochs=1, loss_mode="vanilla", loss_knobs=VANILLA, loss_agg_mode="token-mean",
+                  entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", seed=3)
+    a = policy(cp2, dims, hf, "float32", train=True, dist_opt=True)
+    b = policy(ps, dims, hf, "float32", train=True, dist_opt=True)
+    if ps.rank in (0, 1, 3):
+        same_bits(exported(a), exported(b), "export at cp=2 = cp=1 (HF weights)", ps.rank)
+    else:
+        exported(a), exported(b)
+    a.update(exp, **kwargs)
+    save_trainable(a.trainable, f"{out_dir}/cp2", TINY_CONFIGS["llama"])
+    load_trainable(b.trainable, f"{out_dir}/cp2")
+    got, want = exported(b), exported(a)
+    if ps.rank in (0, 1, 3):
+        same_bits(got, want, "cp=2 checkpoint loaded at cp=1", ps.rank)
+    metrics = {"cp1": b.update(exp, **kwargs), "cp2": a.update(exp, **kwargs)}
+    if ps.rank == 0:
+        compare("resumed at cp=1", {"next update": metrics["cp1"]}, {"next update": metrics["cp2"]}, TOL)
+    save_trainable(b.trainable, f"{out_dir}/cp1", TINY_CONFIGS["llama"])
+    c = policy(cp2, dims, hf, "float32", train=True, dist_opt=True)
+    load_trainable(c.trainable, f"{out_dir}/cp1")
+    got, want = exported(c), exported(b)
+    if ps.rank in (0, 1, 3):
+        same_bits(got, want, "cp=1 checkpoint loaded at cp=2", ps.rank)
+    metrics = {"cp2": c.update(exp, **kwargs), "cp1": b.update(exp, **kwargs)}
+    if ps.rank == 0:
+        compare("resumed at cp=2", {"next update": metrics["cp2"]}, {"next update": metrics["cp1"]}, TOL)
+
+
 def main():
     calls = []  # the CP layouts' passes did split their micro-batches
     forward._split_over_context = counted(forward._split_over_context, calls)
@@ -137,6 +185,11 @@ def main():
     dims = dims_from_hf(cfg)
     hf = build_hf_model(cfg, seed=5)
     seqs = make_seqs(dims.vocab_size)
+    checkpoint = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--checkpoint=")]
+    if checkpoint:
+        lp = policy(ps, dims, hf, "float32").log_probs(seqs)
+        exp = dist_broadcast(experience(seqs, torch.zeros(N, R) if lp is None else lp))
+        check_checkpoints(ps, add_layout(ps, 1, 1, cp=2), dims, hf, seqs, exp, checkpoint[0])
     for dtype in dtypes:
         tol = TOL if dtype == "float32" else BF16_TOL
         with_lora = dtype == "float32" and "dp2cp2" in layouts
@@ -148,7 +201,7 @@ def main():
             got = run_layout(lps, dims, hf, dtype, seqs, exp, with_lora=with_lora and name == "dp2cp2")
             if ps.rank == 0:
                 compare(f"{name} {dtype}", got, {k: v for k, v in want.items() if k in got}, tol)
-    assert calls and set(calls) == {LAYOUTS[name][3] for name in args}, calls
+    assert calls and set(calls) == {LAYOUTS[name][3] for name in args} | ({2} if checkpoint else set()), calls
     dist.barrier()
     if ps.rank == 0:
         print(f"ALL OK {' '.join(args)}", flush=True)
