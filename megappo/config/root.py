@@ -240,10 +240,10 @@ class Config(_Section):
         return self.data.train_batch_size // section.ppo_mini_batch_size * section.ppo_epochs
 
     def dp_size(self, world_size: int, role: str = "actor") -> int:
-        """A role's data-parallel replicas: world_size / (its tp * pp), after `validate_world`."""
+        """A role's data-parallel replicas: world_size / (its tp * pp * cp), after `validate_world`."""
         self.validate_world(world_size)
         tp, pp, _ = self.layout(role)
-        return world_size // (tp * pp)
+        return world_size // (tp * pp * self.context_parallel(role))
 
 
     def validate_world(self, world_size: int) -> None:

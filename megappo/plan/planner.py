@@ -570,16 +570,19 @@ def _micro_batch_shape(cfg: Config, role: str) -> tuple[float, int]:
 def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, rank: int) -> RoleMemory:
     p, m = cfg.parallel, cfg.model
     tp, pp, vpp = cfg.layout(role)
-    dp = world_size // (tp * pp)
+    cp = cfg.context_parallel(role)
+    dp = world_size // (tp * pp * cp)
     db = DTYPE_BYTES[m.dtype]
     # packed passes attend per sequence without [s, s] scores (TE, or SDPA in the local spec)
     fused = fused_attention(cfg) or cfg.packs(role)
     micro, seq = _micro_batch_shape(cfg, role)
-    shard = dp if p.use_distributed_optimizer else 1
+    shard = dp * cp if p.use_distributed_optimizer else 1  # Megatron shards over data parallel x context parallel
     value = role in ("critic", "reward")
     n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by,
                      ep=cfg.expert_parallel(role))
-    per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
+    # context parallelism: a rank's layers hold 1/cp of each micro-batch's tokens (not modelled: the K/V of
+    # the whole micro-batch that attention gathers, 2 x seq x kv heads x head dim per layer)
+    per_layer = dict(seq=seq / cp, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
     logits = 0.0 if value or stage in ("first", "middle") else logits_bytes(
         d, seq=seq, micro=micro, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by,
         chunk_tokens=m.lm_head_chunk_tokens, training=role == "actor")
@@ -712,7 +715,7 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
             Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute").check(
                 dims[role], pp=rpp, vpp=rvpp, cpu=hw.device == "cpu")
     actor = dims["actor"]
-    dp = world_size // (p.tp * p.pp)
+    dp = world_size // (p.tp * p.pp * p.cp)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     engine_args = None
     if cfg.rollout.engine == "sglang":

@@ -615,7 +615,7 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
         branch = resume["branch"]["from"] if resume["branch"] else None
         since = f", the branch from {branch}" if branch and branch != os.path.realpath(resume["path"]) else ""
         print(f"megappo: resumed from {resume['path']} (step {start_step}{since})", flush=True)
-    print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(prompts.train)}"
+    print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp}{f' cp={ps.cp}' if ps.cp > 1 else ''} dp={ps.dp} | prompts={len(prompts.train)}"
           f"{_long_prompts_note(prompts.stats, cfg.data.max_prompt_length)} | steps={prompts.total_steps} | "
           f"critic={'on' if roles.critic else 'off'} ref={_ref_note(cfg) if roles.ref else 'off'}"
           f"{_lora_note(cfg)} | "
@@ -624,8 +624,10 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
           f"{_replicas_note(cfg, ps.world_size)}", flush=True)
     if any(state is not ps for state in layouts.values()):
         print("megappo: per-role layouts: " + ", ".join(
-            f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
-            for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)]), flush=True)
+            f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''}{f' cp={cp}' if cp > 1 else ''} "
+            f"dp={ps.world_size // (tp * pp * cp)}"
+            for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)] for cp in [cfg.context_parallel(role)]),
+            flush=True)
     return logger, progress
 
 
