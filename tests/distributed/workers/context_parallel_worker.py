@@ -13,7 +13,8 @@ rank 0:
   3. two PPO updates of the actor (two mini-batches; entropy bonus, KL loss; the distributed
      optimizer at dp2cp2) and of the critic: every loss metric and the gradient norm, then the
      log-probs / values after the updates (the weights the steps made);
-  4. at dp2cp2 also a LoRA actor with full recomputation, against the same at CP=1.
+  4. at dp2cp2 also a LoRA actor with full recomputation, and a Qwen2 actor (tied embeddings) with the
+     chunked LM head, against the same at CP=1.
 With --checkpoint=DIR (first, float32, distributed optimizer): weight sync and checkpoints across CP.
   5. the HF tensors the bridge streams (iter_hf_tensors to receivers {0, 1, 3}: at dp2cp2 rank 1 is
      cp rank 1 of replica 0) equal at CP=2 and CP=1 bit for bit, before and after an update at CP=2;
@@ -104,6 +105,10 @@ def run_layout(ps, dims, hf, dtype, seqs, exp, *, with_lora: bool) -> dict:
     out["critic after update"] = (critic.values(seqs),)
     out["scores"] = (value_model(ps, dims, hf, dtype, "reward").scores(seqs),)
     if with_lora:
+        qwen2 = TINY_CONFIGS["qwen2"]  # tied embeddings: the chunked head's weight is the embedding's
+        tied = policy(ps, dims_from_hf(qwen2), build_hf_model(qwen2, seed=5), dtype, chunk=5, train=True)
+        out["tied chunked head update"] = tied.update(exp, **kwargs)
+        out["tied chunked head after update"] = (tied.log_probs(seqs),)
         lora = policy(ps, dims, hf, dtype, train=True, lora=LoRA(rank=4, alpha=8.0, modules_to_save=("lm_head",)),
                       recompute=Recompute(granularity="full", method="uniform", num_layers=1))
         out["lora recompute update"] = lora.update(exp, **kwargs)
