@@ -498,6 +498,7 @@ class Plan:
     #: runs during them), or rollout.hf_decode is graphs (auto: for a supported model), whose cache stays
     gen_overlaps: bool = False
     ep: int = 1  # the actor's expert-parallel size (MoE)
+    cp: int = 1  # the shared context-parallel size (parallel.cp)
     rank: int = 0  # the global rank of the GPU planned (the first of its kind on its pipeline stage)
     placement: Optional[Placement] = None  # the rollout engines' ranks
     #: bytes: an update staged whole on this rank until its replica applies it (device=cpu, a leader but rank 0)
@@ -727,7 +728,7 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
     per_node = world_size // hw.nodes if world_size % hw.nodes == 0 else world_size
     placement = engine_placement(cfg, world_size, per_node)
     common = dict(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
-                  ep=cfg.expert_parallel("actor"),
+                  ep=cfg.expert_parallel("actor"), cp=p.cp,
                   padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by), dp=dp, seq=seq,
                   dtype=m.dtype, sequence_parallel=p.sequence_parallel,
                   distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
@@ -879,7 +880,7 @@ def format_plan(plan: Plan) -> str:
         f"at tp={plan.tp})",
         f"  from {plan.model}",
         f"layout: world {plan.world_size} = tp {plan.tp} x pp {plan.pp}" + (f" (vpp {plan.vpp})" if plan.vpp else "")
-        + f" x dp {plan.dp}" + (f" (experts: ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
+        + (f" x cp {plan.cp}" if plan.cp > 1 else "") + f" x dp {plan.dp}" + (f" (experts: ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
         f"{on(plan.distributed_optimizer)}; attention {'fused (TE)' if plan.fused_attention else 'unfused (local)'}",
         f"sequence length {plan.seq} (data.max_prompt_length + rollout.max_new_tokens)",
         *_rollout_lines(plan, g),
