@@ -186,21 +186,21 @@ def _sdpa_by_length(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def causal_attention_at(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_bounds: list[int],
-                        k_bounds: list[int], q_positions: torch.Tensor, *, scale: float | None,
+                        k_bounds: list[int], q_positions: torch.Tensor, k_seen: list[int], *, scale: float | None,
                         dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of queries at given positions of their sequences against the sequences' whole
     keys: q [tq, hq, d] in sequences `q_bounds` [n+1], k/v [tk, hkv, d] in sequences `k_bounds` [n+1],
-    `q_positions` [tq] each query's position in its sequence (it sees the keys at positions <= its own).
-    -> [tq, hq, d]. One SDPA call per sequence, with the keys up to the latest query's position."""
+    `q_positions` [tq] each query's position in its sequence (it sees the keys at positions <= its own),
+    `k_seen` [n] how many of its sequence's first keys a sequence's queries reach (the latest query's
+    position + 1; given by the caller, so the device is not read). -> [tq, hq, d]. One SDPA call per
+    sequence, with those keys."""
     gqa = query.shape[1] != key.shape[1]
     batched = query.device.type == "cuda"
     outputs = []
     for i, (qs, qe) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
         if qe == qs:
             continue
-        pos = q_positions[qs:qe]
-        seen = int(pos.max()) + 1
-        ks = k_bounds[i]
+        pos, seen, ks = q_positions[qs:qe], k_seen[i], k_bounds[i]
         q = query[qs:qe].transpose(0, 1)
         k, v = (x[ks:ks + seen].transpose(0, 1) for x in (key, value))  # [h, len, d]
         mask = pos[:, None] >= torch.arange(seen, device=pos.device)[None]  # [q, k] True: attend

@@ -71,4 +71,4 @@ class PackedDotProductAttention(DotProductAttention):
         k_all, v_all = context.gather_keys_values(key, value, bounds, group)
         positions = context.local_positions(cu.to(query.device), cp, rank, query.shape[0])
         return causal_attention_at(query, k_all, v_all, context.local_bounds(bounds, cp), bounds, positions,
-                                   scale=self.softmax_scale, dropout=dropout)
+                                   context.keys_seen(bounds, cp, rank), scale=self.softmax_scale, dropout=dropout)

@@ -257,6 +257,12 @@ def gather_keys_values(key: torch.Tensor, value: torch.Tensor, bounds: Sequence[
     return both[:, 0], both[:, 1]
 
 
+def keys_seen(bounds: Sequence[int], cp: int, rank: int) -> list[int]:
+    """[n] how many of each sequence's first keys `rank`'s queries reach: up to the end of its later chunk,
+    2cp-1-rank (of the padded global `bounds`)."""
+    return [(2 * cp - rank) * ((stop - start) // (2 * cp)) for start, stop in zip(bounds[:-1], bounds[1:])]
+
+
 def local_bounds(bounds: Sequence[int], cp: int) -> list[int]:
     """Padded global bounds -> this rank's [n+1] bounds of its own tokens (each sequence's 2 chunks)."""
     out = [0]

@@ -123,5 +123,8 @@ def test_a_ranks_chunks_attend_like_their_rows_of_whole_sequence_attention(cp):
         tokens = torch.tensor(context.rank_tokens(padded, cp, rank))
         cu = torch.tensor(padded, dtype=torch.int32)
         positions = context.local_positions(cu, cp, rank, len(tokens))
-        out = causal_attention_at(q[tokens], k, v, context.local_bounds(padded, cp), padded, positions, scale=0.3)
+        seen = context.keys_seen(padded, cp, rank)
+        assert seen == [max(t - a for t in tokens.tolist() if a <= t < b) + 1 for a, b in zip(padded[:-1], padded[1:])]
+        out = causal_attention_at(q[tokens], k, v, context.local_bounds(padded, cp), padded, positions, seen,
+                                  scale=0.3)
         torch.testing.assert_close(out, whole[tokens], rtol=1e-12, atol=1e-12)
