@@ -185,11 +185,12 @@ def _split_over_context(model: MegatronModel, micro_batches: list[dict]) -> tupl
     assert not any("routes" in mb for mb in micro_batches), "MoE routing records with context parallelism"
     bounds = [mb["cu_seqlens"].tolist() for mb in micro_batches]
     length = context.pass_length(bounds, ps.cp, ps.tp if model.config.sequence_parallel else 1)
-    split = [{**mb, "context": context.split(b, mb["select"][0], ps.cp, length)} for mb, b in zip(micro_batches, bounds)]
-    return split, length
+    return [{**mb, "context": context.split(b, mb["select"][0], ps.cp, length)}
+            for mb, b in zip(micro_batches, bounds)], length
 
 
-def _context_inputs(model: MegatronModel, mb: dict, split: context.ContextSplit) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def _context_inputs(model: MegatronModel, mb: dict, split: context.ContextSplit
+                    ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """(this CP rank's [1, Lp/cp] tokens, their model inputs, [2, Kmax] their selected positions)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -44,10 +44,10 @@ def thd_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rot
         return megatron_thd()(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
     if cp_group.size() > 1:
-        within = local_positions(cu_seqlens, cp_group.size(), cp_group.rank(), t.shape[0])
+        cp = cp_group.size()
+        within = local_positions(cu_seqlens, cp, cp_group.rank(), t.shape[0])
         # Megatron's "exact mapping" (a table of cu_seqlens[-1] rows) offsets each sequence by its start
-        rows = freqs[torch.where(cu_seqlens[-1] == freqs.shape[0], within + _starts(cu_seqlens, within, cp_group.size()),
-                                 within)]
+        rows = freqs[torch.where(cu_seqlens[-1] == freqs.shape[0], within + _starts(cu_seqlens, within, cp), within)]
     else:
         rows = freqs[packed_positions(cu_seqlens, t.shape[0], freqs.shape[0])]
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows, rotary_interleaved=rotary_interleaved,

@@ -19,26 +19,29 @@ the group, from cu_seqlens and the selected positions alone): each rank's tokens
 cu_seqlens (global, as Megatron's THD format with CP has them: the model's tokens are 1/cp of
 cu_seqlens[-1]), and where each selected output ends up.
 
-Attention: all-gather of K/V (not a ring). Each rank gathers the whole micro-batch's keys and values
-once per layer ([L, hkv, d] each, its own 1/cp included; `gather_keys_values`), puts them in sequence
-order, and megappo.models.packed_attention runs its local queries against them, each sequence with a
-causal mask on the queries' own positions (megappo.models.attention_dispatch.causal_attention_at). Why: one collective per layer and no
-online-softmax merging of partial results, so the same kernel call shape as CP=1 and exact against
-it; the K/V a rank holds is what it would hold at CP=1 (GQA keeps it small next to the queries and
-activations, which are split cp ways). Cost per layer: memory 2 x L x hkv x d (the full K/V, kept
-for the backward), traffic (cp-1)/cp of that in the forward and the same again in the backward
-(the gradients of K/V summed back to their owners). A ring (Megatron-TE's p2p) overlaps the
-exchange with compute and holds 2/cp of K/V, at the price of cp steps of partial softmax; it is
-what to add when K/V of a whole micro-batch no longer fits.
+Attention: all-gather of K/V (not a ring). Each rank gathers the whole micro-batch's keys and
+values once per layer ([Lp, hkv, d] each, its own 1/cp included; `gather_keys_values`), puts them in
+sequence order, and megappo.models.packed_attention runs its local queries against them, each
+sequence with a causal mask on the queries' own positions
+(megappo.models.attention_dispatch.causal_attention_at). Why: one collective per layer, and each
+query's softmax is taken over all its keys at once, as at CP=1 (no merging of partial softmaxes), so
+the results agree with CP=1 to float rounding; the K/V a rank holds is what it holds at CP=1 (GQA
+keeps it small next to the queries and activations, which are split cp ways). Cost per layer:
+memory 2 x Lp x hkv x d (the whole K/V, kept for the backward); traffic (cp-1)/cp of that in the
+forward and the same again in the backward (the K/V gradients summed back to their owners: a
+reduce-scatter on NCCL, an all-reduce on gloo, which has no reduce-scatter). A ring (Megatron-TE's
+p2p) overlaps the exchange with compute and holds 2/cp of K/V, at the price of cp steps of partial
+softmax; it is what to add when the K/V of a whole micro-batch no longer fits.
 
 Outputs: the LM head (or value head) runs on the rank's own selected positions; `gather_selected`
 all-gathers them over the group into the order of the whole micro-batch's selection, so every CP
-rank computes the same per-token log-probs, entropy, values, sum p^2 and loss as CP=1 would. Its
-backward gives each rank only the gradient of its own positions (every rank holds the same full
-gradient of the gathered tensor), so each rank's parameter gradients are its own tokens' part and
-Megatron's DDP sums them over data parallel x context parallel. A weight used on the gathered
-outputs (the chunked LM head's) takes `shared_use`: its gradient divided by cp, so the cp equal
-copies sum to one.
+rank computes the same per-token log-probs, entropy, values, sum p^2 and loss as CP=1 would (so no
+loss or token count needs reducing over CP; the gathered [K, V/tp] logits are on every rank, as at
+CP=1). Its backward gives each rank only the gradient of its own positions (every rank holds the
+same full gradient of the gathered tensor), so each rank's parameter gradients are its own tokens'
+part and Megatron's DDP sums them over data parallel x context parallel. A weight used on the
+gathered outputs (the chunked LM head's) takes `shared_use`: its gradient divided by cp, so the cp
+equal copies sum to one.
 
 Shape legend: L packed length (one micro-batch), Lp its padded length, cp ranks of the group, n
 sequences (segments of cu_seqlens, the pack's padding tail included), K selected positions, Kmax

@@ -142,6 +142,7 @@ def test_a_mixture_of_experts_model_with_context_parallelism_is_refused_before_a
 
     cfg = config_from_dict({"model": {"hf_config": TINY_CONFIGS["qwen3_moe"]}, "critic": {"parallel": {"cp": 2}}})
     with pytest.raises(ModelConfigError, match=r"mixture-of-experts model, and critic.parallel.cp=2: context "
-                                               r"parallelism with MoE is not supported yet .*Fix: set critic.parallel.cp=1"):
+                                               r"parallelism with MoE is not supported yet .*Fix: set "
+                                               r"critic.parallel.cp=1"):
         check_models(cfg)
     check_models(config_from_dict({"model": {"hf_config": TINY_CONFIGS["llama"]}, "parallel": {"cp": 2}}))

@@ -21,7 +21,8 @@ With --checkpoint=DIR (first, float32, distributed optimizer): weight sync and c
   6. an actor trained at CP=2 and saved (save_trainable) loads at CP=1 with the same weights bit for
      bit, takes an update there (within TOL of the CP=2 actor's own next update), is saved, and loads
      back at CP=2 bit for bit.
-float32 within TOL; bfloat16 (the layouts --bf16 names, against CP=1 in bfloat16) within BF16_TOL (values: absolute; metrics: relative to
+float32 within TOL; bfloat16 (the layouts --bf16 names, against CP=1 in bfloat16) within BF16_TOL, the passes
+after an update within BF16_AFTER_UPDATE_TOL (values: absolute; metrics: relative to
 max(1, |value|)). Prints "OK <layout> <dtype> <what> <worst difference>" lines.
 """
 
@@ -36,6 +37,7 @@ from megappo.models.checkpoint import load_trainable, save_trainable
 from megappo.models.hf_config import dims_from_hf
 from megappo.models.hf_reference import TINY_CONFIGS, build_hf_model
 from megappo.models.lora import NO_LORA, LoRA
+from megappo.models.precision import COMPARE_TOL
 from megappo.models.recompute import NO_RECOMPUTE, Recompute
 from megappo.models.training import OptimSettings, make_trainable
 from megappo.models.weights import iter_hf_tensors, load_hf_weights
@@ -45,7 +47,9 @@ from megappo.trainer.roles import Experience, PolicyWorker, ValueWorker
 from tests.distributed.workers.packing_worker import N, R, TEMP, VANILLA, make_seqs
 
 TOL = 1e-5
-BF16_TOL = 2e-2  # megappo.models.precision.COMPARE_TOL's 1e-2 for a pass, doubled: also after an update of bf16 weights
+BF16_TOL = COMPARE_TOL["bfloat16"]  # a pass, and an update's metrics
+#: the passes after an update of bf16 weights: a weight that lands one bf16 step away moves the log-probs by more
+BF16_AFTER_UPDATE_TOL = 3 * COMPARE_TOL["bfloat16"]
 LAYOUTS = {"dp2cp2": (1, 1, None, 2), "tp2cp2": (2, 1, None, 2), "pp2cp2": (1, 2, None, 2),
            "vpp2cp2": (1, 2, 2, 2), "cp4": (1, 1, None, 4)}
 
@@ -127,8 +131,9 @@ def compare(name: str, got: dict, want: dict, tol: float) -> None:
                 assert diff <= tol, f"{name} {what} {key}: {got[what][key]} vs CP=1 {value}"
                 worst = max(worst, diff)
         else:
+            allowed = BF16_AFTER_UPDATE_TOL if tol == BF16_TOL and what.endswith("after update") else tol
             worst = max((g - r).abs().max().item() for g, r in zip(got[what], ref))
-            assert worst <= tol, f"{name} {what}: {worst} > {tol}"
+            assert worst <= allowed, f"{name} {what}: {worst} > {allowed}"
         print(f"OK {name} {what} {worst:.1e}", flush=True)
 
 
