@@ -7,7 +7,7 @@ from tests.distributed._launch import run_torchrun
 
 LAYOUTS = ("dp2cp2", "tp2cp2", "pp2cp2", "vpp2cp2", "cp4")
 BF16 = ("dp2cp2", "tp2cp2")
-CHECKS = ("token stats", "chunked head token stats", "actor update", "actor after update", "chunked head update",
+CHECKS = ("token stats", "chunked head token stats", "IS weight batch mean", "actor update", "actor after update", "chunked head update",
           "chunked head after update", "values", "critic update", "critic after update", "scores")
 
 

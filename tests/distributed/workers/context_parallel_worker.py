@@ -9,7 +9,8 @@ shorter than 2 x cp, odd and even lengths; micro-batches of at most 20 tokens) a
 rank 0:
   1. the actor's token_stats: log-probs, entropy, sum of p^2 (temperature 0.7), of the whole batch
      and of a batch of one sequence; the chunked LM head's (lm_head_chunk_tokens=5) too;
-  2. a critic's values and a reward model's scores;
+  2. bypass mode's IS-weight batch mean (an all-reduce over every rank); a critic's values and a reward
+     model's scores;
   3. two PPO updates of the actor (two mini-batches; entropy bonus, KL loss; the distributed
      optimizer at dp2cp2) and of the critic: every loss metric and the gradient norm, then the
      log-probs / values after the updates (the weights the steps made);
@@ -95,6 +96,9 @@ def run_layout(ps, dims, hf, dtype, seqs, exp, *, with_lora: bool) -> dict:
     chunked = policy(ps, dims, hf, dtype, chunk=5, train=True, dist_opt=dist_opt)
     cstats = chunked.token_stats(seqs, entropy=True, sum_pi_squared=True)
     out["chunked head token stats"] = (cstats.log_probs, cstats.entropy, cstats.sum_pi_squared)
+    # bypass mode's IS-weight batch mean: one all-reduce of every replica's part (once per TP x CP group)
+    mean = actor._is_batch_mean(exp, torch.arange(N), {"rollout_is": "token", "rollout_is_threshold": 2.0})
+    out["IS weight batch mean"] = (torch.tensor([mean], dtype=torch.float64),)
     kwargs = dict(mini_batch_size=N // 2, epochs=1, loss_mode="vanilla", loss_knobs=VANILLA,
                   loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                   kl_loss_type="low_var_kl", seed=3)
