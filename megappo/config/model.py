@@ -268,9 +268,11 @@ def check_world(cfg: "Config", world_size: int) -> None:
     for role in cfg.model_roles:
         rtp, rpp, _ = cfg.layout(role)
         rcp = cfg.context_parallel(role)
+        names, sizes, keys = ("tp*pp*cp", f"{rtp}*{rpp}*{rcp}", "tp/pp/cp") if rcp > 1 else ("tp*pp", f"{rtp}*{rpp}",
+                                                                                        "tp/pp")
         _require(world_size % (rtp * rpp * rcp) == 0,
-                 f"world size {world_size} is not a multiple of {role}'s tp*pp*cp = {rtp}*{rpp}*{rcp}. Fix: change "
-                 f"{role}.parallel.tp/pp/cp (or parallel.tp/pp/cp) so that their product divides {world_size}.")
+                 f"world size {world_size} is not a multiple of {role}'s {names} = {sizes}. Fix: change "
+                 f"{role}.parallel.{keys} (or parallel.{keys}) so that their product divides {world_size}.")
         ep = cfg.expert_parallel(role)
         _require((world_size // (rtp * rpp)) % ep == 0,
                  f"{role}: expert parallelism ep={ep} must divide its data-parallel size world/(tp*pp) = "

@@ -132,10 +132,12 @@ def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None, ep: 
         raise ParallelConfigError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must all be >= 1. "
                                   "Fix: e.g. parallel.tp=1.")
     if world_size % (tp * pp * cp) != 0:
+        names, sizes = ("tp*pp*cp", f"{tp}*{pp}*{cp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+        keys = "parallel.tp/parallel.pp" + ("/parallel.cp" if cp > 1 else "")
         raise ParallelConfigError(
-            f"world size {world_size} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}. "
+            f"world size {world_size} is not a multiple of {names} = {sizes} = {tp * pp * cp}. "
             f"Fix: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node), "
-            f"or choose parallel.tp/parallel.pp/parallel.cp whose product divides {world_size}."
+            f"or choose {keys} whose product divides {world_size}."
         )
     if cp > 1 and ep > 1:
         raise ParallelConfigError(f"parallel.cp={cp} with parallel.ep={ep}: context parallelism with expert "
