@@ -34,9 +34,9 @@ from megappo.config.trainer import (CheckpointConfig, HardwareConfig, LoggingCon
 
 #: the rules across sections, in the order they run (the first that fails is the error)
 RULES = (check_variants, check_restarts, check_estimator_needs, check_routing_replay, check_reference_of_lora_actor,
-         check_model_roles, check_context_parallel, check_gdpo_components, check_filter_groups, check_overlong_buffer, check_critic_warmup,
-         check_rollout_correction, check_rollout_mode, check_partial_rollouts, check_lora_sync, check_lora_dropout,
-         check_mini_batches)
+         check_model_roles, check_context_parallel, check_gdpo_components, check_filter_groups, check_overlong_buffer,
+         check_critic_warmup, check_rollout_correction, check_rollout_mode, check_partial_rollouts, check_lora_sync,
+         check_lora_dropout, check_mini_batches)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -698,9 +698,10 @@ REFUSED_PATTERNS: dict[str, str] = {
        for key in ("moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")},
     "*.megatron.override_transformer_config.context_parallel_size": "give the role's megatron.context_parallel_size "
                                                                     "instead (megappo reads it as <role>.parallel.cp)",
-    **{f"*.megatron.override_transformer_config.{key}": "megappo's context parallelism has one algorithm: Megatron's "
-                                                        "2 x cp load-balanced chunks with K/V all-gathered in attention "
-                                                        "(docs/parallelism.md#context-parallelism); remove it"
+    **{f"*.megatron.override_transformer_config.{key}": "megappo's context parallelism has one algorithm: "
+                                                        "Megatron's 2 x cp load-balanced chunks with K/V all-gathered "
+                                                        "in attention (docs/parallelism.md#context-parallelism); "
+                                                        "remove it"
        for key in ("context_parallel_algo", "cp_partition_mode", "max_seqlen_per_dp_cp_rank")},
 }
 

@@ -207,9 +207,9 @@ def _context_parallel_spec(dims: ModelDims, cp: int, layer_spec: str) -> str:
     """The layer spec under context parallelism: the local one, whose core attention
     (megappo.models.packed_attention) exchanges K/V over the CP group; what CP does not cover yet is refused."""
     if layer_spec == "te":
-        raise ModelConfigError(f"parallel.cp={cp} runs in megappo's own packed attention, which the local layer spec "
-                               "uses; Transformer Engine's spec is not wired for it yet. Fix: set model.layer_spec=local "
-                               "(or auto), or parallel.cp=1.")
+        raise ModelConfigError(f"parallel.cp={cp} runs in megappo's own packed attention, which the local layer "
+                               "spec uses; Transformer Engine's spec is not wired for it yet. Fix: set "
+                               "model.layer_spec=local (or auto), or parallel.cp=1.")
     if dims.is_moe:
         raise ModelConfigError(f"parallel.cp={cp} with a mixture-of-experts model is not supported yet (routing "
                                "records and the router's auxiliary loss are not split over the CP group). Fix: set "
