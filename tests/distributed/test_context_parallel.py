@@ -23,8 +23,8 @@ def test_context_parallel_equals_cp1_and_checkpoints_cross_cp(tmp_path):
     for layout in BF16:
         for check in CHECKS:
             assert f"OK {layout} bfloat16 {check} " in out, (layout, check)
-    for check in ("lora recompute update", "lora recompute after update", "tied chunked head update",
-                  "tied chunked head after update"):
+    for check in ("lora recompute update", "lora recompute after update", "selective recompute update",
+                  "selective recompute after update", "tied chunked head update", "tied chunked head after update"):
         assert f"OK dp2cp2 float32 {check} " in out, check
     for rank in (0, 1, 3):
         for check in ("export at cp=2 = cp=1 (HF weights)", "cp=2 checkpoint loaded at cp=1",

@@ -14,8 +14,8 @@ rank 0:
   3. two PPO updates of the actor (two mini-batches; entropy bonus, KL loss; the distributed
      optimizer at dp2cp2) and of the critic: every loss metric and the gradient norm, then the
      log-probs / values after the updates (the weights the steps made);
-  4. at dp2cp2 also a LoRA actor with full recomputation, and a Qwen2 actor (tied embeddings) with the
-     chunked LM head, against the same at CP=1.
+  4. at dp2cp2 also a LoRA actor with full recomputation, an actor with selective recomputation of core
+     attention, and a Qwen2 actor (tied embeddings) with the chunked LM head, against the same at CP=1.
 With --checkpoint=DIR (first, float32, distributed optimizer): weight sync and checkpoints across CP.
   5. the HF tensors the bridge streams (iter_hf_tensors to receivers {0, 1, 3}: at dp2cp2 rank 1 is
      cp rank 1 of replica 0) equal at CP=2 and CP=1 bit for bit, before and after an update at CP=2;
@@ -121,6 +121,11 @@ def run_layout(ps, dims, hf, dtype, seqs, exp, *, with_lora: bool) -> dict:
                       recompute=Recompute(granularity="full", method="uniform", num_layers=1))
         out["lora recompute update"] = lora.update(exp, **kwargs)
         out["lora recompute after update"] = (lora.log_probs(seqs),)
+        # selective recomputation of core attention: the K/V all-gather runs again inside the recomputed part
+        selective = policy(ps, dims, hf, dtype, train=True, recompute=Recompute(granularity="selective",
+                                                                             modules=("core_attn",)))
+        out["selective recompute update"] = selective.update(exp, **kwargs)
+        out["selective recompute after update"] = (selective.log_probs(seqs),)
     return out
 
 
