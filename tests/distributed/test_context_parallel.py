@@ -30,4 +30,7 @@ def test_context_parallel_equals_cp1_and_checkpoints_cross_cp(tmp_path):
         for check in ("export at cp=2 = cp=1 (HF weights)", "cp=2 checkpoint loaded at cp=1",
                       "cp=1 checkpoint loaded at cp=2"):
             assert f"OK rank {rank} {check} bit for bit" in out, (rank, check)
+    for rank in range(4):
+        for check in ("cp=2 optimizer state loaded at cp=1", "cp=1 optimizer state loaded at cp=2"):
+            assert f"OK rank {rank} {check} bit for bit" in out, (rank, check)
     assert "OK resumed at cp=1 next update" in out and "OK resumed at cp=2 next update" in out

@@ -19,8 +19,8 @@ rank 0:
 With --checkpoint=DIR (first, float32, distributed optimizer): weight sync and checkpoints across CP.
   5. the HF tensors the bridge streams (iter_hf_tensors to receivers {0, 1, 3}: at dp2cp2 rank 1 is
      cp rank 1 of replica 0) equal at CP=2 and CP=1 bit for bit, before and after an update at CP=2;
-  6. an actor trained at CP=2 and saved (save_trainable) loads at CP=1 with the same weights bit for
-     bit, takes an update there (within TOL of the CP=2 actor's own next update), is saved, and loads
+  6. an actor trained at CP=2 and saved (save_trainable) loads at CP=1 with the same weights, and every
+     rank the same optimizer shard (fp32 main weights, Adam moments), bit for bit, takes an update there (within TOL of the CP=2 actor's own next update), is saved, and loads
      back at CP=2 bit for bit.
 float32 within TOL; bfloat16 (the layouts --bf16 names, against CP=1 in bfloat16) within BF16_TOL, the passes
 after an update within BF16_AFTER_UPDATE_TOL (values: absolute; metrics: relative to
@@ -157,6 +157,20 @@ def exported(worker) -> dict:
     return {k: v.clone() for k, v in iter_hf_tensors(worker.model, dst={0, 1, 3})}
 
 
+def adam_state(worker) -> dict:
+    """This rank's shard of the distributed optimizer: fp32 main weights, Adam moments (the same shards at
+    cp=2 x dp=2 as at dp=4: Megatron shards over data parallel x context parallel)."""
+    out = {}
+    for i, opt in enumerate(getattr(worker.trainable.optimizer, "chained_optimizers", [worker.trainable.optimizer])):
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                out[f"{i}.{g}.{j}.main"] = p.detach().clone()
+                for k, v in opt.optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(v) and v.numel() > 1:
+                        out[f"{i}.{g}.{j}.{k}"] = v.clone()
+    return out
+
+
 def same_bits(a: dict, b: dict, what: str, rank: int) -> None:
     assert a.keys() == b.keys(), what
     bad = [k for k in a if not torch.equal(a[k], b[k])]
@@ -179,6 +193,7 @@ def check_checkpoints(ps, cp2, dims, hf, seqs, exp, out_dir: str) -> None:
     got, want = exported(b), exported(a)
     if ps.rank in (0, 1, 3):
         same_bits(got, want, "cp=2 checkpoint loaded at cp=1", ps.rank)
+    same_bits(adam_state(b), adam_state(a), "cp=2 optimizer state loaded at cp=1", ps.rank)
     metrics = {"cp1": b.update(exp, **kwargs), "cp2": a.update(exp, **kwargs)}
     if ps.rank == 0:
         compare("resumed at cp=1", {"next update": metrics["cp1"]}, {"next update": metrics["cp2"]}, TOL)
@@ -188,6 +203,7 @@ def check_checkpoints(ps, cp2, dims, hf, seqs, exp, out_dir: str) -> None:
     got, want = exported(c), exported(b)
     if ps.rank in (0, 1, 3):
         same_bits(got, want, "cp=1 checkpoint loaded at cp=2", ps.rank)
+    same_bits(adam_state(c), adam_state(b), "cp=1 optimizer state loaded at cp=2", ps.rank)
     metrics = {"cp2": c.update(exp, **kwargs), "cp1": b.update(exp, **kwargs)}
     if ps.rank == 0:
         compare("resumed at cp=2", {"next update": metrics["cp2"]}, {"next update": metrics["cp1"]}, TOL)
