@@ -146,3 +146,9 @@ def test_a_mixture_of_experts_model_with_context_parallelism_is_refused_before_a
                                                r"critic.parallel.cp=1"):
         check_models(cfg)
     check_models(config_from_dict({"model": {"hf_config": TINY_CONFIGS["llama"]}, "parallel": {"cp": 2}}))
+
+
+def test_a_micro_batch_with_nothing_selected_splits_to_empty_selections():
+    split = context.split(BOUNDS, torch.zeros(0, dtype=torch.long), 2, context.pass_length([BOUNDS], 2))
+    assert split.select.shape == (2, 0) and split.order.shape == (0,)
+    assert split.local_select(1).shape == (2, 0)
