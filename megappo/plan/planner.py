@@ -581,8 +581,8 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
     value = role in ("critic", "reward")
     n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by,
                      ep=cfg.expert_parallel(role))
-    # context parallelism: a rank's layers hold 1/cp of each micro-batch's tokens (not modelled: the K/V of
-    # the whole micro-batch that attention gathers, 2 x seq x kv heads x head dim per layer)
+    # context parallelism: a rank's layers hold 1/cp of each micro-batch's tokens, and the whole micro-batch's
+    # K/V that attention gathers (megappo.parallel.context), kept for the backward of each layer it keeps
     per_layer = dict(seq=seq / cp, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
     logits = 0.0 if value or stage in ("first", "middle") else logits_bytes(
         d, seq=seq, micro=micro, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by,
@@ -595,11 +595,13 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         chunks = 1 if pp == 1 else chunks_in_flight(pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches)
         recompute = Recompute.of(section.recompute, f"{role}.recompute")
         chunk_layers = d.num_layers // (pp * (vpp or 1))
+        kv_layer = 0.0 if cp == 1 else 2 * micro * seq * d.num_query_groups / tp * d.head_dim * db  # one layer's
+        full = recompute.granularity == "full"  # full recomputation keeps one layer's gathered K/V, the one redone
         act = training_activation_bytes(d, layers=chunk_layers, chunks=chunks, recompute=recompute, micro=micro,
-                                        **per_layer) + logits
+                                        **per_layer) + logits + kv_layer * (1 if full else chunk_layers * chunks)
         saving = 0.0
-        if recompute.granularity != "full":
-            saving = act - logits - training_activation_bytes(
+        if not full:
+            saving = act - logits - kv_layer - training_activation_bytes(
                 d, layers=chunk_layers, chunks=chunks, recompute=Recompute("full"), micro=micro, **per_layer)
         # the distributed optimizer shards expert parameters over the expert-data-parallel ranks (dp / ep)
         ep = cfg.expert_parallel(role)
