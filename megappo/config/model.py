@@ -79,6 +79,10 @@ class ParallelConfig(_Section):
     ep: int = 1
     """Expert-parallel size (MoE): experts split over `ep` data-parallel ranks; divides `world / (tp * pp)` and
     `num_experts` ([parallelism.md](parallelism.md))."""
+    cp: int = 1
+    """Context-parallel size: each packed sequence split over `cp` ranks (causal load balancing, K/V all-gathered in
+    attention); the data-parallel size becomes `world / (tp*pp*cp)`. Needs packing and the local layer spec; not
+    with MoE ([parallelism.md](parallelism.md#context-parallelism)). verl's `*.megatron.context_parallel_size`."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """`nccl`, `gloo`, or `auto` (nccl with CUDA, gloo on CPU)."""
     timeout_minutes: float = 30.0
@@ -87,7 +91,7 @@ class ParallelConfig(_Section):
     """Shard optimizer state over data-parallel ranks."""
 
     def check(self) -> None:
-        _at_least(self, tp=1, pp=1, vpp=1, ep=1)
+        _at_least(self, tp=1, pp=1, vpp=1, ep=1, cp=1)
         _require(self.timeout_minutes > 0, f"{P}timeout_minutes={self.timeout_minutes} must be > 0. Fix: e.g. "
                                            f"{P}timeout_minutes=30 (a float: 0.5 is 30 seconds).")
         _require(self.vpp is None or self.pp > 1,
@@ -108,9 +112,11 @@ class RoleParallelConfig(_Section):
     """This role's virtual stages; `null`: `parallel.vpp` if its pp is `parallel.pp`, else none."""
     ep: Optional[int] = None
     """This role's expert-parallel size (MoE); `null`: `parallel.ep`."""
+    cp: Optional[int] = None
+    """This role's context-parallel size (packed sequences split over `cp` ranks); `null`: `parallel.cp`."""
 
     def check(self) -> None:
-        _at_least(self, tp=1, pp=1, vpp=1, ep=1)
+        _at_least(self, tp=1, pp=1, vpp=1, ep=1, cp=1)
 
 
 #: selective recomputation's modules (megappo.models.recompute uses these tables)
@@ -237,6 +243,22 @@ def check_lora_dropout(cfg: "Config") -> None:
                  f"{role}.recompute.granularity=none.")
 
 
+def check_context_parallel(cfg: "Config") -> None:
+    """A role with context parallelism (cp > 1) packs its passes, runs the local layer spec and no experts."""
+    for role in cfg.model_roles:
+        cp = cfg.context_parallel(role)
+        if cp == 1:
+            continue
+        key = f"{role}.parallel.cp" if cfg.context_parallel_own(role) else "parallel.cp"
+        _require(cfg.packs(role), f"{key}={cp} splits packed sequences, but {role}'s passes are padded "
+                 f"({role}.packing=false). Fix: set {role}.packing=true, or {key}=1.")
+        _require(cfg.model.layer_spec != "te", f"{key}={cp} runs in megappo's packed attention of the local layer "
+                 f"spec; model.layer_spec=te (Transformer Engine's attention) is not wired for it yet. Fix: set "
+                 f"model.layer_spec=local (or auto), or {key}=1.")
+        _require(cfg.expert_parallel(role) == 1, f"{key}={cp} with expert parallelism (ep="
+                 f"{cfg.expert_parallel(role)}) is not supported yet. Fix: set {key}=1 or parallel.ep=1.")
+
+
 def check_world(cfg: "Config", world_size: int) -> None:
     """Checks that need the number of ranks: layouts divide it, batches split over data-parallel replicas."""
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -245,9 +267,12 @@ def check_world(cfg: "Config", world_size: int) -> None:
              f"{tp}*{pp}. Fix: launch a multiple of {tp * pp} ranks or change parallel.tp/parallel.pp.")
     for role in cfg.model_roles:
         rtp, rpp, _ = cfg.layout(role)
-        _require(world_size % (rtp * rpp) == 0,
-                 f"world size {world_size} is not a multiple of {role}'s tp*pp = {rtp}*{rpp}. Fix: change "
-                 f"{role}.parallel.tp/pp (or parallel.tp/pp) so that their product divides {world_size}.")
+        rcp = cfg.context_parallel(role)
+        names, sizes, keys = ("tp*pp*cp", f"{rtp}*{rpp}*{rcp}", "tp/pp/cp") if rcp > 1 else ("tp*pp", f"{rtp}*{rpp}",
+                                                                                        "tp/pp")
+        _require(world_size % (rtp * rpp * rcp) == 0,
+                 f"world size {world_size} is not a multiple of {role}'s {names} = {sizes}. Fix: change "
+                 f"{role}.parallel.{keys} (or parallel.{keys}) so that their product divides {world_size}.")
         ep = cfg.expert_parallel(role)
         _require((world_size // (rtp * rpp)) % ep == 0,
                  f"{role}: expert parallelism ep={ep} must divide its data-parallel size world/(tp*pp) = "
@@ -261,7 +286,7 @@ def check_world(cfg: "Config", world_size: int) -> None:
     splits += [("reward", cfg.reward.micro_batch_size, "the batch", batch)] if cfg.reward.model_path else []
     for role, micro, what, seqs in splits:
         rtp, rpp, _ = cfg.layout(role)
-        dp = world_size // (rtp * rpp)
+        dp = world_size // (rtp * rpp * cfg.context_parallel(role))
         _require(cfg.packs(role) or seqs % (dp * micro) == 0,
                  f"{role}: {what} of {seqs} sequences does not split over dp={dp} replicas in micro-batches of "
                  f"{micro}. Fix: make {role}.micro_batch_size x {dp} divide {seqs} (or change the batch sizes or "

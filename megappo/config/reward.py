@@ -186,7 +186,7 @@ class RewardConfig(_Section):
     max_tokens_per_micro_batch: Optional[int] = None
     """As the actor's, with this role's `micro_batch_size`."""
     parallel: RoleParallelConfig = _default(RoleParallelConfig)
-    """This role's own `tp` / `pp` / `vpp` (see `reward.parallel` above)."""
+    """This role's own `tp` / `pp` / `vpp` / `ep` / `cp` (see `reward.parallel` above)."""
     overlong_buffer: OverlongBufferConfig = _default(OverlongBufferConfig)
     """DAPO's length penalty near `rollout.max_new_tokens`:"""
     sandbox: SandboxConfig = _default(SandboxConfig)

@@ -175,7 +175,7 @@ class ActorConfig(_Section):
     optim: OptimConfig = _default(OptimConfig)
     """Optimizer and LR schedule (`lr` 1e-6)."""
     parallel: RoleParallelConfig = _default(RoleParallelConfig)
-    """This role's own `tp` / `pp` / `vpp` (see `actor.parallel` above)."""
+    """This role's own `tp` / `pp` / `vpp` / `ep` / `cp` (see `actor.parallel` above)."""
 
     def check(self) -> None:
         _check_trained_role(self)
@@ -233,7 +233,7 @@ class CriticConfig(_Section):
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
     """As `actor.optim`."""
     parallel: RoleParallelConfig = _default(RoleParallelConfig)
-    """This role's own `tp` / `pp` / `vpp` (see `critic.parallel` above)."""
+    """This role's own `tp` / `pp` / `vpp` / `ep` / `cp` (see `critic.parallel` above)."""
 
     def check(self) -> None:
         _check_trained_role(self)
@@ -262,7 +262,7 @@ class RefConfig(_Section):
     max_tokens_per_micro_batch: Optional[int] = None
     """As `actor.max_tokens_per_micro_batch` (verl's `log_prob_max_token_len_per_gpu`); `null`: the actor's."""
     parallel: RoleParallelConfig = _default(RoleParallelConfig)
-    """This role's own `tp` / `pp` / `vpp` (see `ref.parallel` above)."""
+    """This role's own `tp` / `pp` / `vpp` / `ep` / `cp` (see `ref.parallel` above)."""
 
     def check(self) -> None:
         _at_least(self, micro_batch_size=1, max_tokens_per_micro_batch=1)
@@ -286,7 +286,8 @@ def check_routing_replay(cfg: "Config") -> None:
 def check_reference_of_lora_actor(cfg: "Config") -> None:
     """With actor.lora the reference is the actor's base: it has no layout or weights of its own."""
     # a verl LoRA script gives the reference the actor's layout (verl, too, runs it as the actor's base)
-    actor_layout = dict(zip(("tp", "pp", "vpp"), cfg.layout("actor")), ep=cfg.expert_parallel("actor"))
+    actor_layout = dict(zip(("tp", "pp", "vpp"), cfg.layout("actor")), ep=cfg.expert_parallel("actor"),
+                        cp=cfg.context_parallel("actor"))
     _require(not cfg.ref_is_actor_base or all(
                  v is None or v == actor_layout[k] for k, v in dataclasses.asdict(cfg.ref.parallel).items()),
              f"with actor.lora the reference policy is the actor with its adapters off (no model of its own), "

@@ -23,7 +23,7 @@ from typing import Literal, Optional
 from megappo.config.algorithm import (AlgorithmConfig, RolloutCorrectionConfig, check_estimator_needs,
                                       check_filter_groups, check_gdpo_components, check_rollout_correction)
 from megappo.config.data import DataConfig, require_training_data
-from megappo.config.model import ModelConfig, ParallelConfig, check_lora_dropout, check_world
+from megappo.config.model import ModelConfig, ParallelConfig, check_context_parallel, check_lora_dropout, check_world
 from megappo.config.reward import RewardConfig, check_overlong_buffer
 from megappo.config.roles import (ActorConfig, CriticConfig, RefConfig, check_mini_batches, check_model_roles,
                                   check_reference_of_lora_actor, check_routing_replay)
@@ -34,9 +34,9 @@ from megappo.config.trainer import (CheckpointConfig, HardwareConfig, LoggingCon
 
 #: the rules across sections, in the order they run (the first that fails is the error)
 RULES = (check_variants, check_restarts, check_estimator_needs, check_routing_replay, check_reference_of_lora_actor,
-         check_model_roles, check_gdpo_components, check_filter_groups, check_overlong_buffer, check_critic_warmup,
-         check_rollout_correction, check_rollout_mode, check_partial_rollouts, check_lora_sync, check_lora_dropout,
-         check_mini_batches)
+         check_model_roles, check_context_parallel, check_gdpo_components, check_filter_groups, check_overlong_buffer,
+         check_critic_warmup, check_rollout_correction, check_rollout_mode, check_partial_rollouts, check_lora_sync,
+         check_lora_dropout, check_mini_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +168,15 @@ class Config(_Section):
         vpp = own.vpp if own.vpp is not None else (shared.vpp if pp == shared.pp else None)
         return tp, pp, vpp
 
+    def context_parallel(self, role: Literal["actor", "critic", "ref", "reward"]) -> int:
+        """A role's context-parallel size: its own `<role>.parallel.cp`, else `parallel.cp`."""
+        return self.context_parallel_own(role) or self.parallel.cp
+
+    def context_parallel_own(self, role: Literal["actor", "critic", "ref", "reward"]) -> Optional[int]:
+        """A role's own `<role>.parallel.cp` (the actor's for a reference that is the actor's base), or None."""
+        role = "actor" if role == "ref" and self.ref_is_actor_base else role
+        return getattr(self, role).parallel.cp
+
     def expert_parallel(self, role: Literal["actor", "critic", "ref", "reward"]) -> int:
         """A role's expert-parallel size: its own `<role>.parallel.ep`, else `parallel.ep`."""
         role = "actor" if role == "ref" and self.ref_is_actor_base else role
@@ -177,7 +186,7 @@ class Config(_Section):
     def min_world_size(self) -> int:
         """The fewest ranks every role's layout fits: the lcm of their tp * pp * ep (ep data-parallel
         replicas for expert parallelism, one otherwise)."""
-        return math.lcm(*(tp * pp * self.expert_parallel(role)
+        return math.lcm(*(tp * pp * self.expert_parallel(role) * self.context_parallel(role)
                           for role in self.model_roles for tp, pp, _ in [self.layout(role)]))
 
     @property
@@ -231,10 +240,10 @@ class Config(_Section):
         return self.data.train_batch_size // section.ppo_mini_batch_size * section.ppo_epochs
 
     def dp_size(self, world_size: int, role: str = "actor") -> int:
-        """A role's data-parallel replicas: world_size / (its tp * pp), after `validate_world`."""
+        """A role's data-parallel replicas: world_size / (its tp * pp * cp), after `validate_world`."""
         self.validate_world(world_size)
         tp, pp, _ = self.layout(role)
-        return world_size // (tp * pp)
+        return world_size // (tp * pp * self.context_parallel(role))
 
 
     def validate_world(self, world_size: int) -> None:

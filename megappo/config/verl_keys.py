@@ -87,6 +87,9 @@ RENAMED: dict[str, str] = {
     "actor_rollout_ref.actor.megatron.expert_model_parallel_size": "actor.parallel.ep",
     "actor_rollout_ref.ref.megatron.expert_model_parallel_size": "ref.parallel.ep",
     "critic.megatron.expert_model_parallel_size": "critic.parallel.ep",
+    "actor_rollout_ref.actor.megatron.context_parallel_size": "actor.parallel.cp",
+    "actor_rollout_ref.ref.megatron.context_parallel_size": "ref.parallel.cp",
+    "critic.megatron.context_parallel_size": "critic.parallel.cp",
     # verl's Megatron backend's LoRA section (its FSDP backend's flat lora_rank / lora_alpha / target_modules above)
     **{f"{verl}.lora.{field}": f"{ours}.lora.{field}"
        for verl, ours in (("actor_rollout_ref.model", "actor"), ("critic.model", "critic"))
@@ -486,7 +489,6 @@ UNUSED_VALUES: dict[str, dict[str, str]] = {
     "trainer.resume_from_path": {"null": "no checkpoint named: megappo resumes from checkpoint.dir's newest"},
     "data.reward_fn_key": {"data_source": "megappo's reward functions get each row's data_source, as verl's do"},
     "reward_model.num_workers": {"null": "verl's legacy key, unset (verl 0.9.1: reward.num_workers, megappo's name)"},
-    **{f"{role}.context_parallel_size": {"1": "no context parallelism, as megappo's layouts"} for role in _ROLES_MEGATRON},
     **{f"{role}.use_dist_checkpointing": {"false": "megappo loads model.path's HF weights, as verl then does"}
        for role in _ROLES_MEGATRON},
     **{f"{role}.dist_checkpointing_path": {"null": "no Megatron checkpoint named: megappo loads model.path"}
@@ -583,9 +585,6 @@ OTHERWISE: dict[str, str] = {
     "actor_rollout_ref.ref.megatron.override_transformer_config.recompute_granularity":
         "the reference model only runs forward passes, so it has nothing to recompute (actor.recompute and "
         "critic.recompute are the trained roles')",
-    **{f"{role}.context_parallel_size": "megappo has no context parallelism; for long sequences use "
-                                        "parallel.sequence_parallel=true with tp > 1, actor.recompute.* and "
-                                        "model.lm_head_chunk_tokens (docs/parallelism.md)" for role in _ROLES_MEGATRON},
     **{f"{role}.use_dist_checkpointing": f"verl then loads {role}.dist_checkpointing_path, which is not given: "
                                          f"give it (megappo reads it as {ours}.dist_checkpoint)"
        for role, ours in zip(_ROLES_MEGATRON, ("actor", "ref", "critic"))},
@@ -697,10 +696,13 @@ REFUSED_PATTERNS: dict[str, str] = {
     **{f"*.megatron.override_transformer_config.{key}": "megappo has no router z-loss or aux-loss-free expert bias "
                                                         "(its routers train with the aux loss only): remove it"
        for key in ("moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")},
-    **{f"*.megatron.override_transformer_config.{key}": "megappo has no context parallelism; for long sequences use "
-                                                        "parallel.sequence_parallel=true with tp > 1, actor.recompute.* "
-                                                        "and model.lm_head_chunk_tokens (docs/parallelism.md)"
-       for key in ("context_parallel_size", "context_parallel_algo", "cp_partition_mode", "max_seqlen_per_dp_cp_rank")},
+    "*.megatron.override_transformer_config.context_parallel_size": "give the role's megatron.context_parallel_size "
+                                                                    "instead (megappo reads it as <role>.parallel.cp)",
+    **{f"*.megatron.override_transformer_config.{key}": "megappo's context parallelism has one algorithm: "
+                                                        "Megatron's 2 x cp load-balanced chunks with K/V all-gathered "
+                                                        "in attention (docs/parallelism.md#context-parallelism); "
+                                                        "remove it"
+       for key in ("context_parallel_algo", "cp_partition_mode", "max_seqlen_per_dp_cp_rank")},
 }
 
 #: verl section prefix -> megappo's, tried when the key is in neither table

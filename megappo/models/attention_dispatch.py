@@ -23,6 +23,11 @@ dtype, the head dim, the dropout and what this process can import (`available_ke
               mode). Every device and dtype. The reference the fused kernels are tested against
               (tests/unit/test_attention_dispatch.py) and the CPU path.
 
+Under context parallelism (megappo.parallel.context) a rank's queries are two chunks of each sequence
+and the keys the whole sequence: `causal_attention_at` runs SDPA per sequence with a boolean mask from
+the queries' positions, sequences of one shape stacked into one call (every device and dtype; no
+fused varlen kernel takes queries at arbitrary positions of their sequence yet).
+
 Transformer Engine's layer spec (`model.layer_spec=te`) does not come here: TE's own
 DotProductAttention reads the THD format (cu_seqlens) and picks its fused kernels itself.
 
@@ -177,4 +182,42 @@ def _sdpa_by_length(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     order = torch.cat(order)
     where = torch.empty_like(order)
     where[order] = torch.arange(order.numel())  # token position -> its row of the stacked outputs
+    return torch.cat(outputs).index_select(0, where)
+
+
+def causal_attention_at(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_bounds: list[int],
+                        k_bounds: list[int], q_positions: torch.Tensor, k_seen: list[int], *, scale: float | None,
+                        dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of queries at given positions of their sequences against the sequences' whole
+    keys: q [tq, hq, d] in sequences `q_bounds` [n+1], k/v [tk, hkv, d] in sequences `k_bounds` [n+1],
+    `q_positions` [tq] each query's position in its sequence (it sees the keys at positions <= its own),
+    `k_seen` [n] how many of its sequence's first keys a sequence's queries reach (the latest query's
+    position + 1; given by the caller, so the device is not read). -> [tq, hq, d]. One SDPA call per
+    (query count, keys reached) pair: the m sequences that share it stacked as [m, heads, len, d], each
+    with its own boolean mask [m, 1, queries, keys] from its queries' positions."""
+    gqa = query.shape[1] != key.shape[1]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (qs, qe) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
+        if qe > qs:
+            groups.setdefault((qe - qs, k_seen[i]), []).append(i)
+    outputs, order = [], []
+    for (length, seen), seqs in groups.items():
+        m, device = len(seqs), query.device
+        q_idx = (torch.tensor([q_bounds[i] for i in seqs])[:, None] + torch.arange(length)).flatten().to(device)
+        k_idx = (torch.tensor([k_bounds[i] for i in seqs])[:, None] + torch.arange(seen)).flatten().to(device)
+        q = query.index_select(0, q_idx).view(m, length, *query.shape[1:]).transpose(1, 2)  # [m, hq, len, d]
+        k, v = (x.index_select(0, k_idx).view(m, seen, *x.shape[1:]).transpose(1, 2) for x in (key, value))
+        pos = q_positions.index_select(0, q_idx).view(m, 1, length, 1)
+        mask = pos >= torch.arange(seen, device=device)  # [m, 1, len, seen] True: attend
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                               dropout_p=dropout, enable_gqa=gqa)
+        outputs.append(out.transpose(1, 2).reshape(m * length, query.shape[1], -1))
+        order.append(q_idx)
+    if not outputs:
+        return query.new_empty((0, query.shape[1], value.shape[2]))
+    if len(outputs) == 1 and q_bounds[0] == 0 and q_bounds[-1] == query.shape[0]:
+        return outputs[0]  # one shape: its sequences, in order, are every query in order
+    order = torch.cat(order)
+    where = torch.empty_like(order)
+    where[order] = torch.arange(order.numel(), device=order.device)  # query position -> its row of the outputs
     return torch.cat(outputs).index_select(0, where)

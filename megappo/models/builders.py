@@ -203,6 +203,20 @@ def build_model(
     return model
 
 
+def _context_parallel_spec(dims: ModelDims, cp: int, layer_spec: str) -> str:
+    """The layer spec under context parallelism: the local one, whose core attention
+    (megappo.models.packed_attention) exchanges K/V over the CP group; what CP does not cover yet is refused."""
+    if layer_spec == "te":
+        raise ModelConfigError(f"parallel.cp={cp} runs in megappo's own packed attention, which the local layer "
+                               "spec uses; Transformer Engine's spec is not wired for it yet. Fix: set "
+                               "model.layer_spec=local (or auto), or parallel.cp=1.")
+    if dims.is_moe:
+        raise ModelConfigError(f"parallel.cp={cp} with a mixture-of-experts model is not supported yet (routing "
+                               "records and the router's auxiliary loss are not split over the CP group). Fix: set "
+                               "parallel.cp=1 for this model.")
+    return "local"
+
+
 def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible_by, value_head_bias,
                  value_head_seed, recompute, **config_overrides) -> MegatronModel:
     from megatron.core import parallel_state as mps
@@ -228,6 +242,9 @@ def _build_model(dims, ps, *, role, dtype, layer_spec, make_vocab_size_divisible
                                "activations for backward, so there is nothing to recompute. Fix: remove it; "
                                "recomputation is for the trained roles (actor.recompute, critic.recompute).")
     recompute.check(dims, pp=ps.pp, vpp=ps.vpp, cpu=cpu)
+    if ps.cp > 1:
+        layer_spec = _context_parallel_spec(dims, ps.cp, layer_spec)
+        config_overrides = {**config_overrides, "context_parallel_size": ps.cp}
     config = transformer_config(dims, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, ep=ps.ep, dtype=dtype, cpu=cpu,
                                 **recompute.transformer_config_kwargs(), **config_overrides)
     if dims.is_moe:

@@ -18,6 +18,13 @@ stage and are an empty list elsewhere. With `head_input=True` (the chunked LM he
 megappo.models.lm_head) the output layer returns its input instead: `on_output` receives a
 HeadInput of [1, K, H] hidden states and the output weight.
 
+Under context parallelism (the model's layout has cp > 1; packed micro-batches only) each
+micro-batch is split over the CP group (megappo.parallel.context: every sequence padded to a
+multiple of 2 x cp and cut into load-balanced chunks, one padded length for the whole call): the
+model runs on this rank's 1/cp of the tokens, its selected outputs are gathered back over the
+group in the order of the whole micro-batch's selection, and `on_output` receives exactly what it
+receives at CP=1, on every rank of the group.
+
 Shape legend: b micro-batch size, T sequence length, L packed length (the shape is the same
 for every micro-batch of a call; the p2p buffers are sized from it), K selected positions,
 V_pad padded vocab, tp tensor-parallel size.
@@ -35,6 +42,7 @@ import torch
 from megappo.models.builders import MegatronModel, unwrap
 from megappo.models.lm_head import HeadInput, head_inputs
 from megappo.models.routing_replay import RouteReplay, replayed_routes
+from megappo.parallel import context
 from megappo.parallel.state import in_layout
 
 
@@ -101,25 +109,32 @@ def run_micro_batches(
         )
     device = model.ps.device
     value_head = model.has_value_head
+    if model.ps.cp > 1:  # t: the padded length of the whole pack (Megatron's schedule divides it by cp)
+        micro_batches, t = _split_over_context(model, micro_batches)
 
     def forward_step(data_iterator, chunk):
         # the whole micro-batch moves to the model's device: on_output combines its tensors with the output.
         # non_blocking: a blocking host-to-device copy waits for the GPU's queue to drain (one wait per tensor)
         host = next(data_iterator)
         mb = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in host.items()}
-        inputs = _model_inputs(model, mb, b, t, host)
-        select = mb.get("select")
+        split = mb.get("context")
+        if split is None:
+            input_ids, inputs, select = mb["input_ids"], _model_inputs(model, mb, b, t, host), mb.get("select")
+        else:
+            input_ids, inputs, select = _context_inputs(model, mb, split)
         routes, known = _routes_of_this_rank(model, mb)
         with (_selected_outputs(chunk, select) as selected_early, replayed_routes(chunk, routes, known, routing),
               head_inputs(unwrap(chunk), head_input) as head):
-            output = chunk(input_ids=mb["input_ids"], **inputs)
+            output = chunk(input_ids=input_ids, **inputs)
 
         def loss_func(output_tensor):
             out = output_tensor.squeeze(-1) if value_head else output_tensor
-            if head_input:
-                out = HeadInput(out, head["weight"])
             if select is not None and not selected_early:
                 out = out[select[1], select[0]][None]
+            if split is not None:  # this rank's selected outputs -> the micro-batch's, on every CP rank
+                out = context.gather_selected(out, split, model.ps.cp_group)
+            if head_input:
+                out = HeadInput(out, context.shared_use(head["weight"], model.ps.cp))
             loss, result = on_output(out, mb)
             return loss, torch.ones((), dtype=torch.int, device=device), result
 
@@ -158,6 +173,35 @@ def _model_inputs(model: MegatronModel, mb: dict[str, torch.Tensor], b: int, t: 
         return {"position_ids": torch.arange(t, device=model.ps.device).unsqueeze(0).expand(b, t),
                 "attention_mask": None}
     return {"position_ids": position_ids_from_mask(attn), "attention_mask": causal_padding_mask(attn)}
+
+
+def _split_over_context(model: MegatronModel, micro_batches: list[dict]) -> tuple[list[dict], int]:
+    """Each packed micro-batch with its ContextSplit ('context'; the caller's dicts are not changed),
+    and their padded length Lp, the same for every micro-batch of the call (each rank holds Lp / cp)."""
+    ps = model.ps
+    if any("cu_seqlens" not in mb or "select" not in mb for mb in micro_batches):
+        raise ValueError(f"context parallelism (cp={ps.cp}) splits packed micro-batches only; pack the role's "
+                         "passes (<role>.packing=true)")
+    assert not any("routes" in mb for mb in micro_batches), "MoE routing records with context parallelism"
+    bounds = [mb["cu_seqlens"].tolist() for mb in micro_batches]
+    length = context.pass_length(bounds, ps.cp, ps.tp if model.config.sequence_parallel else 1)
+    return [{**mb, "context": context.split(b, mb["select"][0], ps.cp, length)}
+            for mb, b in zip(micro_batches, bounds)], length
+
+
+def _context_inputs(model: MegatronModel, mb: dict, split: context.ContextSplit
+                    ) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """(this CP rank's [1, Lp/cp] tokens, their model inputs, [2, Kmax] their selected positions)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ps = model.ps
+    ids = split.local_input_ids(mb["input_ids"], ps.cp_rank)
+    cu = split.cu_seqlens.to(ps.device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=split.longest,
+                             max_seqlen_kv=split.longest)
+    positions = context.local_positions(cu, ps.cp, ps.cp_rank, ids.shape[1])[None]
+    inputs = {"position_ids": positions, "attention_mask": None, "packed_seq_params": params}
+    return ids, inputs, split.local_select(ps.cp_rank).to(ps.device)
 
 
 def _routes_of_this_rank(model: MegatronModel, mb: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -8,7 +8,9 @@ the keys, in every layer of every micro-batch, each one waiting for the GPU to d
 1B actor update on an H200 on 2026-11-27: 580 synchronizations a call, the GPU idle 30% of it).
 `install()` puts `thd_rope` in its place: the same frequencies, gathered by each token's position
 computed on the device, then Megatron's own `_apply_rotary_pos_emb_bshd`, so the result is bit for
-bit Megatron's (tests/unit/test_packed_rope.py). Context parallelism (CP > 1) keeps Megatron's function.
+bit Megatron's (tests/unit/test_packed_rope.py). Under context parallelism (CP > 1, megappo.parallel.context)
+each token's row is its position in its padded sequence, from the chunk it belongs to
+(`context.local_positions`): Megatron's chunk layout and rows, without its host reads.
 
 This module does not know about packing plans, attention kernels or which models use RoPE.
 """
@@ -16,6 +18,8 @@ This module does not know about packing plans, attention kernels or which models
 from __future__ import annotations
 
 import torch
+
+from megappo.parallel.context import local_positions
 
 _MEGATRON_THD = None  # Megatron's function, kept by install() (megatron is imported then, not at import time)
 
@@ -36,13 +40,26 @@ def thd_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rot
     `cu_seqlens` [sequences + 1], `freqs` [rows, 1, 1, d]."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    if cp_group is None or cp_group.size() > 1:  # Megatron's message for a missing group; CP splits the pack
+    if cp_group is None:  # Megatron's message for a missing group
         return megatron_thd()(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                              multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
-    rows = freqs[packed_positions(cu_seqlens, t.shape[0], freqs.shape[0])]
+    if cp_group.size() > 1:
+        cp = cp_group.size()
+        within = local_positions(cu_seqlens, cp, cp_group.rank(), t.shape[0])
+        # Megatron's "exact mapping" (a table of cu_seqlens[-1] rows) offsets each sequence by its start
+        rows = freqs[torch.where(cu_seqlens[-1] == freqs.shape[0], within + _starts(cu_seqlens, within, cp), within)]
+    else:
+        rows = freqs[packed_positions(cu_seqlens, t.shape[0], freqs.shape[0])]
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows, rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
                                                  mscale=mscale).squeeze(1)
+
+
+def _starts(cu_seqlens: torch.Tensor, within: torch.Tensor, cp: int) -> torch.Tensor:
+    """[tokens] the global start of each local token's sequence (the exact mapping's offset)."""
+    local_cu = torch.cumsum((cu_seqlens[1:] - cu_seqlens[:-1]) // cp, 0)
+    index = torch.arange(within.shape[0], device=cu_seqlens.device)
+    return cu_seqlens[torch.searchsorted(local_cu, index, right=True)].long()
 
 
 def megatron_thd():

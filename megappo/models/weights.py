@@ -15,10 +15,13 @@ sends them along the pipeline group; only the pipelines of the EP groups that ho
 part. `iter_hf_tensors` adds the name-map transform (HF names, vocab unpadded, QKV/fc1 unfused).
 Nothing here holds more than one full tensor at a time.
 
-Which pipelines take part follows Megatron-Core's rank order tp-cp-ep-dp-pp (cp = 1 in megappo,
-expert TP = TP), checked against this rank's groups on every call:
+Which pipelines take part follows Megatron-Core's rank order tp-cp-ep-dp-pp (expert TP = TP), checked
+against this rank's groups on every call:
 
-    global rank = tp_rank + tp * (dp_rank + dp * pp_rank),  dp_rank = ep_rank + ep * expert_dp_rank
+    global rank = tp_rank + tp * (replica + dp * cp * pp_rank),  replica = cp_rank + cp * dp_rank,
+    dp_rank = ep_rank + ep * expert_dp_rank   (context parallelism, cp > 1, only with ep = 1)
+
+(the cp ranks of a data-parallel replica hold the same weights: each is a pipeline of its own here)
 
 so an EP group is `ep` consecutive dp ranks at the same tp rank and stage:
 
@@ -190,9 +193,10 @@ def _iter_full(model: MegatronModel, entries: list, dst: int | Collection[int], 
     assert all(0 <= r < ps.world_size for r in receivers), f"receivers {sorted(receivers)} outside the world"
     _check_rank_order(ps)
     receiving_dp = {_dp_rank(r, ps) for r in receivers}
-    if not any(d // ps.ep == ps.dp_rank // ps.ep for d in receiving_dp):
+    mine = _replica(ps)
+    if not any(d // ps.ep == mine // ps.ep for d in receiving_dp):
         return  # no receiver among the pipelines of this rank's EP group
-    experts_only = ps.dp_rank not in receiving_dp
+    experts_only = mine not in receiving_dp
     local = [(n, r, p) for n, r, p in entries if r.expert or not experts_only]
     pipeline = dist.get_process_group_ranks(ps.pp_group)  # this rank's pipeline, one rank per stage
     for stage, source in enumerate(pipeline):
@@ -224,16 +228,28 @@ def _iter_full(model: MegatronModel, entries: list, dst: int | Collection[int], 
 
 
 def _dp_rank(rank: int, ps) -> int:
-    """The data-parallel rank of global `rank` (module docstring: Megatron-Core's rank order)."""
-    return rank // ps.tp % ps.dp
+    """The replica (cp_rank + cp x dp_rank; the dp rank at cp = 1) of global `rank` (module docstring:
+    Megatron-Core's rank order)."""
+    return rank // ps.tp % (ps.dp * ps.cp)
+
+
+def _replica(ps) -> int:
+    """This rank's replica, as `_dp_rank` numbers them."""
+    return ps.cp_rank + ps.cp * ps.dp_rank
 
 
 def _check_rank_order(ps) -> None:
     """Assert that this rank's groups are laid out as `_dp_rank` reads the order: its pipeline at
-    its dp rank, its DP group over dp ranks 0..dp-1, its EP group over `ep` consecutive dp ranks."""
+    its replica, its DP group over dp ranks 0..dp-1 at its cp rank, its CP group over cp consecutive
+    replicas, its EP group over `ep` consecutive dp ranks."""
     pipeline = dist.get_process_group_ranks(ps.pp_group)
-    assert [_dp_rank(r, ps) for r in pipeline] == [ps.dp_rank] * ps.pp, (pipeline, ps)
-    assert [_dp_rank(r, ps) for r in dist.get_process_group_ranks(ps.dp_group)] == list(range(ps.dp)), ps
+    assert [_dp_rank(r, ps) for r in pipeline] == [_replica(ps)] * ps.pp, (pipeline, ps)
+    assert [_dp_rank(r, ps) for r in dist.get_process_group_ranks(ps.dp_group)] == [
+        ps.cp_rank + ps.cp * d for d in range(ps.dp)], ps
+    if ps.cp > 1:
+        first = ps.cp * ps.dp_rank
+        assert [_dp_rank(r, ps) for r in dist.get_process_group_ranks(ps.cp_group)] == list(
+            range(first, first + ps.cp)), ps
     if ps.ep > 1:
         first = ps.dp_rank - ps.ep_rank
         ep_group = dist.get_process_group_ranks(ps.ep_group)

@@ -12,8 +12,13 @@ the experts; Megatron's expert tensor parallelism is the model's TP (its default
 expert's TP shards live on the same ranks as the attention's, and experts are data-parallel
 over `dp // ep` ranks (Megatron's expert-data-parallel group).
 
+Context parallelism (`cp` > 1, megappo.parallel.context): each packed sequence is split over a
+context-parallel group of `cp` ranks that share a data-parallel rank; Megatron's rank order
+tp-cp-ep-dp-pp puts them next to the TP ranks, and its DDP and distributed optimizer reduce
+gradients over the data-parallel group with context parallel (dp x cp ranks). Not with `ep` > 1.
+
 Roles may use different layouts over the same ranks (e.g. actor TP=2, critic PP=2):
-`add_layout(ps, tp, pp, ep=...)` builds another set of Megatron groups and returns its own
+`add_layout(ps, tp, pp, ep=..., cp=...)` builds another set of Megatron groups and returns its own
 `ParallelState`. Megatron-Core keeps its groups (and RNG tracker) in module globals that
 its schedules, DDP, optimizer and checkpointing read; each `ParallelState` holds a
 snapshot of those globals, and `with ps.active():` installs it for the block. The model
@@ -73,6 +78,10 @@ class ParallelState:
     ep: int = 1
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = dataclasses.field(default=None, repr=False)
+    #: context parallelism: each packed sequence split over `cp` ranks of one data-parallel replica
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = dataclasses.field(default=None, repr=False)
     #: Megatron-Core's module globals for this layout (groups, RNG tracker); see `active()`
     megatron_globals: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -112,27 +121,33 @@ class ParallelState:
 
     @property
     def is_mp_leader(self) -> bool:
-        """tp_rank 0 on the last stage: the rank that holds full per-token results."""
-        return self.tp_rank == 0 and self.is_last_stage
+        """tp_rank 0 and cp_rank 0 on the last stage: the rank that holds full per-token results (the
+        other CP ranks of the replica hold the same ones)."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.is_last_stage
 
 
-def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> int:
-    """Validate a TP x PP (x EP) layout against the world size; returns the DP size."""
-    if tp < 1 or pp < 1:
-        raise ParallelConfigError(f"parallel.tp={tp} and parallel.pp={pp} must both be >= 1. Fix: e.g. "
-                                  "parallel.tp=1.")
-    if world_size % (tp * pp) != 0:
+def check_layout(world_size: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1, cp: int = 1) -> int:
+    """Validate a TP x PP (x CP, x EP) layout against the world size; returns the DP size."""
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ParallelConfigError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must all be >= 1. "
+                                  "Fix: e.g. parallel.tp=1.")
+    if world_size % (tp * pp * cp) != 0:
+        names, sizes = ("tp*pp*cp", f"{tp}*{pp}*{cp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+        keys = "parallel.tp/parallel.pp" + ("/parallel.cp" if cp > 1 else "")
         raise ParallelConfigError(
-            f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}. "
-            f"Fix: launch a multiple of {tp * pp} processes (torchrun --nproc_per_node), "
-            f"or choose parallel.tp/parallel.pp whose product divides {world_size}."
+            f"world size {world_size} is not a multiple of {names} = {sizes} = {tp * pp * cp}. "
+            f"Fix: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node), "
+            f"or choose {keys} whose product divides {world_size}."
         )
+    if cp > 1 and ep > 1:
+        raise ParallelConfigError(f"parallel.cp={cp} with parallel.ep={ep}: context parallelism with expert "
+                                  "parallelism is not supported yet. Fix: set parallel.ep=1 or parallel.cp=1.")
     if vpp is not None and (vpp < 1 or pp < 2):
         raise ParallelConfigError(
             f"parallel.vpp={vpp} needs parallel.pp >= 2 and vpp >= 1. Fix: set parallel.vpp=null "
             "to disable virtual pipeline stages."
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
     if ep < 1 or dp % ep:
         # Megatron: expert TP = tp, so tp * ep * pp * expert_dp = world, i.e. ep divides dp
         valid = [e for e in range(1, dp + 1) if dp % e == 0]
@@ -183,6 +198,7 @@ def init_parallel(
     vpp: int | None = None,
     *,
     ep: int = 1,
+    cp: int = 1,
     backend: str = "auto",
     seed: int = 1234,
     timeout_minutes: float = 30.0,
@@ -195,7 +211,7 @@ def init_parallel(
     Safe to call once per process; call `destroy_parallel()` before calling it again.
     """
     rank, world, local = _torchrun_env()
-    check_layout(world, tp, pp, vpp, ep)
+    check_layout(world, tp, pp, vpp, ep, cp)
     cuda = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -223,7 +239,7 @@ def init_parallel(
     global _PRISTINE
     if _PRISTINE is None:
         _PRISTINE = _megatron_globals()
-    ps = _initialize_layout(tp, pp, vpp, ep, seed=seed, timeout_minutes=timeout_minutes, backend=backend,
+    ps = _initialize_layout(tp, pp, vpp, ep, cp, seed=seed, timeout_minutes=timeout_minutes, backend=backend,
                             device=device, env=(rank, world, local))
     stage.set_identity(ps.rank, ps.tp_rank, ps.pp_rank, ps.dp_rank, timeout_minutes)  # the shared layout names ranks
     return ps
@@ -246,25 +262,25 @@ def _world_store(rank: int, world: int, timeout: datetime.timedelta):
     return dist.TCPStore(host, port, world, False, timeout=timeout)
 
 
-def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, ep: int = 1, seed: int = 1234,
-               timeout_minutes: float = 30.0) -> ParallelState:
-    """Collective (every rank, same order): another TP x PP (x EP) layout over the same ranks.
+def add_layout(base: ParallelState, tp: int, pp: int, vpp: int | None = None, *, ep: int = 1, cp: int = 1,
+               seed: int = 1234, timeout_minutes: float = 30.0) -> ParallelState:
+    """Collective (every rank, same order): another TP x PP (x CP, x EP) layout over the same ranks.
 
     The layout that was active before the call stays active; use `with ps.active():`
     (megappo.models does) to run a model built for the new layout.
     """
     assert _PRISTINE is not None, "call init_parallel first"
-    check_layout(base.world_size, tp, pp, vpp, ep)
+    check_layout(base.world_size, tp, pp, vpp, ep, cp)
     saved = _megatron_globals()
     _install_globals(_PRISTINE)
     try:
-        return _initialize_layout(tp, pp, vpp, ep, seed=seed, timeout_minutes=timeout_minutes, backend=base.backend,
+        return _initialize_layout(tp, pp, vpp, ep, cp, seed=seed, timeout_minutes=timeout_minutes, backend=base.backend,
                                   device=base.device, env=(base.rank, base.world_size, base.local_rank))
     finally:
         _install_globals(saved)
 
 
-def _initialize_layout(tp, pp, vpp, ep=1, *, seed, timeout_minutes, backend, device, env) -> ParallelState:
+def _initialize_layout(tp, pp, vpp, ep=1, cp=1, *, seed, timeout_minutes, backend, device, env) -> ParallelState:
     """Megatron's groups and RNG tracker for one layout (installed as the global ones)."""
     from megatron.core import parallel_state as mps
     from megatron.core import tensor_parallel
@@ -275,6 +291,7 @@ def _initialize_layout(tp, pp, vpp, ep=1, *, seed, timeout_minutes, backend, dev
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
         distributed_timeout_minutes=timeout_minutes,
     )
     tp_rank = mps.get_tensor_model_parallel_rank()
@@ -290,7 +307,7 @@ def _initialize_layout(tp, pp, vpp, ep=1, *, seed, timeout_minutes, backend, dev
         local_rank=local,
         tp=tp,
         pp=pp,
-        dp=world // (tp * pp),
+        dp=world // (tp * pp * cp),
         vpp=vpp,
         tp_rank=tp_rank,
         pp_rank=mps.get_pipeline_model_parallel_rank(),
@@ -306,6 +323,9 @@ def _initialize_layout(tp, pp, vpp, ep=1, *, seed, timeout_minutes, backend, dev
         ep=ep,
         ep_rank=ep_rank,
         ep_group=mps.get_expert_model_parallel_group(),
+        cp=cp,
+        cp_rank=mps.get_context_parallel_rank(),
+        cp_group=mps.get_context_parallel_group(),
         megatron_globals=_megatron_globals(),
     )
 

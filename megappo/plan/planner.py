@@ -498,6 +498,7 @@ class Plan:
     #: runs during them), or rollout.hf_decode is graphs (auto: for a supported model), whose cache stays
     gen_overlaps: bool = False
     ep: int = 1  # the actor's expert-parallel size (MoE)
+    cp: int = 1  # the shared context-parallel size (parallel.cp)
     rank: int = 0  # the global rank of the GPU planned (the first of its kind on its pipeline stage)
     placement: Optional[Placement] = None  # the rollout engines' ranks
     #: bytes: an update staged whole on this rank until its replica applies it (device=cpu, a leader but rank 0)
@@ -570,16 +571,19 @@ def _micro_batch_shape(cfg: Config, role: str) -> tuple[float, int]:
 def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, rank: int) -> RoleMemory:
     p, m = cfg.parallel, cfg.model
     tp, pp, vpp = cfg.layout(role)
-    dp = world_size // (tp * pp)
+    cp = cfg.context_parallel(role)
+    dp = world_size // (tp * pp * cp)
     db = DTYPE_BYTES[m.dtype]
     # packed passes attend per sequence without [s, s] scores (TE, or SDPA in the local spec)
     fused = fused_attention(cfg) or cfg.packs(role)
     micro, seq = _micro_batch_shape(cfg, role)
-    shard = dp if p.use_distributed_optimizer else 1
+    shard = dp * cp if p.use_distributed_optimizer else 1  # Megatron shards over data parallel x context parallel
     value = role in ("critic", "reward")
     n = stage_params(d, tp=tp, pp=pp, stage=stage, value_head=value, divisible_by=m.make_vocab_size_divisible_by,
                      ep=cfg.expert_parallel(role))
-    per_layer = dict(seq=seq, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
+    # context parallelism: a rank's layers hold 1/cp of each micro-batch's tokens, and the whole micro-batch's
+    # K/V that attention gathers (megappo.parallel.context), kept for the backward of each layer it keeps
+    per_layer = dict(seq=seq / cp, tp=tp, sequence_parallel=p.sequence_parallel, act_bytes=db, fused_attention=fused)
     logits = 0.0 if value or stage in ("first", "middle") else logits_bytes(
         d, seq=seq, micro=micro, tp=tp, act_bytes=db, divisible_by=m.make_vocab_size_divisible_by,
         chunk_tokens=m.lm_head_chunk_tokens, training=role == "actor")
@@ -591,11 +595,13 @@ def _role_at(cfg: Config, role: str, d: ModelDims, world_size: int, stage: str, 
         chunks = 1 if pp == 1 else chunks_in_flight(pp=pp, vpp=vpp, rank=rank, micro_batches=micro_batches)
         recompute = Recompute.of(section.recompute, f"{role}.recompute")
         chunk_layers = d.num_layers // (pp * (vpp or 1))
+        kv_layer = 0.0 if cp == 1 else 2 * micro * seq * d.num_query_groups / tp * d.head_dim * db  # one layer's
+        full = recompute.granularity == "full"  # full recomputation keeps one layer's gathered K/V, the one redone
         act = training_activation_bytes(d, layers=chunk_layers, chunks=chunks, recompute=recompute, micro=micro,
-                                        **per_layer) + logits
+                                        **per_layer) + logits + kv_layer * (1 if full else chunk_layers * chunks)
         saving = 0.0
-        if recompute.granularity != "full":
-            saving = act - logits - training_activation_bytes(
+        if not full:
+            saving = act - logits - kv_layer - training_activation_bytes(
                 d, layers=chunk_layers, chunks=chunks, recompute=Recompute("full"), micro=micro, **per_layer)
         # the distributed optimizer shards expert parameters over the expert-data-parallel ranks (dp / ep)
         ep = cfg.expert_parallel(role)
@@ -712,7 +718,7 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
             Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute").check(
                 dims[role], pp=rpp, vpp=rvpp, cpu=hw.device == "cpu")
     actor = dims["actor"]
-    dp = world_size // (p.tp * p.pp)
+    dp = world_size // (p.tp * p.pp * p.cp)
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     engine_args = None
     if cfg.rollout.engine == "sglang":
@@ -724,7 +730,7 @@ def make_plan(cfg: Config, world_size: Optional[int] = None, *, gpu_mem_gib: Opt
     per_node = world_size // hw.nodes if world_size % hw.nodes == 0 else world_size
     placement = engine_placement(cfg, world_size, per_node)
     common = dict(recipe=recipe, model=source, dims=actor, world_size=world_size, tp=p.tp, pp=p.pp, vpp=p.vpp,
-                  ep=cfg.expert_parallel("actor"),
+                  ep=cfg.expert_parallel("actor"), cp=p.cp,
                   padded_vocab=actor.padded_vocab_size(p.tp, m.make_vocab_size_divisible_by), dp=dp, seq=seq,
                   dtype=m.dtype, sequence_parallel=p.sequence_parallel,
                   distributed_optimizer=p.use_distributed_optimizer, fused_attention=fused_attention(cfg),
@@ -876,7 +882,7 @@ def format_plan(plan: Plan) -> str:
         f"at tp={plan.tp})",
         f"  from {plan.model}",
         f"layout: world {plan.world_size} = tp {plan.tp} x pp {plan.pp}" + (f" (vpp {plan.vpp})" if plan.vpp else "")
-        + f" x dp {plan.dp}" + (f" (experts: ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
+        + (f" x cp {plan.cp}" if plan.cp > 1 else "") + f" x dp {plan.dp}" + (f" (experts: ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.dtype}; sequence parallel {on(plan.sequence_parallel)}; distributed optimizer "
         f"{on(plan.distributed_optimizer)}; attention {'fused (TE)' if plan.fused_attention else 'unfused (local)'}",
         f"sequence length {plan.seq} (data.max_prompt_length + rollout.max_new_tokens)",
         *_rollout_lines(plan, g),

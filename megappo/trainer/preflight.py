@@ -135,6 +135,12 @@ def check_models(cfg: Config) -> None:
             own = " (its own layout: " + role + ".parallel)" if cfg.layout(role) != (
                 cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp) else ""
             raise ModelConfigError(f"{where} as the {role}{own}: {e}") from None
+        if dims.is_moe and cfg.context_parallel(role) > 1:
+            key = f"{role}.parallel.cp" if cfg.context_parallel_own(role) else "parallel.cp"
+            raise ModelConfigError(f"{where} as the {role} is a mixture-of-experts model, and {key}="
+                                   f"{cfg.context_parallel(role)}: context parallelism with MoE is not supported yet "
+                                   f"(routing records and the router's auxiliary loss are not split over the CP group). "
+                                   f"Fix: set {key}=1.")
         if role in ("actor", "critic"):  # activation recomputation against this role's layers per pipeline chunk
             _, pp, vpp = cfg.layout(role)
             Recompute.of(getattr(cfg, role).recompute, f"{role}.recompute").check(

@@ -341,7 +341,7 @@ class PolicyWorker(_Passes):
                                     head_input=self.head_chunk > 0)
         ps = self.model.ps
         sums = torch.zeros(2, dtype=torch.float64)
-        if results and ps.tp_rank == 0:  # the last pipeline stage's results, once per tensor-parallel group
+        if results and ps.tp_rank == 0 and ps.cp_rank == 0:  # the last stage's results, once per TP x CP group
             sums = torch.stack(results).sum(0).cpu()
         sums = sums.to(ps.device)
         dist.all_reduce(sums)

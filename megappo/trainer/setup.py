@@ -358,7 +358,7 @@ class Roles:
 def create_run(cfg: Config) -> Run:
     """Collective: every phase in turn, each taking what the earlier ones built."""
     p = cfg.parallel
-    ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
+    ps = init_parallel(p.tp, p.pp, p.vpp, ep=p.ep, cp=p.cp, backend=p.backend, seed=cfg.run.seed, timeout_minutes=p.timeout_minutes)
     check_inputs(cfg, ps.world_size)  # layout vs model, data files, rewards: before any data or model work
     with contextlib.nullcontext() if ps.is_rank0 else warnings.catch_warnings(action="ignore"):
         resume = checkpointing.find_resume(cfg, verify="full")  # refusals, damaged files: before any model is built
@@ -449,15 +449,16 @@ def load_prompts(cfg: Config, ps: ParallelState, tokenizer) -> Prompts:
 
 
 def role_layouts(cfg: Config, ps: ParallelState) -> dict[str, ParallelState]:
-    """Collective: each model role's ParallelState. A role with its own TP / PP / EP gets its own
+    """Collective: each model role's ParallelState. A role with its own TP / PP / EP / CP gets its own
     Megatron groups over the same ranks (built in the same order on every rank); the others share `ps`."""
     def layout_of(role: str) -> tuple:
-        return cfg.layout(role) + (cfg.expert_parallel(role),)
+        return cfg.layout(role) + (cfg.expert_parallel(role), cfg.context_parallel(role))
 
-    states = {ps.layout + (ps.ep,): ps}
+    states = {ps.layout + (ps.ep, ps.cp): ps}
     for role in cfg.model_roles:
         if layout_of(role) not in states:
             states[layout_of(role)] = add_layout(ps, *cfg.layout(role), ep=cfg.expert_parallel(role),
+                                                 cp=cfg.context_parallel(role),
                                                  seed=cfg.run.seed, timeout_minutes=cfg.parallel.timeout_minutes)
     return {role: states[layout_of(role)] for role in cfg.model_roles}
 
@@ -618,7 +619,7 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
         branch = resume["branch"]["from"] if resume["branch"] else None
         since = f", the branch from {branch}" if branch and branch != os.path.realpath(resume["path"]) else ""
         print(f"megappo: resumed from {resume['path']} (step {start_step}{since})", flush=True)
-    print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp} dp={ps.dp} | prompts={len(prompts.train)}"
+    print(f"megappo: world={ps.world_size} tp={ps.tp} pp={ps.pp}{f' cp={ps.cp}' if ps.cp > 1 else ''} dp={ps.dp} | prompts={len(prompts.train)}"
           f"{_long_prompts_note(prompts.stats, cfg.data.max_prompt_length)} | steps={prompts.total_steps} | "
           f"critic={'on' if roles.critic else 'off'} ref={_ref_note(cfg) if roles.ref else 'off'}"
           f"{_lora_note(cfg)} | "
@@ -627,8 +628,10 @@ def announce(cfg: Config, ps: ParallelState, prompts: Prompts, roles: Roles, lay
           f"{_replicas_note(cfg, ps.world_size)}", flush=True)
     if any(state is not ps for state in layouts.values()):
         print("megappo: per-role layouts: " + ", ".join(
-            f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''} dp={ps.world_size // (tp * pp)}"
-            for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)]), flush=True)
+            f"{role} tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''}{f' cp={cp}' if cp > 1 else ''} "
+            f"dp={ps.world_size // (tp * pp * cp)}"
+            for role in cfg.model_roles for tp, pp, vpp in [cfg.layout(role)] for cp in [cfg.context_parallel(role)]),
+            flush=True)
     return logger, progress
 
 

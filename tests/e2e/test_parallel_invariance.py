@@ -1,5 +1,5 @@
-"""The same PPO steps at TP1, TP2, PP2, DP2, with per-role layouts (actor TP2 + critic PP2), and
-at TP2 with the chunked LM head (model.lm_head_chunk_tokens) give the same losses and metrics.
+"""The same PPO steps at TP1, TP2, PP2, DP2, with per-role layouts (actor TP2 + critic PP2; actor CP2 +
+critic DP2: context parallelism, megappo.parallel.context), and at TP2 with the chunked LM head (model.lm_head_chunk_tokens) give the same losses and metrics.
 
 3 steps of the demo recipe (critic + GAE, same seed, same data, fp32, gloo), launched
 through the CLI at each layout. Losses are normalised by global counts and DP gradients
@@ -23,7 +23,9 @@ LAYOUTS = {"tp1": (1, ["parallel.tp=1"]), "tp2": (2, ["parallel.tp=2"]), "pp2": 
            # each role its own layout over the same 2 ranks: actor TP=2, critic PP=2
            "per_role": (2, ["parallel.tp=2", "critic.parallel.tp=1", "critic.parallel.pp=2"]),
            # the chunked LM head (megappo.parallel.chunked_head) in the actor's and reference's passes
-           "tp2_chunked_head": (2, ["parallel.tp=2", "model.lm_head_chunk_tokens=7"])}
+           "tp2_chunked_head": (2, ["parallel.tp=2", "model.lm_head_chunk_tokens=7"]),
+           # the actor's packed sequences split over 2 context-parallel ranks, the critic data-parallel
+           "actor_cp2": (2, ["parallel.tp=1", "actor.parallel.cp=2"])}
 
 
 def run_layout(tmp_path, name):
@@ -49,7 +51,7 @@ def test_recompute_first_micro_batch_kl_is_zero(reference):
     assert all(row["actor/ppo_kl_first_micro_batch"] == pytest.approx(0.0, abs=1e-6) for row in reference)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "per_role", "tp2_chunked_head"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "per_role", "tp2_chunked_head", "actor_cp2"])
 def test_layout_matches_tp1(tmp_path, reference, layout):
     rows = run_layout(tmp_path, layout)
     assert len(rows) == len(reference) == 3

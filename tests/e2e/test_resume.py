@@ -1,6 +1,7 @@
 """Exact resume through the CLI (2 gloo ranks, bf16 as every GPU recipe): a run killed while
 saving a checkpoint and resumed from the previous one ends bit-identical to a run that went
-straight through; the checkpoint also resumes at another parallel layout, and exports bf16.
+straight through; the checkpoint also resumes at another parallel layout (TP=2; the actor at CP=2), and
+exports bf16.
 
 Setting: the CPU demo in bfloat16 at DP=2 with the distributed optimizer (so optimizer state,
 float32 master weights included, is sharded), critic + GAE, a reference model with an adaptive
@@ -160,6 +161,22 @@ def test_resume_at_another_layout(straight, tmp_path):
     # order: within bf16 rounding (megappo.models.precision.COMPARE_TOL)
     assert got["critic/score/mean"] == ref["critic/score/mean"]
     for key in ("actor/pg_loss", "actor/ppo_kl", "critic/vf_loss", "actor/reward_kl_penalty_coeff"):
+        if key in ref:
+            assert abs(got[key] - ref[key]) <= COMPARE_TOL["bfloat16"] * max(1.0, abs(ref[key])), (key, got[key], ref[key])
+
+
+def test_resume_with_the_actor_at_context_parallelism(straight, tmp_path):
+    """The same step-2 checkpoint continues with the actor's sequences split over both ranks
+    (actor.parallel.cp=2: its distributed optimizer sharded over dp x cp, megappo.parallel.context)."""
+    out = tmp_path / "cp2"
+    shutil.copytree(os.path.join(straight, "checkpoints", "step_00000002"), out / "checkpoints" / "step_00000002")
+    (out / "checkpoints" / "latest").write_text("step_00000002")
+    printed = run(command(str(out), *DP2, "actor.parallel.cp=2", "run.total_steps=3"))
+    assert "actor tp=1 pp=1 cp=2 dp=1" in printed and "resumed from" in printed, printed[-3000:]
+    got, ref = metrics(str(out))[-1], metrics(straight)[3]
+    assert got["step"] == ref["step"] == 3
+    assert got["critic/score/mean"] == ref["critic/score/mean"]
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "critic/vf_loss", "actor/reward_kl_penalty_coeff"):
         if key in ref:
             assert abs(got[key] - ref[key]) <= COMPARE_TOL["bfloat16"] * max(1.0, abs(ref[key])), (key, got[key], ref[key])
 

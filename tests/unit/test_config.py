@@ -255,6 +255,24 @@ def test_inconsistent_values(sections, needle):
         config_from_dict({**MIN, **sections})
 
 
+def test_context_parallel_per_role_and_its_refusals():
+    cfg = build(parallel={"cp": 2}, critic={"parallel": {"cp": 4}}, actor={"use_kl_loss": True})
+    assert [cfg.context_parallel(r) for r in ("actor", "critic", "ref")] == [2, 4, 2]
+    assert cfg.dp_size(8, "actor") == 4 and cfg.dp_size(8, "critic") == 2 and cfg.min_world_size == 4
+    with pytest.raises(ConfigError, match=r"world size 6 is not a multiple of critic's tp\*pp\*cp = 1\*1\*4"):
+        cfg.validate_world(6)
+    with pytest.raises(ConfigError, match=r"actor.parallel.cp=2 splits packed sequences, but actor's passes are padded "
+                                          r"\(actor.packing=false\). Fix: set actor.packing=true"):
+        build(actor={"parallel": {"cp": 2}, "packing": False})
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 runs in megappo's packed attention.*Fix: set "
+                                          r"model.layer_spec=local"):
+        build(parallel={"cp": 2}, model={**MIN["model"], "layer_spec": "te"})
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 with expert parallelism \(ep=2\) is not supported yet. Fix:"):
+        build(parallel={"cp": 2, "ep": 2})
+    with pytest.raises(ConfigError, match=r"cp"):
+        build(parallel={"cp": 0})
+
+
 def test_per_role_layouts():
     cfg = build(parallel={"tp": 2, "pp": 2, "vpp": 2}, critic={"parallel": {"pp": 1}}, ref={"parallel": {"tp": 1}},
                 actor={"use_kl_loss": True})
@@ -363,7 +381,7 @@ def test_lora_settings_and_their_refusals():
         ({"ref": {"lora": {"rank": 4}}}, r"ref\.lora: the reference policy is the base model"),
         ({"reward": {"lora": {"rank": 4}}}, r"reward\.lora: the reward model is not trained"),
         ({**kl, "ref": {"parallel": {"tp": 1}}}, r"ref\.parallel does not apply \(it may only repeat the actor's "
-                                                 r"layout, \{'tp': 2, 'pp': 1, 'vpp': None, 'ep': 1\}\)\. Fix: remove "
+                                                 r"layout, \{'tp': 2, 'pp': 1, 'vpp': None, 'ep': 1, 'cp': 1\}\)\. Fix: remove "
                                                  r"ref\.parallel"),
         ({"critic": {"lora": {"rank": 4, "dropout": 0.1}, "recompute": {"granularity": "full"}}},
          r"critic\.lora\.dropout=0\.1 with critic\.recompute\.granularity=full.*Fix: set critic\.lora\.dropout=0"),

@@ -453,3 +453,26 @@ def test_replica_layout_errors_name_the_fix():
         make_plan(recipe(hardware=two_nodes, rollout={"engine": "sglang", "replicas": 3, "sglang": {"tp_size": 4}}))
     assert make_plan(recipe(hardware=two_nodes, rollout={"engine": "sglang", "replicas": 4, "sglang": {
         "tp_size": 4}})).placement.engine_ranks == frozenset(range(16))
+
+
+def test_context_parallelism_splits_activations_and_shards_the_optimizer_over_dp_x_cp():
+    """The actor at cp=2 (dp=2 of 4 ranks, layer_spec local as CP needs): its layers' activations are those of
+    half the tokens, and the distributed optimizer shards over dp x cp = 4 ranks, as at cp=1 (dp=4)."""
+    model = {"path": "/nonexistent/Qwen2.5-7B-Instruct", "dtype": "bfloat16", "layer_spec": "local"}
+    par = {"use_distributed_optimizer": True}
+    plans = {cp: {r.role: r for r in make_plan(recipe(model=model, parallel=par, actor={
+        "ppo_mini_batch_size": 8, "micro_batch_size": 1, "parallel": {"cp": cp}}), world_size=4).roles}
+        for cp in (1, 2)}
+    one, two = plans[1]["actor"], plans[2]["actor"]
+    assert two.adam == pytest.approx(one.adam) and two.params == one.params
+    assert two.activations < 0.75 * one.activations
+    # activations(cp) = logits + layers / cp + gathered K/V (cp > 1): the K/V out of cp = 1, 2, 4 is each layer's
+    # K and V of the whole micro-batch (28 layers, 4 KV heads of 128, 1536 tokens, bf16)
+    four = {r.role: r for r in make_plan(recipe(model=model, parallel=par, actor={
+        "ppo_mini_batch_size": 8, "micro_batch_size": 1, "parallel": {"cp": 4}}), world_size=4).roles}["actor"]
+    kv = 2 * (two.activations - four.activations) - (one.activations - two.activations)
+    assert kv == pytest.approx(28 * 2 * 1536 * 4 * 128 * 2)
+    assert plans[2]["critic"].activations == pytest.approx(plans[1]["critic"].activations)
+    assert "x cp 2 x dp 2" not in format_plan(make_plan(recipe(model=model, parallel={**par, "cp": 1}), world_size=4))
+    assert "tp 1 x pp 1 x cp 2 x dp 2" in format_plan(make_plan(recipe(model=model, parallel={**par, "cp": 2}),
+                                                                 world_size=4))

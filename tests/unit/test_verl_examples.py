@@ -104,8 +104,8 @@ def test_the_tool_counts_read_and_refused_lines_of_a_checkout(tmp_path, capsys):
     examples.mkdir()
     (examples / "run_new.sh").write_text(NEW_STYLE.replace(  # on verl's defaults, as megappo train reads it
         '"${DATA[@]}"', '--config-path=config --config-name=ppo_megatron_trainer "${DATA[@]}"'))
-    (examples / "run_cp.sh").write_text(NEW_STYLE.replace(
-        "model_engine=megatron", "model_engine=megatron actor_rollout_ref.actor.megatron.context_parallel_size=2"))
+    (examples / "run_r2.sh").write_text(NEW_STYLE.replace(
+        "model_engine=megatron", "model_engine=megatron actor_rollout_ref.actor.router_replay.mode=R2"))
     (examples / "run_sft.sh").write_text("torchrun -m verl.trainer.sft_trainer data.train_batch_size=4\n")
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
@@ -116,7 +116,7 @@ def test_the_tool_counts_read_and_refused_lines_of_a_checkout(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "2 main_ppo command lines in 2 scripts; 1 read as written, 1 refused (1 on the recipe their " \
                "--config-name names" in out.splitlines()[0]
-        assert "\nexamples/run_cp.sh\n    'actor_rollout_ref.actor.megatron.context_parallel_size=2' is a verl key " \
-               "megappo does not read as written. Fix: megappo has no context parallelism" in out
-        assert "    2 unused    model_engine" in out and "    1 refused   actor_rollout_ref.actor.megatron." \
-               "context_parallel_size" in out
+        assert "\nexamples/run_r2.sh\n    'actor_rollout_ref.actor.router_replay.mode=R2' is a verl key " \
+               "megappo does not read as written. Fix: " in out
+        assert "    2 unused    model_engine" in out and "    1 refused   actor_rollout_ref.actor.router_replay." \
+               "mode" in out

@@ -18,6 +18,8 @@ READ = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8": ("actor.micro_batch_size", 8),
     "actor_rollout_ref.rollout.n=8": ("rollout.n", 8),
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2": ("actor.parallel.tp", 2),
+    "actor_rollout_ref.actor.megatron.context_parallel_size=2": ("actor.parallel.cp", 2),
+    "critic.megatron.context_parallel_size=1": ("critic.parallel.cp", 1),
     "trainer.total_epochs=3": ("run.total_epochs", 3),
     "trainer.save_freq=10": ("checkpoint.save_every", 10),
     "trainer.save_freq=-1": ("checkpoint.save_every", -1),  # verl's "never": not even the last step
@@ -144,7 +146,6 @@ UNUSED = {
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32": "router in model.dtype",
     "actor_rollout_ref.ref.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=13": "evenly",
     "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True": "no offload",
-    "actor_rollout_ref.actor.megatron.context_parallel_size=1": "no context parallelism",
     "actor_rollout_ref.model.trust_remote_code=True": "never runs code",
     "actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True": "no vLLM engine",
     "reward_model.rollout.gpu_memory_utilization=0.5": "as a Megatron model",
@@ -189,7 +190,7 @@ def test_verl_override_megappo_has_no_use_for_is_named_with_why(override):
 
 #: a verl override whose omission would change the training -> words of the error's fix
 REFUSED = {
-    "actor_rollout_ref.actor.megatron.context_parallel_size=2": "megappo has no context parallelism",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo=a2a": "one algorithm",
     "actor_rollout_ref.actor.router_replay.mode=R2": "verl's R2 it does not have",
     "actor_rollout_ref.model.override_config.rope_theta=1000000": "model.path's config.json",
     "critic.model.some_new_knob=1": "megappo has no such key; remove it",
@@ -219,7 +220,7 @@ REFUSED = {
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01": "router_aux_loss_coef",
     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff=0.001": "no router z-loss",
     "actor_rollout_ref.actor.megatron.override_transformer_config.normalization=RMSNorm": "config.json",
-    "actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_size=2": "no context parallelism",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_size=2": "<role>.parallel.cp",
 }
 
 
@@ -234,13 +235,15 @@ def test_verl_override_that_would_change_the_training_is_refused_with_the_fix(ov
 def test_every_override_megappo_cannot_read_is_in_one_error():
     """A verl script's command line gets each refusal and each unknown key at once, each with its fix."""
     with pytest.raises(ConfigError) as e:
-        load_config(DEMO, ["actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor.optim.lrr=1e-6",
+        load_config(DEMO, ["actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo=a2a",
+                           "actor.optim.lrr=1e-6",
                            "actor_rollout_ref.actor.optim.lr=1e-6", "critic.model.some_new_knob=1",
                            "actor_rollout_ref.model.override_config.rope_theta=1e6"])
     lines = str(e.value).splitlines()
     assert lines[0] == "4 overrides megappo cannot read as written (each line names its fix):"
     assert [line.split("'")[1] for line in lines[1:]] == [  # verl's keys first, then megappo's
-        "actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.model.some_new_knob=1",
+        "actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_algo=a2a",
+        "critic.model.some_new_knob=1",
         "actor_rollout_ref.model.override_config.rope_theta=1e6", "actor.optim.lrr"]
     assert all(line.startswith("  - ") and "Fix:" in line for line in lines[1:])
     assert "Did you mean 'actor.optim.lr'?" in lines[4]
