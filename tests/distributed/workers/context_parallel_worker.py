@@ -188,25 +188,22 @@ def check_checkpoints(ps, cp2, dims, hf, seqs, exp, out_dir: str) -> None:
     else:
         exported(a), exported(b)
     a.update(exp, **kwargs)
-    save_trainable(a.trainable, f"{out_dir}/cp2", TINY_CONFIGS["llama"])
-    load_trainable(b.trainable, f"{out_dir}/cp2")
-    got, want = exported(b), exported(a)
-    if ps.rank in (0, 1, 3):
-        same_bits(got, want, "cp=2 checkpoint loaded at cp=1", ps.rank)
-    same_bits(adam_state(b), adam_state(a), "cp=2 optimizer state loaded at cp=1", ps.rank)
-    metrics = {"cp1": b.update(exp, **kwargs), "cp2": a.update(exp, **kwargs)}
-    if ps.rank == 0:
-        compare("resumed at cp=1", {"next update": metrics["cp1"]}, {"next update": metrics["cp2"]}, TOL)
-    save_trainable(b.trainable, f"{out_dir}/cp1", TINY_CONFIGS["llama"])
-    c = policy(cp2, dims, hf, "float32", train=True, dist_opt=True)
-    load_trainable(c.trainable, f"{out_dir}/cp1")
-    got, want = exported(c), exported(b)
-    if ps.rank in (0, 1, 3):
-        same_bits(got, want, "cp=1 checkpoint loaded at cp=2", ps.rank)
-    same_bits(adam_state(c), adam_state(b), "cp=1 optimizer state loaded at cp=2", ps.rank)
-    metrics = {"cp2": c.update(exp, **kwargs), "cp1": b.update(exp, **kwargs)}
-    if ps.rank == 0:
-        compare("resumed at cp=2", {"next update": metrics["cp2"]}, {"next update": metrics["cp1"]}, TOL)
+
+    def crossed(saved, loaded, frm: str, to: str) -> None:
+        """`saved`'s checkpoint (cp=`frm`) loaded into `loaded` (cp=`to`): the same weights and optimizer state,
+        bit for bit, and the next update of each within TOL."""
+        save_trainable(saved.trainable, f"{out_dir}/cp{frm}", TINY_CONFIGS["llama"])
+        load_trainable(loaded.trainable, f"{out_dir}/cp{frm}")
+        got, want = exported(loaded), exported(saved)
+        if ps.rank in (0, 1, 3):
+            same_bits(got, want, f"cp={frm} checkpoint loaded at cp={to}", ps.rank)
+        same_bits(adam_state(loaded), adam_state(saved), f"cp={frm} optimizer state loaded at cp={to}", ps.rank)
+        metrics = {to: loaded.update(exp, **kwargs), frm: saved.update(exp, **kwargs)}
+        if ps.rank == 0:
+            compare(f"resumed at cp={to}", {"next update": metrics[to]}, {"next update": metrics[frm]}, TOL)
+
+    crossed(a, b, "2", "1")
+    crossed(b, policy(cp2, dims, hf, "float32", train=True, dist_opt=True), "1", "2")
 
 
 def main():
