@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Generation with one rollout engine on rank 0 against one engine per rank (rollout.replicas), in one run.
 
-    python benchmarks/replicas.py [--steps 4] [--only demo|smollm2-grpo]
+    python benchmarks/replicas.py [--steps 4] [--only demo|smollm2-grpo] [KEY=VALUE ...]
+
+(KEY=VALUE: overrides for both runs of every recipe, e.g. model.dtype=bfloat16.)
 
 For each recipe, `megappo train --world-size 2 RECIPE rollout.replicas=R` with R = 1 (the engine on rank 0,
 rank 1 waiting) and R = 2 (an hf engine on each rank, each generating half of every call's prompts), the same
@@ -75,12 +77,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", choices=list(RECIPES))
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE for both runs of every recipe")
     args = parser.parse_args()
     print(f"{'recipe':<14} {'replicas':>8} {'gen tokens':>10} {'gen s':>8} {'tokens/s':>9} {'speed-up':>8} "
           f"{'sync s':>7}  same tokens")
     for name, (recipe, extra) in RECIPES.items():
         if args.only and name != args.only:
             continue
+        extra = [*extra, *args.overrides]
         samples = samples_per_step(recipe, extra)
         with tempfile.TemporaryDirectory() as tmp:
             results = {r: summary(train(recipe, extra, r, args.steps, os.path.join(tmp, str(r))), samples)
