@@ -6,6 +6,8 @@ batches, sequence lengths, model and algorithm) and can lower one GPU's memory, 
 
   layout          parallel.tp / parallel.pp with more model parallelism, dividing the world (tp within
                   a node; sequence parallelism on with tp > 1)
+  context par.    parallel.cp, doubled and more, dividing the data-parallel size (dense models; long
+                  sequences: each rank holds 1/cp of every sequence's activations)
   optimizer       parallel.use_distributed_optimizer=true
   sequence par.   parallel.sequence_parallel=true
   interleaving    parallel.vpp=null
@@ -179,6 +181,11 @@ def _knobs(cfg: Config, plan: Plan, world: int, per_node: int) -> list[_Knob]:
                 layouts.append(((t * q, -t, 1), {**value, "parallel.vpp": "null"}))
     if layouts:
         knobs.append(_Knob("layout", tuple(v for _, v in sorted(layouts, key=lambda x: x[0]))))
+    if not d.is_moe:  # context parallelism: every sequence's activations split over cp ranks (dense models)
+        dp = world // (p.tp * p.pp * p.cp)
+        values = tuple({"parallel.cp": str(p.cp * c)} for c in _divisors(dp) if c > 1)
+        if values:
+            knobs.append(_Knob("context parallelism", values))
     if not p.use_distributed_optimizer:
         knobs.append(_Knob("distributed optimizer", ({"parallel.use_distributed_optimizer": "true"},)))
     if p.tp > 1 and not p.sequence_parallel:

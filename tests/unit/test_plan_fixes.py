@@ -226,3 +226,17 @@ def test_fewer_replicas_when_a_staged_update_does_not_fit():
     assert not plan.fits and plan.rank == 1 and plan.staged > plan.peak_activation.activations
     one = [f for f in find_fixes(cfg, plan).alone if f.overrides == ("rollout.replicas=1",)]
     assert len(one) == 1 and one[0].plan.fits and one[0].plan.placement.replicas == 1
+
+
+def test_a_long_response_that_no_longer_fits_gets_context_parallelism_first():
+    """Qwen2.5-7B PPO on 8 x 80 GiB with 64K-token responses, recomputation and the chunked LM head already
+    on: the activations of one sequence are what is left, and splitting them over 2 ranks is the largest
+    saving; the plan a user gets with it fits."""
+    overrides = ["rollout.max_new_tokens=65536", "model.layer_spec=local", "actor.recompute.granularity=full",
+                 "critic.recompute.granularity=full", "model.lm_head_chunk_tokens=1024"]
+    plan, fixes = fixes_for(QWEN_PPO, overrides)
+    assert not plan.fits
+    first = fixes.alone[0]
+    assert first.overrides == ("parallel.cp=2",), [f.overrides for f in fixes.alone]
+    assert replanned(QWEN_PPO, overrides, first, None).fits
+    assert "parallel.cp=2" in format_fixes(fixes, plan)
