@@ -25,7 +25,9 @@ LAYOUTS = {"tp1": (1, ["parallel.tp=1"]), "tp2": (2, ["parallel.tp=2"]), "pp2": 
            # the chunked LM head (megappo.parallel.chunked_head) in the actor's and reference's passes
            "tp2_chunked_head": (2, ["parallel.tp=2", "model.lm_head_chunk_tokens=7"]),
            # the actor's packed sequences split over 2 context-parallel ranks, the critic data-parallel
-           "actor_cp2": (2, ["parallel.tp=1", "actor.parallel.cp=2"])}
+           "actor_cp2": (2, ["parallel.tp=1", "actor.parallel.cp=2"]),
+           # every role's sequences split over the 2 ranks: the critic's values and updates too
+           "cp2": (2, ["parallel.tp=1", "parallel.cp=2"])}
 
 
 def run_layout(tmp_path, name):
@@ -51,7 +53,7 @@ def test_recompute_first_micro_batch_kl_is_zero(reference):
     assert all(row["actor/ppo_kl_first_micro_batch"] == pytest.approx(0.0, abs=1e-6) for row in reference)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "per_role", "tp2_chunked_head", "actor_cp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "per_role", "tp2_chunked_head", "actor_cp2", "cp2"])
 def test_layout_matches_tp1(tmp_path, reference, layout):
     rows = run_layout(tmp_path, layout)
     assert len(rows) == len(reference) == 3
