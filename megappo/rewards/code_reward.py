@@ -49,8 +49,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import os
 import math
+import os
 import re
 import threading
 from typing import Any
